@@ -1,0 +1,24 @@
+// The `mep` commands: each file registers one command (or group) on the CLI11 app.
+#pragma once
+#include <CLI/App.hpp>
+
+#include <functional>
+#include <string>
+
+namespace mep::cli {
+
+/// Options shared by every command (`mep [--socket PATH] [--json] [-v] COMMAND`).
+struct GlobalOptions {
+  bool json = false;
+  int verbosity = 0;
+  std::string socket;
+  std::string config_file;
+};
+
+/// A registered command's action; returns the process exit code.
+using Action = std::function<int()>;
+
+/// Each register_* adds its subcommand to `app` and sets `action` when it is chosen.
+void register_canonicalize(CLI::App& app, GlobalOptions& g, Action& action);
+
+} // namespace mep::cli

@@ -1,0 +1,51 @@
+// mep: the command-line interface (SPEC §7). One file per command; this file wires them.
+#include "commands.hpp"
+
+#include "mep/problem.hpp"
+
+#include <CLI/CLI.hpp>
+
+#include <cstdio>
+#include <exception>
+
+#ifndef MEP_VERSION
+#define MEP_VERSION "0.0.0"
+#endif
+
+int main(int argc, char** argv) {
+  using namespace mep::cli;
+  // 1. Declare the global options and every command.
+  CLI::App app{"mep: globally unique agent names and fenced leases on .uai memory files", "mep"};
+  app.set_version_flag("--version", std::string("mep ") + MEP_VERSION);
+  app.require_subcommand(1);
+  GlobalOptions g;
+  app.add_flag("--json", g.json, "Print one JSON document on stdout, for machines");
+  app.add_flag("-v,--verbose", g.verbosity, "More output on stderr (repeat for more)");
+  app.add_option("--socket", g.socket, "Path of the mepd socket (default: $MEP_SOCKET, "
+                                       "$XDG_RUNTIME_DIR/mep/mepd.sock, /run/mep/mepd.sock)");
+  app.add_option("--config", g.config_file, "Config file (default ~/.config/mep/config.toml)");
+  Action action;
+  register_canonicalize(app, g, action);
+
+  // 2. Parse; usage errors exit 2 with one line on stderr.
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::CallForHelp& e) {
+    return app.exit(e);
+  } catch (const CLI::CallForAllHelp& e) {
+    return app.exit(e);
+  } catch (const CLI::CallForVersion& e) {
+    return app.exit(e);
+  } catch (const CLI::ParseError& e) {
+    std::fprintf(stderr, "mep: %s\nRun 'mep --help' for usage.\n", e.what());
+    return mep::exit_code::usage;
+  }
+
+  // 3. Run the chosen command; anything unexpected is a bug reported on one line.
+  try {
+    return action ? action() : mep::exit_code::usage;
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "mep: internal error: %s\n", e.what());
+    return mep::exit_code::other;
+  }
+}

@@ -1,0 +1,78 @@
+// Layered configuration with a TOML file read by toml++.
+#include "mep/config.hpp"
+
+#include <cstdlib>
+#include <sstream>
+
+#define TOML_EXCEPTIONS 0
+#include <toml++/toml.h>
+
+namespace mep {
+namespace {
+
+std::filesystem::path env_path(const char* name) {
+  const char* v = std::getenv(name);
+  return v && *v ? std::filesystem::path(v) : std::filesystem::path();
+}
+
+std::filesystem::path home() {
+  auto h = env_path("HOME");
+  return h.empty() ? std::filesystem::path("/") : h;
+}
+
+} // namespace
+
+std::filesystem::path xdg_config_home() {
+  auto p = env_path("XDG_CONFIG_HOME");
+  return p.empty() ? home() / ".config" : p;
+}
+
+std::filesystem::path xdg_state_home() {
+  auto p = env_path("XDG_STATE_HOME");
+  return p.empty() ? home() / ".local" / "state" : p;
+}
+
+std::filesystem::path xdg_runtime_dir() { return env_path("XDG_RUNTIME_DIR"); }
+
+expected<Config, std::string> Config::load(const std::filesystem::path& file) {
+  Config cfg;
+  bool explicit_file = !file.empty();
+  std::filesystem::path path = explicit_file ? file : xdg_config_home() / "mep" / "config.toml";
+  std::error_code ec;
+  if (!std::filesystem::exists(path, ec)) {
+    if (explicit_file) return make_unexpected("config file " + path.string() + " does not exist");
+    return cfg;
+  }
+  toml::parse_result result = toml::parse_file(path.string());
+  if (!result) {
+    const auto& err = result.error();
+    std::ostringstream msg;
+    msg << "config file " << path.string() << ":" << err.source().begin.line << ": "
+        << err.description();
+    return make_unexpected(msg.str());
+  }
+  cfg.m_file = path;
+  for (auto&& [key, node] : result.table()) {
+    std::string value;
+    if (auto s = node.value<std::string>()) value = *s;
+    else if (auto i = node.value<std::int64_t>()) value = std::to_string(*i);
+    else if (auto b = node.value<bool>()) value = *b ? "true" : "false";
+    else return make_unexpected("config file " + path.string() + ": key \"" + std::string(key.str()) +
+                                "\" must be a string, integer or boolean");
+    cfg.m_values.emplace(std::string(key.str()), std::move(value));
+  }
+  return cfg;
+}
+
+Setting Config::get(std::string_view key, const std::optional<std::string>& flag,
+                    std::string_view flag_name, std::string_view fallback) const {
+  if (flag) return {*flag, "flag " + std::string(flag_name)};
+  std::string env = "MEP_";
+  for (char c : key) env.push_back(c >= 'a' && c <= 'z' ? static_cast<char>(c - 32) : c);
+  if (const char* v = std::getenv(env.c_str()); v && *v) return {v, "env " + env};
+  if (auto it = m_values.find(key); it != m_values.end())
+    return {it->second, "file " + m_file.string()};
+  return {std::string(fallback), "default"};
+}
+
+} // namespace mep

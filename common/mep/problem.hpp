@@ -1,0 +1,91 @@
+// RFC 9457 problem details with the error codes of SPEC §6.2, in one table.
+#pragma once
+#include <boost/json/object.hpp>
+
+#include <optional>
+#include <string>
+#include <string_view>
+
+namespace mep {
+
+/// Every error code mep answers with. The table in problem.cpp gives each one its
+/// HTTP status, title and CLI exit code; nothing else invents a status.
+enum class Code {
+  invalid_request,
+  idempotency_key_missing,
+  idempotency_key_invalid,
+  unauthenticated,
+  forbidden,
+  not_found, // routing: no such endpoint
+  memory_not_found,
+  lease_not_found,
+  method_not_allowed, // routing: endpoint exists, method does not
+  memory_id_taken,
+  stale_fence,
+  idempotency_request_in_flight,
+  lease_expired,
+  payload_too_large,
+  unsupported_media_type,
+  invalid_name,
+  invalid_ttl,
+  idempotency_key_reused,
+  name_held,
+  name_confusable,
+  memory_attached,
+  rate_limited,
+  internal,
+  transaction_conflict,
+  unavailable,
+  migration_in_progress,
+};
+
+/// CLI exit codes (SPEC §7).
+namespace exit_code {
+inline constexpr int ok = 0;
+inline constexpr int other = 1;
+inline constexpr int usage = 2;
+inline constexpr int held = 3;
+inline constexpr int lost = 4;
+inline constexpr int unavailable = 5;
+inline constexpr int invalid_name = 6;
+inline constexpr int auth = 7;
+} // namespace exit_code
+
+struct CodeInfo {
+  Code code;
+  std::string_view slug; // "stale-fence"
+  int http_status;
+  std::string_view title;
+  int exit_code;
+};
+
+/// The row for `code`.
+const CodeInfo& code_info(Code code);
+/// The code whose slug is `slug`, or nullopt.
+std::optional<Code> code_from_slug(std::string_view slug);
+
+inline constexpr std::string_view k_problem_type_base = "https://memoryendpoints.com/problems/";
+
+/// An RFC 9457 problem. `extensions` holds extra members (`reason`, `codepoint`, …).
+struct Problem {
+  Code code = Code::internal;
+  std::string detail;
+  std::string instance;             // the request id
+  std::optional<int> retry_after_s; // sent as Retry-After, not in the body
+  boost::json::object extensions;
+
+  Problem() = default;
+  Problem(Code c, std::string d) : code(c), detail(std::move(d)) {}
+
+  int status() const { return code_info(code).http_status; }
+  std::string_view slug() const { return code_info(code).slug; }
+  std::string_view title() const { return code_info(code).title; }
+  int exit_code() const { return code_info(code).exit_code; }
+
+  /// The JSON body: type, title, status, detail, instance, code, then the extensions.
+  boost::json::object to_json() const;
+  /// Reads a problem+json body; unknown codes become `internal` with the body's detail.
+  static Problem from_json(const boost::json::object& body);
+};
+
+} // namespace mep

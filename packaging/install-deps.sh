@@ -1,0 +1,37 @@
+#!/usr/bin/env bash
+# Installs every Debian 12 package that mep's build, tests and benchmarks need.
+# Idempotent and non-interactive: packages already present are left alone.
+set -euo pipefail
+
+packages=(
+  # toolchain
+  build-essential cmake ninja-build ccache pkg-config clang libclang-rt-14-dev
+  # libraries
+  libboost1.81-dev libboost-json1.81-dev libboost-url1.81-dev
+  libicu-dev libsqlite3-dev libpq-dev libssl-dev libcurl4-openssl-dev
+  libcli11-dev libfmt-dev libspdlog-dev libexpected-dev libtomlplusplus-dev
+  # tests and benchmarks
+  catch2 libbenchmark-dev postgresql-15 curl python3 procps util-linux
+  # docs and packaging checks
+  scdoc mandoc lintian graphviz
+)
+
+missing=()
+for p in "${packages[@]}"; do
+  if ! dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q 'install ok installed'; then
+    missing+=("$p")
+  fi
+done
+
+if [ ${#missing[@]} -eq 0 ]; then
+  echo "install-deps: all ${#packages[@]} packages present"
+  exit 0
+fi
+
+echo "install-deps: installing ${missing[*]}"
+sudo_cmd=()
+[ "$(id -u)" -eq 0 ] || sudo_cmd=(sudo)
+export DEBIAN_FRONTEND=noninteractive
+"${sudo_cmd[@]}" apt-get update -qq
+"${sudo_cmd[@]}" apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
+echo "install-deps: done"
