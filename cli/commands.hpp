@@ -20,5 +20,7 @@ using Action = std::function<int()>;
 
 /// Each register_* adds its subcommand to `app` and sets `action` when it is chosen.
 void register_canonicalize(CLI::App& app, GlobalOptions& g, Action& action);
+void register_server(CLI::App& app, GlobalOptions& g, Action& action);
+void register_token(CLI::App& app, GlobalOptions& g, Action& action);
 
 } // namespace mep::cli

@@ -26,6 +26,8 @@ int main(int argc, char** argv) {
   app.add_option("--config", g.config_file, "Config file (default ~/.config/mep/config.toml)");
   Action action;
   register_canonicalize(app, g, action);
+  register_server(app, g, action);
+  register_token(app, g, action);
 
   // 2. Parse; usage errors exit 2 with one line on stderr.
   try {

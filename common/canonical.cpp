@@ -6,6 +6,11 @@
 // unit tests compare both on random ASCII strings. Character positions in errors are
 // reported as indexes into the caller's input (locate_in_input), not into the mapped
 // string, so that `agent!` and `My Agent!` both point at the `!` the user typed.
+// The UTS #39 checks run once through uspoof_check2 (uts39_checks); uts39_check() and the
+// pipeline derive their reason from that one result, so the conformance test, which
+// compares each check and the restriction level separately, exercises the same call.
+// Restriction levels for other allowed sets (conformance data, `mep canonicalize`) use
+// their own checkers, built once; the product's checker allows every code point.
 #include "mep/canonical.hpp"
 
 #include "mep/precis.hpp"
@@ -16,6 +21,7 @@
 #include <unicode/uchar.h>
 #include <unicode/uclean.h>
 #include <unicode/unistr.h>
+#include <unicode/uniset.h>
 #include <unicode/uscript.h>
 #include <unicode/uspoof.h>
 #include <unicode/utf8.h>
@@ -132,6 +138,69 @@ const Spoof& spoof() {
   return s;
 }
 
+// A checker that only computes the restriction level, with `allowed` as its allowed set.
+struct LevelChecker {
+  USpoofChecker* checker = nullptr;
+
+  // ICU copies `allowed`.
+  explicit LevelChecker(const icu::UnicodeSet& allowed) {
+    UErrorCode st = U_ZERO_ERROR;
+    checker = uspoof_open(&st);
+    uspoof_setChecks(checker, USPOOF_RESTRICTION_LEVEL, &st);
+    uspoof_setRestrictionLevel(checker, USPOOF_HIGHLY_RESTRICTIVE);
+    uspoof_setAllowedUnicodeSet(checker, &allowed, &st);
+    if (U_FAILURE(st)) throw std::runtime_error("ICU spoof checker unavailable");
+  }
+  LevelChecker(const LevelChecker&) = delete;
+  LevelChecker& operator=(const LevelChecker&) = delete;
+  ~LevelChecker() { uspoof_close(checker); }
+};
+
+icu::UnicodeSet allowed_set(AllowedSet which) {
+  UErrorCode st = U_ZERO_ERROR;
+  icu::UnicodeSet set;
+  if (which == AllowedSet::all) {
+    set.add(0, 0x10FFFF);
+    return set;
+  }
+  set.addAll(*uspoof_getRecommendedUnicodeSet(&st));
+  if (which == AllowedSet::identifier) set.addAll(*uspoof_getInclusionUnicodeSet(&st));
+  if (U_FAILURE(st)) throw std::runtime_error("ICU spoof data unavailable");
+  return set;
+}
+
+const LevelChecker& level_checker(AllowedSet which) {
+  static const LevelChecker identifier(allowed_set(AllowedSet::identifier));
+  static const LevelChecker recommended(allowed_set(AllowedSet::recommended));
+  return which == AllowedSet::identifier ? identifier : recommended;
+}
+
+RestrictionLevel from_icu(URestrictionLevel l) {
+  switch (l) {
+  case USPOOF_ASCII: return RestrictionLevel::ascii;
+  case USPOOF_SINGLE_SCRIPT_RESTRICTIVE: return RestrictionLevel::single_script_restrictive;
+  case USPOOF_HIGHLY_RESTRICTIVE: return RestrictionLevel::highly_restrictive;
+  case USPOOF_MODERATELY_RESTRICTIVE: return RestrictionLevel::moderately_restrictive;
+  case USPOOF_MINIMALLY_RESTRICTIVE: return RestrictionLevel::minimally_restrictive;
+  default: return RestrictionLevel::unrestrictive;
+  }
+}
+
+// Runs `checker` (which must have USPOOF_RESTRICTION_LEVEL set) on `utf8`: the result
+// bits and the level; nullopt when ICU reports an error.
+std::optional<std::pair<int32_t, RestrictionLevel>> run_checker(const USpoofChecker* checker,
+                                                                std::string_view utf8) {
+  UErrorCode st = U_ZERO_ERROR;
+  icu::LocalUSpoofCheckResultPointer result(uspoof_openCheckResult(&st));
+  if (U_FAILURE(st)) throw std::runtime_error("ICU spoof check result unavailable");
+  int32_t bits = uspoof_check2UTF8(checker, utf8.data(), static_cast<int32_t>(utf8.size()),
+                                   result.getAlias(), &st);
+  if (U_FAILURE(st)) return std::nullopt;
+  URestrictionLevel level = uspoof_getCheckResultRestrictionLevel(result.getAlias(), &st);
+  if (U_FAILURE(st)) return std::nullopt;
+  return std::pair{bits, from_icu(level)};
+}
+
 // ---- helpers -----------------------------------------------------------------------------
 
 bool is_category(char32_t c, uint32_t mask) {
@@ -228,13 +297,11 @@ std::optional<std::size_t> policy_violation(std::u32string_view s) {
 }
 
 std::optional<NameReason> spoof_check(std::string_view utf8) {
-  UErrorCode st = U_ZERO_ERROR;
-  int32_t r = uspoof_checkUTF8(spoof().checker, utf8.data(), static_cast<int32_t>(utf8.size()),
-                               nullptr, &st);
-  if (U_FAILURE(st)) return NameReason::invalid_utf8;
-  if (r & USPOOF_RESTRICTION_LEVEL) return NameReason::mixed_script;
-  if (r & USPOOF_MIXED_NUMBERS) return NameReason::mixed_numbers;
-  if (r & USPOOF_INVISIBLE) return NameReason::invisible_character;
+  std::optional<Uts39Checks> c = uts39_checks(utf8);
+  if (!c) return NameReason::invalid_utf8;
+  if (!c->highly_restrictive) return NameReason::mixed_script;
+  if (c->mixed_numbers) return NameReason::mixed_numbers;
+  if (c->invisible) return NameReason::invisible_character;
   return std::nullopt;
 }
 
@@ -434,6 +501,41 @@ expected<std::string, NameError> username_case_mapped(std::string_view utf8,
 std::string confusable_skeleton(std::string_view utf8) { return spoof().skeleton(utf8); }
 
 std::optional<NameReason> uts39_check(std::string_view utf8) { return spoof_check(utf8); }
+
+std::optional<Uts39Checks> uts39_checks(std::string_view utf8) {
+  auto r = run_checker(spoof().checker, utf8);
+  if (!r) return std::nullopt;
+  const auto [bits, level] = *r;
+  return Uts39Checks{level, (bits & USPOOF_RESTRICTION_LEVEL) == 0,
+                     (bits & USPOOF_MIXED_NUMBERS) != 0, (bits & USPOOF_INVISIBLE) != 0};
+}
+
+std::string_view to_string(RestrictionLevel level) {
+  switch (level) {
+  case RestrictionLevel::ascii: return "ASCII";
+  case RestrictionLevel::single_script_restrictive: return "SINGLE_SCRIPT_RESTRICTIVE";
+  case RestrictionLevel::highly_restrictive: return "HIGHLY_RESTRICTIVE";
+  case RestrictionLevel::moderately_restrictive: return "MODERATELY_RESTRICTIVE";
+  case RestrictionLevel::minimally_restrictive: return "MINIMALLY_RESTRICTIVE";
+  case RestrictionLevel::unrestrictive: return "UNRESTRICTIVE";
+  }
+  return "UNRESTRICTIVE";
+}
+
+RestrictionLevel restriction_level(std::string_view utf8, AllowedSet allowed,
+                                   std::u32string_view also_allowed) {
+  std::optional<std::pair<int32_t, RestrictionLevel>> r;
+  if (also_allowed.empty()) {
+    r = run_checker(allowed == AllowedSet::all ? spoof().checker : level_checker(allowed).checker,
+                    utf8);
+  } else {
+    icu::UnicodeSet set = allowed_set(allowed);
+    for (char32_t c : also_allowed) set.add(static_cast<UChar32>(c));
+    LevelChecker checker(set);
+    r = run_checker(checker.checker, utf8);
+  }
+  return r ? r->second : RestrictionLevel::unrestrictive;
+}
 
 std::string unicode_version() {
   UVersionInfo v;

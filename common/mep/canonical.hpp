@@ -79,8 +79,49 @@ expected<std::string, NameError> username_case_mapped(std::string_view utf8,
 std::string confusable_skeleton(std::string_view utf8);
 
 /// The UTS #39 restriction-level checks on UTF-8 text; nullopt when it passes Highly
-/// Restrictive, has no mixed digit systems and no invisible characters.
+/// Restrictive, has no mixed digit systems and no invisible characters. The first failing
+/// check names the reason (restriction level, then digits, then invisibles).
 std::optional<NameReason> uts39_check(std::string_view utf8);
+
+/// UTS #39 §5.2 restriction levels, most restrictive first, in ICU's order
+/// (URestrictionLevel).
+enum class RestrictionLevel {
+  ascii,
+  single_script_restrictive,
+  highly_restrictive,
+  moderately_restrictive,
+  minimally_restrictive,
+  unrestrictive,
+};
+
+/// ICU's name without the `USPOOF_` prefix: `"ASCII"`, `"HIGHLY_RESTRICTIVE"`, …
+std::string_view to_string(RestrictionLevel level);
+
+/// The characters a restriction-level computation allows (UTS #39 §5.2 step 1: a string
+/// holding any other character is UNRESTRICTIVE).
+enum class AllowedSet {
+  all,         ///< every code point: ICU's default checker, the one uts39_check() uses
+  identifier,  ///< UTS #39 Identifier_Status=Allowed: ICU's recommended ∪ inclusion sets
+  recommended, ///< uspoof_getRecommendedSet() alone
+};
+
+/// The most restrictive level UTF-8 text meets, as ICU's spoof checker computes it for
+/// the given allowed set plus the code points `also_allowed`. The three sets alone use
+/// checkers built once; a non-empty `also_allowed` builds a checker for the call.
+RestrictionLevel restriction_level(std::string_view utf8, AllowedSet allowed = AllowedSet::all,
+                                   std::u32string_view also_allowed = {});
+
+/// Each check of uts39_check() on its own, from the same checker and the same call.
+struct Uts39Checks {
+  RestrictionLevel level;  ///< every code point allowed
+  bool highly_restrictive; ///< level is ASCII, single-script or highly restrictive
+  bool mixed_numbers;      ///< fails: decimal digits of more than one system
+  bool invisible;          ///< fails: a non-spacing mark twice in one combining sequence
+};
+
+/// The UTS #39 checks on UTF-8 text. ICU checks ill-formed sequences as U+FFFD; nullopt
+/// only when ICU reports an error.
+std::optional<Uts39Checks> uts39_checks(std::string_view utf8);
 
 /// Unicode and ICU versions the skeletons are computed with ("15.0", "72.1").
 std::string unicode_version();

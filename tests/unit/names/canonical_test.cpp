@@ -153,6 +153,58 @@ TEST_CASE("uts39_mixed_numbers_and_invisible", "[names]") {
   CHECK(bad("a\xCC\x88\xCC\x88").reason == NameReason::invisible_character);
 }
 
+TEST_CASE("uts39_checks_reports_each_check_and_the_level", "[names]") {
+  using mep::RestrictionLevel;
+  auto c = mep::uts39_checks("abc");
+  REQUIRE(c);
+  CHECK(c->level == RestrictionLevel::ascii);
+  CHECK(c->highly_restrictive);
+  CHECK_FALSE(c->mixed_numbers);
+  CHECK_FALSE(c->invisible);
+
+  c = mep::uts39_checks("\xD0\xB0" "bc"); // Cyrillic а + Latin
+  REQUIRE(c);
+  CHECK(c->level == RestrictionLevel::minimally_restrictive);
+  CHECK_FALSE(c->highly_restrictive);
+  CHECK(mep::uts39_check("\xD0\xB0" "bc") == NameReason::mixed_script);
+
+  c = mep::uts39_checks("a1\xD9\xA1"); // a, 1, Arabic-Indic 1 (ICU's testMixedNumbers)
+  REQUIRE(c);
+  CHECK(c->level == RestrictionLevel::moderately_restrictive);
+  CHECK(c->mixed_numbers);
+
+  c = mep::uts39_checks("abcd\xCC\x81\xCC\x82\xCC\x81" "ef"); // ICU's testInvisible
+  REQUIRE(c);
+  CHECK(c->invisible);
+  CHECK(c->highly_restrictive);
+  CHECK(mep::uts39_check("abcd\xCC\x81\xCC\x82\xCC\x81" "ef") == NameReason::invisible_character);
+
+  // ICU checks an ill-formed sequence as U+FFFD.
+  auto bad_utf8 = mep::uts39_checks("a\xFF");
+  auto replaced = mep::uts39_checks("a\xEF\xBF\xBD");
+  REQUIRE(bad_utf8);
+  REQUIRE(replaced);
+  CHECK(bad_utf8->level == replaced->level);
+}
+
+TEST_CASE("restriction_level_depends_on_the_allowed_set", "[names]") {
+  using mep::AllowedSet;
+  using mep::RestrictionLevel;
+  using mep::restriction_level;
+  CHECK(restriction_level("a!") == RestrictionLevel::ascii);
+  CHECK(restriction_level("a!", AllowedSet::identifier) == RestrictionLevel::unrestrictive);
+  // '-' is in ICU's inclusion set, not in its recommended set.
+  CHECK(restriction_level("a-b", AllowedSet::identifier) == RestrictionLevel::ascii);
+  CHECK(restriction_level("a-b", AllowedSet::recommended) == RestrictionLevel::unrestrictive);
+  // ICU's testRestrictionLevel: "recommended + U+303C".
+  CHECK(restriction_level("a\xE3\x80\xBC", AllowedSet::recommended) == RestrictionLevel::unrestrictive);
+  CHECK(restriction_level("a\xE3\x80\xBC", AllowedSet::recommended, U"\u303C") ==
+        RestrictionLevel::highly_restrictive);
+  CHECK(restriction_level("\xCE\xB3") == RestrictionLevel::single_script_restrictive); // γ
+  CHECK(mep::to_string(RestrictionLevel::highly_restrictive) == "HIGHLY_RESTRICTIVE");
+  CHECK(mep::to_string(RestrictionLevel::unrestrictive) == "UNRESTRICTIVE");
+}
+
 TEST_CASE("highly_restrictive_allows_japanese_with_latin", "[names]") {
   auto r = mep::canonicalize("abcひらがなカタカナ漢字");
   REQUIRE(r);

@@ -1,0 +1,78 @@
+// `mep server`: run the control plane; `mep server audit`: list audit rows.
+#include "commands.hpp"
+
+#include "mep/json.hpp"
+#include "mep/problem.hpp"
+#include "mep/server.hpp"
+#include "mep/store.hpp"
+#include "mep/time.hpp"
+
+#include <boost/json.hpp>
+
+#include <cstdio>
+#include <memory>
+
+namespace mep::cli {
+
+void register_server(CLI::App& app, GlobalOptions& g, Action& action) {
+  auto opt = std::make_shared<server::ServerOptions>();
+  auto* cmd = app.add_subcommand("server", "Run the control plane (the HTTP API of SPEC §6)");
+  cmd->require_subcommand(0, 1);
+  cmd->add_option("--db", opt->db_url,
+                  "Database URL: sqlite:PATH (default sqlite:$XDG_STATE_HOME/mep/control.db)")
+      ->envname("MEP_DB");
+  cmd->add_option("--listen", opt->listen, "HOST:PORT to listen on; port 0 picks a free port")
+      ->capture_default_str();
+  cmd->add_option("--tls-cert", opt->tls_cert, "PEM certificate chain; enables HTTPS (TLS 1.3 only)");
+  cmd->add_option("--tls-key", opt->tls_key, "PEM private key for --tls-cert");
+  cmd->add_flag("--insecure-plaintext", opt->insecure_plaintext,
+                "Allow plain HTTP on a non-loopback address (behind a TLS proxy)");
+  cmd->add_option("--rate-limit", opt->rate_limit, "Requests per second per token; 0 turns it off")
+      ->capture_default_str();
+  cmd->add_option("--log-level", opt->log_level, "debug, info, warn or error")->capture_default_str();
+  cmd->add_option("--threads", opt->threads, "I/O threads")->capture_default_str()->check(CLI::Range(1, 64));
+  cmd->footer("Prints 'mep server listening on http://HOST:PORT' on stderr when ready.\n"
+              "SIGTERM/SIGINT: stops accepting, finishes requests in flight (at most 5 s), exits 0.");
+
+  auto audit_db = std::make_shared<std::string>();
+  auto audit_tenant = std::make_shared<std::string>();
+  auto audit_limit = std::make_shared<std::size_t>(100);
+  auto* audit = cmd->add_subcommand("audit", "List the newest audit rows (names and ids are HMAC-hashed)");
+  audit->add_option("--db", *audit_db, "Database URL (default as for mep server)")->envname("MEP_DB");
+  audit->add_option("--tenant", *audit_tenant, "Only this tenant");
+  audit->add_option("--limit", *audit_limit, "At most this many rows")->capture_default_str();
+  audit->callback([=, &g, &action] {
+    action = [=, &g] {
+      auto store = server::open_store(audit_db->empty() ? server::default_db_url() : *audit_db);
+      auto rows = store->list_audit(audit_tenant->empty() ? std::nullopt : std::optional(*audit_tenant),
+                                    *audit_limit);
+      if (g.json) {
+        boost::json::array arr;
+        for (const auto& r : rows) {
+          boost::json::object o{{"event_id", r.event_id},
+                                {"tenant_id", r.tenant_id},
+                                {"event_type", r.event_type},
+                                {"redacted_name_hash", r.redacted_name_hash},
+                                {"redacted_memory_hash", r.redacted_memory_hash},
+                                {"created_at", format_rfc3339_ms(r.created_at)}};
+          o["fencing_token"] = r.fencing_token ? boost::json::value(*r.fencing_token) : nullptr;
+          arr.emplace_back(std::move(o));
+        }
+        std::printf("%s\n", json::dump(boost::json::object{{"events", std::move(arr)}}).c_str());
+      } else {
+        std::printf("%-24s  %-22s  %-16s  %-16s  %s\n", "TIME", "EVENT", "NAME HASH", "MEMORY HASH", "TOKEN");
+        for (const auto& r : rows)
+          std::printf("%-24s  %-22s  %-16.16s  %-16.16s  %s\n", format_rfc3339_ms(r.created_at).c_str(),
+                      r.event_type.c_str(), r.redacted_name_hash.c_str(), r.redacted_memory_hash.c_str(),
+                      r.fencing_token ? std::to_string(*r.fencing_token).c_str() : "-");
+      }
+      return exit_code::ok;
+    };
+  });
+
+  cmd->callback([opt, cmd, &action] {
+    if (cmd->get_subcommands().empty()) action = [opt] { return server::run_server(*opt); };
+  });
+}
+
+} // namespace mep::cli

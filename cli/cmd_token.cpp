@@ -1,0 +1,99 @@
+// `mep token create|list|revoke`: bearer tokens for the control plane. Tokens are shown
+// once, at creation, and stored only as SHA-256.
+#include "commands.hpp"
+
+#include "mep/json.hpp"
+#include "mep/problem.hpp"
+#include "mep/store.hpp"
+#include "mep/time.hpp"
+
+#include <boost/json.hpp>
+
+#include <cstdio>
+#include <memory>
+
+namespace mep::cli {
+
+namespace {
+std::unique_ptr<server::Store> open(const std::string& db) {
+  return server::open_store(db.empty() ? server::default_db_url() : db);
+}
+} // namespace
+
+void register_token(CLI::App& app, GlobalOptions& g, Action& action) {
+  auto* cmd = app.add_subcommand("token", "Create, list and revoke control-plane bearer tokens");
+  cmd->require_subcommand(1);
+
+  struct CreateOpts {
+    std::string db, tenant, scope = "lease";
+    bool admin = false;
+  };
+  auto c = std::make_shared<CreateOpts>();
+  auto* create = cmd->add_subcommand("create", "Create a token (and the tenant if new); prints the token once");
+  create->add_option("--db", c->db, "Database URL (default sqlite:$XDG_STATE_HOME/mep/control.db)")->envname("MEP_DB");
+  create->add_option("--tenant", c->tenant, "Tenant name")->required();
+  create->add_option("--scope", c->scope, "lease or admin (admin includes lease)")
+      ->check(CLI::IsMember({"lease", "admin"}))->capture_default_str();
+  create->add_flag("--admin", c->admin, "Same as --scope admin");
+  create->add_flag("--json", g.json, "Print {\"tenant_id\", \"token\"}");
+  create->callback([c, &g, &action] {
+    action = [c, &g] {
+      auto store = open(c->db);
+      auto scope = c->admin || c->scope == "admin" ? server::Scope::admin : server::Scope::lease;
+      auto [tenant_id, token] = store->create_token(c->tenant, scope);
+      if (g.json)
+        std::printf("%s\n", json::dump(boost::json::object{{"tenant_id", tenant_id}, {"token", token}}).c_str());
+      else
+        std::printf("%s\n", token.c_str());
+      return exit_code::ok;
+    };
+  });
+
+  auto list_db = std::make_shared<std::string>();
+  auto list_tenant = std::make_shared<std::string>();
+  auto* list = cmd->add_subcommand("list", "List tokens (ids, tenants, scopes; never the tokens)");
+  list->add_option("--db", *list_db, "Database URL")->envname("MEP_DB");
+  list->add_option("--tenant", *list_tenant, "Only this tenant");
+  list->add_flag("--json", g.json, "JSON output");
+  list->callback([=, &g, &action] {
+    action = [=, &g] {
+      auto store = open(*list_db);
+      auto tokens = store->list_tokens(list_tenant->empty() ? std::nullopt : std::optional(*list_tenant));
+      if (g.json) {
+        boost::json::array arr;
+        for (const auto& t : tokens) {
+          boost::json::object o{{"token_id", t.token_id}, {"tenant_id", t.tenant_id}, {"tenant", t.tenant_name},
+                                {"scopes", t.scopes}, {"created_at", format_rfc3339_ms(t.created_at)}};
+          o["revoked_at"] = t.revoked_at ? boost::json::value(format_rfc3339_ms(*t.revoked_at)) : nullptr;
+          arr.emplace_back(std::move(o));
+        }
+        std::printf("%s\n", json::dump(boost::json::object{{"tokens", std::move(arr)}}).c_str());
+      } else {
+        std::printf("%-36s  %-20s  %-12s  %-24s  %s\n", "TOKEN ID", "TENANT", "SCOPES", "CREATED", "REVOKED");
+        for (const auto& t : tokens)
+          std::printf("%-36s  %-20s  %-12s  %-24s  %s\n", t.token_id.c_str(), t.tenant_name.c_str(),
+                      t.scopes.c_str(), format_rfc3339_ms(t.created_at).c_str(),
+                      t.revoked_at ? format_rfc3339_ms(*t.revoked_at).c_str() : "-");
+      }
+      return exit_code::ok;
+    };
+  });
+
+  auto rv_db = std::make_shared<std::string>();
+  auto rv_id = std::make_shared<std::string>();
+  auto* revoke = cmd->add_subcommand("revoke", "Revoke a token by its id (see mep token list)");
+  revoke->add_option("--db", *rv_db, "Database URL")->envname("MEP_DB");
+  revoke->add_option("token_id", *rv_id, "The token id")->required();
+  revoke->callback([=, &action] {
+    action = [=] {
+      auto store = open(*rv_db);
+      if (!store->revoke_token(*rv_id)) {
+        std::fprintf(stderr, "mep: no active token with id %s\n", rv_id->c_str());
+        return exit_code::other;
+      }
+      return exit_code::ok;
+    };
+  });
+}
+
+} // namespace mep::cli

@@ -1,0 +1,43 @@
+// Prometheus metrics (SPEC §6.3): counters, gauges and histograms with text exposition.
+// Labels never carry names, ids or paths — only routes, codes and outcomes.
+#pragma once
+#include <functional>
+#include <map>
+#include <mutex>
+#include <string>
+#include <string_view>
+#include <vector>
+
+namespace mep::server {
+
+class Metrics {
+public:
+  /// The process-wide registry.
+  static Metrics& global();
+
+  /// Adds `v` to counter `name` with the label set `labels` (`outcome="granted"`).
+  void inc(std::string_view name, std::string_view labels = {}, double v = 1);
+  /// Sets gauge `name`.
+  void set(std::string_view name, double v);
+  /// Records one observation (seconds) in histogram `name`.
+  void observe(std::string_view name, std::string_view labels, double seconds);
+  /// The current value of a counter or gauge (0 when never touched); for tests and logs.
+  double value(std::string_view name, std::string_view labels = {}) const;
+
+  /// The text exposition format (version 0.0.4).
+  std::string render() const;
+
+private:
+  struct Histogram {
+    std::vector<double> counts; // one per bucket, cumulative at render time
+    double sum = 0;
+    double count = 0;
+  };
+  static std::string key(std::string_view name, std::string_view labels);
+
+  mutable std::mutex m_mutex;
+  std::map<std::string, double, std::less<>> m_values;       // "name{labels}" -> value
+  std::map<std::string, Histogram, std::less<>> m_histograms; // "name|labels" -> data
+};
+
+} // namespace mep::server

@@ -1,0 +1,45 @@
+// The control plane's route table and handlers: HTTP request in, Store call, HTTP
+// response out (SPEC §6). Handlers decode and validate; the Store runs the transaction.
+#pragma once
+#include "mep/rate_limit.hpp"
+#include "mep/store.hpp"
+
+#include <boost/beast/http/message.hpp>
+#include <boost/beast/http/string_body.hpp>
+
+#include <functional>
+#include <string>
+
+namespace mep::server {
+
+using HttpRequest = boost::beast::http::request<boost::beast::http::string_body>;
+using HttpResponse = boost::beast::http::response<boost::beast::http::string_body>;
+using Send = std::function<void(HttpResponse&&)>;
+
+inline constexpr std::size_t k_body_limit = 16 * 1024;
+inline constexpr std::size_t k_header_limit = 8 * 1024;
+
+/// What the router knows about the peer.
+struct Peer {
+  bool loopback = false;
+};
+
+class Router {
+public:
+  Router(Store& store, double rate_limit) : m_store(store), m_limiter(rate_limit) {}
+
+  /// Answers `req`; `send` is called exactly once, possibly from another thread.
+  void handle(HttpRequest&& req, const Peer& peer, Send send);
+
+  /// A problem response for errors found before routing (parser errors, limits).
+  static HttpResponse problem_response(const Problem& p, unsigned version, bool keep_alive);
+
+private:
+  Store& m_store;
+  RateLimiter m_limiter;
+};
+
+/// Parses an Idempotency-Key value (bare, or an RFC 8941 sf-string); nullopt if invalid.
+std::optional<std::string> parse_idempotency_key(std::string_view value);
+
+} // namespace mep::server

@@ -1,0 +1,25 @@
+// `mep server`: options and the main loop of the control plane.
+#pragma once
+#include <string>
+
+namespace mep::server {
+
+inline constexpr const char* k_default_listen = "127.0.0.1:7878";
+inline constexpr double k_default_rate_limit = 1000;
+
+struct ServerOptions {
+  std::string db_url;                       ///< empty: default_db_url()
+  std::string listen = k_default_listen;    ///< HOST:PORT; port 0 picks a free port
+  std::string tls_cert;
+  std::string tls_key;
+  bool insecure_plaintext = false;          ///< allow plain HTTP beyond loopback
+  double rate_limit = k_default_rate_limit; ///< requests/s per token; 0 = off
+  std::string log_level = "info";
+  int threads = 2;
+};
+
+/// Runs the server until SIGTERM/SIGINT; returns the process exit code (0 after a clean
+/// shutdown, 2 for bad options, 1 when the database or the address cannot be used).
+int run_server(const ServerOptions& options);
+
+} // namespace mep::server

@@ -1,0 +1,115 @@
+// The SQLite implementation of Store: embedded, one process, group commit.
+#pragma once
+#include "mep/sqlite.hpp"
+#include "mep/store.hpp"
+#include "mep/wire.hpp"
+
+#include <atomic>
+#include <condition_variable>
+#include <deque>
+#include <functional>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <thread>
+#include <vector>
+
+namespace mep::server {
+
+class SqliteStore final : public Store {
+public:
+  /// Opens (creating and migrating) the database at `url` (`sqlite:PATH` or a path) and
+  /// starts the writer thread. Throws sqlite::Error or std::runtime_error.
+  explicit SqliteStore(const std::string& url);
+  /// Finishes every queued job, then stops the writer.
+  ~SqliteStore() override;
+
+  void register_memory(const Ctx&, Idempotency, RegisterMemory, Done) override;
+  void claim(const Ctx&, Idempotency, Claim, Done) override;
+  void branch(const Ctx&, Idempotency, Branch, Done) override;
+  void renew(const Ctx&, LeaseRef, Done) override;
+  void renew_batch(const Ctx&, RenewBatch, Done) override;
+  void release(const Ctx&, LeaseRef, Done) override;
+  void verify(const Ctx&, Verify, Done) override;
+  void revoke(const Ctx&, std::string canonical_name, Done) override;
+  void get_lease(const Ctx&, std::string canonical_name, Done) override;
+  void list_leases(const Ctx&, ListLeases, Done) override;
+  void get_memory(const Ctx&, std::string memory_id, Done) override;
+  void lineage(const Ctx&, std::string memory_id, Done) override;
+  std::optional<AuthInfo> authenticate(const std::string& token_sha256) override;
+  void audit_auth_failure(const std::string& tenant_id) override;
+  bool ready() override;
+  std::int64_t active_leases() override;
+  std::int64_t sweep() override;
+  std::pair<std::string, std::string> create_token(const std::string& tenant_name, Scope) override;
+  std::vector<TokenInfo> list_tokens(const std::optional<std::string>& tenant_name) override;
+  bool revoke_token(const std::string& token_id) override;
+  std::vector<AuditRow> list_audit(const std::optional<std::string>& tenant_name, std::size_t limit) override;
+
+private:
+  using Work = std::function<Reply(sqlite::Db&, UnixMs)>;
+  struct Job {
+    Work work;
+    Done done;
+    std::string request_id;
+  };
+  struct PendingAudit {
+    std::string tenant_id;
+    std::string type;
+    std::string name;
+    std::string memory_id;
+    std::optional<std::int64_t> token;
+  };
+  // A read-only connection borrowed from the pool, returned on destruction.
+  class ReaderLease {
+  public:
+    ReaderLease(SqliteStore* s, std::unique_ptr<sqlite::Db> db) : m_store(s), m_db(std::move(db)) {}
+    ReaderLease(ReaderLease&&) = default;
+    ~ReaderLease();
+    sqlite::Db& db() { return *m_db; }
+
+  private:
+    SqliteStore* m_store;
+    std::unique_ptr<sqlite::Db> m_db;
+  };
+
+  void migrate();
+  void enqueue(Work work, Done done, std::string request_id = {});
+  void writer_loop();
+  void run_batch(std::vector<Job>& batch);
+  template <typename T>
+  T run_sync(std::function<T(sqlite::Db&, UnixMs)> fn);
+  ReaderLease reader();
+  Reply read_failure(const sqlite::Error& e, const std::string& request_id);
+
+  Reply run_idempotent(sqlite::Db& db, UnixMs now, const Ctx& ctx, const Idempotency& idem,
+                       const std::function<Reply()>& op);
+  expected<LeaseRow, Problem> classify(sqlite::Db& db, UnixMs now, const Ctx& ctx,
+                                       const std::string& memory_id, std::int64_t token, Code not_found);
+  Reply op_claim(sqlite::Db& db, UnixMs now, const Ctx& ctx, const Claim& req);
+  Reply op_renew(sqlite::Db& db, UnixMs now, const Ctx& ctx, const LeaseRef& ref, boost::json::object* item);
+
+  // Audit rows are collected while a job runs and written after its savepoint is
+  // resolved, so rejected requests (stale fences, name conflicts) are audited too.
+  void audit(const std::string& tenant_id, std::string_view type, std::string_view name,
+             std::string_view memory_id, std::optional<std::int64_t> token);
+  void write_pending_audit();
+  const std::string& salt(sqlite::Db& db, const std::string& tenant_id);
+
+  std::string m_path;
+  std::unique_ptr<sqlite::Db> m_db; // the writer's connection; writer thread only after start
+  std::vector<PendingAudit> m_pending_audit;   // writer thread only
+  std::map<std::string, std::string> m_salts;  // writer thread only
+
+  std::mutex m_mutex;
+  std::condition_variable m_cv;
+  std::deque<Job> m_queue;
+  bool m_stopping = false;
+  std::atomic<bool> m_healthy{true};
+  std::thread m_writer;
+
+  std::mutex m_readers_mutex;
+  std::vector<std::unique_ptr<sqlite::Db>> m_readers;
+};
+
+} // namespace mep::server

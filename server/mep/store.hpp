@@ -1,0 +1,179 @@
+// The control plane's storage interface (SPEC §6, §9). Every lease operation is one
+// whole transaction behind it; the SQLite and PostgreSQL backends implement it, and
+// the HTTP handlers and the daemon's embedded mode call it. No SQL outside a store.
+#pragma once
+#include "mep/canonical.hpp"
+#include "mep/expected.hpp"
+#include "mep/problem.hpp"
+#include "mep/time.hpp"
+
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+namespace mep::server {
+
+/// Who is calling: the tenant and scopes of a verified bearer token.
+struct AuthInfo {
+  std::string tenant_id;
+  std::string token_id;
+  bool scope_lease = false;
+  bool scope_admin = false;
+};
+
+/// The calling context of one request.
+struct Ctx {
+  AuthInfo auth;
+  std::string request_id;
+};
+
+/// A finished HTTP-level answer. For idempotent operations the exact bytes are stored
+/// and replayed, so the store produces them.
+struct Reply {
+  int status = 200;
+  std::string body;     ///< JSON text; empty for 204
+  bool problem = false; ///< body is application/problem+json
+  std::optional<int> retry_after_s;
+  bool replayed = false;
+  /// The outcome label for metrics (`granted`, `name-held`, …); empty when unused.
+  std::string outcome;
+};
+
+using Done = std::function<void(Reply)>;
+
+/// Idempotency-Key and the request fingerprint (SHA-256 of method, path, canonical body).
+struct Idempotency {
+  std::string key;
+  std::string fingerprint;
+};
+
+inline constexpr std::int64_t k_default_ttl_s = 30;
+inline constexpr std::int64_t k_min_ttl_s = 5;
+inline constexpr std::int64_t k_max_ttl_s = 300;
+inline constexpr std::int64_t k_idempotency_retention_ms = 24LL * 3600 * 1000;
+inline constexpr std::size_t k_max_batch = 1000;
+
+struct RegisterMemory {
+  std::optional<std::string> memory_id; ///< a client-minted UUIDv7, else the server mints one
+};
+
+struct Claim {
+  std::string display_name;
+  expected<CanonicalName, NameError> name; ///< canonicalized by the caller, outside the transaction
+  std::string memory_id;
+  std::string owner_client_id;
+  std::int64_t ttl_s = k_default_ttl_s; ///< checked against the bounds inside the transaction
+};
+
+/// The identity of a held lease as a client presents it (renew, release).
+struct LeaseRef {
+  std::string canonical_name;
+  std::string memory_id;
+  std::int64_t fencing_token = 0;
+  std::string owner_client_id;
+  std::int64_t ttl_s = k_default_ttl_s;
+};
+
+struct RenewBatch {
+  std::string owner_client_id;
+  std::vector<LeaseRef> leases;
+};
+
+struct Branch {
+  std::string parent_memory_id;
+  std::int64_t parent_fencing_token = 0;
+  std::optional<std::string> memory_id;
+};
+
+struct Verify {
+  std::string memory_id;
+  std::int64_t fencing_token = 0;
+};
+
+struct ListLeases {
+  std::optional<std::string> owner_client_id;
+  std::size_t limit = 100;
+  std::optional<std::string> cursor; ///< the last canonical name of the previous page
+};
+
+/// A bearer token's metadata (never the token itself).
+struct TokenInfo {
+  std::string token_id;
+  std::string tenant_id;
+  std::string tenant_name;
+  std::string scopes;
+  UnixMs created_at = 0;
+  std::optional<UnixMs> revoked_at;
+};
+
+struct AuditRow {
+  std::string event_id;
+  std::string tenant_id;
+  std::string event_type;
+  std::string redacted_name_hash;
+  std::string redacted_memory_hash;
+  std::optional<std::int64_t> fencing_token;
+  UnixMs created_at = 0;
+};
+
+enum class Scope { lease, admin };
+
+/// The storage interface. Asynchronous operations call `done` exactly once, from a
+/// store thread, after the outcome is durable. Synchronous ones may block briefly.
+class Store {
+public:
+  virtual ~Store() = default;
+
+  // Creating operations (Idempotency-Key required).
+  virtual void register_memory(const Ctx&, Idempotency, RegisterMemory, Done) = 0;
+  virtual void claim(const Ctx&, Idempotency, Claim, Done) = 0;
+  virtual void branch(const Ctx&, Idempotency, Branch, Done) = 0;
+
+  // Lease operations on a held lease.
+  virtual void renew(const Ctx&, LeaseRef, Done) = 0;
+  virtual void renew_batch(const Ctx&, RenewBatch, Done) = 0;
+  virtual void release(const Ctx&, LeaseRef, Done) = 0;
+  virtual void verify(const Ctx&, Verify, Done) = 0;
+  virtual void revoke(const Ctx&, std::string canonical_name, Done) = 0;
+
+  // Reads.
+  virtual void get_lease(const Ctx&, std::string canonical_name, Done) = 0;
+  virtual void list_leases(const Ctx&, ListLeases, Done) = 0;
+  virtual void get_memory(const Ctx&, std::string memory_id, Done) = 0;
+  virtual void lineage(const Ctx&, std::string memory_id, Done) = 0;
+
+  /// The token whose SHA-256 is `token_sha256`, if it exists and is not revoked.
+  virtual std::optional<AuthInfo> authenticate(const std::string& token_sha256) = 0;
+  /// Records an AUTH_FAILED audit row (best effort, not waited for).
+  virtual void audit_auth_failure(const std::string& tenant_id) = 0;
+  /// True when the database answers.
+  virtual bool ready() = 0;
+  /// Unexpired leases right now (for the mep_leases_active gauge).
+  virtual std::int64_t active_leases() = 0;
+  /// Deletes expired leases and idempotency records (bounded work per call); returns
+  /// how many rows were removed.
+  virtual std::int64_t sweep() = 0;
+  /// Transaction retries so far (PostgreSQL serializable mode; 0 elsewhere).
+  virtual std::int64_t transaction_retries() { return 0; }
+
+  // Administration (the `mep token` and `mep server audit` commands).
+  /// Creates the tenant if new and a token for it; returns {tenant_id, token}.
+  virtual std::pair<std::string, std::string> create_token(const std::string& tenant_name, Scope) = 0;
+  virtual std::vector<TokenInfo> list_tokens(const std::optional<std::string>& tenant_name) = 0;
+  /// Revokes by token id; false when there is no such token.
+  virtual bool revoke_token(const std::string& token_id) = 0;
+  virtual std::vector<AuditRow> list_audit(const std::optional<std::string>& tenant_name,
+                                           std::size_t limit) = 0;
+};
+
+/// Opens the store named by `url`: `sqlite:PATH` (or a bare path). Creates and migrates
+/// the schema. Throws std::runtime_error with a readable message on failure.
+std::unique_ptr<Store> open_store(const std::string& url);
+
+/// The default database URL: sqlite:$XDG_STATE_HOME/mep/control.db.
+std::string default_db_url();
+
+} // namespace mep::server

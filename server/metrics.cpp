@@ -1,0 +1,140 @@
+// Metrics registry and Prometheus text rendering.
+#include "mep/metrics.hpp"
+
+#include <array>
+#include <fmt/format.h>
+
+namespace mep::server {
+namespace {
+
+constexpr std::array k_buckets = {0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025,
+                                  0.05,   0.1,   0.25,   0.5,   1.0,  2.5, 5.0};
+
+struct Family {
+  std::string_view name;
+  std::string_view type;
+  std::string_view help;
+};
+
+constexpr Family k_families[] = {
+    {"mep_lease_renewal_latency_seconds", "histogram", "Time to answer a renew request"},
+    {"mep_fencing_rejections_total", "counter", "Requests rejected for a superseded fencing token"},
+    {"mep_idempotency_lookups_total", "counter", "Idempotency-Key lookups by result"},
+    {"mep_claims_total", "counter", "Claim requests by outcome"},
+    {"mep_leases_active", "gauge", "Unexpired leases"},
+    {"mep_http_request_duration_seconds", "histogram", "HTTP request duration by route and code"},
+    {"mep_db_transaction_retries_total", "counter", "Database transactions retried"},
+    {"mep_rate_limited_total", "counter", "Requests refused by the rate limiter"},
+};
+
+// Shortest text that reads back as the same double ("0.0005", "3", "1e-07").
+std::string fmt_double(double v) { return fmt::format("{}", v); }
+
+} // namespace
+
+Metrics& Metrics::global() {
+  static Metrics m;
+  return m;
+}
+
+std::string Metrics::key(std::string_view name, std::string_view labels) {
+  std::string k(name);
+  if (!labels.empty()) {
+    k += '{';
+    k += labels;
+    k += '}';
+  }
+  return k;
+}
+
+void Metrics::inc(std::string_view name, std::string_view labels, double v) {
+  std::string k = key(name, labels);
+  std::lock_guard lock(m_mutex);
+  m_values[k] += v;
+}
+
+void Metrics::set(std::string_view name, double v) {
+  std::string k(name);
+  std::lock_guard lock(m_mutex);
+  m_values[k] = v;
+}
+
+void Metrics::observe(std::string_view name, std::string_view labels, double seconds) {
+  std::string k(name);
+  k += '|';
+  k += labels;
+  std::lock_guard lock(m_mutex);
+  auto& h = m_histograms[k];
+  if (h.counts.empty()) h.counts.assign(k_buckets.size(), 0);
+  for (std::size_t i = 0; i < k_buckets.size(); ++i)
+    if (seconds <= k_buckets[i]) {
+      h.counts[i] += 1;
+      break;
+    }
+  h.sum += seconds;
+  h.count += 1;
+}
+
+double Metrics::value(std::string_view name, std::string_view labels) const {
+  std::string k = key(name, labels);
+  std::lock_guard lock(m_mutex);
+  auto it = m_values.find(k);
+  return it == m_values.end() ? 0 : it->second;
+}
+
+std::string Metrics::render() const {
+  std::lock_guard lock(m_mutex);
+  std::string out;
+  for (const auto& f : k_families) {
+    out += "# HELP ";
+    out += f.name;
+    out += ' ';
+    out += f.help;
+    out += "\n# TYPE ";
+    out += f.name;
+    out += ' ';
+    out += f.type;
+    out += '\n';
+    if (f.type == "histogram") {
+      std::string prefix(f.name);
+      prefix += '|';
+      bool any = false;
+      for (auto it = m_histograms.lower_bound(prefix);
+           it != m_histograms.end() && it->first.compare(0, prefix.size(), prefix) == 0; ++it) {
+        any = true;
+        std::string labels = it->first.substr(prefix.size());
+        std::string sep = labels.empty() ? "" : ",";
+        double cum = 0;
+        for (std::size_t i = 0; i < k_buckets.size(); ++i) {
+          cum += it->second.counts[i];
+          out += std::string(f.name) + "_bucket{" + labels + sep + "le=\"" + fmt_double(k_buckets[i]) +
+                 "\"} " + fmt_double(cum) + "\n";
+        }
+        out += std::string(f.name) + "_bucket{" + labels + sep + "le=\"+Inf\"} " +
+               fmt_double(it->second.count) + "\n";
+        std::string lb = labels.empty() ? "" : "{" + labels + "}";
+        out += std::string(f.name) + "_sum" + lb + " " + fmt_double(it->second.sum) + "\n";
+        out += std::string(f.name) + "_count" + lb + " " + fmt_double(it->second.count) + "\n";
+      }
+      if (!any) {
+        for (double b : k_buckets)
+          out += std::string(f.name) + "_bucket{le=\"" + fmt_double(b) + "\"} 0\n";
+        out += std::string(f.name) + "_bucket{le=\"+Inf\"} 0\n";
+        out += std::string(f.name) + "_sum 0\n" + std::string(f.name) + "_count 0\n";
+      }
+    } else {
+      bool any = false;
+      for (auto it = m_values.lower_bound(f.name); it != m_values.end(); ++it) {
+        const std::string& k = it->first;
+        if (k.compare(0, f.name.size(), f.name) != 0) break;
+        if (k.size() > f.name.size() && k[f.name.size()] != '{') continue;
+        any = true;
+        out += k + " " + fmt_double(it->second) + "\n";
+      }
+      if (!any) out += std::string(f.name) + " 0\n";
+    }
+  }
+  return out;
+}
+
+} // namespace mep::server

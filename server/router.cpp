@@ -1,0 +1,583 @@
+// Routes and handlers of the control-plane API. Each handler: authenticate, check the
+// scope and the rate limit, decode the JSON body strictly, call the Store, and turn its
+// Reply into the HTTP response (headers: X-Request-Id, Retry-After, Idempotent-Replayed).
+#include "mep/router.hpp"
+
+#include "mep/canonical.hpp"
+#include "mep/crypto.hpp"
+#include "mep/json.hpp"
+#include "mep/log.hpp"
+#include "mep/metrics.hpp"
+#include "mep/uuid.hpp"
+#include "mep/wire.hpp"
+
+#include <boost/beast/http.hpp>
+#include <boost/url/parse.hpp>
+
+#include <chrono>
+#include <memory>
+
+namespace mep::server {
+namespace http = boost::beast::http;
+using json::Need;
+
+namespace {
+
+constexpr std::int64_t k_max_token = (std::int64_t{1} << 62);
+constexpr std::int64_t k_any_ttl = std::int64_t{1} << 40; // range checked by the store (422)
+
+enum class Auth { none, lease, admin, metrics };
+enum class Idem { none, required };
+
+struct RouteSpec {
+  http::verb method;
+  std::string_view pattern; // segments; "{x}" matches one segment
+  Auth auth;
+  Idem idem;
+};
+
+// The route table (SPEC §6). Order matters only for equal paths; the first whose
+// pattern and method match wins.
+constexpr RouteSpec k_routes[] = {
+    {http::verb::get, "/healthz", Auth::none, Idem::none},
+    {http::verb::get, "/readyz", Auth::none, Idem::none},
+    {http::verb::get, "/metrics", Auth::metrics, Idem::none},
+    {http::verb::post, "/v1/memories", Auth::lease, Idem::required},
+    {http::verb::post, "/v1/memories/branch", Auth::lease, Idem::required},
+    {http::verb::get, "/v1/memories/{id}", Auth::lease, Idem::none},
+    {http::verb::get, "/v1/memories/{id}/lineage", Auth::lease, Idem::none},
+    {http::verb::post, "/v1/leases", Auth::lease, Idem::required},
+    {http::verb::get, "/v1/leases", Auth::lease, Idem::none},
+    {http::verb::post, "/v1/leases/renew", Auth::lease, Idem::none},
+    {http::verb::post, "/v1/leases/renew-batch", Auth::lease, Idem::none},
+    {http::verb::post, "/v1/leases/release", Auth::lease, Idem::none},
+    {http::verb::get, "/v1/leases/{canonical_name}", Auth::lease, Idem::none},
+    {http::verb::post, "/v1/fence/verify", Auth::lease, Idem::none},
+    {http::verb::post, "/v1/admin/leases/revoke", Auth::admin, Idem::none},
+};
+
+std::vector<std::string_view> split_pattern(std::string_view p) {
+  std::vector<std::string_view> out;
+  std::size_t i = 1;
+  while (i <= p.size()) {
+    std::size_t j = p.find('/', i);
+    if (j == std::string_view::npos) j = p.size();
+    out.push_back(p.substr(i, j - i));
+    i = j + 1;
+  }
+  return out;
+}
+
+bool match(std::string_view pattern, const std::vector<std::string>& segs, std::vector<std::string>& params) {
+  auto pat = split_pattern(pattern);
+  if (pat.size() != segs.size()) return false;
+  std::vector<std::string> found;
+  for (std::size_t i = 0; i < pat.size(); ++i) {
+    if (pat[i].size() > 2 && pat[i].front() == '{') {
+      if (segs[i].empty()) return false;
+      found.push_back(segs[i]);
+    } else if (pat[i] != segs[i]) {
+      return false;
+    }
+  }
+  params = std::move(found);
+  return true;
+}
+
+// Everything one request carries through the handler chain.
+struct Call {
+  HttpRequest req;
+  Peer peer;
+  Send send;
+  Ctx ctx;
+  const RouteSpec* route = nullptr;
+  std::vector<std::string> params;
+  boost::urls::params_view query;
+  std::chrono::steady_clock::time_point start = std::chrono::steady_clock::now();
+  std::string route_label = "unmatched";
+};
+using CallPtr = std::shared_ptr<Call>;
+
+HttpResponse make_response(const Call& c, const Reply& r) {
+  HttpResponse res{static_cast<http::status>(r.status), c.req.version()};
+  res.set(http::field::server, "mep");
+  res.set("X-Request-Id", c.ctx.request_id);
+  res.set(http::field::cache_control, "no-store");
+  if (!r.body.empty() || r.status != 204) {
+    res.set(http::field::content_type, r.problem ? "application/problem+json" : "application/json");
+    res.body() = r.body;
+  }
+  if (r.retry_after_s) res.set(http::field::retry_after, std::to_string(*r.retry_after_s));
+  if (r.replayed) res.set("Idempotent-Replayed", "true");
+  if (r.status == 401) res.set(http::field::www_authenticate, "Bearer realm=\"mep\"");
+  res.keep_alive(c.req.keep_alive());
+  res.prepare_payload();
+  return res;
+}
+
+void finish(const CallPtr& c, Reply r) {
+  auto& m = Metrics::global();
+  double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - c->start).count();
+  std::string labels = "route=\"" + c->route_label + "\",code=\"" + std::to_string(r.status) + "\"";
+  m.observe("mep_http_request_duration_seconds", labels, secs);
+  if (c->route && c->route->pattern == "/v1/leases" && c->route->method == http::verb::post)
+    m.inc("mep_claims_total", "outcome=\"" + (r.outcome.empty() ? std::to_string(r.status) : r.outcome) + "\"");
+  if (c->route && (c->route->pattern == "/v1/leases/renew" || c->route->pattern == "/v1/leases/renew-batch"))
+    m.observe("mep_lease_renewal_latency_seconds", "", secs);
+  if (r.status >= 500) log::warn("request {} {} -> {}", c->ctx.request_id, c->route_label, r.status);
+  else log::debug("request {} {} -> {} in {:.2f} ms", c->ctx.request_id, c->route_label, r.status, secs * 1000);
+  c->send(make_response(*c, r));
+}
+
+void fail(const CallPtr& c, Problem p) { finish(c, problem_reply(std::move(p), c->ctx.request_id)); }
+
+// The store's completion: it may arrive on the store's thread; `send` posts to the session.
+Done reply_to(CallPtr c) {
+  return [c = std::move(c)](Reply r) { finish(c, std::move(r)); };
+}
+
+std::optional<std::string> header_once(const HttpRequest& req, http::field f, bool& doubled) {
+  auto range = req.equal_range(f);
+  std::optional<std::string> value;
+  doubled = false;
+  for (auto it = range.first; it != range.second; ++it) {
+    if (value) doubled = true;
+    value = std::string(it->value());
+  }
+  return value;
+}
+
+std::optional<std::string> header_once(const HttpRequest& req, std::string_view name, bool& doubled) {
+  auto range = req.equal_range(name);
+  std::optional<std::string> value;
+  doubled = false;
+  for (auto it = range.first; it != range.second; ++it) {
+    if (value) doubled = true;
+    value = std::string(it->value());
+  }
+  return value;
+}
+
+// Authenticates the bearer token (SPEC §6: before anything else).
+bool authenticate(const CallPtr& c, Store& store) {
+  bool doubled = false;
+  auto h = header_once(c->req, http::field::authorization, doubled);
+  auto unauth = [&](std::string detail) {
+    Metrics::global().inc("mep_auth_failures_total");
+    fail(c, Problem(Code::unauthenticated, std::move(detail)));
+    return false;
+  };
+  if (!h) return unauth("an Authorization: Bearer token is required");
+  if (doubled) return unauth("more than one Authorization header");
+  std::string_view v = *h;
+  if (v.size() < 7 || !(v.substr(0, 7) == "Bearer " || v.substr(0, 7) == "bearer "))
+    return unauth("the Authorization header must be 'Bearer <token>'");
+  v.remove_prefix(7);
+  while (!v.empty() && v.front() == ' ') v.remove_prefix(1);
+  while (!v.empty() && v.back() == ' ') v.remove_suffix(1);
+  if (v.empty() || v.size() > 512) return unauth("invalid bearer token");
+  std::optional<AuthInfo> auth;
+  try {
+    auth = store.authenticate(sha256_hex(v));
+  } catch (const std::exception& e) {
+    log::error("authentication lookup failed: {}", e.what());
+    Problem p(Code::unavailable, "the database is unavailable; retry later");
+    p.retry_after_s = 1;
+    fail(c, std::move(p));
+    return false;
+  }
+  if (!auth) {
+    store.audit_auth_failure("");
+    return unauth("unknown or revoked bearer token");
+  }
+  c->ctx.auth = *auth;
+  return true;
+}
+
+// Decodes the JSON body of a POST: media type, size (the parser enforces 16 KiB), syntax.
+std::optional<boost::json::object> body_object(const CallPtr& c, bool empty_ok) {
+  if (empty_ok && c->req.body().empty()) return boost::json::object{};
+  bool doubled = false;
+  auto ct = header_once(c->req, http::field::content_type, doubled);
+  if (doubled) {
+    fail(c, Problem(Code::invalid_request, "more than one Content-Type header"));
+    return std::nullopt;
+  }
+  std::string_view type = ct ? std::string_view(*ct) : std::string_view();
+  type = type.substr(0, type.find(';'));
+  while (!type.empty() && type.back() == ' ') type.remove_suffix(1);
+  bool is_json = type.size() == 16 && std::equal(type.begin(), type.end(), "application/json",
+                                                 [](char a, char b) { return std::tolower(a) == b; });
+  if (!is_json) {
+    fail(c, Problem(Code::unsupported_media_type, "the request body must be application/json"));
+    return std::nullopt;
+  }
+  auto obj = json::parse_object(c->req.body());
+  if (!obj) {
+    fail(c, std::move(obj.error()));
+    return std::nullopt;
+  }
+  return std::move(*obj);
+}
+
+std::optional<Idempotency> idempotency(const CallPtr& c, const boost::json::object& body) {
+  bool doubled = false;
+  auto h = header_once(c->req, "Idempotency-Key", doubled);
+  if (!h) {
+    fail(c, Problem(Code::idempotency_key_missing, "this request needs an Idempotency-Key header"));
+    return std::nullopt;
+  }
+  auto key = doubled ? std::nullopt : parse_idempotency_key(*h);
+  if (!key) {
+    fail(c, Problem(Code::idempotency_key_invalid,
+                    "Idempotency-Key must be 1-255 printable ASCII characters, once"));
+    return std::nullopt;
+  }
+  std::string material = std::string(c->req.method_string()) + " " + std::string(c->route->pattern) +
+                         " " + (c->params.empty() ? "" : c->params.front()) + "\n" + json::canonical(body);
+  return Idempotency{*key, sha256_hex(material)};
+}
+
+bool finish_reader(const CallPtr& c, json::ObjectReader& r) {
+  if (auto ok = r.finish(); !ok) {
+    fail(c, std::move(ok.error()));
+    return false;
+  }
+  return true;
+}
+
+std::optional<std::string> owner_field(json::ObjectReader& r) {
+  auto owner = r.string("owner_client_id", Need::required);
+  if (owner && (owner->empty() || owner->size() > 255)) {
+    r.fail("field \"owner_client_id\" must be 1-255 bytes");
+    return std::nullopt;
+  }
+  return owner;
+}
+
+// ---- handlers -----------------------------------------------------------------------------
+
+void on_register(const CallPtr& c, Store& store) {
+  auto body = body_object(c, true);
+  if (!body) return;
+  json::ObjectReader r(*body);
+  RegisterMemory req;
+  auto id = r.string("memory_instance_id", Need::optional);
+  if (id) {
+    if (!is_uuid_v7(*id)) r.fail("field \"memory_instance_id\" must be a UUIDv7");
+    else req.memory_id = Uuid::parse(*id)->to_string();
+  }
+  if (!finish_reader(c, r)) return;
+  auto idem = idempotency(c, *body);
+  if (!idem) return;
+  store.register_memory(c->ctx, std::move(*idem), std::move(req), reply_to(c));
+}
+
+void on_claim(const CallPtr& c, Store& store) {
+  auto body = body_object(c, false);
+  if (!body) return;
+  json::ObjectReader r(*body);
+  auto display = r.string("display_name", Need::required);
+  auto memory = r.uuid("memory_instance_id", Need::required);
+  auto owner = owner_field(r);
+  auto ttl = r.integer("ttl_seconds", Need::optional, -k_any_ttl, k_any_ttl);
+  if (!finish_reader(c, r)) return;
+  auto idem = idempotency(c, *body);
+  if (!idem) return;
+  Claim req{*display, canonicalize(*display), *memory, *owner, ttl.value_or(k_default_ttl_s)};
+  store.claim(c->ctx, std::move(*idem), std::move(req), reply_to(c));
+}
+
+std::optional<LeaseRef> lease_ref(const CallPtr& c, json::ObjectReader& r, bool with_owner, bool with_ttl) {
+  LeaseRef ref;
+  auto name = r.string("canonical_name", Need::required);
+  auto memory = r.uuid("memory_instance_id", Need::required);
+  auto token = r.integer("fencing_token", Need::required, 0, k_max_token);
+  std::optional<std::string> owner;
+  if (with_owner) owner = owner_field(r);
+  std::optional<std::int64_t> ttl;
+  if (with_ttl) ttl = r.integer("ttl_seconds", Need::optional, -k_any_ttl, k_any_ttl);
+  (void)c;
+  if (!name || !memory || !token || (with_owner && !owner)) return std::nullopt;
+  ref.canonical_name = *name;
+  ref.memory_id = *memory;
+  ref.fencing_token = *token;
+  if (owner) ref.owner_client_id = *owner;
+  ref.ttl_s = ttl.value_or(k_default_ttl_s);
+  return ref;
+}
+
+void on_renew(const CallPtr& c, Store& store) {
+  auto body = body_object(c, false);
+  if (!body) return;
+  json::ObjectReader r(*body);
+  auto ref = lease_ref(c, r, true, true);
+  if (!finish_reader(c, r)) return;
+  store.renew(c->ctx, std::move(*ref), reply_to(c));
+}
+
+void on_renew_batch(const CallPtr& c, Store& store) {
+  auto body = body_object(c, false);
+  if (!body) return;
+  json::ObjectReader r(*body);
+  RenewBatch req;
+  auto owner = owner_field(r);
+  const auto* items = r.array("leases", Need::required);
+  if (items && items->size() > k_max_batch)
+    r.fail("field \"leases\" holds at most " + std::to_string(k_max_batch) + " leases");
+  else if (items) {
+    for (std::size_t i = 0; i < items->size(); ++i) {
+      const auto& v = (*items)[i];
+      if (!v.is_object()) {
+        r.fail("leases[" + std::to_string(i) + "] must be an object");
+        continue;
+      }
+      json::ObjectReader ir(v.get_object());
+      auto ref = lease_ref(c, ir, false, true);
+      if (auto ok = ir.finish(); !ok) r.fail("leases[" + std::to_string(i) + "]: " + ok.error().detail);
+      else if (ref) req.leases.push_back(std::move(*ref));
+    }
+  }
+  if (!finish_reader(c, r)) return;
+  req.owner_client_id = *owner;
+  store.renew_batch(c->ctx, std::move(req), reply_to(c));
+}
+
+void on_release(const CallPtr& c, Store& store) {
+  auto body = body_object(c, false);
+  if (!body) return;
+  json::ObjectReader r(*body);
+  auto ref = lease_ref(c, r, true, false);
+  if (!finish_reader(c, r)) return;
+  store.release(c->ctx, std::move(*ref), reply_to(c));
+}
+
+void on_branch(const CallPtr& c, Store& store) {
+  auto body = body_object(c, false);
+  if (!body) return;
+  json::ObjectReader r(*body);
+  Branch req;
+  auto parent = r.uuid("parent_memory_instance_id", Need::required);
+  auto token = r.integer("parent_fencing_token", Need::required, 0, k_max_token);
+  auto id = r.string("memory_instance_id", Need::optional);
+  if (id) {
+    if (!is_uuid_v7(*id)) r.fail("field \"memory_instance_id\" must be a UUIDv7");
+    else req.memory_id = Uuid::parse(*id)->to_string();
+  }
+  if (!finish_reader(c, r)) return;
+  auto idem = idempotency(c, *body);
+  if (!idem) return;
+  req.parent_memory_id = *parent;
+  req.parent_fencing_token = *token;
+  store.branch(c->ctx, std::move(*idem), std::move(req), reply_to(c));
+}
+
+void on_verify(const CallPtr& c, Store& store) {
+  auto body = body_object(c, false);
+  if (!body) return;
+  json::ObjectReader r(*body);
+  auto memory = r.uuid("memory_instance_id", Need::required);
+  auto token = r.integer("fencing_token", Need::required, 0, k_max_token);
+  if (!finish_reader(c, r)) return;
+  store.verify(c->ctx, Verify{*memory, *token}, reply_to(c));
+}
+
+// A name from a URL or a body: its canonical form when it is a valid name, else as given
+// (then it simply matches no lease).
+std::string lookup_name(const std::string& raw) {
+  auto n = canonicalize(raw);
+  return n ? n->canonical_name : raw;
+}
+
+void on_revoke(const CallPtr& c, Store& store) {
+  auto body = body_object(c, false);
+  if (!body) return;
+  json::ObjectReader r(*body);
+  auto name = r.string("canonical_name", Need::required);
+  if (!finish_reader(c, r)) return;
+  store.revoke(c->ctx, lookup_name(*name), reply_to(c));
+}
+
+void on_get_lease(const CallPtr& c, Store& store) { store.get_lease(c->ctx, lookup_name(c->params[0]), reply_to(c)); }
+
+void on_list_leases(const CallPtr& c, Store& store) {
+  ListLeases req;
+  for (auto p : c->query) {
+    if (p.key == "owner_client_id") {
+      req.owner_client_id = std::string(p.value);
+    } else if (p.key == "cursor") {
+      req.cursor = std::string(p.value);
+    } else if (p.key == "limit") {
+      std::string v(p.value);
+      char* end = nullptr;
+      long n = std::strtol(v.c_str(), &end, 10);
+      if (v.empty() || *end || n < 1 || n > 1000)
+        return fail(c, Problem(Code::invalid_request, "limit must be an integer from 1 to 1000"));
+      req.limit = static_cast<std::size_t>(n);
+    } else {
+      return fail(c, Problem(Code::invalid_request, "unknown query parameter \"" + std::string(p.key) + "\""));
+    }
+  }
+  store.list_leases(c->ctx, std::move(req), reply_to(c));
+}
+
+bool uuid_param(const CallPtr& c, std::string& out) {
+  auto u = Uuid::parse(c->params[0]);
+  if (!u) {
+    fail(c, Problem(Code::invalid_request, "the memory id in the path must be a UUID"));
+    return false;
+  }
+  out = u->to_string();
+  return true;
+}
+
+void on_get_memory(const CallPtr& c, Store& store) {
+  std::string id;
+  if (uuid_param(c, id)) store.get_memory(c->ctx, id, reply_to(c));
+}
+
+void on_lineage(const CallPtr& c, Store& store) {
+  std::string id;
+  if (uuid_param(c, id)) store.lineage(c->ctx, id, reply_to(c));
+}
+
+void on_metrics(const CallPtr& c, Store& store) {
+  auto& m = Metrics::global();
+  try {
+    m.set("mep_leases_active", static_cast<double>(store.active_leases()));
+    m.set("mep_db_transaction_retries_total", static_cast<double>(store.transaction_retries()));
+  } catch (const std::exception& e) {
+    log::warn("metrics: {}", e.what());
+  }
+  Reply r;
+  r.status = 200;
+  r.body = m.render();
+  HttpResponse res = make_response(*c, r);
+  res.set(http::field::content_type, "text/plain; version=0.0.4; charset=utf-8");
+  c->send(std::move(res));
+}
+
+void on_health(const CallPtr& c, Store& store, bool readiness) {
+  bool ok = !readiness || store.ready();
+  if (ok) return finish(c, json_reply(200, boost::json::object{{"status", "ok"}}));
+  Problem p(Code::unavailable, "the database is not reachable");
+  p.retry_after_s = 1;
+  fail(c, std::move(p));
+}
+
+} // namespace
+
+std::optional<std::string> parse_idempotency_key(std::string_view v) {
+  while (!v.empty() && (v.front() == ' ' || v.front() == '\t')) v.remove_prefix(1);
+  while (!v.empty() && (v.back() == ' ' || v.back() == '\t')) v.remove_suffix(1);
+  std::string out;
+  if (!v.empty() && v.front() == '"') {
+    if (v.size() < 2 || v.back() != '"') return std::nullopt;
+    v = v.substr(1, v.size() - 2);
+    for (std::size_t i = 0; i < v.size(); ++i) {
+      char ch = v[i];
+      if (ch == '\\') {
+        if (i + 1 >= v.size() || (v[i + 1] != '"' && v[i + 1] != '\\')) return std::nullopt;
+        out.push_back(v[++i]);
+      } else if (ch == '"' || ch < 0x20 || ch > 0x7E) {
+        return std::nullopt;
+      } else {
+        out.push_back(ch);
+      }
+    }
+  } else {
+    for (char ch : v)
+      if (ch < 0x21 || ch > 0x7E) return std::nullopt;
+    out.assign(v);
+  }
+  if (out.empty() || out.size() > 255) return std::nullopt;
+  return out;
+}
+
+HttpResponse Router::problem_response(const Problem& p, unsigned version, bool keep_alive) {
+  Problem q = p;
+  q.instance = uuid_v7().to_string();
+  Reply r = problem_reply(q, q.instance);
+  HttpResponse res{static_cast<http::status>(r.status), version};
+  res.set(http::field::server, "mep");
+  res.set("X-Request-Id", q.instance);
+  res.set(http::field::content_type, "application/problem+json");
+  res.set(http::field::cache_control, "no-store");
+  res.body() = r.body;
+  res.keep_alive(keep_alive);
+  res.prepare_payload();
+  return res;
+}
+
+void Router::handle(HttpRequest&& req, const Peer& peer, Send send) {
+  auto c = std::make_shared<Call>();
+  c->req = std::move(req);
+  c->peer = peer;
+  c->send = std::move(send);
+  c->ctx.request_id = uuid_v7().to_string();
+
+  // 1. Route: 404 for unknown paths, 405 (with Allow) for known paths and other methods.
+  auto target = boost::urls::parse_origin_form(c->req.target());
+  if (!target) return fail(c, Problem(Code::invalid_request, "malformed request target"));
+  std::vector<std::string> segs;
+  for (auto s : target->segments()) segs.emplace_back(s);
+  if (segs.empty()) segs.emplace_back();
+  c->query = target->params();
+  std::string allow;
+  for (const auto& r : k_routes) {
+    std::vector<std::string> params;
+    if (!match(r.pattern, segs, params)) continue;
+    if (r.method == c->req.method()) {
+      c->route = &r;
+      c->params = std::move(params);
+      break;
+    }
+    if (!allow.empty()) allow += ", ";
+    allow += std::string(http::to_string(r.method));
+  }
+  if (!c->route) {
+    if (allow.empty()) return fail(c, Problem(Code::not_found, "no such endpoint"));
+    Reply r = problem_reply(Problem(Code::method_not_allowed, "this endpoint does not accept that method"),
+                            c->ctx.request_id);
+    HttpResponse res = make_response(*c, r);
+    res.set(http::field::allow, allow);
+    return c->send(std::move(res));
+  }
+  c->route_label = std::string(c->route->pattern);
+  const RouteSpec& route = *c->route;
+
+  // 2. Authentication and scope (metrics are open on loopback only).
+  if (route.auth == Auth::none) return on_health(c, m_store, route.pattern == "/readyz");
+  if (route.auth == Auth::metrics && peer.loopback) return on_metrics(c, m_store);
+  if (!authenticate(c, m_store)) return;
+  bool need_admin = route.auth == Auth::admin || route.auth == Auth::metrics;
+  if ((need_admin && !c->ctx.auth.scope_admin) || (!need_admin && !c->ctx.auth.scope_lease))
+    return fail(c, Problem(Code::forbidden, need_admin ? "this endpoint needs the admin scope"
+                                                       : "this token lacks the lease scope"));
+
+  // 3. Rate limit per token.
+  if (int wait = m_limiter.acquire(c->ctx.auth.token_id); wait > 0) {
+    Metrics::global().inc("mep_rate_limited_total");
+    Problem p(Code::rate_limited, "too many requests for this token");
+    p.retry_after_s = wait;
+    return fail(c, std::move(p));
+  }
+
+  // 4. The handler.
+  const auto& p = route.pattern;
+  if (p == "/metrics") return on_metrics(c, m_store);
+  if (p == "/v1/memories") return on_register(c, m_store);
+  if (p == "/v1/memories/branch") return on_branch(c, m_store);
+  if (p == "/v1/memories/{id}") return on_get_memory(c, m_store);
+  if (p == "/v1/memories/{id}/lineage") return on_lineage(c, m_store);
+  if (p == "/v1/leases") return route.method == http::verb::post ? on_claim(c, m_store) : on_list_leases(c, m_store);
+  if (p == "/v1/leases/renew") return on_renew(c, m_store);
+  if (p == "/v1/leases/renew-batch") return on_renew_batch(c, m_store);
+  if (p == "/v1/leases/release") return on_release(c, m_store);
+  if (p == "/v1/leases/{canonical_name}") return on_get_lease(c, m_store);
+  if (p == "/v1/fence/verify") return on_verify(c, m_store);
+  if (p == "/v1/admin/leases/revoke") return on_revoke(c, m_store);
+  fail(c, Problem(Code::not_found, "no such endpoint"));
+}
+
+} // namespace mep::server

@@ -1,0 +1,172 @@
+// The control plane's main loop: open the store, bind, serve, sweep, shut down cleanly.
+#include "mep/server.hpp"
+
+#include "mep/config.hpp"
+#include "mep/http_server.hpp"
+#include "mep/log.hpp"
+#include "mep/problem.hpp"
+#include "mep/sqlite_store.hpp"
+
+#include <boost/asio/ip/address.hpp>
+#include <boost/asio/signal_set.hpp>
+#include <boost/asio/steady_timer.hpp>
+
+#include <chrono>
+#include <condition_variable>
+#include <csignal>
+#include <thread>
+
+namespace mep::server {
+namespace net = boost::asio;
+using tcp = net::ip::tcp;
+
+std::string default_db_url() { return "sqlite:" + (xdg_state_home() / "mep" / "control.db").string(); }
+
+std::unique_ptr<Store> open_store(const std::string& url) {
+  if (url.rfind("postgres://", 0) == 0 || url.rfind("postgresql://", 0) == 0)
+    throw std::runtime_error("this build supports only sqlite:PATH databases");
+  if (url.find("://") != std::string::npos && url.rfind("sqlite://", 0) != 0)
+    throw std::runtime_error("unsupported database URL scheme in \"" + url + "\" (use sqlite:PATH)");
+  return std::make_unique<SqliteStore>(url);
+}
+
+namespace {
+
+// Parses HOST:PORT ([v6]:PORT too); "localhost" means 127.0.0.1.
+std::optional<tcp::endpoint> parse_listen(const std::string& s) {
+  std::string host, port;
+  if (!s.empty() && s.front() == '[') {
+    auto close = s.find(']');
+    if (close == std::string::npos || close + 1 >= s.size() || s[close + 1] != ':') return std::nullopt;
+    host = s.substr(1, close - 1);
+    port = s.substr(close + 2);
+  } else {
+    auto colon = s.rfind(':');
+    if (colon == std::string::npos) return std::nullopt;
+    host = s.substr(0, colon);
+    port = s.substr(colon + 1);
+  }
+  if (host == "localhost") host = "127.0.0.1";
+  boost::system::error_code ec;
+  auto addr = net::ip::make_address(host, ec);
+  if (ec || port.empty() || port.size() > 5 || port.find_first_not_of("0123456789") != std::string::npos)
+    return std::nullopt;
+  unsigned long p = std::stoul(port);
+  if (p > 65535) return std::nullopt;
+  return tcp::endpoint(addr, static_cast<unsigned short>(p));
+}
+
+// Runs Store::sweep once a second until stopped (L5: storage does not grow with churn).
+class Sweeper {
+public:
+  explicit Sweeper(Store& store) : m_thread([this, &store] { loop(store); }) {}
+  ~Sweeper() {
+    {
+      std::lock_guard lock(m_mutex);
+      m_stop = true;
+    }
+    m_cv.notify_all();
+    m_thread.join();
+  }
+
+private:
+  void loop(Store& store) {
+    std::unique_lock lock(m_mutex);
+    while (!m_cv.wait_for(lock, std::chrono::seconds(1), [&] { return m_stop; })) {
+      lock.unlock();
+      try {
+        std::int64_t n = store.sweep();
+        if (n > 0) log::debug("sweeper removed {} expired rows", n);
+      } catch (const std::exception& e) {
+        log::warn("sweeper: {}", e.what());
+      }
+      lock.lock();
+    }
+  }
+  std::mutex m_mutex;
+  std::condition_variable m_cv;
+  bool m_stop = false;
+  std::thread m_thread;
+};
+
+} // namespace
+
+int run_server(const ServerOptions& o) {
+  log::set_program("mep server");
+  // 1. Check the options together and report every problem at once.
+  std::vector<std::string> errors;
+  log::Level level;
+  if (!log::parse_level(o.log_level, level)) errors.push_back("--log-level must be debug, info, warn or error");
+  else log::set_level(level);
+  auto endpoint = parse_listen(o.listen);
+  if (!endpoint) errors.push_back("--listen must be HOST:PORT with an IP address (got \"" + o.listen + "\")");
+  bool tls = !o.tls_cert.empty() || !o.tls_key.empty();
+  if (tls && (o.tls_cert.empty() || o.tls_key.empty()))
+    errors.push_back("--tls-cert and --tls-key go together");
+  if (endpoint && !endpoint->address().is_loopback() && !tls && !o.insecure_plaintext)
+    errors.push_back("refusing to serve plain HTTP on " + o.listen +
+                     ", which is not a loopback address: give --tls-cert and --tls-key, or "
+                     "--insecure-plaintext if a TLS proxy sits in front");
+  if (o.rate_limit < 0) errors.push_back("--rate-limit must be 0 (off) or positive");
+  if (!errors.empty()) {
+    for (const auto& e : errors) log::error("{}", e);
+    return exit_code::usage;
+  }
+
+  // 2. Open the database (creating and migrating it) and the TLS context.
+  std::unique_ptr<Store> store;
+  std::unique_ptr<net::ssl::context> tls_ctx;
+  try {
+    store = open_store(o.db_url.empty() ? default_db_url() : o.db_url);
+    if (tls) tls_ctx = make_tls_context(o.tls_cert, o.tls_key);
+  } catch (const std::exception& e) {
+    log::error("{}", e.what());
+    return exit_code::other;
+  }
+
+  // 3. Bind and start serving.
+  std::signal(SIGPIPE, SIG_IGN);
+  net::io_context ioc(o.threads);
+  Router router(*store, o.rate_limit);
+  std::unique_ptr<HttpServer> http;
+  try {
+    http = std::make_unique<HttpServer>(ioc, *endpoint, router, tls_ctx.get());
+  } catch (const boost::system::system_error& e) {
+    log::error("cannot listen on {}: {}", o.listen, e.code().message());
+    return exit_code::other;
+  }
+  http->start();
+  Sweeper sweeper(*store);
+
+  // 4. SIGTERM/SIGINT: stop accepting, let requests in flight finish (at most 5 s).
+  net::signal_set signals(ioc, SIGINT, SIGTERM);
+  net::steady_timer drain(ioc);
+  auto deadline = std::make_shared<std::chrono::steady_clock::time_point>();
+  std::function<void()> wait_drain = [&] {
+    if (http->in_flight() == 0 || std::chrono::steady_clock::now() >= *deadline) return ioc.stop();
+    drain.expires_after(std::chrono::milliseconds(20));
+    drain.async_wait([&](boost::system::error_code) { wait_drain(); });
+  };
+  signals.async_wait([&](boost::system::error_code ec, int sig) {
+    if (ec) return;
+    log::info("signal {}: shutting down", sig);
+    http->stop_accepting();
+    *deadline = std::chrono::steady_clock::now() + std::chrono::seconds(5);
+    wait_drain();
+  });
+
+  auto ep = http->local_endpoint();
+  std::string host = ep.address().is_v6() ? "[" + ep.address().to_string() + "]" : ep.address().to_string();
+  std::fprintf(stderr, "mep server listening on %s://%s:%u\n", tls ? "https" : "http", host.c_str(),
+               static_cast<unsigned>(ep.port()));
+  std::fflush(stderr);
+
+  std::vector<std::thread> pool;
+  for (int i = 1; i < o.threads; ++i) pool.emplace_back([&] { ioc.run(); });
+  ioc.run();
+  for (auto& t : pool) t.join();
+  log::info("stopped");
+  return exit_code::ok;
+}
+
+} // namespace mep::server

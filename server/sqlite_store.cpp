@@ -1,0 +1,971 @@
+// The embedded SQLite store (SPEC §9): one writer thread committing concurrent
+// requests in groups, read-only connections for reads and authentication.
+//
+// Design notes.
+// * Durability: WAL with synchronous=FULL, so COMMIT returns after fsync. Every reply
+//   of a batch is delivered only after its COMMIT (writer_loop/run_batch): an
+//   acknowledged grant survives a power loss, and a fencing token is never issued twice.
+// * Group commit: run_batch opens one BEGIN IMMEDIATE transaction for all queued jobs,
+//   gives each its own SAVEPOINT (a failing job rolls back alone) and commits once.
+//   Jobs run one at a time, so concurrent duplicates of one Idempotency-Key serialize.
+// * Transitions of SPEC §4, by function: register (op_register), claim and takeover
+//   (op_claim: expired rows conflicting on name, skeleton or memory are deleted first,
+//   §12.2), renew (op_renew: expiry = max(old, now+ttl)), release (op_release), expiry
+//   (the clock; op_sweep removes the rows later), branch (op_branch), revoke (op_revoke).
+// * Fencing: the counter lives on the memory row (§12.1) and only grows; classify()
+//   compares a presented token with the lease row *and* that counter, so a superseded
+//   token (409) is told from an expired lease (410) even after the row is gone.
+// * Idempotency (run_idempotent): keyed by (tenant, key) (§12.3); the stored reply is
+//   written in the same transaction as the operation; 4xx outcomes are stored after the
+//   operation's own savepoint was rolled back, 5xx never.
+#include "mep/sqlite_store.hpp"
+
+#include "mep/crypto.hpp"
+#include "mep/json.hpp"
+#include "mep/log.hpp"
+#include "mep/metrics.hpp"
+#include "mep/random.hpp"
+#include "mep/uuid.hpp"
+#include "mep/wire.hpp"
+
+#include <boost/json/array.hpp>
+#include <fmt/format.h>
+
+#include <cstdio>
+#include <filesystem>
+#include <future>
+#include <sys/stat.h>
+
+namespace mep::server {
+namespace {
+
+using sqlite::Db;
+using sqlite::Use;
+
+constexpr int k_schema_version = 1;
+constexpr std::size_t k_max_group = 1024;
+
+constexpr std::string_view k_schema_v1 = R"sql(
+CREATE TABLE IF NOT EXISTS tenants (
+  tenant_id   TEXT PRIMARY KEY,
+  name        TEXT NOT NULL UNIQUE,
+  audit_salt  BLOB NOT NULL,
+  created_at  INTEGER NOT NULL
+);
+CREATE TABLE IF NOT EXISTS tokens (
+  token_id     TEXT PRIMARY KEY,
+  tenant_id    TEXT NOT NULL REFERENCES tenants(tenant_id),
+  token_sha256 TEXT NOT NULL UNIQUE,
+  scopes       TEXT NOT NULL,
+  created_at   INTEGER NOT NULL,
+  revoked_at   INTEGER
+);
+CREATE TABLE IF NOT EXISTS memories (
+  memory_id          TEXT PRIMARY KEY,
+  tenant_id          TEXT NOT NULL,
+  parent_memory_id   TEXT,
+  branched_at_token  INTEGER,
+  fence_counter      INTEGER NOT NULL DEFAULT 0,
+  created_at         INTEGER NOT NULL
+);
+CREATE INDEX IF NOT EXISTS memories_parent ON memories(parent_memory_id);
+CREATE TABLE IF NOT EXISTS leases (
+  lease_id         TEXT PRIMARY KEY,
+  tenant_id        TEXT NOT NULL,
+  canonical_name   TEXT NOT NULL UNIQUE,
+  display_name     TEXT NOT NULL,
+  skeleton         TEXT NOT NULL UNIQUE,
+  memory_id        TEXT NOT NULL UNIQUE,
+  fencing_token    INTEGER NOT NULL,
+  owner_client_id  TEXT NOT NULL,
+  ttl_seconds      INTEGER NOT NULL,
+  expires_at       INTEGER NOT NULL,
+  acquired_at      INTEGER NOT NULL
+);
+CREATE INDEX IF NOT EXISTS leases_expiry ON leases(expires_at);
+CREATE INDEX IF NOT EXISTS leases_owner ON leases(tenant_id, owner_client_id);
+CREATE TABLE IF NOT EXISTS agent_names (
+  canonical_name   TEXT PRIMARY KEY,
+  display_name     TEXT NOT NULL,
+  skeleton         TEXT NOT NULL,
+  tenant_id        TEXT NOT NULL,
+  unicode_version  TEXT NOT NULL,
+  icu_version      TEXT NOT NULL,
+  first_claimed_at INTEGER NOT NULL,
+  last_claimed_at  INTEGER NOT NULL
+);
+CREATE TABLE IF NOT EXISTS idempotency (
+  tenant_id    TEXT NOT NULL,
+  idem_key     TEXT NOT NULL,
+  fingerprint  TEXT NOT NULL,
+  status       INTEGER NOT NULL,
+  body         TEXT NOT NULL,
+  created_at   INTEGER NOT NULL,
+  expires_at   INTEGER NOT NULL,
+  PRIMARY KEY (tenant_id, idem_key)
+);
+CREATE INDEX IF NOT EXISTS idempotency_expiry ON idempotency(expires_at);
+CREATE TABLE IF NOT EXISTS audit_events (
+  event_id              TEXT PRIMARY KEY,
+  tenant_id             TEXT NOT NULL,
+  event_type            TEXT NOT NULL,
+  redacted_name_hash    TEXT NOT NULL,
+  redacted_memory_hash  TEXT NOT NULL,
+  fencing_token         INTEGER,
+  created_at            INTEGER NOT NULL
+);
+CREATE TABLE IF NOT EXISTS settings (
+  key    TEXT PRIMARY KEY,
+  value  TEXT NOT NULL
+);
+)sql";
+
+constexpr std::string_view k_lease_cols =
+    "lease_id, tenant_id, canonical_name, display_name, skeleton, memory_id, fencing_token, "
+    "owner_client_id, ttl_seconds, expires_at, acquired_at";
+
+LeaseRow read_lease(sqlite::Stmt& s) {
+  LeaseRow l;
+  l.lease_id = s.text(0);
+  l.tenant_id = s.text(1);
+  l.canonical_name = s.text(2);
+  l.display_name = s.text(3);
+  l.skeleton = s.text(4);
+  l.memory_id = s.text(5);
+  l.fencing_token = s.int64(6);
+  l.owner_client_id = s.text(7);
+  l.ttl_s = s.int64(8);
+  l.expires_at = s.int64(9);
+  l.acquired_at = s.int64(10);
+  return l;
+}
+
+std::optional<MemoryRow> find_memory(Db& db, const std::string& memory_id) {
+  Use s(db.prepare("SELECT memory_id, tenant_id, parent_memory_id, branched_at_token, "
+                   "fence_counter, created_at FROM memories WHERE memory_id = ?1"));
+  s->bind(1, memory_id);
+  if (!s->step()) return std::nullopt;
+  MemoryRow m;
+  m.memory_id = s->text(0);
+  m.tenant_id = s->text(1);
+  m.parent_memory_id = s->opt_text(2);
+  m.branched_at_token = s->opt_int64(3);
+  m.fence_counter = s->int64(4);
+  m.created_at = s->int64(5);
+  return m;
+}
+
+std::optional<LeaseRow> lease_by_memory(Db& db, const std::string& memory_id) {
+  Use s(db.prepare(fmt::format("SELECT {} FROM leases WHERE memory_id = ?1", k_lease_cols)));
+  s->bind(1, memory_id);
+  if (!s->step()) return std::nullopt;
+  return read_lease(*s);
+}
+
+std::optional<LeaseRow> lease_by_name(Db& db, const std::string& name) {
+  Use s(db.prepare(fmt::format("SELECT {} FROM leases WHERE canonical_name = ?1", k_lease_cols)));
+  s->bind(1, name);
+  if (!s->step()) return std::nullopt;
+  return read_lease(*s);
+}
+
+void delete_lease(Db& db, const std::string& lease_id) {
+  Use s(db.prepare("DELETE FROM leases WHERE lease_id = ?1"));
+  s->bind(1, lease_id).run();
+}
+
+bool ttl_ok(std::int64_t ttl) { return ttl >= k_min_ttl_s && ttl <= k_max_ttl_s; }
+
+Problem ttl_problem(std::int64_t ttl) {
+  return Problem(Code::invalid_ttl, fmt::format("ttl_seconds must be between {} and {} (got {})",
+                                                k_min_ttl_s, k_max_ttl_s, ttl));
+}
+
+std::string db_path_from_url(const std::string& url) {
+  if (url.rfind("sqlite://", 0) == 0) return url.substr(9);
+  if (url.rfind("sqlite:", 0) == 0) return url.substr(7);
+  return url;
+}
+
+} // namespace
+
+// ---- construction and the writer -------------------------------------------------------
+
+SqliteStore::SqliteStore(const std::string& url) : m_path(db_path_from_url(url)) {
+  if (m_path.empty()) throw std::runtime_error("empty SQLite database path");
+  std::filesystem::path parent = std::filesystem::path(m_path).parent_path();
+  if (!parent.empty()) {
+    std::error_code ec;
+    if (!std::filesystem::exists(parent, ec)) {
+      std::filesystem::create_directories(parent, ec);
+      if (ec) throw std::runtime_error("cannot create " + parent.string() + ": " + ec.message());
+      ::chmod(parent.c_str(), 0700);
+    }
+  }
+  m_db = std::make_unique<Db>(m_path, sqlite::Mode::read_write_create);
+  m_db->exec("PRAGMA journal_mode=WAL");
+  m_db->exec("PRAGMA synchronous=FULL");
+  m_db->exec("PRAGMA foreign_keys=ON");
+  m_db->exec("PRAGMA cache_size=-8000");
+  ::chmod(m_path.c_str(), 0600);
+  migrate();
+  m_writer = std::thread([this] { writer_loop(); });
+}
+
+SqliteStore::~SqliteStore() {
+  {
+    std::lock_guard lock(m_mutex);
+    m_stopping = true;
+  }
+  m_cv.notify_all();
+  if (m_writer.joinable()) m_writer.join();
+}
+
+void SqliteStore::migrate() {
+  m_db->exec("CREATE TABLE IF NOT EXISTS schema_version (version INTEGER NOT NULL)");
+  m_db->exec("BEGIN IMMEDIATE");
+  try {
+    std::int64_t version = 0;
+    {
+      Use s(m_db->prepare("SELECT max(version) FROM schema_version"));
+      if (s->step() && !s->is_null(0)) version = s->int64(0);
+    }
+    if (version > k_schema_version)
+      throw std::runtime_error(fmt::format(
+          "database schema version {} is newer than this mep ({}); upgrade mep", version,
+          k_schema_version));
+    if (version < 1) {
+      m_db->exec(k_schema_v1);
+      m_db->exec("INSERT INTO schema_version(version) VALUES (1)");
+    }
+    m_db->exec("COMMIT");
+  } catch (...) {
+    m_db->exec("ROLLBACK");
+    throw;
+  }
+}
+
+void SqliteStore::enqueue(Work work, Done done, std::string request_id) {
+  {
+    std::lock_guard lock(m_mutex);
+    m_queue.push_back(Job{std::move(work), std::move(done), std::move(request_id)});
+  }
+  m_cv.notify_one();
+}
+
+void SqliteStore::writer_loop() {
+  std::vector<Job> batch;
+  for (;;) {
+    {
+      std::unique_lock lock(m_mutex);
+      m_cv.wait(lock, [&] { return !m_queue.empty() || m_stopping; });
+      if (m_queue.empty() && m_stopping) return;
+      std::size_t n = std::min(m_queue.size(), k_max_group);
+      batch.assign(std::make_move_iterator(m_queue.begin()),
+                   std::make_move_iterator(m_queue.begin() + static_cast<std::ptrdiff_t>(n)));
+      m_queue.erase(m_queue.begin(), m_queue.begin() + static_cast<std::ptrdiff_t>(n));
+    }
+    run_batch(batch);
+    batch.clear();
+  }
+}
+
+void SqliteStore::run_batch(std::vector<Job>& batch) {
+  std::vector<Reply> replies(batch.size());
+  auto unavailable = [](const std::string& rid) {
+    Problem p(Code::unavailable, "the database is unavailable; retry later");
+    p.retry_after_s = 1;
+    return problem_reply(std::move(p), rid);
+  };
+  try {
+    m_db->exec("BEGIN IMMEDIATE");
+  } catch (const sqlite::Error& e) {
+    log::error("database error: {}", e.what());
+    m_healthy = false;
+    for (auto& job : batch) job.done(unavailable(job.request_id));
+    return;
+  }
+  for (std::size_t i = 0; i < batch.size(); ++i) {
+    Use(m_db->prepare("SAVEPOINT job")).operator*().run();
+    try {
+      m_pending_audit.clear();
+      replies[i] = batch[i].work(*m_db, now_unix_ms());
+      write_pending_audit();
+      Use(m_db->prepare("RELEASE job")).operator*().run();
+    } catch (const std::exception& e) {
+      m_db->exec("ROLLBACK TO job; RELEASE job");
+      bool io = dynamic_cast<const sqlite::Error*>(&e) != nullptr;
+      log::error("request {} failed: {}", batch[i].request_id, e.what());
+      replies[i] = io ? unavailable(batch[i].request_id)
+                      : problem_reply(Problem(Code::internal, "internal error"), batch[i].request_id);
+    }
+  }
+  try {
+    m_db->exec("COMMIT");
+    m_healthy = true;
+  } catch (const sqlite::Error& e) {
+    log::error("commit failed: {}", e.what());
+    try {
+      m_db->exec("ROLLBACK");
+    } catch (...) {
+    }
+    m_healthy = false;
+    for (std::size_t i = 0; i < batch.size(); ++i) replies[i] = unavailable(batch[i].request_id);
+  }
+  for (std::size_t i = 0; i < batch.size(); ++i) batch[i].done(std::move(replies[i]));
+}
+
+template <typename T>
+T SqliteStore::run_sync(std::function<T(Db&, UnixMs)> fn) {
+  std::promise<T> promise;
+  auto future = promise.get_future();
+  std::exception_ptr error;
+  enqueue(
+      [&](Db& db, UnixMs now) {
+        try {
+          promise.set_value(fn(db, now));
+        } catch (...) {
+          error = std::current_exception();
+          promise.set_exception(error);
+        }
+        return Reply{};
+      },
+      [](Reply) {});
+  return future.get();
+}
+
+SqliteStore::ReaderLease SqliteStore::reader() {
+  std::unique_ptr<Db> db;
+  {
+    std::lock_guard lock(m_readers_mutex);
+    if (!m_readers.empty()) {
+      db = std::move(m_readers.back());
+      m_readers.pop_back();
+    }
+  }
+  if (!db) db = std::make_unique<Db>(m_path, sqlite::Mode::read_only);
+  return ReaderLease(this, std::move(db));
+}
+
+SqliteStore::ReaderLease::~ReaderLease() {
+  if (!m_db) return;
+  std::lock_guard lock(m_store->m_readers_mutex);
+  if (m_store->m_readers.size() < 16) m_store->m_readers.push_back(std::move(m_db));
+}
+
+// ---- audit ------------------------------------------------------------------------------
+
+const std::string& SqliteStore::salt(Db& db, const std::string& tenant_id) {
+  auto it = m_salts.find(tenant_id);
+  if (it != m_salts.end()) return it->second;
+  std::string s;
+  Use q(db.prepare("SELECT audit_salt FROM tenants WHERE tenant_id = ?1"));
+  q->bind(1, tenant_id);
+  if (q->step()) s = q->text(0);
+  return m_salts.emplace(tenant_id, s).first->second;
+}
+
+void SqliteStore::audit(const std::string& tenant_id, std::string_view type, std::string_view name,
+                        std::string_view memory_id, std::optional<std::int64_t> token) {
+  m_pending_audit.push_back(
+      PendingAudit{tenant_id, std::string(type), std::string(name), std::string(memory_id), token});
+}
+
+void SqliteStore::write_pending_audit() {
+  for (const auto& a : m_pending_audit) {
+    const std::string& key = salt(*m_db, a.tenant_id);
+    Use s(m_db->prepare("INSERT INTO audit_events(event_id, tenant_id, event_type, "
+                        "redacted_name_hash, redacted_memory_hash, fencing_token, created_at) "
+                        "VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7)"));
+    s->bind(1, uuid_v7().to_string())
+        .bind(2, a.tenant_id)
+        .bind(3, a.type)
+        .bind(4, a.name.empty() ? std::string() : hmac_sha256_hex(key, a.name))
+        .bind(5, a.memory_id.empty() ? std::string() : hmac_sha256_hex(key, a.memory_id))
+        .bind(6, a.token)
+        .bind(7, now_unix_ms())
+        .run();
+  }
+  m_pending_audit.clear();
+}
+
+// ---- idempotency ------------------------------------------------------------------------
+
+Reply SqliteStore::run_idempotent(Db& db, UnixMs now, const Ctx& ctx, const Idempotency& idem,
+                                  const std::function<Reply()>& op) {
+  auto& metrics = Metrics::global();
+  {
+    Use s(db.prepare("SELECT fingerprint, status, body FROM idempotency "
+                     "WHERE tenant_id = ?1 AND idem_key = ?2 AND expires_at > ?3"));
+    s->bind(1, ctx.auth.tenant_id).bind(2, idem.key).bind(3, now);
+    if (s->step()) {
+      if (s->text(0) != idem.fingerprint) {
+        metrics.inc("mep_idempotency_lookups_total", "result=\"mismatch\"");
+        return problem_reply(Problem(Code::idempotency_key_reused,
+                                     "this Idempotency-Key was used with a different request"),
+                             ctx.request_id);
+      }
+      metrics.inc("mep_idempotency_lookups_total", "result=\"hit\"");
+      Reply r;
+      r.status = static_cast<int>(s->int64(1));
+      if (r.status == 201) r.status = 200;
+      r.body = s->text(2);
+      r.problem = r.status >= 400;
+      r.replayed = true;
+      r.outcome = "replayed";
+      return r;
+    }
+  }
+  metrics.inc("mep_idempotency_lookups_total", "result=\"miss\"");
+  Use(db.prepare("SAVEPOINT op")).operator*().run();
+  Reply reply;
+  try {
+    reply = op();
+  } catch (...) {
+    db.exec("ROLLBACK TO op; RELEASE op");
+    throw;
+  }
+  if (reply.status >= 400) db.exec("ROLLBACK TO op");
+  Use(db.prepare("RELEASE op")).operator*().run();
+  if (reply.status < 500) {
+    Use s(db.prepare("INSERT OR REPLACE INTO idempotency(tenant_id, idem_key, fingerprint, status, "
+                     "body, created_at, expires_at) VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7)"));
+    s->bind(1, ctx.auth.tenant_id)
+        .bind(2, idem.key)
+        .bind(3, idem.fingerprint)
+        .bind(4, static_cast<std::int64_t>(reply.status))
+        .bind(5, reply.body)
+        .bind(6, now)
+        .bind(7, now + k_idempotency_retention_ms)
+        .run();
+  }
+  return reply;
+}
+
+// ---- fencing classification -------------------------------------------------------------
+
+// Decides what a presented (memory, token) refers to. Returns the live lease when the
+// token is the memory's current grant and its lease is unexpired; otherwise the problem:
+// 404 when the memory is not the tenant's, 409 stale-fence when a newer grant exists
+// (or the token was never issued), 410 lease-expired when this grant has ended.
+expected<LeaseRow, Problem> SqliteStore::classify(Db& db, UnixMs now, const Ctx& ctx,
+                                                  const std::string& memory_id, std::int64_t token,
+                                                  Code not_found) {
+  auto mem = find_memory(db, memory_id);
+  if (!mem || mem->tenant_id != ctx.auth.tenant_id)
+    return make_unexpected(Problem(not_found, "no such memory for this tenant"));
+  if (token != mem->fence_counter) {
+    Problem p(Code::stale_fence,
+              token < mem->fence_counter
+                  ? fmt::format("fencing token {} was superseded by {}", token, mem->fence_counter)
+                  : fmt::format("fencing token {} was never issued for this memory", token));
+    p.extensions["current_fencing_token"] = mem->fence_counter;
+    audit(ctx.auth.tenant_id, "STALE_FENCE_REJECTED", {}, memory_id, token);
+    Metrics::global().inc("mep_fencing_rejections_total");
+    return make_unexpected(std::move(p));
+  }
+  auto lease = lease_by_memory(db, memory_id);
+  if (!lease || lease->fencing_token != token || lease->expires_at <= now)
+    return make_unexpected(Problem(Code::lease_expired,
+                                   fmt::format("the lease with fencing token {} has ended", token)));
+  return *lease;
+}
+
+// ---- operations -------------------------------------------------------------------------
+
+void SqliteStore::register_memory(const Ctx& ctx, Idempotency idem, RegisterMemory req, Done done) {
+  enqueue(
+      [this, ctx, idem = std::move(idem), req = std::move(req)](Db& db, UnixMs now) {
+        return run_idempotent(db, now, ctx, idem, [&] {
+          std::string id = req.memory_id.value_or(uuid_v7().to_string());
+          if (auto m = find_memory(db, id)) {
+            if (m->tenant_id != ctx.auth.tenant_id)
+              return problem_reply(Problem(Code::memory_id_taken, "this memory id is taken"),
+                                   ctx.request_id);
+            boost::json::object o{{"memory_instance_id", id},
+                                  {"created_at", format_rfc3339_ms(m->created_at)}};
+            return json_reply(200, o);
+          }
+          Use s(db.prepare("INSERT INTO memories(memory_id, tenant_id, fence_counter, created_at) "
+                           "VALUES (?1, ?2, 0, ?3)"));
+          s->bind(1, id).bind(2, ctx.auth.tenant_id).bind(3, now).run();
+          audit(ctx.auth.tenant_id, "MEMORY_REGISTERED", {}, id, std::nullopt);
+          boost::json::object o{{"memory_instance_id", id}, {"created_at", format_rfc3339_ms(now)}};
+          return json_reply(201, o);
+        });
+      },
+      std::move(done), ctx.request_id);
+}
+
+Reply SqliteStore::op_claim(Db& db, UnixMs now, const Ctx& ctx, const Claim& req) {
+  // 2. The name (canonicalized before the transaction) and the TTL.
+  if (!req.name) return problem_reply(req.name.error().to_problem(), ctx.request_id, "invalid-name");
+  if (!ttl_ok(req.ttl_s)) return problem_reply(ttl_problem(req.ttl_s), ctx.request_id, "invalid-ttl");
+  const CanonicalName& name = *req.name;
+  // 3. The memory exists and is the tenant's.
+  auto mem = find_memory(db, req.memory_id);
+  if (!mem || mem->tenant_id != ctx.auth.tenant_id)
+    return problem_reply(Problem(Code::memory_not_found, "no such memory for this tenant"),
+                         ctx.request_id);
+  // 4. Takeover: remove expired leases that conflict on name, skeleton or memory.
+  {
+    std::vector<LeaseRow> expired;
+    {
+      Use s(db.prepare(fmt::format("SELECT {} FROM leases WHERE (canonical_name = ?1 OR "
+                                   "skeleton = ?2 OR memory_id = ?3) AND expires_at <= ?4",
+                                   k_lease_cols)));
+      s->bind(1, name.canonical_name).bind(2, name.skeleton).bind(3, req.memory_id).bind(4, now);
+      while (s->step()) expired.push_back(read_lease(*s));
+    }
+    for (const auto& e : expired) {
+      delete_lease(db, e.lease_id);
+      audit(e.tenant_id, "LEASE_EXPIRED", e.canonical_name, e.memory_id, e.fencing_token);
+      audit(ctx.auth.tenant_id, "LEASE_TAKEOVER", e.canonical_name, e.memory_id, e.fencing_token);
+    }
+  }
+  // 5. A live lease on the name or its skeleton.
+  std::optional<LeaseRow> reclaim;
+  {
+    std::vector<LeaseRow> live;
+    {
+      Use s(db.prepare(fmt::format(
+          "SELECT {} FROM leases WHERE canonical_name = ?1 OR skeleton = ?2", k_lease_cols)));
+      s->bind(1, name.canonical_name).bind(2, name.skeleton);
+      while (s->step()) live.push_back(read_lease(*s));
+    }
+    for (const auto& l : live) {
+      const bool same_name = l.canonical_name == name.canonical_name;
+      if (same_name && l.tenant_id == ctx.auth.tenant_id && l.owner_client_id == req.owner_client_id &&
+          l.memory_id == req.memory_id) {
+        reclaim = l;
+        continue;
+      }
+      audit(ctx.auth.tenant_id, "NAME_CONFLICT", name.canonical_name, req.memory_id, std::nullopt);
+      Problem p(same_name ? Code::name_held : Code::name_confusable,
+                same_name ? fmt::format("the name \"{}\" is held by another owner", name.canonical_name)
+                          : fmt::format("the name \"{}\" is confusable with a name that is held",
+                                        name.canonical_name));
+      p.retry_after_s = retry_after_until(l.expires_at, now);
+      return problem_reply(std::move(p), ctx.request_id);
+    }
+  }
+  // 6. A live lease on the memory under another name or owner.
+  if (auto held = lease_by_memory(db, req.memory_id); held && (!reclaim || held->lease_id != reclaim->lease_id)) {
+    Problem p(Code::memory_attached, "this memory is attached to another lease");
+    p.retry_after_s = retry_after_until(held->expires_at, now);
+    return problem_reply(std::move(p), ctx.request_id);
+  }
+  // 7. Grant: bump the memory's counter, write the lease, the name history and the audit.
+  LeaseRow l;
+  l.lease_id = reclaim ? reclaim->lease_id : uuid_v7().to_string();
+  l.tenant_id = ctx.auth.tenant_id;
+  l.canonical_name = name.canonical_name;
+  l.display_name = name.display_name;
+  l.skeleton = name.skeleton;
+  l.memory_id = req.memory_id;
+  l.fencing_token = mem->fence_counter + 1;
+  l.owner_client_id = req.owner_client_id;
+  l.ttl_s = req.ttl_s;
+  l.expires_at = now + req.ttl_s * 1000;
+  l.acquired_at = now;
+  {
+    Use s(db.prepare("UPDATE memories SET fence_counter = ?1 WHERE memory_id = ?2"));
+    s->bind(1, l.fencing_token).bind(2, l.memory_id).run();
+  }
+  if (reclaim) delete_lease(db, reclaim->lease_id);
+  {
+    Use s(db.prepare(fmt::format("INSERT INTO leases({}) VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11)",
+                                 k_lease_cols)));
+    s->bind(1, l.lease_id).bind(2, l.tenant_id).bind(3, l.canonical_name).bind(4, l.display_name)
+        .bind(5, l.skeleton).bind(6, l.memory_id).bind(7, l.fencing_token).bind(8, l.owner_client_id)
+        .bind(9, l.ttl_s).bind(10, l.expires_at).bind(11, l.acquired_at).run();
+  }
+  {
+    Use s(db.prepare(
+        "INSERT INTO agent_names(canonical_name, display_name, skeleton, tenant_id, unicode_version, "
+        "icu_version, first_claimed_at, last_claimed_at) VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?7) "
+        "ON CONFLICT(canonical_name) DO UPDATE SET display_name = ?2, skeleton = ?3, tenant_id = ?4, "
+        "unicode_version = ?5, icu_version = ?6, last_claimed_at = ?7"));
+    s->bind(1, l.canonical_name).bind(2, l.display_name).bind(3, l.skeleton).bind(4, l.tenant_id)
+        .bind(5, unicode_version()).bind(6, icu_version()).bind(7, now).run();
+  }
+  audit(ctx.auth.tenant_id, "LEASE_ACQUIRED", l.canonical_name, l.memory_id, l.fencing_token);
+  return json_reply(201, grant_json(l, now), reclaim ? "reclaimed" : "granted");
+}
+
+void SqliteStore::claim(const Ctx& ctx, Idempotency idem, Claim req, Done done) {
+  enqueue(
+      [this, ctx, idem = std::move(idem), req = std::move(req)](Db& db, UnixMs now) {
+        return run_idempotent(db, now, ctx, idem, [&] { return op_claim(db, now, ctx, req); });
+      },
+      std::move(done), ctx.request_id);
+}
+
+Reply SqliteStore::op_renew(Db& db, UnixMs now, const Ctx& ctx, const LeaseRef& ref,
+                            boost::json::object* item) {
+  auto fail = [&](Problem p) {
+    if (item) {
+      (*item)["status"] = p.status();
+      (*item)["code"] = p.slug();
+    }
+    return problem_reply(std::move(p), ctx.request_id);
+  };
+  if (!ttl_ok(ref.ttl_s)) return fail(ttl_problem(ref.ttl_s));
+  auto lease = classify(db, now, ctx, ref.memory_id, ref.fencing_token, Code::lease_not_found);
+  if (!lease) return fail(std::move(lease.error()));
+  if (lease->canonical_name != ref.canonical_name || lease->owner_client_id != ref.owner_client_id)
+    return fail(Problem(Code::lease_not_found, "no lease of this owner under this name"));
+  UnixMs expires = std::max(lease->expires_at, now + ref.ttl_s * 1000);
+  Use s(db.prepare("UPDATE leases SET expires_at = ?1, ttl_seconds = ?2 WHERE lease_id = ?3"));
+  s->bind(1, expires).bind(2, ref.ttl_s).bind(3, lease->lease_id).run();
+  boost::json::object o{{"expires_at", format_rfc3339_ms(expires)},
+                        {"ttl_seconds", ref.ttl_s},
+                        {"server_time", format_rfc3339_ms(now)}};
+  if (item) {
+    (*item)["status"] = 200;
+    (*item)["expires_at"] = o["expires_at"];
+  }
+  return json_reply(200, o, "renewed");
+}
+
+void SqliteStore::renew(const Ctx& ctx, LeaseRef ref, Done done) {
+  enqueue([this, ctx, ref = std::move(ref)](Db& db, UnixMs now) { return op_renew(db, now, ctx, ref, nullptr); },
+          std::move(done), ctx.request_id);
+}
+
+void SqliteStore::renew_batch(const Ctx& ctx, RenewBatch req, Done done) {
+  enqueue(
+      [this, ctx, req = std::move(req)](Db& db, UnixMs now) {
+        boost::json::array results;
+        for (auto ref : req.leases) {
+          ref.owner_client_id = req.owner_client_id;
+          boost::json::object item{{"canonical_name", ref.canonical_name}};
+          op_renew(db, now, ctx, ref, &item);
+          results.emplace_back(std::move(item));
+        }
+        return json_reply(200, boost::json::object{{"results", std::move(results)}}, "renewed");
+      },
+      std::move(done), ctx.request_id);
+}
+
+void SqliteStore::release(const Ctx& ctx, LeaseRef ref, Done done) {
+  enqueue(
+      [this, ctx, ref = std::move(ref)](Db& db, UnixMs now) {
+        auto lease = classify(db, now, ctx, ref.memory_id, ref.fencing_token, Code::lease_not_found);
+        if (!lease) {
+          if (lease.error().code != Code::lease_expired)
+            return problem_reply(std::move(lease.error()), ctx.request_id);
+          // Already released or expired with the current token: idempotent success; an
+          // expired row left for the sweeper goes now.
+          if (auto row = lease_by_memory(db, ref.memory_id); row && row->fencing_token == ref.fencing_token) {
+            delete_lease(db, row->lease_id);
+            audit(row->tenant_id, "LEASE_EXPIRED", row->canonical_name, row->memory_id, row->fencing_token);
+          }
+          return no_content("released");
+        }
+        if (lease->canonical_name != ref.canonical_name || lease->owner_client_id != ref.owner_client_id)
+          return problem_reply(Problem(Code::lease_not_found, "no lease of this owner under this name"),
+                               ctx.request_id);
+        delete_lease(db, lease->lease_id);
+        audit(ctx.auth.tenant_id, "LEASE_RELEASED", lease->canonical_name, lease->memory_id,
+              lease->fencing_token);
+        return no_content("released");
+      },
+      std::move(done), ctx.request_id);
+}
+
+void SqliteStore::verify(const Ctx& ctx, Verify req, Done done) {
+  enqueue(
+      [this, ctx, req = std::move(req)](Db& db, UnixMs now) {
+        auto lease = classify(db, now, ctx, req.memory_id, req.fencing_token, Code::memory_not_found);
+        if (!lease) return problem_reply(std::move(lease.error()), ctx.request_id);
+        boost::json::object o{{"memory_instance_id", lease->memory_id},
+                              {"fencing_token", lease->fencing_token},
+                              {"canonical_name", lease->canonical_name},
+                              {"expires_at", format_rfc3339_ms(lease->expires_at)},
+                              {"server_time", format_rfc3339_ms(now)}};
+        return json_reply(200, o, "valid");
+      },
+      std::move(done), ctx.request_id);
+}
+
+void SqliteStore::branch(const Ctx& ctx, Idempotency idem, Branch req, Done done) {
+  enqueue(
+      [this, ctx, idem = std::move(idem), req = std::move(req)](Db& db, UnixMs now) {
+        return run_idempotent(db, now, ctx, idem, [&] {
+          auto lease = classify(db, now, ctx, req.parent_memory_id, req.parent_fencing_token,
+                                Code::memory_not_found);
+          if (!lease) return problem_reply(std::move(lease.error()), ctx.request_id);
+          std::string id = req.memory_id.value_or(uuid_v7().to_string());
+          if (find_memory(db, id))
+            return problem_reply(Problem(Code::memory_id_taken, "this memory id is taken"), ctx.request_id);
+          Use s(db.prepare("INSERT INTO memories(memory_id, tenant_id, parent_memory_id, "
+                           "branched_at_token, fence_counter, created_at) VALUES (?1, ?2, ?3, ?4, 0, ?5)"));
+          s->bind(1, id).bind(2, ctx.auth.tenant_id).bind(3, req.parent_memory_id)
+              .bind(4, req.parent_fencing_token).bind(5, now).run();
+          audit(ctx.auth.tenant_id, "MEMORY_BRANCHED", {}, id, req.parent_fencing_token);
+          boost::json::object o{{"memory_instance_id", id},
+                                {"parent_memory_instance_id", req.parent_memory_id},
+                                {"branched_at_token", req.parent_fencing_token}};
+          return json_reply(201, o, "branched");
+        });
+      },
+      std::move(done), ctx.request_id);
+}
+
+void SqliteStore::revoke(const Ctx& ctx, std::string canonical_name, Done done) {
+  enqueue(
+      [this, ctx, canonical_name = std::move(canonical_name)](Db& db, UnixMs now) {
+        auto lease = lease_by_name(db, canonical_name);
+        if (!lease || lease->tenant_id != ctx.auth.tenant_id || lease->expires_at <= now)
+          return problem_reply(Problem(Code::lease_not_found, "no live lease under this name"),
+                               ctx.request_id);
+        delete_lease(db, lease->lease_id);
+        audit(ctx.auth.tenant_id, "LEASE_REVOKED", lease->canonical_name, lease->memory_id,
+              lease->fencing_token);
+        return no_content("revoked");
+      },
+      std::move(done), ctx.request_id);
+}
+
+// ---- reads --------------------------------------------------------------------------------
+
+void SqliteStore::get_lease(const Ctx& ctx, std::string canonical_name, Done done) {
+  Reply r;
+  try {
+    auto rd = reader();
+    UnixMs now = now_unix_ms();
+    auto lease = lease_by_name(rd.db(), canonical_name);
+    if (!lease || lease->tenant_id != ctx.auth.tenant_id || lease->expires_at <= now)
+      r = problem_reply(Problem(Code::lease_not_found, "no live lease of this tenant under this name"),
+                        ctx.request_id);
+    else
+      r = json_reply(200, lease_json(*lease, now));
+  } catch (const sqlite::Error& e) {
+    r = read_failure(e, ctx.request_id);
+  }
+  done(std::move(r));
+}
+
+void SqliteStore::list_leases(const Ctx& ctx, ListLeases req, Done done) {
+  Reply r;
+  try {
+    auto rd = reader();
+    UnixMs now = now_unix_ms();
+    Use s(rd.db().prepare(fmt::format(
+        "SELECT {} FROM leases WHERE tenant_id = ?1 AND expires_at > ?2 AND (?3 IS NULL OR "
+        "owner_client_id = ?3) AND (?4 IS NULL OR canonical_name > ?4) ORDER BY canonical_name LIMIT ?5",
+        k_lease_cols)));
+    s->bind(1, ctx.auth.tenant_id).bind(2, now).bind(3, req.owner_client_id).bind(4, req.cursor)
+        .bind(5, static_cast<std::int64_t>(req.limit + 1));
+    boost::json::array leases;
+    std::string last;
+    bool more = false;
+    while (s->step()) {
+      if (leases.size() == req.limit) {
+        more = true;
+        break;
+      }
+      LeaseRow l = read_lease(*s);
+      last = l.canonical_name;
+      leases.emplace_back(lease_json(l, now));
+    }
+    boost::json::object o{{"leases", std::move(leases)}};
+    o["next_cursor"] = more ? boost::json::value(last) : boost::json::value(nullptr);
+    r = json_reply(200, o);
+  } catch (const sqlite::Error& e) {
+    r = read_failure(e, ctx.request_id);
+  }
+  done(std::move(r));
+}
+
+void SqliteStore::get_memory(const Ctx& ctx, std::string memory_id, Done done) {
+  Reply r;
+  try {
+    auto rd = reader();
+    auto m = find_memory(rd.db(), memory_id);
+    if (!m || m->tenant_id != ctx.auth.tenant_id)
+      r = problem_reply(Problem(Code::memory_not_found, "no such memory for this tenant"), ctx.request_id);
+    else
+      r = json_reply(200, memory_json(*m));
+  } catch (const sqlite::Error& e) {
+    r = read_failure(e, ctx.request_id);
+  }
+  done(std::move(r));
+}
+
+void SqliteStore::lineage(const Ctx& ctx, std::string memory_id, Done done) {
+  Reply r;
+  try {
+    auto rd = reader();
+    auto m = find_memory(rd.db(), memory_id);
+    if (!m || m->tenant_id != ctx.auth.tenant_id) {
+      r = problem_reply(Problem(Code::memory_not_found, "no such memory for this tenant"), ctx.request_id);
+    } else {
+      boost::json::array ancestors;
+      auto cur = m;
+      for (int depth = 0; cur->parent_memory_id && depth < 100000; ++depth) {
+        cur = find_memory(rd.db(), *cur->parent_memory_id);
+        if (!cur || cur->tenant_id != ctx.auth.tenant_id) break;
+        ancestors.emplace_back(memory_json(*cur));
+      }
+      boost::json::array children;
+      Use s(rd.db().prepare("SELECT memory_id FROM memories WHERE parent_memory_id = ?1 AND tenant_id = ?2 "
+                            "ORDER BY memory_id"));
+      s->bind(1, memory_id).bind(2, ctx.auth.tenant_id);
+      std::vector<std::string> ids;
+      while (s->step()) ids.push_back(s->text(0));
+      for (const auto& id : ids)
+        if (auto c = find_memory(rd.db(), id)) children.emplace_back(memory_json(*c));
+      boost::json::object o{{"memory_instance_id", memory_id},
+                            {"memory", memory_json(*m)},
+                            {"ancestors", std::move(ancestors)},
+                            {"children", std::move(children)}};
+      r = json_reply(200, o);
+    }
+  } catch (const sqlite::Error& e) {
+    r = read_failure(e, ctx.request_id);
+  }
+  done(std::move(r));
+}
+
+Reply SqliteStore::read_failure(const sqlite::Error& e, const std::string& request_id) {
+  log::error("read failed: {}", e.what());
+  Problem p(Code::unavailable, "the database is unavailable; retry later");
+  p.retry_after_s = 1;
+  return problem_reply(std::move(p), request_id);
+}
+
+std::optional<AuthInfo> SqliteStore::authenticate(const std::string& token_sha256) {
+  auto rd = reader();
+  Use s(rd.db().prepare("SELECT token_id, tenant_id, scopes FROM tokens "
+                        "WHERE token_sha256 = ?1 AND revoked_at IS NULL"));
+  s->bind(1, token_sha256);
+  if (!s->step()) return std::nullopt;
+  AuthInfo a;
+  a.token_id = s->text(0);
+  a.tenant_id = s->text(1);
+  std::string scopes = s->text(2);
+  a.scope_admin = scopes.find("admin") != std::string::npos;
+  a.scope_lease = scopes.find("lease") != std::string::npos || a.scope_admin;
+  return a;
+}
+
+void SqliteStore::audit_auth_failure(const std::string& tenant_id) {
+  enqueue(
+      [this, tenant_id](Db&, UnixMs) {
+        audit(tenant_id, "AUTH_FAILED", {}, {}, std::nullopt);
+        return Reply{};
+      },
+      [](Reply) {}, {});
+}
+
+bool SqliteStore::ready() {
+  if (!m_healthy) {
+    // A failed commit marks the store unhealthy until a write succeeds again; probe.
+    try {
+      run_sync<int>([](Db& db, UnixMs) {
+        db.exec("CREATE TEMP TABLE IF NOT EXISTS mep_probe(x)");
+        return 0;
+      });
+    } catch (...) {
+    }
+    if (!m_healthy) return false;
+  }
+  try {
+    auto rd = reader();
+    Use s(rd.db().prepare("SELECT 1"));
+    return s->step();
+  } catch (...) {
+    return false;
+  }
+}
+
+std::int64_t SqliteStore::active_leases() {
+  auto rd = reader();
+  Use s(rd.db().prepare("SELECT count(*) FROM leases WHERE expires_at > ?1"));
+  s->bind(1, now_unix_ms());
+  return s->step() ? s->int64(0) : 0;
+}
+
+std::int64_t SqliteStore::sweep() {
+  return run_sync<std::int64_t>([this](Db& db, UnixMs now) {
+    std::int64_t removed = 0;
+    std::vector<LeaseRow> expired;
+    {
+      Use s(db.prepare(fmt::format("SELECT {} FROM leases WHERE expires_at <= ?1 LIMIT 1000", k_lease_cols)));
+      s->bind(1, now);
+      while (s->step()) expired.push_back(read_lease(*s));
+    }
+    for (const auto& e : expired) {
+      delete_lease(db, e.lease_id);
+      audit(e.tenant_id, "LEASE_EXPIRED", e.canonical_name, e.memory_id, e.fencing_token);
+      ++removed;
+    }
+    Use s(db.prepare("DELETE FROM idempotency WHERE rowid IN "
+                     "(SELECT rowid FROM idempotency WHERE expires_at <= ?1 LIMIT 5000)"));
+    s->bind(1, now).run();
+    removed += db.changes();
+    return removed;
+  });
+}
+
+// ---- administration -------------------------------------------------------------------------
+
+std::pair<std::string, std::string> SqliteStore::create_token(const std::string& tenant_name, Scope scope) {
+  return run_sync<std::pair<std::string, std::string>>([&](Db& db, UnixMs now) {
+    std::string tenant_id;
+    {
+      Use s(db.prepare("SELECT tenant_id FROM tenants WHERE name = ?1"));
+      s->bind(1, tenant_name);
+      if (s->step()) tenant_id = s->text(0);
+    }
+    if (tenant_id.empty()) {
+      tenant_id = uuid_v7().to_string();
+      std::string salt = random_hex(32);
+      Use s(db.prepare("INSERT INTO tenants(tenant_id, name, audit_salt, created_at) VALUES (?1, ?2, ?3, ?4)"));
+      s->bind(1, tenant_id).bind(2, tenant_name).bind(3, salt).bind(4, now).run();
+    }
+    std::string token = "mep_" + random_hex(32);
+    Use s(db.prepare("INSERT INTO tokens(token_id, tenant_id, token_sha256, scopes, created_at) "
+                     "VALUES (?1, ?2, ?3, ?4, ?5)"));
+    s->bind(1, uuid_v7().to_string()).bind(2, tenant_id).bind(3, sha256_hex(token))
+        .bind(4, scope == Scope::admin ? "lease admin" : "lease").bind(5, now).run();
+    return std::make_pair(tenant_id, token);
+  });
+}
+
+std::vector<TokenInfo> SqliteStore::list_tokens(const std::optional<std::string>& tenant_name) {
+  auto rd = reader();
+  Use s(rd.db().prepare("SELECT t.token_id, t.tenant_id, n.name, t.scopes, t.created_at, t.revoked_at "
+                        "FROM tokens t JOIN tenants n ON n.tenant_id = t.tenant_id "
+                        "WHERE ?1 IS NULL OR n.name = ?1 ORDER BY t.token_id"));
+  s->bind(1, tenant_name);
+  std::vector<TokenInfo> out;
+  while (s->step())
+    out.push_back(TokenInfo{s->text(0), s->text(1), s->text(2), s->text(3), s->int64(4), s->opt_int64(5)});
+  return out;
+}
+
+bool SqliteStore::revoke_token(const std::string& token_id) {
+  return run_sync<bool>([&](Db& db, UnixMs now) {
+    Use s(db.prepare("UPDATE tokens SET revoked_at = ?1 WHERE token_id = ?2 AND revoked_at IS NULL"));
+    s->bind(1, now).bind(2, token_id).run();
+    return db.changes() > 0;
+  });
+}
+
+std::vector<AuditRow> SqliteStore::list_audit(const std::optional<std::string>& tenant_name, std::size_t limit) {
+  auto rd = reader();
+  Use s(rd.db().prepare("SELECT a.event_id, a.tenant_id, a.event_type, a.redacted_name_hash, "
+                        "a.redacted_memory_hash, a.fencing_token, a.created_at FROM audit_events a "
+                        "LEFT JOIN tenants n ON n.tenant_id = a.tenant_id "
+                        "WHERE ?1 IS NULL OR n.name = ?1 ORDER BY a.event_id DESC LIMIT ?2"));
+  s->bind(1, tenant_name).bind(2, static_cast<std::int64_t>(limit));
+  std::vector<AuditRow> out;
+  while (s->step())
+    out.push_back(AuditRow{s->text(0), s->text(1), s->text(2), s->text(3), s->text(4), s->opt_int64(5), s->int64(6)});
+  return out;
+}
+
+} // namespace mep::server

@@ -1,0 +1,85 @@
+#!/usr/bin/env bash
+# Builds (with clang, in a nested build directory) and runs the fuzz_canonicalize libFuzzer
+# target for a fixed time; fails on any crash, invariant violation or sanitizer report.
+#
+#   run_fuzz.sh build SOURCE_DIR WORK_DIR [SECONDS]   configure WORK_DIR/build with clang and
+#                                                     MEP_FUZZ=ON, build, then run
+#   run_fuzz.sh run   FUZZ_BINARY WORK_DIR [SECONDS]  run an already built target
+#
+# Exit status: 0 clean, 1 findings or build failure, 77 skipped (no clang or no libFuzzer
+# runtime; ctest's SKIP_RETURN_CODE). New corpus entries go to WORK_DIR/corpus, crash
+# inputs to WORK_DIR/artifacts/; the seed corpus in the source tree is only read.
+set -euo pipefail
+
+here="$(cd "$(dirname "$0")" && pwd)"
+mode="${1:?usage: run_fuzz.sh build SOURCE_DIR WORK_DIR [SECONDS] | run BINARY WORK_DIR [SECONDS]}"
+target="${2:?missing SOURCE_DIR or BINARY}"
+work="${3:?missing WORK_DIR}"
+seconds="${4:-20}"
+skip=77
+mkdir -p "$work"
+
+if [[ "$mode" == build ]]; then
+  # 1. Find clang and check that it can link a libFuzzer binary with the sanitizers.
+  cxx="${MEP_FUZZ_CXX:-}"
+  if [[ -z "$cxx" ]]; then
+    for c in clang++ clang++-14; do
+      if command -v "$c" >/dev/null; then cxx="$(command -v "$c")"; break; fi
+    done
+  fi
+  if [[ -z "$cxx" ]]; then
+    echo "SKIP: clang++ not found; the fuzz target needs clang's libFuzzer (apt install clang-14 libclang-rt-14-dev)"
+    exit "$skip"
+  fi
+  cc="${cxx/clang++/clang}"
+  probe="$work/probe"
+  if ! printf 'extern "C" int LLVMFuzzerTestOneInput(const unsigned char*, unsigned long) { return 0; }\n' |
+      "$cxx" -x c++ - -fsanitize=fuzzer,address,undefined -o "$probe" 2>"$probe.log"; then
+    echo "SKIP: $cxx cannot link -fsanitize=fuzzer,address,undefined (libclang-rt-14-dev missing?):"
+    cat "$probe.log"
+    exit "$skip"
+  fi
+  rm -f "$probe" "$probe.log"
+
+  # 2. Configure the nested build (clang, MEP_FUZZ=ON) and build only the fuzz target.
+  cmake_exe="${CMAKE:-cmake}"
+  extra=()
+  if [[ -n "${MEP_SHARED_DIR:-}" ]]; then extra+=("-DMEP_SHARED_DIR=$MEP_SHARED_DIR"); fi
+  export CCACHE_DIR="${CCACHE_DIR:-$HOME/.cache/ccache}"
+  echo "== configuring $work/build with $cxx"
+  CC="$cc" CXX="$cxx" "$cmake_exe" -S "$target" -B "$work/build" -G Ninja \
+    -DCMAKE_C_COMPILER="$cc" -DCMAKE_CXX_COMPILER="$cxx" -DCMAKE_BUILD_TYPE=RelWithDebInfo \
+    -DMEP_FUZZ=ON -DMEP_BUILD_TESTS=ON -DMEP_BUILD_BENCH=OFF "${extra[@]}" >"$work/configure.log" 2>&1 ||
+    { cat "$work/configure.log"; echo "FAIL: configuring the fuzz build"; exit 1; }
+  echo "== building fuzz_canonicalize"
+  "$cmake_exe" --build "$work/build" --target fuzz_canonicalize -j 2 ||
+    { echo "FAIL: building fuzz_canonicalize"; exit 1; }
+  binary="$work/build/tests/fuzz/fuzz_canonicalize"
+elif [[ "$mode" == run ]]; then
+  binary="$target"
+else
+  echo "run_fuzz.sh: unknown mode '$mode'" >&2
+  exit 2
+fi
+
+# 3. Fuzz: the work corpus first (libFuzzer writes new inputs there), the seeds second.
+mkdir -p "$work/corpus" "$work/artifacts"
+log="$work/fuzz.log"
+export UBSAN_OPTIONS="halt_on_error=1:print_stacktrace=1"
+export ASAN_OPTIONS="detect_leaks=1"
+echo "== fuzzing for ${seconds}s: $binary"
+set +e
+"$binary" -max_total_time="$seconds" -max_len=1024 -timeout=10 -rss_limit_mb=2048 \
+  -print_final_stats=1 -dict="$here/canonicalize.dict" \
+  -artifact_prefix="$work/artifacts/" "$work/corpus" "$here/corpus" >"$log" 2>&1
+rc=$?
+set -e
+
+# 4. Verdict: libFuzzer's exit status, and any sanitizer report even if it did not halt.
+grep -E '^(#[0-9]+[[:space:]]+(INITED|DONE)|stat::|Done )' "$log" || true
+if [[ $rc -ne 0 ]] || grep -qE 'runtime error:|ERROR: (Address|Leak|UndefinedBehavior)Sanitizer|invariant violated' "$log"; then
+  echo "FAIL: fuzz_canonicalize exited with $rc; log follows (crash inputs in $work/artifacts/)"
+  tail -n 80 "$log"
+  exit 1
+fi
+echo "PASS: no crash, no sanitizer report, invariants held"

@@ -1,0 +1,24 @@
+"""Small helpers shared by the integration tests: locating the binaries and running a
+command with a timeout. Standard library only."""
+import os
+import subprocess
+import unittest
+
+# Generous per-command limit: a hung binary fails its test instead of stalling ctest.
+DEFAULT_TIMEOUT_S = 60
+
+
+def mep_bin():
+    """The mep binary from $MEP_BIN (ctest sets it); skips the test when it is unset."""
+    path = os.environ.get("MEP_BIN")
+    if not path:
+        raise unittest.SkipTest("MEP_BIN is not set (run through ctest)")
+    return path
+
+
+def run(argv, stdin=b"", timeout=DEFAULT_TIMEOUT_S, env=None):
+    """Runs argv with `stdin` (bytes) and returns (returncode, stdout bytes, stderr bytes).
+    Raises subprocess.TimeoutExpired (after killing the process) when it runs too long."""
+    proc = subprocess.run(argv, input=stdin, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                          timeout=timeout, env=env, check=False)
+    return proc.returncode, proc.stdout, proc.stderr
