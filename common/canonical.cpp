@@ -9,8 +9,9 @@
 // The UTS #39 checks run once through uspoof_check2 (uts39_checks); uts39_check() and the
 // pipeline derive their reason from that one result, so the conformance test, which
 // compares each check and the restriction level separately, exercises the same call.
-// Restriction levels for other allowed sets (conformance data, `mep canonicalize`) use
-// their own checkers, built once; the product's checker allows every code point.
+// Restriction levels for other allowed sets (UTS #39 Identifier_Status=Allowed, which the
+// conformance data also reports) use their own checkers, built once; the product's
+// checker allows every code point.
 #include "mep/canonical.hpp"
 
 #include "mep/precis.hpp"

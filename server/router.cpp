@@ -334,6 +334,10 @@ void on_renew_batch(const CallPtr& c, Store& store) {
       }
       json::ObjectReader ir(v.get_object());
       auto ref = lease_ref(c, ir, false, true);
+      // A daemon renews the leases of several local owners in one call: an item may
+      // name its own owner; otherwise the batch's owner applies.
+      auto item_owner = ir.string("owner_client_id", Need::optional);
+      if (ref && item_owner) ref->owner_client_id = *item_owner;
       if (auto ok = ir.finish(); !ok) r.fail("leases[" + std::to_string(i) + "]: " + ok.error().detail);
       else if (ref) req.leases.push_back(std::move(*ref));
     }

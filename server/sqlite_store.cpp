@@ -638,7 +638,7 @@ void SqliteStore::renew_batch(const Ctx& ctx, RenewBatch req, Done done) {
       [this, ctx, req = std::move(req)](Db& db, UnixMs now) {
         boost::json::array results;
         for (auto ref : req.leases) {
-          ref.owner_client_id = req.owner_client_id;
+          if (ref.owner_client_id.empty()) ref.owner_client_id = req.owner_client_id;
           boost::json::object item{{"canonical_name", ref.canonical_name}};
           op_renew(db, now, ctx, ref, &item);
           results.emplace_back(std::move(item));

@@ -1,0 +1,128 @@
+// mepd: the host daemon (SPEC §7). Local agents attach over a Unix socket; the daemon
+// claims and renews their leases against the control plane (remote, or embedded).
+#include "mep/config.hpp"
+#include "mep/control_plane.hpp"
+#include "mep/keeper.hpp"
+#include "mep/local_server.hpp"
+#include "mep/log.hpp"
+#include "mep/problem.hpp"
+
+#include <CLI/CLI.hpp>
+#include <boost/asio/io_context.hpp>
+#include <boost/asio/signal_set.hpp>
+
+#include <csignal>
+#include <cstdlib>
+#include <fstream>
+#include <sys/stat.h>
+#include <thread>
+#include <unistd.h>
+
+namespace fs = std::filesystem;
+
+namespace {
+
+std::string default_socket() {
+  if (auto rt = mep::xdg_runtime_dir(); !rt.empty()) return (rt / "mep" / "mepd.sock").string();
+  return "/run/mep/mepd.sock";
+}
+
+std::string default_state_dir() {
+  if (::getuid() == 0 && !std::getenv("XDG_STATE_HOME")) return "/var/lib/mep";
+  return (mep::xdg_state_home() / "mep" / "mepd").string();
+}
+
+// The socket systemd passed (LISTEN_FDS), or -1.
+int inherited_socket() {
+  const char* pid = std::getenv("LISTEN_PID");
+  const char* fds = std::getenv("LISTEN_FDS");
+  if (!pid || !fds || std::atol(pid) != static_cast<long>(::getpid()) || std::atoi(fds) < 1) return -1;
+  return 3;
+}
+
+} // namespace
+
+int main(int argc, char** argv) {
+  mep::log::set_program("mepd");
+  // 1. Options: flags > MEP_* environment > ~/.config/mep/config.toml > defaults.
+  CLI::App app{"mepd: the mep host daemon. Local agents attach over a Unix socket.", "mepd"};
+  std::optional<std::string> socket, state_dir, control_plane, token_file, config_file;
+  std::string log_level = "info";
+  app.add_option("--socket", socket, "Socket path (default $MEP_SOCKET, $XDG_RUNTIME_DIR/mep/mepd.sock, /run/mep/mepd.sock)");
+  app.add_option("--state-dir", state_dir, "State directory (default $XDG_STATE_HOME/mep/mepd)");
+  app.add_option("--control-plane", control_plane,
+                 "URL of a mep server (https://…, or http:// on loopback); none: embedded control plane");
+  app.add_option("--token-file", token_file, "File holding the bearer token for --control-plane (or MEP_TOKEN)");
+  app.add_option("--config", config_file, "Config file");
+  app.add_option("--log-level", log_level, "debug, info, warn or error")->capture_default_str();
+  app.set_version_flag("--version", "mepd " MEP_VERSION);
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::ParseError& e) {
+    return app.exit(e);
+  }
+  mep::log::Level level;
+  if (!mep::log::parse_level(log_level, level)) {
+    mep::log::error("--log-level must be debug, info, warn or error");
+    return mep::exit_code::usage;
+  }
+  mep::log::set_level(level);
+  auto cfg = mep::Config::load(config_file.value_or(""));
+  if (!cfg) {
+    mep::log::error("{}", cfg.error());
+    return mep::exit_code::usage;
+  }
+  std::string sock = cfg->get("socket", socket, "--socket", default_socket()).value;
+  std::string state = cfg->get("state_dir", state_dir, "--state-dir", default_state_dir()).value;
+  std::string cp_url = cfg->get("control_plane", control_plane, "--control-plane", "").value;
+  std::string tok_file = cfg->get("token_file", token_file, "--token-file", "").value;
+
+  try {
+    // 2. State directory (0700) and the control plane.
+    std::error_code ec;
+    fs::create_directories(state, ec);
+    ::chmod(state.c_str(), 0700);
+    std::unique_ptr<mep::daemon::ControlPlane> cp;
+    if (cp_url.empty()) {
+      cp = mep::daemon::make_embedded_control_plane(state);
+    } else {
+      std::string token;
+      if (!tok_file.empty()) {
+        std::ifstream in(tok_file);
+        if (!in) throw std::runtime_error("cannot read the token file " + tok_file);
+        std::getline(in, token);
+      } else if (const char* t = std::getenv("MEP_TOKEN")) {
+        token = t;
+      }
+      cp = mep::daemon::make_remote_control_plane(cp_url, token);
+    }
+    std::string describe = cp->describe();
+
+    // 3. The keeper re-adopts leases and resends claim intents, then the socket opens.
+    std::signal(SIGPIPE, SIG_IGN);
+    mep::daemon::Keeper keeper(state, std::move(cp));
+    keeper.start();
+    boost::asio::io_context ioc;
+    mep::daemon::LocalServer server(ioc, keeper, sock, inherited_socket());
+    server.start();
+
+    // 4. SIGTERM/SIGINT: stop serving and exit 0 without releasing (a quick restart
+    //    re-adopts the leases; `mep release` is the way to give one up).
+    boost::asio::signal_set signals(ioc, SIGINT, SIGTERM);
+    signals.async_wait([&](boost::system::error_code e, int sig) {
+      if (e) return;
+      mep::log::info("signal {}: stopping (leases stay held until their TTL)", sig);
+      server.stop();
+      ioc.stop();
+    });
+    mep::log::info("listening on {} (control plane: {})", sock, describe);
+    std::vector<std::thread> pool;
+    for (int i = 0; i < 3; ++i) pool.emplace_back([&] { ioc.run(); });
+    ioc.run();
+    for (auto& t : pool) t.join();
+  } catch (const std::exception& e) {
+    mep::log::error("{}", e.what());
+    return mep::exit_code::other;
+  }
+  return mep::exit_code::ok;
+}
