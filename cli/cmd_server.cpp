@@ -41,6 +41,7 @@ void register_server(CLI::App& app, GlobalOptions& g, Action& action) {
   audit->add_option("--db", *audit_db, "Database URL (default as for mep server)")->envname("MEP_DB");
   audit->add_option("--tenant", *audit_tenant, "Only this tenant");
   audit->add_option("--limit", *audit_limit, "At most this many rows")->capture_default_str();
+  audit->add_flag("--json", g.json, "Print {\"events\": [...]}");
   audit->callback([=, &g, &action] {
     action = [=, &g] {
       auto store = server::open_store(audit_db->empty() ? server::default_db_url() : *audit_db);

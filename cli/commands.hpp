@@ -22,5 +22,7 @@ using Action = std::function<int()>;
 void register_canonicalize(CLI::App& app, GlobalOptions& g, Action& action);
 void register_server(CLI::App& app, GlobalOptions& g, Action& action);
 void register_token(CLI::App& app, GlobalOptions& g, Action& action);
+void register_lease_commands(CLI::App& app, GlobalOptions& g, Action& action);
+void register_run(CLI::App& app, GlobalOptions& g, Action& action);
 
 } // namespace mep::cli

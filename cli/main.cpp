@@ -18,6 +18,7 @@ int main(int argc, char** argv) {
   CLI::App app{"mep: globally unique agent names and fenced leases on .uai memory files", "mep"};
   app.set_version_flag("--version", std::string("mep ") + MEP_VERSION);
   app.require_subcommand(1);
+  app.fallthrough(true); // global options (--json, --socket, -v) may follow the command
   GlobalOptions g;
   app.add_flag("--json", g.json, "Print one JSON document on stdout, for machines");
   app.add_flag("-v,--verbose", g.verbosity, "More output on stderr (repeat for more)");
@@ -28,6 +29,8 @@ int main(int argc, char** argv) {
   register_canonicalize(app, g, action);
   register_server(app, g, action);
   register_token(app, g, action);
+  register_lease_commands(app, g, action);
+  register_run(app, g, action);
 
   // 2. Parse; usage errors exit 2 with one line on stderr.
   try {

@@ -572,6 +572,20 @@ server::Reply Keeper::init(const fs::path& path, const std::string& rid) {
   return json_reply(201, boost::json::object{{"memory_instance_id", id}, {"path", path.string()}});
 }
 
+server::Reply Keeper::lineage(const std::optional<fs::path>& path, const std::string& given_id, const std::string& rid) {
+  std::string id = given_id;
+  if (path) {
+    std::lock_guard lock(m_mutex);
+    auto ident = resolve(*path, false);
+    if (!ident) return problem_reply(std::move(ident.error()), rid);
+    id = ident->memory_id;
+  } else if (!Uuid::parse(id)) {
+    return problem(Code::invalid_request, "id must be a memory id (UUID)", rid);
+  }
+  m_cp_requests++;
+  return relay(m_cp->request("GET", "/v1/memories/" + Uuid::parse(id)->to_string() + "/lineage", ""), rid);
+}
+
 // ---- renewals -------------------------------------------------------------------------------------
 
 void Keeper::renew_loop() {

@@ -250,6 +250,16 @@ private:
       if (path == "/v1/init") return m_keeper.init(client_path(*p, m_peer.pid), rid);
       return m_keeper.branch(client_path(*p, m_peer.pid), client_path(*np, m_peer.pid), rid);
     }
+    if (path == "/v1/lineage") {
+      if (!need(http::verb::get)) return not_allowed();
+      std::optional<std::string> p, id;
+      for (auto q : target->params()) {
+        if (q.key == "path") p = std::string(q.value);
+        if (q.key == "id") id = std::string(q.value);
+      }
+      if (!p && !id) return server::problem_reply(Problem(Code::invalid_request, "query parameter path or id is required"), rid);
+      return m_keeper.lineage(p ? std::optional<fs::path>(client_path(*p, m_peer.pid)) : std::nullopt, id.value_or(""), rid);
+    }
     if (path == "/v1/identify") {
       if (!need(http::verb::get)) return not_allowed();
       std::optional<std::string> p;

@@ -1,0 +1,266 @@
+// The daemon-facing commands: claim, release, init, branch, status, identify, lineage,
+// and `mep config`. Each sends one request to mepd's socket and prints the answer as a
+// line or table for people, or the JSON document with --json.
+#include "commands.hpp"
+#include "daemon_client.hpp"
+
+#include "mep/config.hpp"
+#include "mep/json.hpp"
+#include "mep/problem.hpp"
+#include "mep/time.hpp"
+
+#include <boost/json.hpp>
+
+#include <cstdio>
+#include <filesystem>
+#include <memory>
+#include <unistd.h>
+
+namespace mep::cli {
+namespace fs = std::filesystem;
+
+namespace {
+
+std::string absolute(const std::string& p) {
+  std::error_code ec;
+  auto a = fs::absolute(p, ec);
+  return ec ? p : a.lexically_normal().string();
+}
+
+std::string url_encode(const std::string& s) {
+  static constexpr char hex[] = "0123456789ABCDEF";
+  std::string out;
+  for (unsigned char c : s) {
+    if (std::isalnum(c) || c == '-' || c == '_' || c == '.' || c == '~' || c == '/') out.push_back(static_cast<char>(c));
+    else {
+      out.push_back('%');
+      out.push_back(hex[c >> 4]);
+      out.push_back(hex[c & 0xF]);
+    }
+  }
+  return out;
+}
+
+std::string str(const boost::json::object& o, std::string_view k) {
+  if (auto* v = o.if_contains(k); v && v->is_string()) return std::string(v->get_string());
+  if (auto* v = o.if_contains(k); v && v->is_int64()) return std::to_string(v->get_int64());
+  return {};
+}
+
+std::string expires_in(const boost::json::object& o) {
+  auto at = parse_rfc3339(str(o, "expires_at"));
+  if (!at) return "-";
+  long s = static_cast<long>((*at - now_unix_ms()) / 1000);
+  return s > 0 ? std::to_string(s) + " s" : "expired";
+}
+
+// Sends one request; on success prints with `human` (or the JSON document with --json).
+int call(const GlobalOptions& g, const std::string& method, const std::string& target, const std::string& body,
+         const std::function<void(const boost::json::object&)>& human) {
+  std::string socket = resolve_socket(g.socket, g.config_file);
+  DaemonReply r = daemon_request(socket, method, target, body);
+  if (r.status < 200 || r.status >= 300) return report_problem(r, socket, g.json);
+  if (g.json) std::printf("%s\n", r.body.empty() ? "{}" : r.body.c_str());
+  else human(r.json());
+  return exit_code::ok;
+}
+
+void print_tree(const boost::json::object& o, bool unicode) {
+  const char* tee = unicode ? "├─ " : "+- ";
+  const char* last = unicode ? "└─ " : "\\- ";
+  const char* pipe = unicode ? "│  " : "|  ";
+  std::vector<boost::json::object> chain;
+  if (auto* a = o.if_contains("ancestors"); a && a->is_array())
+    for (auto it = a->get_array().rbegin(); it != a->get_array().rend(); ++it) chain.push_back(it->get_object());
+  chain.push_back(o.at("memory").get_object());
+  std::string indent;
+  for (std::size_t i = 0; i < chain.size(); ++i) {
+    const auto& m = chain[i];
+    std::string label = str(m, "memory_instance_id");
+    if (auto bt = str(m, "branched_at_token"); !bt.empty()) label += "  (branched at token " + bt + ")";
+    if (i + 1 == chain.size()) label += unicode ? "  ◀ this memory" : "  <- this memory";
+    std::printf("%s%s%s\n", indent.c_str(), i ? last : "", label.c_str());
+    if (i) indent += "   ";
+  }
+  const auto& children = o.at("children").get_array();
+  for (std::size_t i = 0; i < children.size(); ++i) {
+    const auto& c = children[i].get_object();
+    std::printf("%s%s%s  (branched at token %s)\n", indent.c_str(), i + 1 == children.size() ? last : tee,
+                str(c, "memory_instance_id").c_str(), str(c, "branched_at_token").c_str());
+  }
+  (void)pipe;
+}
+
+void print_dot(const boost::json::object& o) {
+  std::printf("digraph lineage {\n  rankdir=TB;\n  node [shape=box, fontname=\"monospace\"];\n");
+  std::string self = str(o.at("memory").get_object(), "memory_instance_id");
+  std::printf("  \"%s\" [style=bold];\n", self.c_str());
+  std::string child = self;
+  std::string token = str(o.at("memory").get_object(), "branched_at_token");
+  for (const auto& a : o.at("ancestors").get_array()) {
+    std::string id = str(a.get_object(), "memory_instance_id");
+    std::printf("  \"%s\" -> \"%s\" [label=\"token %s\"];\n", id.c_str(), child.c_str(), token.c_str());
+    child = id;
+    token = str(a.get_object(), "branched_at_token");
+  }
+  for (const auto& c : o.at("children").get_array())
+    std::printf("  \"%s\" -> \"%s\" [label=\"token %s\"];\n", self.c_str(),
+                str(c.get_object(), "memory_instance_id").c_str(), str(c.get_object(), "branched_at_token").c_str());
+  std::printf("}\n");
+}
+
+} // namespace
+
+void register_lease_commands(CLI::App& app, GlobalOptions& g, Action& action) {
+  // mep claim NAME PATH [--ttl S]
+  struct Claim {
+    std::string name, path;
+    std::int64_t ttl = 30;
+  };
+  auto c = std::make_shared<Claim>();
+  auto* claim = app.add_subcommand("claim", "Claim NAME for the memory file PATH; held by mepd until 'mep release NAME'");
+  claim->add_option("name", c->name, "Agent name")->required();
+  claim->add_option("path", c->path, "The .uai memory file")->required();
+  claim->add_option("--ttl", c->ttl, "Lease TTL in seconds (5-300); mepd renews it")->capture_default_str();
+  claim->callback([c, &g, &action] {
+    action = [c, &g] {
+      std::string body = json::dump(boost::json::object{{"name", c->name}, {"path", absolute(c->path)},
+                                                        {"ttl_seconds", c->ttl}, {"bind", "none"}});
+      return call(g, "POST", "/v1/attach", body, [](const boost::json::object& o) {
+        std::printf("claimed %s  memory=%s  token=%s  expires in %s\n", str(o, "canonical_name").c_str(),
+                    str(o, "memory_instance_id").c_str(), str(o, "fencing_token").c_str(), expires_in(o).c_str());
+      });
+    };
+  });
+
+  // mep release NAME
+  auto rel_name = std::make_shared<std::string>();
+  auto* release = app.add_subcommand("release", "Release the lease on NAME that mepd holds");
+  release->add_option("name", *rel_name, "Agent name")->required();
+  release->callback([rel_name, &g, &action] {
+    action = [rel_name, &g] {
+      return call(g, "POST", "/v1/detach", json::dump(boost::json::object{{"name", *rel_name}}),
+                  [rel_name](const boost::json::object&) { std::printf("released %s\n", rel_name->c_str()); });
+    };
+  });
+
+  // mep init PATH
+  auto init_path = std::make_shared<std::string>();
+  auto* init = app.add_subcommand("init", "Create a new, empty memory file with a fresh identity");
+  init->add_option("path", *init_path, "The new .uai file")->required();
+  init->callback([init_path, &g, &action] {
+    action = [init_path, &g] {
+      return call(g, "POST", "/v1/init", json::dump(boost::json::object{{"path", absolute(*init_path)}}),
+                  [](const boost::json::object& o) {
+                    std::printf("created %s  memory=%s\n", str(o, "path").c_str(), str(o, "memory_instance_id").c_str());
+                  });
+    };
+  });
+
+  // mep branch PATH NEW_PATH
+  auto br = std::make_shared<std::pair<std::string, std::string>>();
+  auto* branch = app.add_subcommand("branch", "Copy a held memory to NEW_PATH as a new identity with recorded lineage");
+  branch->add_option("path", br->first, "The source memory file (its lease must be held by mepd)")->required();
+  branch->add_option("new_path", br->second, "Where the branch is written")->required();
+  branch->callback([br, &g, &action] {
+    action = [br, &g] {
+      std::string body = json::dump(boost::json::object{{"path", absolute(br->first)}, {"new_path", absolute(br->second)}});
+      return call(g, "POST", "/v1/branch", body, [](const boost::json::object& o) {
+        std::printf("branched %s  memory=%s  parent=%s  at token %s\n", str(o, "path").c_str(),
+                    str(o, "memory_instance_id").c_str(), str(o, "parent_memory_instance_id").c_str(),
+                    str(o, "branched_at_token").c_str());
+      });
+    };
+  });
+
+  // mep status
+  auto* status = app.add_subcommand("status", "List the leases mepd keeps");
+  status->callback([&g, &action] {
+    action = [&g] {
+      return call(g, "GET", "/v1/leases", "", [](const boost::json::object& o) {
+        const auto& leases = o.at("leases").get_array();
+        if (leases.empty()) {
+          std::printf("no leases\n");
+          return;
+        }
+        std::printf("%-24s  %-36s  %6s  %-10s  %-8s  %s\n", "NAME", "MEMORY", "TOKEN", "EXPIRES IN", "STATE", "PATH");
+        for (const auto& v : leases) {
+          const auto& l = v.get_object();
+          std::string tok = str(l, "fencing_token");
+          std::printf("%-24s  %-36s  %6s  %-10s  %-8s  %s\n", str(l, "canonical_name").c_str(),
+                      str(l, "memory_instance_id").c_str(), tok.empty() ? "-" : tok.c_str(), expires_in(l).c_str(),
+                      str(l, "state").c_str(), str(l, "path").c_str());
+        }
+      });
+    };
+  });
+
+  // mep identify PATH
+  auto id_path = std::make_shared<std::string>();
+  auto* identify = app.add_subcommand("identify", "Print the memory identity of a file");
+  identify->add_option("path", *id_path, "A .uai file")->required();
+  identify->callback([id_path, &g, &action] {
+    action = [id_path, &g] {
+      return call(g, "GET", "/v1/identify?path=" + url_encode(absolute(*id_path)), "", [](const boost::json::object& o) {
+        std::string parent = str(o, "parent_memory_instance_id");
+        std::printf("%s  memory=%s  parent=%s\n", str(o, "path").c_str(), str(o, "memory_instance_id").c_str(),
+                    parent.empty() ? "-" : parent.c_str());
+      });
+    };
+  });
+
+  // mep lineage PATH|ID [--format tree|dot|json]
+  struct Lineage {
+    std::string what, format = "tree";
+  };
+  auto ln = std::make_shared<Lineage>();
+  auto* lineage = app.add_subcommand("lineage", "Show a memory's ancestors and branches");
+  lineage->add_option("what", ln->what, "A .uai file or a memory id")->required();
+  lineage->add_option("--format", ln->format, "tree, dot (Graphviz) or json")
+      ->check(CLI::IsMember({"tree", "dot", "json"}))->capture_default_str();
+  lineage->callback([ln, &g, &action] {
+    action = [ln, &g] {
+      bool is_id = ln->what.size() == 36 && ln->what[8] == '-' && !fs::exists(ln->what);
+      std::string target = is_id ? "/v1/lineage?id=" + ln->what : "/v1/lineage?path=" + url_encode(absolute(ln->what));
+      GlobalOptions local = g;
+      if (ln->format == "json") local.json = true;
+      return call(local, "GET", target, "", [ln](const boost::json::object& o) {
+        if (ln->format == "dot") print_dot(o);
+        else print_tree(o, ::isatty(1));
+      });
+    };
+  });
+
+  // mep config
+  auto* config = app.add_subcommand("config", "Show the effective configuration and where each value came from");
+  config->callback([&g, &action] {
+    action = [&g] {
+      auto cfg = Config::load(g.config_file);
+      if (!cfg) {
+        std::fprintf(stderr, "mep: %s\n", cfg.error().c_str());
+        return exit_code::usage;
+      }
+      std::string rt = !xdg_runtime_dir().empty() ? (xdg_runtime_dir() / "mep" / "mepd.sock").string() : "/run/mep/mepd.sock";
+      std::optional<std::string> sock_flag = g.socket.empty() ? std::nullopt : std::optional(g.socket);
+      std::vector<std::pair<std::string, Setting>> rows = {
+          {"socket", cfg->get("socket", sock_flag, "--socket", rt)},
+          {"control_plane", cfg->get("control_plane", std::nullopt, "--control-plane", "")},
+          {"token_file", cfg->get("token_file", std::nullopt, "--token-file", "")},
+          {"state_dir", cfg->get("state_dir", std::nullopt, "--state-dir", (xdg_state_home() / "mep" / "mepd").string())},
+          {"db", cfg->get("db", std::nullopt, "--db", "sqlite:" + (xdg_state_home() / "mep" / "control.db").string())},
+      };
+      if (g.json) {
+        boost::json::object o;
+        for (auto& [k, s] : rows) o[k] = boost::json::object{{"value", s.value}, {"source", s.source}};
+        std::printf("%s\n", json::dump(o).c_str());
+      } else {
+        for (auto& [k, s] : rows)
+          std::printf("%-14s %-50s (%s)\n", k.c_str(), s.value.empty() ? "(none: embedded)" : s.value.c_str(),
+                      s.source.c_str());
+      }
+      return exit_code::ok;
+    };
+  });
+}
+
+} // namespace mep::cli

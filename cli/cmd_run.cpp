@@ -1,0 +1,239 @@
+// `mep run NAME PATH -- CMD…`: run a command under a lease, like flock(1), `etcdctl lock`
+// and `consul lock`, but fenced: the child runs in its own process group with the lease in
+// its environment; when the lease is lost (decided on the local monotonic deadline, or on
+// the daemon's `lost` event) the whole group gets SIGTERM, then SIGKILL after a grace
+// that never reaches past the lease's expiry.
+#include "commands.hpp"
+#include "daemon_client.hpp"
+
+#include "mep/json.hpp"
+#include "mep/problem.hpp"
+
+#include <boost/json.hpp>
+
+#include <atomic>
+#include <chrono>
+#include <csignal>
+#include <cstdio>
+#include <cstring>
+#include <filesystem>
+#include <mutex>
+#include <sys/socket.h>
+#include <sys/wait.h>
+#include <thread>
+#include <unistd.h>
+
+namespace mep::cli {
+namespace {
+using Clock = std::chrono::steady_clock;
+
+struct RunOptions {
+  std::string name, path, on_loss = "term";
+  std::int64_t ttl = 30;
+  double grace = 5;
+  std::vector<std::string> command;
+};
+
+volatile sig_atomic_t g_child_pgid = 0;
+
+void forward_signal(int sig) {
+  if (g_child_pgid > 0) ::kill(-g_child_pgid, sig);
+}
+
+// What the event thread learned about our lease.
+struct LeaseWatch {
+  std::mutex mutex;
+  std::string canonical_name; // empty until the attach answered
+  std::vector<std::string> early; // lines seen before the name was known
+  std::atomic<bool> lost{false};
+  std::string lost_reason;
+  Clock::time_point deadline;   // local backup deadline
+  Clock::time_point expiry;     // local estimate of the server-side expiry
+  std::int64_t ttl_s = 30;
+  std::atomic<bool> stream_down{false};
+};
+
+void on_event(LeaseWatch& w, const std::string& line) {
+  boost::system::error_code ec;
+  auto v = boost::json::parse(line, ec);
+  if (ec || !v.is_object()) return;
+  const auto& o = v.get_object();
+  auto s = [&](std::string_view k) {
+    auto* x = o.if_contains(k);
+    return x && x->is_string() ? std::string(x->get_string()) : std::string();
+  };
+  std::lock_guard lock(w.mutex);
+  if (w.canonical_name.empty()) {
+    w.early.push_back(line);
+    return;
+  }
+  if (s("canonical_name") != w.canonical_name) return;
+  std::string ev = s("event");
+  auto now = Clock::now();
+  if (ev == "renewed" || ev == "granted") {
+    auto margin = std::chrono::milliseconds(std::max<std::int64_t>(1000, w.ttl_s * 100));
+    // The renew was sent before this event arrived: keep twice the daemon's margin.
+    w.deadline = now + std::chrono::seconds(w.ttl_s) - 2 * margin;
+    w.expiry = now + std::chrono::seconds(w.ttl_s);
+  } else if (ev == "lost" || ev == "released") {
+    w.lost_reason = ev == "lost" ? s("reason") : "released by someone else";
+    w.lost = true;
+  }
+}
+
+int run(const RunOptions& o, const GlobalOptions& g) {
+  std::string socket = resolve_socket(g.socket, g.config_file);
+  LeaseWatch watch;
+  watch.ttl_s = o.ttl;
+
+  // 1. Listen for events first, so no `lost` can slip between the grant and the watch.
+  std::atomic<int> events_fd{-1};
+  std::atomic<bool> connected{false};
+  std::thread events([&] {
+    bool ok = follow_events(
+        socket,
+        [&](const std::string& line) {
+          on_event(watch, line);
+          return true;
+        },
+        [&](int fd) {
+          events_fd = fd;
+          connected = true;
+        });
+    if (!ok) connected = true;
+    watch.stream_down = true;
+  });
+  for (int i = 0; i < 200 && !connected; ++i) std::this_thread::sleep_for(std::chrono::milliseconds(5));
+
+  // 2. Claim, bound to this process: if `mep run` dies, mepd releases the lease.
+  std::error_code ec;
+  std::string abs = std::filesystem::absolute(o.path, ec).lexically_normal().string();
+  std::string body = json::dump(boost::json::object{{"name", o.name}, {"path", abs}, {"ttl_seconds", o.ttl}, {"bind", "pid"}});
+  auto sent = Clock::now();
+  DaemonReply r = daemon_request(socket, "POST", "/v1/attach", body);
+  auto stop_events = [&] {
+    if (int fd = events_fd.load(); fd >= 0) ::shutdown(fd, SHUT_RDWR);
+    events.join();
+  };
+  if (r.status != 201) {
+    stop_events();
+    return report_problem(r, socket, g.json);
+  }
+  auto lease = r.json();
+  auto field = [&](std::string_view k) {
+    auto* x = lease.if_contains(k);
+    if (!x) return std::string();
+    return x->is_string() ? std::string(x->get_string()) : x->is_int64() ? std::to_string(x->get_int64()) : std::string();
+  };
+  {
+    std::lock_guard lock(watch.mutex);
+    watch.canonical_name = field("canonical_name");
+    auto margin = std::chrono::milliseconds(std::max<std::int64_t>(1000, o.ttl * 100));
+    watch.deadline = sent + std::chrono::seconds(o.ttl) - margin;
+    watch.expiry = sent + std::chrono::seconds(o.ttl);
+  }
+  {
+    std::vector<std::string> early;
+    {
+      std::lock_guard lock(watch.mutex);
+      early.swap(watch.early);
+    }
+    for (auto& l : early) on_event(watch, l);
+  }
+
+  // 3. Start the command in its own process group with the lease in its environment.
+  ::setenv("MEP_CANONICAL_NAME", field("canonical_name").c_str(), 1);
+  ::setenv("MEP_MEMORY_INSTANCE_ID", field("memory_instance_id").c_str(), 1);
+  ::setenv("MEP_FENCING_TOKEN", field("fencing_token").c_str(), 1);
+  ::setenv("MEP_LEASE_ID", field("lease_id").c_str(), 1);
+  ::setenv("MEP_LEASE_EXPIRES_AT", field("expires_at").c_str(), 1);
+  if (g.verbosity > 0)
+    std::fprintf(stderr, "mep: holding %s (token %s); running %s\n", field("canonical_name").c_str(),
+                 field("fencing_token").c_str(), o.command.front().c_str());
+  std::vector<char*> argv;
+  for (const auto& a : o.command) argv.push_back(const_cast<char*>(a.c_str()));
+  argv.push_back(nullptr);
+  pid_t child = ::fork();
+  if (child == 0) {
+    ::setpgid(0, 0);
+    for (int s : {SIGINT, SIGTERM, SIGHUP}) std::signal(s, SIG_DFL);
+    ::execvp(argv[0], argv.data());
+    std::fprintf(stderr, "mep: cannot run %s: %s\n", argv[0], std::strerror(errno));
+    _exit(127);
+  }
+  ::setpgid(child, child);
+  g_child_pgid = child;
+  struct sigaction sa {};
+  sa.sa_handler = forward_signal;
+  sigemptyset(&sa.sa_mask);
+  for (int s : {SIGINT, SIGTERM, SIGHUP}) ::sigaction(s, &sa, nullptr);
+
+  // 4. Wait for the child; act on loss.
+  int status = 0;
+  bool lost = false;
+  bool kill_pending = false;
+  Clock::time_point kill_at = Clock::now();
+  for (;;) {
+    pid_t w = ::waitpid(child, &status, WNOHANG);
+    if (w == child) break;
+    auto now = Clock::now();
+    bool deadline_passed;
+    std::string reason;
+    {
+      std::lock_guard lock(watch.mutex);
+      deadline_passed = now >= watch.deadline;
+      reason = watch.lost ? watch.lost_reason : "local deadline passed";
+    }
+    if (!lost && (watch.lost || deadline_passed)) {
+      lost = true;
+      std::fprintf(stderr, "mep: lease on %s lost (%s)\n", field("canonical_name").c_str(), reason.c_str());
+      if (o.on_loss == "kill") {
+        ::kill(-child, SIGKILL);
+      } else if (o.on_loss == "term") {
+        ::kill(-child, SIGTERM);
+        std::lock_guard lock(watch.mutex);
+        auto grace = std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(o.grace));
+        kill_at = std::min(now + grace, std::max(now, watch.expiry));
+        kill_pending = true;
+      }
+    }
+    if (kill_pending && now >= kill_at) {
+      ::kill(-child, SIGKILL);
+      kill_pending = false;
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
+  g_child_pgid = 0;
+  if (lost && o.on_loss != "ignore") ::kill(-child, SIGKILL); // stragglers of the group
+
+  // 5. Release (unless lost) and exit with the command's status, or 4 after a loss.
+  const bool was_lost = lost || watch.lost; // before our own release emits `released`
+  if (!was_lost)
+    daemon_request(socket, "POST", "/v1/detach", json::dump(boost::json::object{{"name", field("canonical_name")}}));
+  stop_events();
+  if (was_lost) return exit_code::lost;
+  if (WIFEXITED(status)) return WEXITSTATUS(status);
+  if (WIFSIGNALED(status)) return 128 + WTERMSIG(status);
+  return exit_code::other;
+}
+
+} // namespace
+
+void register_run(CLI::App& app, GlobalOptions& g, Action& action) {
+  auto o = std::make_shared<RunOptions>();
+  auto* cmd = app.add_subcommand("run", "Run CMD while holding the lease on NAME for PATH (like flock(1))");
+  cmd->add_option("name", o->name, "Agent name")->required();
+  cmd->add_option("path", o->path, "The .uai memory file")->required();
+  cmd->add_option("--ttl", o->ttl, "Lease TTL in seconds (5-300)")->capture_default_str();
+  cmd->add_option("--on-loss", o->on_loss, "When the lease is lost: term (SIGTERM, then SIGKILL after --grace), kill, ignore")
+      ->check(CLI::IsMember({"term", "kill", "ignore"}))->capture_default_str();
+  cmd->add_option("--grace", o->grace, "Seconds between SIGTERM and SIGKILL (never past the lease's expiry)")
+      ->capture_default_str();
+  cmd->add_option("command", o->command, "The command and its arguments (after --)")->required();
+  cmd->footer("Exit status: the command's (128+N after signal N), 4 when the lease was lost, else as 'mep help'.\n"
+              "The command sees MEP_CANONICAL_NAME, MEP_MEMORY_INSTANCE_ID, MEP_FENCING_TOKEN, MEP_LEASE_ID,\n"
+              "MEP_LEASE_EXPIRES_AT. SIGINT, SIGTERM and SIGHUP are forwarded to its process group.");
+  cmd->callback([o, &g, &action] { action = [o, &g] { return run(*o, g); }; });
+}
+
+} // namespace mep::cli

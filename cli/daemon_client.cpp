@@ -1,0 +1,173 @@
+// A small blocking HTTP/1.1 client over a Unix socket.
+#include "daemon_client.hpp"
+
+#include "mep/config.hpp"
+#include "mep/json.hpp"
+
+#include <boost/json/parse.hpp>
+
+#include <cerrno>
+#include <cstring>
+#include <poll.h>
+#include <sys/socket.h>
+#include <sys/un.h>
+#include <unistd.h>
+
+namespace mep::cli {
+
+std::string resolve_socket(const std::string& flag, const std::string& config_file) {
+  auto cfg = Config::load(config_file);
+  std::string fallback = !xdg_runtime_dir().empty() ? (xdg_runtime_dir() / "mep" / "mepd.sock").string()
+                                                    : std::string("/run/mep/mepd.sock");
+  std::optional<std::string> f = flag.empty() ? std::nullopt : std::optional(flag);
+  if (!cfg) return f.value_or(fallback);
+  return cfg->get("socket", f, "--socket", fallback).value;
+}
+
+boost::json::object DaemonReply::json() const {
+  boost::system::error_code ec;
+  auto v = boost::json::parse(body, ec);
+  if (ec || !v.is_object()) return {};
+  return std::move(v.get_object());
+}
+
+Problem DaemonReply::problem(const std::string& socket) const {
+  if (status == 0) {
+    Problem p(Code::unavailable, "cannot reach mepd at " + socket + " (" + error +
+                                     "): start it with 'mepd' or 'systemctl --user start mepd.socket'");
+    return p;
+  }
+  auto o = json();
+  if (o.empty()) return Problem(Code::internal, "mepd answered " + std::to_string(status));
+  return Problem::from_json(o);
+}
+
+namespace {
+
+int connect_unix(const std::string& path, std::string& error) {
+  int fd = ::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  sockaddr_un addr{};
+  addr.sun_family = AF_UNIX;
+  if (path.size() >= sizeof addr.sun_path) {
+    error = "socket path too long";
+    ::close(fd);
+    return -1;
+  }
+  std::memcpy(addr.sun_path, path.c_str(), path.size() + 1);
+  if (::connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof addr) != 0) {
+    error = std::strerror(errno);
+    ::close(fd);
+    return -1;
+  }
+  return fd;
+}
+
+bool send_all(int fd, const std::string& data) {
+  for (std::size_t off = 0; off < data.size();) {
+    ssize_t n = ::send(fd, data.data() + off, data.size() - off, MSG_NOSIGNAL);
+    if (n <= 0) return false;
+    off += static_cast<std::size_t>(n);
+  }
+  return true;
+}
+
+// Reads until `pred(buffer)` or EOF, waiting at most `timeout_ms` per read.
+bool read_until(int fd, std::string& buf, const std::function<bool(const std::string&)>& pred, int timeout_ms) {
+  char tmp[8192];
+  while (!pred(buf)) {
+    pollfd p{fd, POLLIN, 0};
+    if (::poll(&p, 1, timeout_ms) <= 0) return false;
+    ssize_t n = ::recv(fd, tmp, sizeof tmp, 0);
+    if (n <= 0) return false;
+    buf.append(tmp, static_cast<std::size_t>(n));
+  }
+  return true;
+}
+
+std::string request_text(const std::string& method, const std::string& target, const std::string& body) {
+  std::string req = method + " " + target + " HTTP/1.1\r\nHost: mepd\r\nConnection: close\r\n";
+  if (!body.empty()) req += "Content-Type: application/json\r\nContent-Length: " + std::to_string(body.size()) + "\r\n";
+  return req + "\r\n" + body;
+}
+
+} // namespace
+
+DaemonReply daemon_request(const std::string& socket, const std::string& method, const std::string& target,
+                           const std::string& body) {
+  DaemonReply r;
+  int fd = connect_unix(socket, r.error);
+  if (fd < 0) return r;
+  std::string buf;
+  if (!send_all(fd, request_text(method, target, body))) {
+    r.error = "the daemon closed the connection";
+    ::close(fd);
+    return r;
+  }
+  std::size_t head = std::string::npos;
+  bool ok = read_until(fd, buf, [&](const std::string& b) { return (head = b.find("\r\n\r\n")) != std::string::npos; }, 60000);
+  if (!ok) {
+    r.error = "no answer from the daemon";
+    ::close(fd);
+    return r;
+  }
+  std::size_t length = 0;
+  std::string lower = buf.substr(0, head);
+  for (auto& ch : lower) ch = static_cast<char>(std::tolower(static_cast<unsigned char>(ch)));
+  if (auto cl = lower.find("content-length:"); cl != std::string::npos) length = std::strtoul(lower.c_str() + cl + 15, nullptr, 10);
+  read_until(fd, buf, [&](const std::string& b) { return b.size() >= head + 4 + length; }, 60000);
+  ::close(fd);
+  r.status = std::atoi(buf.c_str() + 9);
+  r.body = buf.substr(head + 4, length);
+  return r;
+}
+
+bool follow_events(const std::string& socket, const std::function<bool(const std::string&)>& on_line,
+                   const std::function<void(int fd)>& on_connected) {
+  std::string error;
+  int fd = connect_unix(socket, error);
+  if (fd < 0) return false;
+  if (!send_all(fd, request_text("GET", "/v1/events", ""))) {
+    ::close(fd);
+    return false;
+  }
+  on_connected(fd);
+  std::string buf;
+  bool in_body = false;
+  char tmp[8192];
+  for (;;) {
+    ssize_t n = ::recv(fd, tmp, sizeof tmp, 0);
+    if (n <= 0) break;
+    buf.append(tmp, static_cast<std::size_t>(n));
+    if (!in_body) {
+      auto head = buf.find("\r\n\r\n");
+      if (head == std::string::npos) continue;
+      buf.erase(0, head + 4);
+      in_body = true;
+    }
+    std::size_t nl;
+    while ((nl = buf.find('\n')) != std::string::npos) {
+      std::string line = buf.substr(0, nl);
+      buf.erase(0, nl + 1);
+      if (!on_line(line)) {
+        ::close(fd);
+        return true;
+      }
+    }
+  }
+  ::close(fd);
+  return true;
+}
+
+int report_problem(const DaemonReply& r, const std::string& socket, bool json) {
+  Problem p = r.problem(socket);
+  if (json) {
+    std::printf("%s\n", r.status ? r.body.c_str() : mep::json::dump(p.to_json()).c_str());
+  } else {
+    std::string line = "mep: " + std::string(p.title()) + ": " + p.detail;
+    if (auto* ra = p.extensions.if_contains("retry_after")) (void)ra;
+    std::fprintf(stderr, "%s\n", line.c_str());
+  }
+  return p.exit_code();
+}
+
+} // namespace mep::cli

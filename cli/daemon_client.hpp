@@ -1,0 +1,41 @@
+// The CLI's client for mepd's socket: one HTTP/1.1 request per call, and the NDJSON
+// event stream for `mep run`.
+#pragma once
+#include "mep/problem.hpp"
+
+#include <boost/json/object.hpp>
+
+#include <functional>
+#include <optional>
+#include <string>
+
+namespace mep::cli {
+
+/// The socket path: --socket, else MEP_SOCKET / config `socket`, else
+/// $XDG_RUNTIME_DIR/mep/mepd.sock, else /run/mep/mepd.sock.
+std::string resolve_socket(const std::string& flag, const std::string& config_file);
+
+struct DaemonReply {
+  int status = 0; ///< 0: the daemon could not be reached
+  std::string body;
+  std::string error; ///< why it could not be reached
+
+  boost::json::object json() const;
+  /// The problem carried by an error reply (or `unavailable` when unreachable).
+  Problem problem(const std::string& socket) const;
+};
+
+/// One request; blocks until the whole response arrived (or 60 s passed).
+DaemonReply daemon_request(const std::string& socket, const std::string& method, const std::string& target,
+                           const std::string& body = {});
+
+/// Opens GET /v1/events and calls `on_line` for each event line until it returns false
+/// or the stream ends. Returns false when the daemon could not be reached.
+bool follow_events(const std::string& socket, const std::function<bool(const std::string&)>& on_line,
+                   const std::function<void(int fd)>& on_connected);
+
+/// Prints a reply the way every command does: the JSON document with --json, else the
+/// problem's title and detail on stderr. Returns the exit code of the problem's code.
+int report_problem(const DaemonReply& r, const std::string& socket, bool json);
+
+} // namespace mep::cli
