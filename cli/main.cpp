@@ -31,6 +31,7 @@ int main(int argc, char** argv) {
   register_token(app, g, action);
   register_lease_commands(app, g, action);
   register_run(app, g, action);
+  register_migrate(app, g, action);
 
   // 2. Parse; usage errors exit 2 with one line on stderr.
   try {

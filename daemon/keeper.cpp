@@ -7,10 +7,16 @@
 // * claiming → held: a 201 stores the lease (persist) and arms the local deadline:
 //   steady time when the request was *sent* + ttl − margin (10 % of ttl, at least 1 s).
 // * held ⇄ degraded: renew_due() renews every lease due in one renew-batch call per tick
-//   (at ttl/3 with ±10 % jitter); failures without an answer mark it degraded and retry
-//   with backoff inside the remaining time.
+//   (at ttl/3 with ±10 % jitter). Leases at least half-way to their renewal ride along
+//   with a due one (coalescing), so leases attached close together keep sharing one
+//   round trip instead of drifting apart by their jitter; each is still renewed at
+//   ≤ ttl/3. The call's timeout is half the time left to the earliest local deadline, so
+//   a hung control plane yields `degraded` and a retry, with backoff, inside the
+//   remaining time.
 // * → lost: a 409/410/404 answer, or the local deadline passing without a successful
-//   renew (mark_lost). The token is no longer handed out; an event says why.
+//   renew (mark_lost). Deadlines are enforced by their own thread (deadline_loop), never
+//   behind a renewal in flight: loss is decided on the local clock, not on hearing from
+//   the server. The token is no longer handed out; an event says why.
 // * → released: detach(), or the bound process exiting (pid_loop, pidfd), which releases
 //   within the watcher's 100 ms poll.
 // Paths and file bytes stay on this host: the control plane only sees ids, names,
@@ -125,6 +131,7 @@ Keeper::~Keeper() {
   std::uint64_t one = 1;
   if (m_wake_fd >= 0) (void)!::write(m_wake_fd, &one, sizeof one);
   if (m_renewer.joinable()) m_renewer.join();
+  if (m_deadline_watcher.joinable()) m_deadline_watcher.join();
   if (m_pid_watcher.joinable()) m_pid_watcher.join();
   for (auto& [pid, fd] : m_pidfds) ::close(fd);
   if (m_wake_fd >= 0) ::close(m_wake_fd);
@@ -191,9 +198,54 @@ void Keeper::start() {
     }
     for (auto& h : gone) release_on_server(h);
   }
+  pull_identity_map();
   resend_intents();
   m_renewer = std::thread([this] { renew_loop(); });
+  m_deadline_watcher = std::thread([this] { deadline_loop(); });
   m_pid_watcher = std::thread([this] { pid_loop(); });
+}
+
+// SPEC §10: after a legacy migration the control plane publishes legacy memory
+// references → memory ids. A reference that names a file on this host (an absolute path)
+// gets that identity in the path map and the xattr; the path itself never leaves the host.
+void Keeper::pull_identity_map() {
+  std::optional<std::string> cursor;
+  std::size_t adopted = 0;
+  for (int page = 0; page < 10000; ++page) {
+    std::string target = "/v1/migration/identity-map?limit=1000";
+    if (cursor) {
+      static constexpr char hex[] = "0123456789ABCDEF";
+      target += "&cursor=";
+      for (unsigned char ch : *cursor) {
+        if (std::isalnum(ch) || ch == '-' || ch == '_' || ch == '.' || ch == '~') target.push_back(static_cast<char>(ch));
+        else target += {'%', hex[ch >> 4], hex[ch & 0xF]};
+      }
+    }
+    CpReply r = m_cp->request("GET", target, "");
+    if (!r.ok()) {
+      if (r.status == 0) log::warn("identity map not pulled: the control plane is unreachable");
+      return;
+    }
+    auto o = r.json();
+    auto* entries = o.if_contains("entries");
+    if (!entries || !entries->is_array()) return;
+    std::lock_guard lock(m_mutex);
+    for (const auto& e : entries->get_array()) {
+      if (!e.is_object()) continue;
+      std::string ref = str(e.get_object(), "legacy_memory_ref");
+      std::string id = str(e.get_object(), "memory_instance_id");
+      if (ref.empty() || ref.front() != '/' || !Uuid::parse(id)) continue;
+      auto st = stat_file(ref);
+      if (!st || !st->regular) continue;
+      write_id_xattr(ref, id);
+      remember_file(id, ref, true);
+      ++adopted;
+    }
+    auto* next = o.if_contains("next_cursor");
+    if (!next || !next->is_string()) break;
+    cursor = std::string(next->get_string());
+  }
+  if (adopted) log::info("identity map: {} legacy memory files on this host now carry their memory id", adopted);
 }
 
 void Keeper::resend_intents() {
@@ -612,28 +664,43 @@ void Keeper::renew_due() {
   };
   std::vector<Due> due;
   boost::json::array items;
+  std::chrono::milliseconds timeout{};
   {
     std::lock_guard lock(m_mutex);
     auto now = Clock::now();
+    bool any_due = false;
+    auto earliest = SteadyTime::max();
     for (auto& [name, h] : m_leases) {
       if (h.state == "lost") continue;
       if (now >= h.local_deadline) {
         mark_lost(h, "deadline");
         continue;
       }
-      if (now < h.next_renew || due.size() >= server::k_max_batch) continue;
-      due.push_back({name, h.fencing_token, h.ttl_s});
+      earliest = std::min(earliest, h.local_deadline);
+      any_due = any_due || now >= h.next_renew;
+    }
+    if (!any_due) return;
+    auto add = [&](const Held& h) {
+      due.push_back({h.canonical_name, h.fencing_token, h.ttl_s});
       items.emplace_back(boost::json::object{{"canonical_name", h.canonical_name},
                                              {"memory_instance_id", h.memory_id},
                                              {"fencing_token", h.fencing_token},
                                              {"owner_client_id", h.owner_client_id},
                                              {"ttl_seconds", h.ttl_s}});
+    };
+    // Due leases first, then those at least half-way to their renewal (coalescing).
+    for (auto& [name, h] : m_leases)
+      if (h.state != "lost" && now >= h.next_renew && due.size() < server::k_max_batch) add(h);
+    for (auto& [name, h] : m_leases) {
+      if (h.state == "lost" || now >= h.next_renew || due.size() >= server::k_max_batch) continue;
+      if (now >= h.next_renew - std::chrono::milliseconds(h.ttl_s * 1000 / 6)) add(h);
     }
+    timeout = std::clamp(std::chrono::duration_cast<std::chrono::milliseconds>(earliest - now) / 2,
+                         std::chrono::milliseconds(250), std::chrono::milliseconds(10000));
   }
-  if (due.empty()) return;
   auto sent = Clock::now();
   std::string body = json::dump(boost::json::object{{"owner_client_id", m_daemon_id}, {"leases", std::move(items)}});
-  CpReply r = m_cp->request("POST", "/v1/leases/renew-batch", body);
+  CpReply r = m_cp->request("POST", "/v1/leases/renew-batch", body, {}, timeout);
   std::lock_guard lock(m_mutex);
   m_cp_requests++;
   m_batches++;
@@ -674,6 +741,18 @@ void Keeper::renew_due() {
       auto backoff = std::min<Clock::duration>(std::chrono::milliseconds(250 << std::min(h.failures, 5)), left / 4);
       h.next_renew = Clock::now() + std::max<Clock::duration>(backoff, std::chrono::milliseconds(100));
     }
+  }
+}
+
+// Marks leases lost when their local deadline passes, independently of renewals in flight.
+void Keeper::deadline_loop() {
+  std::unique_lock lock(m_mutex);
+  while (!m_stop) {
+    m_cv.wait_for(lock, std::chrono::milliseconds(50), [&] { return m_stop; });
+    if (m_stop) break;
+    auto now = Clock::now();
+    for (auto& [name, h] : m_leases)
+      if (h.state != "lost" && now >= h.local_deadline) mark_lost(h, "deadline");
   }
 }
 

@@ -54,7 +54,14 @@ constexpr RouteSpec k_routes[] = {
     {http::verb::get, "/v1/leases/{canonical_name}", Auth::lease, Idem::none},
     {http::verb::post, "/v1/fence/verify", Auth::lease, Idem::none},
     {http::verb::post, "/v1/admin/leases/revoke", Auth::admin, Idem::none},
+    {http::verb::get, "/v1/migration/identity-map", Auth::lease, Idem::none},
 };
+
+// Endpoints closed while a legacy migration is in progress (SPEC §10).
+bool gated_by_migration(std::string_view pattern) {
+  return pattern == "/v1/leases" || pattern == "/v1/leases/renew" || pattern == "/v1/leases/renew-batch" ||
+         pattern == "/v1/leases/release" || pattern == "/v1/memories/branch";
+}
 
 std::vector<std::string_view> split_pattern(std::string_view p) {
   std::vector<std::string_view> out;
@@ -415,7 +422,7 @@ void on_list_leases(const CallPtr& c, Store& store) {
       std::string v(p.value);
       char* end = nullptr;
       long n = std::strtol(v.c_str(), &end, 10);
-      if (v.empty() || *end || n < 1 || n > 1000)
+      if (v.empty() || v.find_first_not_of("0123456789") != std::string::npos || *end || n < 1 || n > 1000)
         return fail(c, Problem(Code::invalid_request, "limit must be an integer from 1 to 1000"));
       req.limit = static_cast<std::size_t>(n);
     } else {
@@ -443,6 +450,26 @@ void on_get_memory(const CallPtr& c, Store& store) {
 void on_lineage(const CallPtr& c, Store& store) {
   std::string id;
   if (uuid_param(c, id)) store.lineage(c->ctx, id, reply_to(c));
+}
+
+void on_identity_map(const CallPtr& c, Store& store) {
+  std::optional<std::string> cursor;
+  std::size_t limit = 1000;
+  for (auto q : c->query) {
+    if (q.key == "cursor") {
+      cursor = std::string(q.value);
+    } else if (q.key == "limit") {
+      std::string v(q.value);
+      char* end = nullptr;
+      long n = std::strtol(v.c_str(), &end, 10);
+      if (v.empty() || *end || n < 1 || n > 10000)
+        return fail(c, Problem(Code::invalid_request, "limit must be an integer from 1 to 10000"));
+      limit = static_cast<std::size_t>(n);
+    } else {
+      return fail(c, Problem(Code::invalid_request, "unknown query parameter \"" + std::string(q.key) + "\""));
+    }
+  }
+  store.identity_map(c->ctx, std::move(cursor), limit, reply_to(c));
 }
 
 void on_metrics(const CallPtr& c, Store& store) {
@@ -567,8 +594,14 @@ void Router::handle(HttpRequest&& req, const Peer& peer, Send send) {
     return fail(c, std::move(p));
   }
 
-  // 4. The handler.
+  // 4. The migration gate, then the handler.
   const auto& p = route.pattern;
+  if (route.method == http::verb::post && gated_by_migration(p) && m_store.migration_in_progress()) {
+    Problem gate(Code::migration_in_progress, "a legacy migration is in progress; leases resume after 'mep migrate activate'");
+    gate.retry_after_s = 5;
+    return fail(c, std::move(gate));
+  }
+  if (p == "/v1/migration/identity-map") return on_identity_map(c, m_store);
   if (p == "/metrics") return on_metrics(c, m_store);
   if (p == "/v1/memories") return on_register(c, m_store);
   if (p == "/v1/memories/branch") return on_branch(c, m_store);

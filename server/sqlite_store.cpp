@@ -42,7 +42,7 @@ namespace {
 using sqlite::Db;
 using sqlite::Use;
 
-constexpr int k_schema_version = 1;
+constexpr int k_schema_version = 2;
 constexpr std::size_t k_max_group = 1024;
 
 constexpr std::string_view k_schema_v1 = R"sql(
@@ -117,6 +117,30 @@ CREATE TABLE IF NOT EXISTS audit_events (
 CREATE TABLE IF NOT EXISTS settings (
   key    TEXT PRIMARY KEY,
   value  TEXT NOT NULL
+);
+)sql";
+
+// Version 2: legacy migration (SPEC §10): one row per migrated legacy agent, and the
+// identity map from legacy memory references to memory ids.
+constexpr std::string_view k_schema_v2 = R"sql(
+CREATE TABLE IF NOT EXISTS migration_rows (
+  legacy_id          TEXT PRIMARY KEY,
+  tenant_id          TEXT NOT NULL,
+  display_name       TEXT NOT NULL,
+  canonical_name     TEXT NOT NULL UNIQUE,
+  skeleton           TEXT NOT NULL UNIQUE,
+  action             TEXT NOT NULL,
+  reason             TEXT,
+  memory_instance_id TEXT NOT NULL,
+  legacy_memory_ref  TEXT NOT NULL,
+  legacy_created_at  TEXT NOT NULL,
+  migrated_at        INTEGER NOT NULL
+);
+CREATE TABLE IF NOT EXISTS migration_identity_map (
+  tenant_id          TEXT NOT NULL,
+  legacy_memory_ref  TEXT NOT NULL,
+  memory_instance_id TEXT NOT NULL,
+  PRIMARY KEY (tenant_id, legacy_memory_ref)
 );
 )sql";
 
@@ -209,6 +233,7 @@ SqliteStore::SqliteStore(const std::string& url) : m_path(db_path_from_url(url))
   m_db->exec("PRAGMA cache_size=-8000");
   ::chmod(m_path.c_str(), 0600);
   migrate();
+  refresh_migration_state(*m_db);
   m_writer = std::thread([this] { writer_loop(); });
 }
 
@@ -237,6 +262,10 @@ void SqliteStore::migrate() {
     if (version < 1) {
       m_db->exec(k_schema_v1);
       m_db->exec("INSERT INTO schema_version(version) VALUES (1)");
+    }
+    if (version < 2) {
+      m_db->exec(k_schema_v2);
+      m_db->exec("INSERT INTO schema_version(version) VALUES (2)");
     }
     m_db->exec("COMMIT");
   } catch (...) {
@@ -888,8 +917,44 @@ std::int64_t SqliteStore::active_leases() {
   return s->step() ? s->int64(0) : 0;
 }
 
+void SqliteStore::refresh_migration_state(Db& db) {
+  Use s(db.prepare("SELECT value FROM settings WHERE key = 'migration_state'"));
+  m_migration_in_progress = s->step() && s->text(0) == "in-progress";
+}
+
+bool SqliteStore::migration_in_progress() { return m_migration_in_progress; }
+
+void SqliteStore::identity_map(const Ctx& ctx, std::optional<std::string> cursor, std::size_t limit, Done done) {
+  Reply r;
+  try {
+    auto rd = reader();
+    Use s(rd.db().prepare("SELECT legacy_memory_ref, memory_instance_id FROM migration_identity_map "
+                          "WHERE tenant_id = ?1 AND (?2 IS NULL OR legacy_memory_ref > ?2) "
+                          "ORDER BY legacy_memory_ref LIMIT ?3"));
+    s->bind(1, ctx.auth.tenant_id).bind(2, cursor).bind(3, static_cast<std::int64_t>(limit + 1));
+    boost::json::array entries;
+    std::string last;
+    bool more = false;
+    while (s->step()) {
+      if (entries.size() == limit) {
+        more = true;
+        break;
+      }
+      last = s->text(0);
+      entries.emplace_back(boost::json::object{{"legacy_memory_ref", last}, {"memory_instance_id", s->text(1)}});
+    }
+    boost::json::object o{{"entries", std::move(entries)}};
+    o["next_cursor"] = more ? boost::json::value(last) : boost::json::value(nullptr);
+    r = json_reply(200, o);
+  } catch (const sqlite::Error& e) {
+    r = read_failure(e, ctx.request_id);
+  }
+  done(std::move(r));
+}
+
 std::int64_t SqliteStore::sweep() {
   return run_sync<std::int64_t>([this](Db& db, UnixMs now) {
+    refresh_migration_state(db);
     std::int64_t removed = 0;
     std::vector<LeaseRow> expired;
     {

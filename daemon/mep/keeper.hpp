@@ -94,8 +94,10 @@ private:
   void watch_pid(pid_t pid);
   void renew_loop();
   void renew_due();
+  void deadline_loop();
   void pid_loop();
   void resend_intents();
+  void pull_identity_map();
   std::chrono::milliseconds margin(std::int64_t ttl_s) const;
 
   std::filesystem::path m_state_dir;
@@ -111,6 +113,7 @@ private:
   bool m_stop = false;
   std::condition_variable m_cv;
   std::thread m_renewer;
+  std::thread m_deadline_watcher;
   std::thread m_pid_watcher;
   int m_wake_fd = -1; // eventfd waking the pid watcher
 

@@ -41,6 +41,10 @@ public:
   bool ready() override;
   std::int64_t active_leases() override;
   std::int64_t sweep() override;
+  bool migration_in_progress() override;
+  void identity_map(const Ctx&, std::optional<std::string> cursor, std::size_t limit, Done) override;
+  /// The database file (for tools that work on it directly, such as mep migrate).
+  const std::string& path() const { return m_path; }
   std::pair<std::string, std::string> create_token(const std::string& tenant_name, Scope) override;
   std::vector<TokenInfo> list_tokens(const std::optional<std::string>& tenant_name) override;
   bool revoke_token(const std::string& token_id) override;
@@ -74,6 +78,7 @@ private:
   };
 
   void migrate();
+  void refresh_migration_state(sqlite::Db& db);
   void enqueue(Work work, Done done, std::string request_id = {});
   void writer_loop();
   void run_batch(std::vector<Job>& batch);
@@ -106,6 +111,7 @@ private:
   std::deque<Job> m_queue;
   bool m_stopping = false;
   std::atomic<bool> m_healthy{true};
+  std::atomic<bool> m_migration_in_progress{false};
   std::thread m_writer;
 
   std::mutex m_readers_mutex;

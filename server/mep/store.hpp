@@ -158,6 +158,11 @@ public:
   virtual std::int64_t sweep() = 0;
   /// Transaction retries so far (PostgreSQL serializable mode; 0 elsewhere).
   virtual std::int64_t transaction_retries() { return 0; }
+  /// True between `mep migrate run` and `mep migrate activate` (SPEC §10): lease
+  /// endpoints answer 503 migration-in-progress. Refreshed at least once a second.
+  virtual bool migration_in_progress() = 0;
+  /// GET /v1/migration/identity-map: the tenant's legacy_memory_ref → memory id entries.
+  virtual void identity_map(const Ctx&, std::optional<std::string> cursor, std::size_t limit, Done) = 0;
 
   // Administration (the `mep token` and `mep server audit` commands).
   /// Creates the tenant if new and a token for it; returns {tenant_id, token}.
