@@ -25,6 +25,8 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <bit>
+#include <deque>
 #include <chrono>
 #include <cstdio>
 #include <filesystem>
@@ -40,16 +42,80 @@ using sqlite::Db;
 using sqlite::Use;
 using Clock = std::chrono::steady_clock;
 
+// One legacy row, kept compact (a million of them are held at once): the memory id as
+// 16 bytes, created_at as milliseconds (the text only when it does not parse), the
+// reason as a small code.
 struct Row {
   Row() = default;
-  Row(std::string id, std::string name, std::string created, std::string ref, std::string memory)
-      : legacy_id(std::move(id)), display_name(std::move(name)), created_at(std::move(created)),
-        legacy_memory_ref(std::move(ref)), memory_id(std::move(memory)) {}
-  std::string legacy_id, display_name, created_at, legacy_memory_ref, memory_id;
-  std::string canonical, skeleton, reason;
+  Row(std::string id, std::string name, const std::string& created, std::string ref, const std::string& memory)
+      : legacy_id(std::move(id)), display_name(std::move(name)), legacy_memory_ref(std::move(ref)) {
+    auto ms = parse_rfc3339(created);
+    created_ms = ms.value_or(INT64_MAX);
+    if (!ms) created_raw = created;
+    if (auto u = Uuid::parse(memory)) {
+      memory_id = *u;
+      has_memory = true;
+    }
+    bad_memory = !memory.empty() && !has_memory;
+  }
+  std::string created_at() const { return created_raw.empty() ? format_rfc3339_ms(created_ms) : created_raw; }
+  std::string reason() const { return reason_code ? std::string(to_string(static_cast<NameReason>(reason_code - 1))) : std::string(); }
+
+  std::string legacy_id, display_name, legacy_memory_ref, created_raw;
+  std::string canonical, skeleton;
+  Uuid memory_id;
+  bool has_memory = false;
+  bool bad_memory = false;
+  std::uint8_t reason_code = 0; ///< NameReason + 1, or 0
   std::int64_t created_ms = 0;
-  enum Action : std::uint8_t { kept, renamed, generated, done } action = kept;
+  enum Action : std::uint8_t { kept, renamed, generated, done };
+  Action action = kept;
+  Action done_as = kept; ///< for rows an earlier run wrote: what it did
 };
+
+// Rows live in a deque: no reallocation copies while a million of them are read.
+using Rows = std::deque<Row>;
+
+// An open-addressing set of 64-bit hashes (8 bytes a slot): the uniqueness checks of a
+// million names in a few MB. A false positive only makes a fresh suffix be drawn again;
+// the UNIQUE constraints of migration_rows stay the final word.
+class HashSet64 {
+public:
+  explicit HashSet64(std::size_t expected) { m_slots.assign(std::max<std::size_t>(64, std::bit_ceil(expected * 2 + 1)), 0); }
+  bool contains(std::uint64_t h) const {
+    h = h ? h : 1;
+    for (std::size_t i = h & (m_slots.size() - 1);; i = (i + 1) & (m_slots.size() - 1)) {
+      if (m_slots[i] == h) return true;
+      if (m_slots[i] == 0) return false;
+    }
+  }
+  void insert(std::uint64_t h) {
+    h = h ? h : 1;
+    if ((m_size + 1) * 2 > m_slots.size()) grow();
+    for (std::size_t i = h & (m_slots.size() - 1);; i = (i + 1) & (m_slots.size() - 1)) {
+      if (m_slots[i] == h) return;
+      if (m_slots[i] == 0) {
+        m_slots[i] = h;
+        ++m_size;
+        return;
+      }
+    }
+  }
+
+private:
+  void grow() {
+    std::vector<std::uint64_t> old;
+    old.swap(m_slots);
+    m_slots.assign(old.size() * 2, 0);
+    m_size = 0;
+    for (auto h : old)
+      if (h) insert(h);
+  }
+  std::vector<std::uint64_t> m_slots;
+  std::size_t m_size = 0;
+};
+
+std::uint64_t hash_of(std::string_view s) { return std::hash<std::string_view>{}(s); }
 
 std::string db_path(const std::string& url) {
   if (url.rfind("sqlite://", 0) == 0) return url.substr(9);
@@ -105,10 +171,10 @@ std::vector<std::string> parse_csv_line(const std::string& line, std::istream& i
 }
 
 // Reads JSON Lines or CSV (with a header); fails with a message naming the line.
-expected<std::vector<Row>, std::string> read_file(const std::string& path) {
+expected<Rows, std::string> read_file(const std::string& path) {
   std::ifstream in(path);
   if (!in) return make_unexpected("cannot read " + path);
-  std::vector<Row> rows;
+  Rows rows;
   std::string line;
   std::size_t lineno = 0;
   int c = in.peek();
@@ -130,6 +196,7 @@ expected<std::vector<Row>, std::string> read_file(const std::string& path) {
       };
       Row r{get("legacy_id"), get("display_name"), get("created_at"), get("legacy_memory_ref"), get("memory_instance_id")};
       if (r.legacy_id.empty()) return make_unexpected(fmt::format("{}:{}: legacy_id is missing", path, lineno));
+      if (r.bad_memory) return make_unexpected(fmt::format("{}:{}: memory_instance_id is not a UUID", path, lineno));
       rows.push_back(std::move(r));
     }
     return rows;
@@ -151,12 +218,13 @@ expected<std::vector<Row>, std::string> read_file(const std::string& path) {
     };
     Row r{get("legacy_id"), get("display_name"), get("created_at"), get("legacy_memory_ref"), get("memory_instance_id")};
     if (r.legacy_id.empty()) return make_unexpected(fmt::format("{}:{}: legacy_id is missing", path, lineno));
+    if (r.bad_memory) return make_unexpected(fmt::format("{}:{}: memory_instance_id is not a UUID", path, lineno));
     rows.push_back(std::move(r));
   }
   return rows;
 }
 
-expected<std::vector<Row>, std::string> read_table(Db& db, const std::string& table) {
+expected<Rows, std::string> read_table(Db& db, const std::string& table) {
   if (table.empty() || table.find_first_not_of("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_") !=
                            std::string::npos || std::isdigit(static_cast<unsigned char>(table[0])))
     return make_unexpected("--from-table must be a plain table name");
@@ -171,7 +239,7 @@ expected<std::vector<Row>, std::string> read_table(Db& db, const std::string& ta
     }
     if (!any) return make_unexpected("no table named " + table + " in the database");
   }
-  std::vector<Row> rows;
+  Rows rows;
   try {
     Use s(db.prepare(fmt::format("SELECT CAST(legacy_id AS TEXT), display_name, CAST(created_at AS TEXT), "
                                  "CAST(legacy_memory_ref AS TEXT), {} FROM \"{}\"",
@@ -257,27 +325,30 @@ int migrate_run(const MigrateOptions& o) {
     bool has_tables = db && table_exists(*db, "migration_rows");
 
     // 1. Read the legacy rows.
-    expected<std::vector<Row>, std::string> input = o.input_file ? read_file(*o.input_file)
+    expected<Rows, std::string> input = o.input_file ? read_file(*o.input_file)
                                                    : db ? read_table(*db, *o.from_table)
                                                         : make_unexpected(std::string("the database does not exist"));
     if (!input) {
       std::fprintf(stderr, "mep migrate: %s\n", input.error().c_str());
       return exit_code::usage;
     }
-    std::vector<Row>& rows = *input;
-    {
-      std::unordered_set<std::string> seen;
-      for (const auto& r : rows)
-        if (!seen.insert(r.legacy_id).second) {
-          std::fprintf(stderr, "mep migrate: legacy_id %s appears twice in the input\n", r.legacy_id.c_str());
-          return exit_code::usage;
-        }
+    Rows& rows = *input;
+    // Index by legacy id (hash → row), refusing duplicates.
+    std::unordered_map<std::uint64_t, std::uint32_t> by_id;
+    by_id.reserve(rows.size());
+    for (std::size_t i = 0; i < rows.size(); ++i) {
+      auto [it, fresh] = by_id.try_emplace(hash_of(rows[i].legacy_id), static_cast<std::uint32_t>(i));
+      if (!fresh && rows[it->second].legacy_id == rows[i].legacy_id) {
+        std::fprintf(stderr, "mep migrate: legacy_id %s appears twice in the input\n", rows[i].legacy_id.c_str());
+        return exit_code::usage;
+      }
     }
 
     // 2. What earlier runs already wrote (resume), and every name in use.
-    std::unordered_map<std::string, Row> existing;
-    std::unordered_set<std::string> used_names, used_skeletons;
-    std::unordered_map<std::string, std::string> identity; // legacy_memory_ref -> id
+    HashSet64 used_names(rows.size()), used_skeletons(rows.size());
+    std::unordered_set<std::string> taken_skeletons; // exact, from earlier runs
+    std::unordered_map<std::uint64_t, std::uint32_t> ref_index; // legacy_memory_ref hash → row
+    std::unordered_map<std::string, std::string> db_identity;     // refs mapped by earlier runs
     std::string tenant_id;
     if (db && table_exists(*db, "tenants")) {
       Use s(db->prepare("SELECT tenant_id FROM tenants WHERE name = ?1"));
@@ -287,63 +358,80 @@ int migrate_run(const MigrateOptions& o) {
     if (has_tables) {
       Use s(db->prepare("SELECT legacy_id, canonical_name, skeleton, action, reason, memory_instance_id FROM migration_rows"));
       while (s->step()) {
-        Row r;
-        r.legacy_id = s->text(0);
+        std::string id = s->text(0);
+        used_names.insert(hash_of(s->text(1)));
+        used_skeletons.insert(hash_of(s->text(2)));
+        taken_skeletons.insert(s->text(2));
+        auto it = by_id.find(hash_of(id));
+        if (it == by_id.end() || rows[it->second].legacy_id != id) continue;
+        Row& r = rows[it->second];
         r.canonical = s->text(1);
         r.skeleton = s->text(2);
         std::string a = s->text(3);
-        r.action = a == "renamed" ? Row::renamed : a == "generated" ? Row::generated : Row::kept;
-        r.reason = s->opt_text(4).value_or("");
-        r.memory_id = s->text(5);
-        used_names.insert(r.canonical);
-        used_skeletons.insert(r.skeleton);
-        existing.emplace(r.legacy_id, std::move(r));
+        r.done_as = a == "renamed" ? Row::renamed : a == "generated" ? Row::generated : Row::kept;
+        std::string reason = s->opt_text(4).value_or("");
+        r.reason_code = 0;
+        for (int k = 0; k <= static_cast<int>(NameReason::invisible_character); ++k)
+          if (reason == to_string(static_cast<NameReason>(k))) r.reason_code = static_cast<std::uint8_t>(k + 1);
+        r.memory_id = *Uuid::parse(s->text(5));
+        r.has_memory = true;
+        r.action = Row::done;
       }
-      Use m(db->prepare("SELECT legacy_memory_ref, memory_instance_id FROM migration_identity_map WHERE tenant_id = ?1"));
-      m->bind(1, tenant_id);
-      while (m->step()) identity.emplace(m->text(0), m->text(1));
+      // Only the references of rows still to write matter (a complete re-run loads none).
+      HashSet64 pending_refs(rows.size());
+      bool any_pending = false;
+      for (const auto& r : rows)
+        if (r.action != Row::done && !r.legacy_memory_ref.empty()) {
+          pending_refs.insert(hash_of(r.legacy_memory_ref));
+          any_pending = true;
+        }
+      if (any_pending) {
+        Use m(db->prepare("SELECT legacy_memory_ref, memory_instance_id FROM migration_identity_map WHERE tenant_id = ?1"));
+        m->bind(1, tenant_id);
+        while (m->step())
+          if (pending_refs.contains(hash_of(m->text(0)))) db_identity.emplace(m->text(0), m->text(1));
+      }
     }
 
-    // 3. Canonicalize, group by skeleton, choose winners (deterministic).
+    // 3. Canonicalize, then choose winners: sort by (skeleton, created_at, legacy id);
+    //    the first of each run of equal skeletons keeps its name (deterministic).
     Progress prep("canonicalizing", rows.size());
-    std::unordered_map<std::string, std::vector<std::size_t>> groups;
+    std::vector<std::uint32_t> order;
     for (std::size_t i = 0; i < rows.size(); ++i) {
       Row& r = rows[i];
-      r.created_ms = parse_rfc3339(r.created_at).value_or(INT64_MAX);
-      if (auto it = existing.find(r.legacy_id); it != existing.end()) {
-        r.canonical = it->second.canonical;
-        r.skeleton = it->second.skeleton;
-        r.reason = it->second.reason;
-        r.memory_id = it->second.memory_id;
-        r.action = Row::done;
-        continue;
-      }
+      if (r.action == Row::done) continue;
       auto name = canonicalize(r.display_name);
       if (!name) {
         r.action = Row::generated;
-        r.reason = std::string(to_string(name.error().reason));
+        r.reason_code = static_cast<std::uint8_t>(static_cast<int>(name.error().reason) + 1);
         continue;
       }
-      r.canonical = name->canonical_name;
-      r.skeleton = name->skeleton;
-      groups[r.skeleton].push_back(i);
+      r.canonical = std::move(name->canonical_name);
+      r.skeleton = std::move(name->skeleton);
+      order.push_back(static_cast<std::uint32_t>(i));
       if (i % 4096 == 0) prep.update(i);
     }
     prep.update(rows.size(), true);
-    // Winners: in each group the oldest (then smallest legacy id) keeps its name — unless an
-    // earlier run already gave the skeleton to someone, in which case all are renamed.
-    for (auto& [sk, idx] : groups) {
-      auto win = *std::min_element(idx.begin(), idx.end(), [&](std::size_t a, std::size_t b) {
-        if (rows[a].created_ms != rows[b].created_ms) return rows[a].created_ms < rows[b].created_ms;
-        return less_id(rows[a].legacy_id, rows[b].legacy_id);
-      });
-      bool taken = used_skeletons.count(sk) > 0;
-      for (auto i : idx) rows[i].action = (i == win && !taken) ? Row::kept : Row::renamed;
-      if (!taken) {
-        used_names.insert(rows[win].canonical);
-        used_skeletons.insert(sk);
+    std::sort(order.begin(), order.end(), [&](std::uint32_t a, std::uint32_t b) {
+      const Row& x = rows[a];
+      const Row& y = rows[b];
+      if (int c = x.skeleton.compare(y.skeleton)) return c < 0;
+      if (x.created_ms != y.created_ms) return x.created_ms < y.created_ms;
+      return less_id(x.legacy_id, y.legacy_id);
+    });
+    for (std::size_t k = 0; k < order.size(); ++k) {
+      Row& r = rows[order[k]];
+      bool first = k == 0 || rows[order[k - 1]].skeleton != r.skeleton;
+      if (first && !taken_skeletons.count(r.skeleton)) {
+        r.action = Row::kept;
+        used_names.insert(hash_of(r.canonical));
+        used_skeletons.insert(hash_of(r.skeleton));
+      } else {
+        r.action = Row::renamed;
       }
     }
+    std::vector<std::uint32_t>().swap(order);
+    taken_skeletons.clear();
     // Suffixed and generated names, unique in name and skeleton.
     auto fresh_name = [&](const std::string& base) {
       for (;;) {
@@ -368,9 +456,10 @@ int migrate_run(const MigrateOptions& o) {
         }
         std::string candidate = (stem.empty() ? std::string("agent") : stem) + "-" + hex.substr(32 - suffix_len);
         auto n = canonicalize(candidate);
-        if (!n || used_names.count(n->canonical_name) || used_skeletons.count(n->skeleton)) continue;
-        used_names.insert(n->canonical_name);
-        used_skeletons.insert(n->skeleton);
+        if (!n || used_names.contains(hash_of(n->canonical_name)) || used_skeletons.contains(hash_of(n->skeleton)))
+          continue;
+        used_names.insert(hash_of(n->canonical_name));
+        used_skeletons.insert(hash_of(n->skeleton));
         return std::make_pair(n->canonical_name, n->skeleton);
       }
     };
@@ -378,18 +467,29 @@ int migrate_run(const MigrateOptions& o) {
       if (r.action == Row::renamed) std::tie(r.canonical, r.skeleton) = fresh_name(r.canonical);
       else if (r.action == Row::generated) std::tie(r.canonical, r.skeleton) = fresh_name("agent");
     }
-    // Memory ids: given, already mapped, or minted (one per legacy reference).
-    for (auto& r : rows) {
-      if (r.action == Row::done) continue;
-      if (auto u = Uuid::parse(r.memory_id)) {
-        r.memory_id = u->to_string();
-      } else if (auto it = identity.find(r.legacy_memory_ref); it != identity.end() && !r.legacy_memory_ref.empty()) {
-        r.memory_id = it->second;
-      } else {
-        r.memory_id = uuid_v7().to_string();
+    // Memory ids: given, mapped by an earlier run or an earlier row, or minted (one per
+    // legacy reference).
+    for (std::size_t i = 0; i < rows.size(); ++i) {
+      Row& r = rows[i];
+      if (r.action == Row::done || r.has_memory) continue;
+      if (!r.legacy_memory_ref.empty()) {
+        auto it = ref_index.find(hash_of(r.legacy_memory_ref));
+        if (it != ref_index.end() && rows[it->second].legacy_memory_ref == r.legacy_memory_ref) {
+          r.memory_id = rows[it->second].memory_id;
+          r.has_memory = true;
+          continue;
+        }
       }
-      if (!r.legacy_memory_ref.empty()) identity.emplace(r.legacy_memory_ref, r.memory_id);
+      if (auto d = db_identity.find(r.legacy_memory_ref); d != db_identity.end() && !r.legacy_memory_ref.empty()) {
+        r.memory_id = *Uuid::parse(d->second);
+      } else {
+        r.memory_id = uuid_v7();
+      }
+      r.has_memory = true;
+      if (!r.legacy_memory_ref.empty()) ref_index.try_emplace(hash_of(r.legacy_memory_ref), static_cast<std::uint32_t>(i));
     }
+    std::unordered_map<std::uint64_t, std::uint32_t>().swap(ref_index);
+    std::unordered_map<std::uint64_t, std::uint32_t>().swap(by_id);
 
     // 4. Write (run) in batches, resumable; a plan writes nothing.
     std::size_t fresh = 0;
@@ -422,17 +522,17 @@ int migrate_run(const MigrateOptions& o) {
                             "reason, memory_instance_id, legacy_memory_ref, legacy_created_at, migrated_at) "
                             "VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11)"));
           s->bind(1, r.legacy_id).bind(2, tenant_id).bind(3, r.display_name).bind(4, r.canonical).bind(5, r.skeleton)
-              .bind(6, action_name(r.action)).bind(7, r.reason.empty() ? std::optional<std::string>() : r.reason)
-              .bind(8, r.memory_id).bind(9, r.legacy_memory_ref).bind(10, r.created_at).bind(11, now).run();
+              .bind(6, action_name(r.action)).bind(7, r.reason_code ? std::optional<std::string>(r.reason()) : std::nullopt)
+              .bind(8, r.memory_id.to_string()).bind(9, r.legacy_memory_ref).bind(10, r.created_at()).bind(11, now).run();
         }
         {
           Use s(db->prepare("INSERT OR IGNORE INTO memories(memory_id, tenant_id, fence_counter, created_at) VALUES (?1, ?2, 0, ?3)"));
-          s->bind(1, r.memory_id).bind(2, tenant_id).bind(3, now).run();
+          s->bind(1, r.memory_id.to_string()).bind(2, tenant_id).bind(3, now).run();
         }
         if (!r.legacy_memory_ref.empty()) {
           Use s(db->prepare("INSERT OR IGNORE INTO migration_identity_map(tenant_id, legacy_memory_ref, memory_instance_id) "
                             "VALUES (?1, ?2, ?3)"));
-          s->bind(1, tenant_id).bind(2, r.legacy_memory_ref).bind(3, r.memory_id).run();
+          s->bind(1, tenant_id).bind(2, r.legacy_memory_ref).bind(3, r.memory_id.to_string()).run();
         }
         {
           Use s(db->prepare("INSERT INTO agent_names(canonical_name, display_name, skeleton, tenant_id, unicode_version, "
@@ -466,7 +566,7 @@ int migrate_run(const MigrateOptions& o) {
       Row::Action a = r.action;
       if (a == Row::done) {
         ++resumed;
-        a = existing[r.legacy_id].action;
+        a = r.done_as;
       }
       if (a == Row::kept) ++kept;
       else if (a == Row::renamed) ++renamed;
@@ -476,8 +576,8 @@ int migrate_run(const MigrateOptions& o) {
                                {"display_name", r.display_name},
                                {"canonical_name", r.canonical},
                                {"action", action_name(a)}};
-      if (!r.reason.empty()) line["reason"] = r.reason;
-      line["memory_instance_id"] = r.memory_id;
+      if (r.reason_code) line["reason"] = r.reason();
+      line["memory_instance_id"] = r.memory_id.to_string();
       std::string text = json::dump(line) + "\n";
       std::fwrite(text.data(), 1, text.size(), report);
     }
