@@ -1,0 +1,373 @@
+"""mep migrate (SPEC §10) against real binaries: collisions, resumption, the gate, the map.
+
+Every process started here is ended by its PID; every wait is bounded.
+"""
+import csv
+import json
+import os
+import signal
+import sqlite3
+import subprocess
+import tempfile
+import time
+import unittest
+import urllib.request
+import urllib.error
+
+MEP = os.environ["MEP_BIN"]
+MEPD = os.environ.get("MEPD_BIN", os.path.join(os.path.dirname(os.path.dirname(MEP)), "daemon", "mepd"))
+
+
+def mep(*args, timeout=120, check=True):
+    p = subprocess.run([MEP, *args], capture_output=True, text=True, timeout=timeout)
+    if check and p.returncode != 0:
+        raise AssertionError(f"mep {' '.join(args)} -> {p.returncode}\n{p.stdout}\n{p.stderr}")
+    return p
+
+
+def write_jsonl(path, rows):
+    with open(path, "w", encoding="utf-8") as f:
+        for r in rows:
+            f.write(json.dumps(r, ensure_ascii=False) + "\n")
+
+
+def read_report(path):
+    with open(path, encoding="utf-8") as f:
+        return {r["legacy_id"]: r for r in map(json.loads, f)}
+
+
+def db_rows(db, sql):
+    con = sqlite3.connect(f"file:{db}?mode=ro", uri=True)
+    try:
+        return con.execute(sql).fetchall()
+    finally:
+        con.close()
+
+
+class Server:
+    """A real `mep server` on a database, stopped by PID."""
+
+    def __init__(self, db):
+        self.log = tempfile.NamedTemporaryFile(prefix="mep-server-", suffix=".log", delete=False)
+        self.proc = subprocess.Popen([MEP, "server", "--db", f"sqlite:{db}", "--listen", "127.0.0.1:0"],
+                                     stderr=self.log, stdout=subprocess.DEVNULL)
+        deadline = time.monotonic() + 20
+        self.url = None
+        while time.monotonic() < deadline and self.url is None:
+            with open(self.log.name) as f:
+                for line in f:
+                    if "listening on http://" in line:
+                        self.url = line.split("listening on ")[1].strip()
+            time.sleep(0.05)
+        if self.url is None:
+            self.stop()
+            raise AssertionError("mep server did not start:\n" + open(self.log.name).read())
+
+    def request(self, method, path, token, body=None, headers=None):
+        data = json.dumps(body).encode() if body is not None else None
+        req = urllib.request.Request(self.url + path, data=data, method=method)
+        req.add_header("Authorization", f"Bearer {token}")
+        if data is not None:
+            req.add_header("Content-Type", "application/json")
+        for k, v in (headers or {}).items():
+            req.add_header(k, v)
+        try:
+            with urllib.request.urlopen(req, timeout=10) as r:
+                return r.status, dict(r.headers), json.loads(r.read() or b"null")
+        except urllib.error.HTTPError as e:
+            return e.code, dict(e.headers), json.loads(e.read() or b"null")
+
+    def stop(self):
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(timeout=10)
+
+
+class MigrateTest(unittest.TestCase):
+    def setUp(self):
+        self.tmp = tempfile.TemporaryDirectory(prefix="mep-migrate-")
+        self.dir = self.tmp.name
+        self.db = os.path.join(self.dir, "control.db")
+        self.url = f"sqlite:{self.db}"
+
+    def tearDown(self):
+        self.tmp.cleanup()
+
+    def test_migrate_oldest_wins_others_suffixed(self):
+        rows = [
+            # case and width variants of one name: the oldest keeps it
+            {"legacy_id": "1", "display_name": "PayPal", "created_at": "2021-01-01T00:00:00Z", "legacy_memory_ref": "m1"},
+            {"legacy_id": "2", "display_name": "paypal", "created_at": "2019-01-01T00:00:00Z", "legacy_memory_ref": "m2"},
+            {"legacy_id": "3", "display_name": "ＰＡＹＰＡＬ", "created_at": "2020-01-01T00:00:00Z", "legacy_memory_ref": "m3"},
+            # NFC: composed and decomposed é
+            {"legacy_id": "4", "display_name": "caf\u00e9", "created_at": "2020-01-01T00:00:00Z", "legacy_memory_ref": "m4"},
+            {"legacy_id": "5", "display_name": "cafe\u0301", "created_at": "2018-01-01T00:00:00Z", "legacy_memory_ref": "m5"},
+            # confusables: all-Latin "paypa" vs all-Cyrillic "раура" share a skeleton
+            {"legacy_id": "6", "display_name": "paypa", "created_at": "2020-05-05T00:00:00Z", "legacy_memory_ref": "m6"},
+            {"legacy_id": "7", "display_name": "раура", "created_at": "2016-05-05T00:00:00Z", "legacy_memory_ref": "m7"},
+            # a tie on created_at: the smallest legacy id (numerically) wins
+            {"legacy_id": "10", "display_name": "TieBot", "created_at": "2020-01-01T00:00:00Z", "legacy_memory_ref": "m10"},
+            {"legacy_id": "9", "display_name": "tiebot", "created_at": "2020-01-01T00:00:00Z", "legacy_memory_ref": "m9"},
+        ]
+        src = os.path.join(self.dir, "legacy.jsonl")
+        write_jsonl(src, rows)
+        report = os.path.join(self.dir, "report.jsonl")
+        mep("migrate", "run", "--db", self.url, "--input", src, "--report", report)
+        r = read_report(report)
+        self.assertEqual(len(r), len(rows))
+        self.assertEqual((r["2"]["action"], r["2"]["canonical_name"]), ("kept", "paypal"))
+        for loser in ("1", "3"):
+            self.assertEqual(r[loser]["action"], "renamed")
+            self.assertRegex(r[loser]["canonical_name"], r"^paypal-[0-9a-f]{8,32}$")
+        self.assertEqual((r["5"]["action"], r["5"]["canonical_name"]), ("kept", "caf\u00e9"))
+        self.assertEqual(r["4"]["action"], "renamed")
+        self.assertEqual((r["7"]["action"], r["7"]["canonical_name"]), ("kept", "раура"))
+        self.assertEqual(r["6"]["action"], "renamed")
+        self.assertTrue(r["6"]["canonical_name"].startswith("paypa-"))
+        self.assertEqual((r["9"]["action"], r["10"]["action"]), ("kept", "renamed"))
+        names = [x["canonical_name"] for x in r.values()]
+        self.assertEqual(len(names), len(set(names)))
+        self.assertTrue(all(len(n) <= 64 for n in names))
+        # Every renamed name is itself a valid canonical name.
+        out = mep("canonicalize", "--json", *names).stdout.splitlines()
+        self.assertTrue(all("error" not in json.loads(line) for line in out))
+        # The database agrees with the report; skeletons are unique.
+        got = dict(db_rows(self.db, "SELECT legacy_id, canonical_name FROM migration_rows"))
+        self.assertEqual(got, {k: v["canonical_name"] for k, v in r.items()})
+        sk = [s for (s,) in db_rows(self.db, "SELECT skeleton FROM migration_rows")]
+        self.assertEqual(len(sk), len(set(sk)))
+
+    def test_names_that_cannot_be_canonicalized_are_generated(self):
+        rows = [
+            {"legacy_id": "1", "display_name": "bad!", "created_at": "2020-01-01T00:00:00Z", "legacy_memory_ref": "a"},
+            {"legacy_id": "2", "display_name": "my\u0430gent", "created_at": "2020-01-01T00:00:00Z", "legacy_memory_ref": "b"},
+            {"legacy_id": "3", "display_name": "", "created_at": "2020-01-01T00:00:00Z", "legacy_memory_ref": "c"},
+            {"legacy_id": "4", "display_name": "x" * 80, "created_at": "2020-01-01T00:00:00Z", "legacy_memory_ref": "d"},
+        ]
+        src = os.path.join(self.dir, "legacy.jsonl")
+        write_jsonl(src, rows)
+        report = os.path.join(self.dir, "report.jsonl")
+        mep("migrate", "run", "--db", self.url, "--input", src, "--report", report)
+        r = read_report(report)
+        expect = {"1": "disallowed-character", "2": "mixed-script", "3": "empty", "4": "too-long"}
+        for lid, reason in expect.items():
+            self.assertEqual(r[lid]["action"], "generated")
+            self.assertEqual(r[lid]["reason"], reason)
+            self.assertRegex(r[lid]["canonical_name"], r"^agent-[0-9a-f]{32}$")
+
+    def test_csv_input_and_memory_ids_and_identity_map(self):
+        src = os.path.join(self.dir, "legacy.csv")
+        given = "01890f4e-7a3b-7c2d-8e1f-0a1b2c3d4e5f"
+        with open(src, "w", newline="", encoding="utf-8") as f:
+            w = csv.writer(f)
+            w.writerow(["legacy_id", "display_name", "created_at", "legacy_memory_ref", "memory_instance_id"])
+            w.writerow(["1", "Alpha, Inc", "2020-01-01T00:00:00Z", "ref-a", ""])
+            w.writerow(["2", "Beta", "2020-01-01T00:00:00Z", "ref-a", ""])
+            w.writerow(["3", "Gamma", "2020-01-01T00:00:00Z", "ref-g", given])
+        report = os.path.join(self.dir, "report.jsonl")
+        mep("migrate", "run", "--db", self.url, "--input", src, "--report", report)
+        r = read_report(report)
+        self.assertEqual(r["1"]["action"], "generated")  # the comma is not allowed in a name
+        self.assertEqual(r["1"]["memory_instance_id"], r["2"]["memory_instance_id"])  # one id per reference
+        self.assertEqual(r["3"]["memory_instance_id"], given)
+        m = dict(db_rows(self.db, "SELECT legacy_memory_ref, memory_instance_id FROM migration_identity_map"))
+        self.assertEqual(m, {"ref-a": r["1"]["memory_instance_id"], "ref-g": given})
+        st = json.loads(mep("--json", "migrate", "status", "--db", self.url).stdout)
+        self.assertEqual((st["rows"], st["identity_map_entries"], st["migration_state"]), (3, 2, "in-progress"))
+
+    def test_from_table(self):
+        mep("token", "create", "--db", self.url, "--tenant", "default")  # creates the database
+        con = sqlite3.connect(self.db)
+        con.execute("CREATE TABLE legacy_agents (legacy_id INTEGER, display_name TEXT, created_at TEXT, legacy_memory_ref TEXT)")
+        con.executemany("INSERT INTO legacy_agents VALUES (?, ?, ?, ?)",
+                        [(1, "Zed", "2020-01-01T00:00:00Z", "z1"), (2, "zed", "2019-01-01T00:00:00Z", "z2")])
+        con.commit()
+        con.close()
+        report = os.path.join(self.dir, "report.jsonl")
+        mep("migrate", "run", "--db", self.url, "--from-table", "legacy_agents", "--report", report)
+        r = read_report(report)
+        self.assertEqual((r["2"]["action"], r["1"]["action"]), ("kept", "renamed"))
+        p = mep("migrate", "run", "--db", self.url, "--from-table", "no_such; DROP TABLE x", check=False)
+        self.assertEqual(p.returncode, 2)
+
+    def test_dry_run_writes_nothing(self):
+        rows = [{"legacy_id": str(i), "display_name": f"agent{i % 5}", "created_at": "2020-01-01T00:00:00Z",
+                 "legacy_memory_ref": f"r{i}"} for i in range(50)]
+        src = os.path.join(self.dir, "legacy.jsonl")
+        write_jsonl(src, rows)
+        # On a database that does not exist: nothing is created.
+        p = mep("migrate", "plan", "--db", self.url, "--input", src)
+        self.assertFalse(os.path.exists(self.db))
+        plan = [json.loads(l) for l in p.stdout.splitlines()]
+        self.assertEqual(len(plan), 50)
+        self.assertEqual(sum(1 for x in plan if x["action"] == "kept"), 5)
+        # On an existing database: the file and every table are unchanged. (A read-only
+        # SQLite connection may create the empty -wal/-shm companions of a WAL database.)
+        mep("token", "create", "--db", self.url, "--tenant", "default")
+
+        def snapshot():
+            with open(self.db, "rb") as f:
+                raw = f.read()
+            con = sqlite3.connect(f"file:{self.db}?mode=ro", uri=True)
+            try:
+                return raw, list(con.iterdump())
+            finally:
+                con.close()
+
+        before = snapshot()
+        report = os.path.join(self.dir, "plan.jsonl")
+        mep("migrate", "plan", "--db", self.url, "--input", src, "--report", report)
+        self.assertEqual(before, snapshot())
+        self.assertEqual(len(read_report(report)), 50)
+        self.assertEqual(db_rows(self.db, "SELECT count(*) FROM migration_rows"), [(0,)])
+
+    def test_second_run_changes_nothing(self):
+        rows = [{"legacy_id": str(i), "display_name": f"bot{i % 7}", "created_at": f"20{10 + i % 9}-01-01T00:00:00Z",
+                 "legacy_memory_ref": f"r{i}"} for i in range(40)]
+        src = os.path.join(self.dir, "legacy.jsonl")
+        write_jsonl(src, rows)
+        r1 = os.path.join(self.dir, "r1.jsonl")
+        r2 = os.path.join(self.dir, "r2.jsonl")
+        mep("migrate", "run", "--db", self.url, "--input", src, "--report", r1)
+        snap = db_rows(self.db, "SELECT * FROM migration_rows ORDER BY legacy_id")
+        mep("migrate", "run", "--db", self.url, "--input", src, "--report", r2)
+        self.assertEqual(snap, db_rows(self.db, "SELECT * FROM migration_rows ORDER BY legacy_id"))
+        self.assertEqual(read_report(r1), read_report(r2))
+
+    def test_kill9_halfway_then_resume_each_row_once(self):
+        n = 60000
+        rows = [{"legacy_id": str(i), "display_name": f"worker{i % 50000}", "created_at": "2020-01-01T00:00:00Z",
+                 "legacy_memory_ref": f"ref{i}"} for i in range(n)]
+        src = os.path.join(self.dir, "legacy.jsonl")
+        write_jsonl(src, rows)
+        proc = subprocess.Popen([MEP, "migrate", "run", "--db", self.url, "--input", src, "--batch", "200"],
+                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        killed_at = None
+        try:
+            deadline = time.monotonic() + 60
+            while time.monotonic() < deadline and proc.poll() is None:
+                if os.path.exists(self.db):
+                    try:
+                        (count,) = db_rows(self.db, "SELECT count(*) FROM migration_rows")[0]
+                    except sqlite3.OperationalError:
+                        count = 0
+                    if count >= 2000:
+                        proc.send_signal(signal.SIGKILL)
+                        killed_at = count
+                        break
+                time.sleep(0.01)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+            proc.wait(timeout=10)
+        if killed_at is None:
+            self.skipTest("the run finished before it could be interrupted (machine too fast for this input)")
+        (partial,) = db_rows(self.db, "SELECT count(*) FROM migration_rows")[0]
+        self.assertLess(partial, n, "the kill came after the run finished")
+        print(f"killed with {partial} of {n} rows written; resuming")
+        report = os.path.join(self.dir, "report.jsonl")
+        mep("migrate", "run", "--db", self.url, "--input", src, "--report", report, timeout=300)
+        ids = [i for (i,) in db_rows(self.db, "SELECT legacy_id FROM migration_rows")]
+        self.assertEqual(len(ids), n)
+        self.assertEqual(set(ids), {str(i) for i in range(n)})
+        (distinct,) = db_rows(self.db, "SELECT count(DISTINCT canonical_name) FROM migration_rows")[0]
+        self.assertEqual(distinct, n)
+        r = read_report(report)
+        self.assertEqual(len(r), n)
+        self.assertEqual(sum(1 for x in r.values() if x["action"] == "kept"), 50000)
+
+    def test_activation_gate(self):
+        token = mep("token", "create", "--db", self.url, "--tenant", "default").stdout.strip()
+        src = os.path.join(self.dir, "legacy.jsonl")
+        write_jsonl(src, [{"legacy_id": "1", "display_name": "Gated", "created_at": "2020-01-01T00:00:00Z",
+                           "legacy_memory_ref": "g"}])
+        report = os.path.join(self.dir, "report.jsonl")
+        mep("migrate", "run", "--db", self.url, "--input", src, "--report", report)
+        memory = read_report(report)["1"]["memory_instance_id"]
+        server = Server(self.db)
+        try:
+            body = {"display_name": "Gated", "memory_instance_id": memory, "owner_client_id": "o1"}
+            status, headers, problem = server.request("POST", "/v1/leases", token, body, {"Idempotency-Key": "k1"})
+            self.assertEqual(status, 503)
+            self.assertEqual(problem["code"], "migration-in-progress")
+            self.assertIn("Retry-After", headers)
+            self.assertEqual(server.request("GET", "/healthz", token)[0], 200)
+            mep("migrate", "activate", "--db", self.url)
+            deadline = time.monotonic() + 5
+            status = None
+            while time.monotonic() < deadline:
+                status, _, lease = server.request("POST", "/v1/leases", token, body, {"Idempotency-Key": "k2"})
+                if status == 201:
+                    break
+                time.sleep(0.2)
+            self.assertEqual(status, 201)
+            self.assertEqual(lease["canonical_name"], "gated")
+            st = json.loads(mep("--json", "migrate", "status", "--db", self.url).stdout)
+            self.assertEqual(st["migration_state"], "active")
+        finally:
+            server.stop()
+
+    def test_identity_map_reaches_daemon(self):
+        token = mep("token", "create", "--db", self.url, "--tenant", "default").stdout.strip()
+        legacy_file = os.path.join(self.dir, "old-agent.uai")
+        with open(legacy_file, "w") as f:
+            f.write("legacy memory bytes\n")
+        src = os.path.join(self.dir, "legacy.jsonl")
+        write_jsonl(src, [{"legacy_id": "1", "display_name": "Old Agent", "created_at": "2020-01-01T00:00:00Z",
+                           "legacy_memory_ref": legacy_file}])
+        report = os.path.join(self.dir, "report.jsonl")
+        mep("migrate", "run", "--db", self.url, "--input", src, "--report", report)
+        mep("migrate", "activate", "--db", self.url)
+        memory = read_report(report)["1"]["memory_instance_id"]
+        server = Server(self.db)
+        token_file = os.path.join(self.dir, "token")
+        with open(token_file, "w") as f:
+            f.write(token + "\n")
+        sock = os.path.join(self.dir, "mepd.sock")
+        dlog = open(os.path.join(self.dir, "mepd.log"), "w")
+        daemon = subprocess.Popen([MEPD, "--socket", sock, "--state-dir", os.path.join(self.dir, "mepd"),
+                                   "--control-plane", server.url, "--token-file", token_file],
+                                  stdout=subprocess.DEVNULL, stderr=dlog)
+        try:
+            deadline = time.monotonic() + 15
+            while time.monotonic() < deadline and not os.path.exists(sock):
+                time.sleep(0.05)
+            if not os.path.exists(sock):
+                with open(dlog.name) as f:
+                    self.fail("mepd did not start:\n" + f.read())
+            out = json.loads(mep("--json", "--socket", sock, "identify", legacy_file).stdout)
+            self.assertEqual(out["memory_instance_id"], memory)
+            lease = json.loads(mep("--json", "--socket", sock, "claim", "Old Agent", legacy_file).stdout)
+            self.assertEqual(lease["memory_instance_id"], memory)
+            with open(dlog.name) as f:
+                self.assertNotIn(legacy_file, f.read())
+        finally:
+            dlog.close()
+            daemon.send_signal(signal.SIGTERM)
+            try:
+                daemon.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                daemon.kill()
+                daemon.wait(timeout=10)
+            server.stop()
+
+    def test_usage_errors(self):
+        self.assertEqual(mep("migrate", "run", "--db", self.url, check=False).returncode, 2)
+        self.assertEqual(mep("migrate", "run", "--db", self.url, "--input", "/nonexistent.jsonl", check=False).returncode, 2)
+        bad = os.path.join(self.dir, "bad.jsonl")
+        with open(bad, "w") as f:
+            f.write('{"legacy_id": "1", "display_name": "a"}\n{broken\n')
+        p = mep("migrate", "run", "--db", self.url, "--input", bad, check=False)
+        self.assertEqual(p.returncode, 2)
+        self.assertIn(":2:", p.stderr)
+        dup = os.path.join(self.dir, "dup.jsonl")
+        write_jsonl(dup, [{"legacy_id": "1", "display_name": "a", "created_at": "2020-01-01T00:00:00Z", "legacy_memory_ref": "x"}] * 2)
+        self.assertEqual(mep("migrate", "run", "--db", self.url, "--input", dup, check=False).returncode, 2)
+
+
+if __name__ == "__main__":
+    unittest.main()
