@@ -41,7 +41,7 @@ protected:
 
   void do_read() {
     m_parser.emplace();
-    m_parser->body_limit(k_body_limit);
+    m_parser->body_limit(k_batch_body_limit);
     m_parser->header_limit(k_header_limit);
     beast::get_lowest_layer(self().stream()).expires_after(k_io_timeout);
     http::async_read(self().stream(), m_buffer, *m_parser,
@@ -58,7 +58,7 @@ protected:
       if (ec.category() != beast::error_code(http::error::body_limit).category())
         return self().do_close();
       Problem p(Code::invalid_request, "malformed HTTP request: " + ec.message());
-      if (ec == http::error::body_limit) p = Problem(Code::payload_too_large, "the body exceeds 16 KiB");
+      if (ec == http::error::body_limit) p = Problem(Code::payload_too_large, "the body is too large");
       if (ec == http::error::header_limit)
         p = Problem(Code::payload_too_large, "the request headers exceed 8 KiB");
       if (ec == http::error::partial_message) return self().do_close();

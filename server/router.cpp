@@ -577,6 +577,10 @@ void Router::handle(HttpRequest&& req, const Peer& peer, Send send) {
   c->route_label = std::string(c->route->pattern);
   const RouteSpec& route = *c->route;
 
+  // 16 KiB bodies, except renew-batch (up to 1000 leases in one call).
+  if (c->req.body().size() > (route.pattern == "/v1/leases/renew-batch" ? k_batch_body_limit : k_body_limit))
+    return fail(c, Problem(Code::payload_too_large, "the body exceeds 16 KiB"));
+
   // 2. Authentication and scope (metrics are open on loopback only).
   if (route.auth == Auth::none) return on_health(c, m_store, route.pattern == "/readyz");
   if (route.auth == Auth::metrics && peer.loopback) return on_metrics(c, m_store);

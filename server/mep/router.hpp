@@ -17,6 +17,9 @@ using HttpResponse = boost::beast::http::response<boost::beast::http::string_bod
 using Send = std::function<void(HttpResponse&&)>;
 
 inline constexpr std::size_t k_body_limit = 16 * 1024;
+/// renew-batch carries up to 1000 leases (~250 bytes each), which cannot fit in 16 KiB:
+/// the parser admits this much, and the router holds every other route to k_body_limit.
+inline constexpr std::size_t k_batch_body_limit = 512 * 1024;
 inline constexpr std::size_t k_header_limit = 8 * 1024;
 
 /// What the router knows about the peer.

@@ -1,0 +1,264 @@
+// bench_daemon: mepd over its Unix socket.
+//
+//   build/bench/bench_daemon [--mep PATH] [--mepd PATH] [--ops N] [--leases N] [--hold-seconds S]
+//
+// 1. attach+detach latency with the embedded control plane (p50/p99), next to a bare HTTP
+//    round trip (GET /healthz) over the same socket as the floor;
+// 2. N leases (ttl 30 s) held for S seconds against a remote `mep server`: daemon RSS and
+//    CPU, and control-plane requests per second next to the expected
+//    (leases ÷ (ttl/3)) ÷ batch size — batching must show.
+#include <signal.h>
+#include <sys/socket.h>
+#include <sys/un.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <sstream>
+#include <stdexcept>
+#include <string>
+#include <thread>
+#include <vector>
+
+namespace fs = std::filesystem;
+using Clock = std::chrono::steady_clock;
+
+namespace {
+
+std::string g_mep = MEP_BIN_DEFAULT;
+std::string g_mepd = MEPD_BIN_DEFAULT;
+
+class UnixConn {
+public:
+  explicit UnixConn(const std::string& path) {
+    m_fd = ::socket(AF_UNIX, SOCK_STREAM, 0);
+    sockaddr_un a{};
+    a.sun_family = AF_UNIX;
+    std::strncpy(a.sun_path, path.c_str(), sizeof a.sun_path - 1);
+    if (::connect(m_fd, reinterpret_cast<sockaddr*>(&a), sizeof a) != 0) throw std::runtime_error("connect " + path);
+  }
+  ~UnixConn() { ::close(m_fd); }
+  std::pair<int, std::string> request(const std::string& method, const std::string& target, const std::string& body = {}) {
+    std::string req = method + " " + target + " HTTP/1.1\r\nHost: mepd\r\nContent-Length: " + std::to_string(body.size()) +
+                      "\r\nContent-Type: application/json\r\n\r\n" + body;
+    if (::send(m_fd, req.data(), req.size(), MSG_NOSIGNAL) != static_cast<ssize_t>(req.size())) throw std::runtime_error("send");
+    std::size_t head;
+    while ((head = m_buf.find("\r\n\r\n")) == std::string::npos) fill();
+    std::size_t len = 0;
+    auto cl = m_buf.find("Content-Length: ");
+    if (cl != std::string::npos && cl < head) len = std::strtoul(m_buf.c_str() + cl + 16, nullptr, 10);
+    while (m_buf.size() < head + 4 + len) fill();
+    int status = std::atoi(m_buf.c_str() + 9);
+    std::string out = m_buf.substr(head + 4, len);
+    m_buf.erase(0, head + 4 + len);
+    return {status, out};
+  }
+
+private:
+  void fill() {
+    char tmp[8192];
+    ssize_t n = ::recv(m_fd, tmp, sizeof tmp, 0);
+    if (n <= 0) throw std::runtime_error("recv");
+    m_buf.append(tmp, static_cast<std::size_t>(n));
+  }
+  int m_fd;
+  std::string m_buf;
+};
+
+pid_t spawn(const std::vector<std::string>& args, const std::string& log) {
+  std::fflush(stdout); // the child must not print our buffered output again
+  pid_t pid = ::fork();
+  if (pid == 0) {
+    std::vector<char*> argv;
+    for (const auto& a : args) argv.push_back(const_cast<char*>(a.c_str()));
+    argv.push_back(nullptr);
+    std::freopen(log.c_str(), "w", stderr);
+    std::freopen("/dev/null", "w", stdout);
+    ::execv(argv[0], argv.data());
+    _exit(127);
+  }
+  return pid;
+}
+
+void stop(pid_t pid) {
+  if (pid <= 0) return;
+  ::kill(pid, SIGTERM);
+  for (int i = 0; i < 100; ++i) {
+    if (::waitpid(pid, nullptr, WNOHANG) == pid) return;
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  }
+  ::kill(pid, SIGKILL);
+  ::waitpid(pid, nullptr, 0);
+}
+
+void wait_for_socket(const std::string& path) {
+  for (int i = 0; i < 400; ++i) {
+    if (fs::exists(path)) return;
+    std::this_thread::sleep_for(std::chrono::milliseconds(25));
+  }
+  throw std::runtime_error("mepd did not create " + path);
+}
+
+std::string wait_for_line(const std::string& log, const std::string& marker) {
+  for (int i = 0; i < 400; ++i) {
+    std::ifstream f(log);
+    std::string line;
+    while (std::getline(f, line))
+      if (auto at = line.find(marker); at != std::string::npos) return line.substr(at + marker.size());
+    std::this_thread::sleep_for(std::chrono::milliseconds(25));
+  }
+  throw std::runtime_error("no '" + marker + "' in " + log);
+}
+
+double pct(std::vector<double>& v, double p) {
+  std::sort(v.begin(), v.end());
+  return v.empty() ? 0 : v[std::min(v.size() - 1, static_cast<std::size_t>(static_cast<double>(v.size()) * p))];
+}
+
+long rss_kib(pid_t pid) {
+  std::ifstream f("/proc/" + std::to_string(pid) + "/status");
+  std::string line;
+  while (std::getline(f, line))
+    if (line.rfind("VmRSS:", 0) == 0) return std::atol(line.c_str() + 6);
+  return -1;
+}
+
+double cpu_seconds(pid_t pid) {
+  std::ifstream f("/proc/" + std::to_string(pid) + "/stat");
+  std::string s((std::istreambuf_iterator<char>(f)), {});
+  auto close = s.rfind(')');
+  std::istringstream in(s.substr(close + 2));
+  std::string field;
+  long utime = 0, stime = 0;
+  for (int i = 3; i <= 15 && in >> field; ++i) {
+    if (i == 14) utime = std::atol(field.c_str());
+    if (i == 15) stime = std::atol(field.c_str());
+  }
+  return static_cast<double>(utime + stime) / static_cast<double>(::sysconf(_SC_CLK_TCK));
+}
+
+long metric(UnixConn& c, const std::string& name) {
+  auto [st, body] = c.request("GET", "/metrics");
+  auto at = body.find("\n" + name + " ");
+  return at == std::string::npos ? -1 : std::atol(body.c_str() + at + name.size() + 2);
+}
+
+} // namespace
+
+int main(int argc, char** argv) {
+  int ops = 2000, leases = 10000;
+  double hold = 120;
+  for (int i = 1; i < argc; ++i) {
+    std::string a = argv[i];
+    if (a == "--mep" && i + 1 < argc) g_mep = argv[++i];
+    else if (a == "--mepd" && i + 1 < argc) g_mepd = argv[++i];
+    else if (a == "--ops" && i + 1 < argc) ops = std::atoi(argv[++i]);
+    else if (a == "--leases" && i + 1 < argc) leases = std::atoi(argv[++i]);
+    else if (a == "--hold-seconds" && i + 1 < argc) hold = std::atof(argv[++i]);
+    else {
+      std::fprintf(stderr, "usage: bench_daemon [--mep PATH] [--mepd PATH] [--ops N] [--leases N] [--hold-seconds S]\n");
+      return 2;
+    }
+  }
+  ::signal(SIGPIPE, SIG_IGN);
+  fs::path dir = fs::path("/var/tmp") / ("mep-bench-daemon-" + std::to_string(::getpid()));
+  fs::create_directories(dir);
+  std::printf("mepd benchmark — Unix socket, HTTP/1.1 keep-alive\n\n");
+
+  // 1. Latency, embedded control plane.
+  {
+    std::string sock = (dir / "embedded.sock").string();
+    pid_t d = spawn({g_mepd, "--socket", sock, "--state-dir", (dir / "embedded").string(), "--log-level", "warn"},
+                    (dir / "embedded.log").string());
+    wait_for_socket(sock);
+    UnixConn c(sock);
+    std::string file = (dir / "bench.uai").string();
+    std::ofstream(file) << "memory";
+    std::vector<double> floor, cycle;
+    for (int i = 0; i < ops; ++i) {
+      auto t0 = Clock::now();
+      c.request("GET", "/healthz");
+      floor.push_back(std::chrono::duration<double, std::milli>(Clock::now() - t0).count());
+    }
+    for (int i = 0; i < ops; ++i) {
+      auto t0 = Clock::now();
+      auto [s1, b1] = c.request("POST", "/v1/attach", "{\"name\":\"bench\",\"path\":\"" + file + "\",\"bind\":\"none\"}");
+      auto [s2, b2] = c.request("POST", "/v1/detach", "{\"name\":\"bench\"}");
+      if (s1 != 201 || s2 != 204) std::fprintf(stderr, "attach %d detach %d: %s\n", s1, s2, b1.c_str());
+      cycle.push_back(std::chrono::duration<double, std::milli>(Clock::now() - t0).count());
+    }
+    std::printf("%-44s %8s %10s %10s\n", "operation (embedded control plane)", "n", "p50 ms", "p99 ms");
+    std::printf("%-44s %8d %10.3f %10.3f\n", "GET /healthz round trip (floor)", ops, pct(floor, 0.5), pct(floor, 0.99));
+    std::printf("%-44s %8d %10.3f %10.3f\n\n", "attach + detach (claim + release, fsynced)", ops, pct(cycle, 0.5),
+                pct(cycle, 0.99));
+    std::fflush(stdout);
+    stop(d);
+  }
+
+  // 2. Many leases against a remote server.
+  if (leases > 0) {
+    std::string db = "sqlite:" + (dir / "control.db").string();
+    std::string token;
+    {
+      FILE* p = ::popen((g_mep + " token create --db " + db + " --tenant bench").c_str(), "r");
+      char buf[256] = {0};
+      if (p && std::fgets(buf, sizeof buf, p)) token = buf;
+      if (p) ::pclose(p);
+      while (!token.empty() && (token.back() == '\n')) token.pop_back();
+    }
+    std::ofstream(dir / "token") << token << "\n";
+    std::string slog = (dir / "server.log").string();
+    pid_t server = spawn({g_mep, "server", "--db", db, "--listen", "127.0.0.1:0", "--rate-limit", "0", "--log-level", "warn"}, slog);
+    std::string url = "http://" + wait_for_line(slog, "listening on http://");
+    std::string sock = (dir / "remote.sock").string();
+    pid_t d = spawn({g_mepd, "--socket", sock, "--state-dir", (dir / "remote").string(), "--control-plane", url,
+                     "--token-file", (dir / "token").string(), "--log-level", "warn"},
+                    (dir / "remote.log").string());
+    wait_for_socket(sock);
+    UnixConn c(sock);
+    fs::create_directories(dir / "files");
+    auto t_attach = Clock::now();
+    for (int i = 0; i < leases; ++i) {
+      std::string file = (dir / "files" / ("m" + std::to_string(i) + ".uai")).string();
+      std::ofstream(file) << "memory " << i;
+      auto [st, body] = c.request("POST", "/v1/attach",
+                                  "{\"name\":\"lease" + std::to_string(i) + "\",\"path\":\"" + file +
+                                      "\",\"bind\":\"none\",\"ttl_seconds\":30}");
+      if (st != 201) std::fprintf(stderr, "attach %d: %d %s\n", i, st, body.c_str());
+    }
+    double attach_s = std::chrono::duration<double>(Clock::now() - t_attach).count();
+    long req0 = metric(c, "mepd_control_plane_requests_total");
+    long batches0 = metric(c, "mepd_renew_batches_total");
+    long renewed0 = metric(c, "mepd_renewed_leases_total");
+    double cpu0 = cpu_seconds(d);
+    auto t0 = Clock::now();
+    std::this_thread::sleep_for(std::chrono::duration<double>(hold));
+    double secs = std::chrono::duration<double>(Clock::now() - t0).count();
+    double cpu = cpu_seconds(d) - cpu0;
+    long req = metric(c, "mepd_control_plane_requests_total") - req0;
+    long batches = metric(c, "mepd_renew_batches_total") - batches0;
+    long renewed = metric(c, "mepd_renewed_leases_total") - renewed0;
+    long lost = metric(c, "mepd_leases_lost_total");
+    double per_lease = static_cast<double>(leases) / 10.0; // renewals/s needed at ttl/3
+    std::printf("%d leases (ttl 30 s) held %.0f s against a remote mep server (attached in %.1f s):\n", leases, secs, attach_s);
+    std::printf("  %-46s %12s %12s\n", "measure", "measured", "target");
+    std::printf("  %-46s %12.1f %12s\n", "daemon RSS (MiB)", static_cast<double>(rss_kib(d)) / 1024, "<= 50");
+    std::printf("  %-46s %12.2f %12s\n", "daemon CPU (% of one core)", 100 * cpu / secs, "<= 2");
+    std::printf("  %-46s %12.1f %12s\n", "lease renewals per second", static_cast<double>(renewed) / secs, "");
+    std::printf("  %-46s %12.2f %12.2f\n", "control-plane requests per second", static_cast<double>(req) / secs,
+                per_lease / std::max(1.0, static_cast<double>(renewed) / std::max(1L, batches)));
+    std::printf("  %-46s %12.1f %12s\n", "leases per renew-batch call", static_cast<double>(renewed) / std::max(1L, batches), "");
+    std::printf("  %-46s %12.2f %12s\n", "without batching it would be (requests/s)", per_lease, "");
+    std::printf("  %-46s %12ld %12s\n", "leases lost", lost, "0");
+    stop(d);
+    stop(server);
+  }
+  fs::remove_all(dir);
+  return 0;
+}
