@@ -4,7 +4,10 @@
 // `mep canonicalize --json -` on 1,000,000 names piped through stdin. Prints two tables;
 // asserts nothing.
 //
-//   bench_canonicalize [--mep PATH] [--reps N] [--quick]
+//   bench_canonicalize [--mep PATH] [--reps N] [--quick] [--only ascii|mixed]
+//
+// --only runs mep::canonicalize alone on one corpus (no baseline, no CLI): the run to give
+// to `valgrind --tool=callgrind`.
 #include "mep/canonical.hpp"
 
 #include <unicode/locid.h>
@@ -352,6 +355,7 @@ struct Options {
   const char* mep = nullptr;
   int reps = 5;
   bool quick = false;
+  std::string only; // "", "ascii" or "mixed"
 };
 
 Options parse(int argc, char** argv) {
@@ -364,8 +368,12 @@ Options parse(int argc, char** argv) {
       o.reps = std::max(1, std::atoi(argv[++i]));
     } else if (a == "--quick") {
       o.quick = true;
+    } else if (a == "--only" && i + 1 < argc && (argv[i + 1] == std::string_view("ascii") ||
+                                                 argv[i + 1] == std::string_view("mixed"))) {
+      o.only = argv[++i];
     } else {
-      std::fprintf(stderr, "usage: bench_canonicalize [--mep PATH] [--reps N] [--quick]\n");
+      std::fprintf(stderr, "usage: bench_canonicalize [--mep PATH] [--reps N] [--quick] "
+                           "[--only ascii|mixed]\n");
       std::exit(2);
     }
   }
@@ -388,6 +396,13 @@ int main(int argc, char** argv) {
               mep::icu_version().c_str(), mep::unicode_version().c_str(), opt.reps);
 
   // 3. In process: mep::canonicalize against the ICU baseline, same inputs.
+  if (!opt.only.empty()) {
+    const auto& corpus = opt.only == "ascii" ? ascii : mixed;
+    std::printf("%-7s %8s %15s\n%-7s %8s %15s\n", "corpus", "names", "mep names/s",
+                opt.only.c_str(), thousands(static_cast<double>(corpus.size())).c_str(),
+                thousands(best_rate(corpus, opt.reps, run_mep)).c_str());
+    return 0;
+  }
   const Baseline baseline;
   std::printf("%-7s %8s %6s %15s %19s %6s  %s\n", "corpus", "names", "valid", "mep names/s",
               "baseline names/s", "ratio", "target");

@@ -411,12 +411,58 @@ Problem NameError::to_problem() const {
   return p;
 }
 
+namespace {
+
+// True when width mapping, toLower and NFC leave `s` (an NFC string) unchanged, so the
+// RFC 8264 §7 re-application cannot change it.
+bool mapping_is_identity(std::u32string_view s) {
+  for (char32_t c : s) {
+    if (c < 0x80) {
+      if (c >= 'A' && c <= 'Z') return false;
+      continue;
+    }
+    if (c >= 0xFF01 && c <= 0xFFEF) return false;
+    if (u_hasBinaryProperty(static_cast<UChar32>(c), UCHAR_CHANGES_WHEN_LOWERCASED)) return false;
+  }
+  return true;
+}
+
+// True when ICU's Highly Restrictive, mixed-numbers and invisible checks cannot fail on
+// `s`: every code point has one Script value X (not Common, Inherited, Unknown; X is then
+// in every Script_Extensions set) except ASCII digits, '-' and '_'; no other decimal
+// digit; no combining mark; no code point whose NFD holds the same code point twice.
+bool uts39_cannot_fail(std::u32string_view s) {
+  UErrorCode st = U_ZERO_ERROR;
+  const icu::Normalizer2* nfd = icu::Normalizer2::getNFDInstance(st);
+  int script = -1;
+  for (char32_t c : s) {
+    if ((c >= '0' && c <= '9') || c == '-' || c == '_') continue;
+    const auto cp = static_cast<UChar32>(c);
+    if (is_category(c, U_GC_M_MASK | U_GC_ND_MASK)) return false;
+    int sc = uscript_getScript(cp, &st);
+    if (sc == USCRIPT_COMMON || sc == USCRIPT_INHERITED || sc == USCRIPT_UNKNOWN) return false;
+    if (script >= 0 && sc != script) return false;
+    script = sc;
+    icu::UnicodeString d;
+    if (c >= 0xC0 && nfd->getDecomposition(cp, d)) {
+      UChar32 prev = -1;
+      for (int32_t k = 0; k < d.length(); k = d.moveIndex32(k, 1)) {
+        if (d.char32At(k) == prev) return false;
+        prev = d.char32At(k);
+      }
+    }
+  }
+  return U_SUCCESS(st);
+}
+
+} // namespace
+
 expected<CanonicalName, NameError> canonicalize(std::string_view utf8,
                                                 std::vector<ExplainStep>* explain) {
   auto step = [&](std::string_view name, std::string value) {
     if (explain) explain->push_back({std::string(name), std::move(value)});
   };
-  step("input", std::string(utf8));
+  if (explain) step("input", std::string(utf8));
   // 1. 1–256 bytes of valid UTF-8 without control characters.
   if (utf8.empty()) return make_unexpected(NameError{NameReason::empty, {}, {}, {}});
   if (utf8.size() > k_max_name_bytes) return make_unexpected(NameError{NameReason::too_long, {}, {}, {}});
@@ -438,26 +484,26 @@ expected<CanonicalName, NameError> canonicalize(std::string_view utf8,
   std::u32string_view trimmed = std::u32string_view(in).substr(b, e - b);
   CanonicalName out;
   out.display_name = encode_utf8(precis::nfc(trimmed));
-  step("display_name (trimmed, NFC)", out.display_name);
+  if (explain) step("display_name (trimmed, NFC)", out.display_name);
 
   // 2. Remove space separators.
   std::u32string spaceless;
   for (char32_t c : trimmed)
     if (u_charType(static_cast<UChar32>(c)) != U_SPACE_SEPARATOR) spaceless.push_back(c);
-  step("spaces removed", show(spaceless));
+  if (explain) step("spaces removed", show(spaceless));
 
   // 3. PRECIS UsernameCaseMapped.
   std::u32string mapped = precis::map_username_case_mapped(spaceless);
-  step("width-mapped, lower-cased, NFC", show(mapped));
+  if (explain) step("width-mapped, lower-cased, NFC", show(mapped));
   if (precis::has_rtl(mapped) && !precis::bidi_rule(mapped))
     return make_unexpected(NameError{NameReason::bidi_rule, {}, {}, "bidi_rule"});
   if (mapped.empty()) return make_unexpected(NameError{NameReason::empty, {}, {}, "empty"});
   if (auto err = precis::check_class(mapped, precis::StringClass::identifier))
     return make_unexpected(from_precis(*err, trimmed, b, true));
   // The profile must be idempotent on its own output (RFC 8264 §7).
-  if (precis::map_username_case_mapped(mapped) != mapped)
+  if (!mapping_is_identity(mapped) && precis::map_username_case_mapped(mapped) != mapped)
     return make_unexpected(NameError{NameReason::disallowed_character, {}, {}, "not_idempotent"});
-  step("PRECIS UsernameCaseMapped", "ok");
+  if (explain) step("PRECIS UsernameCaseMapped", "ok");
 
   // 4. Agent-name policy.
   if (auto at = policy_violation(mapped))
@@ -466,17 +512,17 @@ expected<CanonicalName, NameError> canonicalize(std::string_view utf8,
   if (mapped.size() > k_max_name_code_points)
     return make_unexpected(NameError{NameReason::too_long, {}, {}, {}});
   out.canonical_name = encode_utf8(mapped);
-  step("agent-name policy", "ok");
+  if (explain) step("agent-name policy", "ok");
 
   // 5. UTS #39 restriction level, digits, invisibles.
-  if (auto r = spoof_check(out.canonical_name)) return make_unexpected(NameError{*r, {}, {}, {}});
-  step("UTS #39 Highly Restrictive", "ok");
+  if (auto r = uts39_cannot_fail(mapped) ? std::nullopt : spoof_check(out.canonical_name)) return make_unexpected(NameError{*r, {}, {}, {}});
+  if (explain) step("UTS #39 Highly Restrictive", "ok");
 
   // 6. Skeleton.
   out.skeleton = spoof().skeleton(out.canonical_name);
   out.scripts = scripts_of(mapped);
-  step("canonical_name", out.canonical_name);
-  step("skeleton", out.skeleton);
+  if (explain) step("canonical_name", out.canonical_name);
+  if (explain) step("skeleton", out.skeleton);
   return out;
 }
 

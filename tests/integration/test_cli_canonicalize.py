@@ -356,6 +356,20 @@ class Stdin(unittest.TestCase):
         self.assertEqual([o["canonical_name"] for o in json_lines(out)],
                          ["one", "twowords", "three"])
 
+    def test_crlf_split_across_read_blocks(self):
+        # The CLI reads stdin in 1 MiB blocks: put the "\r" last in one and the "\n" first
+        # in the next, and a multi-byte character across the following boundary.
+        first = b"x" * (2**20 - 1)
+        second = b"y" * (2 * 2**20 - 1 - len(first + b"\r\nafter\n")) + "é".encode()
+        stdin = first + b"\r\n" + b"after\n" + second + b"\n"
+        rc, out, _ = canonicalize("--json", "-", stdin=stdin)
+        self.assertEqual(rc, EXIT_INVALID_NAME)
+        objs = json_lines(out)
+        self.assertEqual([o["input"] for o in objs],
+                         [first.decode(), "after", second.decode()])
+        self.assertEqual(objs[0]["error"], {"reason": "too-long"})
+        self.assertEqual(objs[1]["canonical_name"], "after")
+
     def test_invalid_utf8_argument(self):
         rc, out, _ = run([mep_bin(), "canonicalize", "--json", b"a\xfe"])
         self.assertEqual(rc, EXIT_INVALID_NAME)
