@@ -13,7 +13,8 @@ mep is built in ./build. Starting mepd (embedded control plane) on $socket.
 In another terminal (with MEP_SOCKET=$socket):
   ./build/cli/mep init demo.uai
   ./build/cli/mep claim "My Agent" demo.uai
-  ./build/cli/mep run worker demo-branch.uai -- sh -c 'echo token \$MEP_FENCING_TOKEN'
+  ./build/cli/mep branch demo.uai work.uai
+  ./build/cli/mep run worker work.uai -- sh -c 'echo token \$MEP_FENCING_TOKEN'
   ./build/cli/mep status
 MSG
 exec ./build/daemon/mepd --socket "$socket"
