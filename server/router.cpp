@@ -166,7 +166,7 @@ std::optional<std::string> header_once(const HttpRequest& req, std::string_view 
 }
 
 // Authenticates the bearer token (SPEC §6: before anything else).
-bool authenticate(const CallPtr& c, Store& store) {
+bool authenticate(const CallPtr& c, Store& store, RateLimiter& audit_budget) {
   bool doubled = false;
   auto h = header_once(c->req, http::field::authorization, doubled);
   auto unauth = [&](std::string detail) {
@@ -194,7 +194,7 @@ bool authenticate(const CallPtr& c, Store& store) {
     return false;
   }
   if (!auth) {
-    store.audit_auth_failure("");
+    if (audit_budget.acquire("auth-failed") == 0) store.audit_auth_failure("");
     return unauth("unknown or revoked bearer token");
   }
   c->ctx.auth = *auth;
@@ -584,7 +584,7 @@ void Router::handle(HttpRequest&& req, const Peer& peer, Send send) {
   // 2. Authentication and scope (metrics are open on loopback only).
   if (route.auth == Auth::none) return on_health(c, m_store, route.pattern == "/readyz");
   if (route.auth == Auth::metrics && peer.loopback) return on_metrics(c, m_store);
-  if (!authenticate(c, m_store)) return;
+  if (!authenticate(c, m_store, m_auth_failures)) return;
   bool need_admin = route.auth == Auth::admin || route.auth == Auth::metrics;
   if ((need_admin && !c->ctx.auth.scope_admin) || (!need_admin && !c->ctx.auth.scope_lease))
     return fail(c, Problem(Code::forbidden, need_admin ? "this endpoint needs the admin scope"

@@ -536,9 +536,10 @@ Reply SqliteStore::op_claim(Db& db, UnixMs now, const Ctx& ctx, const Claim& req
   if (!mem || mem->tenant_id != ctx.auth.tenant_id)
     return problem_reply(Problem(Code::memory_not_found, "no such memory for this tenant"),
                          ctx.request_id);
-  // 4. Takeover: remove expired leases that conflict on name, skeleton or memory.
+  // 4. Takeover: remove expired leases that conflict on name, skeleton or memory. They
+  // are audited only with the grant (step 7): a claim failing below rolls the removal back.
+  std::vector<LeaseRow> expired;
   {
-    std::vector<LeaseRow> expired;
     {
       Use s(db.prepare(fmt::format("SELECT {} FROM leases WHERE (canonical_name = ?1 OR "
                                    "skeleton = ?2 OR memory_id = ?3) AND expires_at <= ?4",
@@ -546,11 +547,7 @@ Reply SqliteStore::op_claim(Db& db, UnixMs now, const Ctx& ctx, const Claim& req
       s->bind(1, name.canonical_name).bind(2, name.skeleton).bind(3, req.memory_id).bind(4, now);
       while (s->step()) expired.push_back(read_lease(*s));
     }
-    for (const auto& e : expired) {
-      delete_lease(db, e.lease_id);
-      audit(e.tenant_id, "LEASE_EXPIRED", e.canonical_name, e.memory_id, e.fencing_token);
-      audit(ctx.auth.tenant_id, "LEASE_TAKEOVER", e.canonical_name, e.memory_id, e.fencing_token);
-    }
+    for (const auto& e : expired) delete_lease(db, e.lease_id);
   }
   // 5. A live lease on the name or its skeleton.
   std::optional<LeaseRow> reclaim;
@@ -617,6 +614,10 @@ Reply SqliteStore::op_claim(Db& db, UnixMs now, const Ctx& ctx, const Claim& req
         "unicode_version = ?5, icu_version = ?6, last_claimed_at = ?7"));
     s->bind(1, l.canonical_name).bind(2, l.display_name).bind(3, l.skeleton).bind(4, l.tenant_id)
         .bind(5, unicode_version()).bind(6, icu_version()).bind(7, now).run();
+  }
+  for (const auto& e : expired) {
+    audit(e.tenant_id, "LEASE_EXPIRED", e.canonical_name, e.memory_id, e.fencing_token);
+    audit(ctx.auth.tenant_id, "LEASE_TAKEOVER", e.canonical_name, e.memory_id, e.fencing_token);
   }
   audit(ctx.auth.tenant_id, "LEASE_ACQUIRED", l.canonical_name, l.memory_id, l.fencing_token);
   return json_reply(201, grant_json(l, now), reclaim ? "reclaimed" : "granted");

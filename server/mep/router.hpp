@@ -29,7 +29,7 @@ struct Peer {
 
 class Router {
 public:
-  Router(Store& store, double rate_limit) : m_store(store), m_limiter(rate_limit) {}
+  Router(Store& store, double rate_limit) : m_store(store), m_limiter(rate_limit), m_auth_failures(5) {}
 
   /// Answers `req`; `send` is called exactly once, possibly from another thread.
   void handle(HttpRequest&& req, const Peer& peer, Send send);
@@ -40,6 +40,9 @@ public:
 private:
   Store& m_store;
   RateLimiter m_limiter;
+  // AUTH_FAILED audit rows are written at most 5 a second: an unauthenticated flood must
+  // not turn into unbounded database writes (every failure still counts in the metric).
+  RateLimiter m_auth_failures;
 };
 
 /// Parses an Idempotency-Key value (bare, or an RFC 8941 sf-string); nullopt if invalid.
