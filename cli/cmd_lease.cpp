@@ -12,6 +12,7 @@
 #include <boost/json.hpp>
 
 #include <cstdio>
+#include <cstdlib>
 #include <filesystem>
 #include <memory>
 #include <unistd.h>
@@ -237,16 +238,20 @@ void register_lease_commands(CLI::App& app, GlobalOptions& g, Action& action) {
     action = [&g] {
       auto cfg = Config::load(g.config_file);
       if (!cfg) {
-        std::fprintf(stderr, "mep: %s\n", cfg.error().c_str());
+        if (g.json) std::printf("%s\n", json::dump(Problem(Code::invalid_request, cfg.error()).to_json()).c_str());
+        else std::fprintf(stderr, "mep: %s\n", cfg.error().c_str());
         return exit_code::usage;
       }
       std::string rt = !xdg_runtime_dir().empty() ? (xdg_runtime_dir() / "mep" / "mepd.sock").string() : "/run/mep/mepd.sock";
+      // mepd's own default: /var/lib/mep for root without XDG_STATE_HOME (daemon/main.cpp).
+      std::string state = ::getuid() == 0 && !std::getenv("XDG_STATE_HOME") ? "/var/lib/mep"
+                                                                           : (xdg_state_home() / "mep" / "mepd").string();
       std::optional<std::string> sock_flag = g.socket.empty() ? std::nullopt : std::optional(g.socket);
       std::vector<std::pair<std::string, Setting>> rows = {
           {"socket", cfg->get("socket", sock_flag, "--socket", rt)},
           {"control_plane", cfg->get("control_plane", std::nullopt, "--control-plane", "")},
           {"token_file", cfg->get("token_file", std::nullopt, "--token-file", "")},
-          {"state_dir", cfg->get("state_dir", std::nullopt, "--state-dir", (xdg_state_home() / "mep" / "mepd").string())},
+          {"state_dir", cfg->get("state_dir", std::nullopt, "--state-dir", state)},
           {"db", cfg->get("db", std::nullopt, "--db", "sqlite:" + (xdg_state_home() / "mep" / "control.db").string())},
       };
       if (g.json) {
@@ -254,9 +259,10 @@ void register_lease_commands(CLI::App& app, GlobalOptions& g, Action& action) {
         for (auto& [k, s] : rows) o[k] = boost::json::object{{"value", s.value}, {"source", s.source}};
         std::printf("%s\n", json::dump(o).c_str());
       } else {
-        for (auto& [k, s] : rows)
-          std::printf("%-14s %-50s (%s)\n", k.c_str(), s.value.empty() ? "(none: embedded)" : s.value.c_str(),
-                      s.source.c_str());
+        for (auto& [k, s] : rows) {
+          const char* none = k == "control_plane" ? "(none: embedded)" : "(none)";
+          std::printf("%-14s %-50s (%s)\n", k.c_str(), s.value.empty() ? none : s.value.c_str(), s.source.c_str());
+        }
       }
       return exit_code::ok;
     };

@@ -28,7 +28,7 @@ void register_migrate(CLI::App& app, GlobalOptions& g, Action& action) {
     action = [plan, &g] {
       plan->dry_run = true;
       plan->json = g.json;
-      if (plan->db_url.empty()) plan->db_url = server::default_db_url();
+      plan->db_url = resolve_db_url(plan->db_url, g);
       return server::migrate_run(*plan);
     };
   });
@@ -39,7 +39,7 @@ void register_migrate(CLI::App& app, GlobalOptions& g, Action& action) {
   r->callback([run, &g, &action] {
     action = [run, &g] {
       run->json = g.json;
-      if (run->db_url.empty()) run->db_url = server::default_db_url();
+      run->db_url = resolve_db_url(run->db_url, g);
       return server::migrate_run(*run);
     };
   });
@@ -47,13 +47,13 @@ void register_migrate(CLI::App& app, GlobalOptions& g, Action& action) {
   auto* a = cmd->add_subcommand("activate", "Open the lease endpoints (they answer 503 while a migration is in progress)");
   a->add_option("--db", *act_db, "Control-plane database")->envname("MEP_DB");
   a->callback([act_db, &g, &action] {
-    action = [act_db, &g] { return server::migrate_activate(act_db->empty() ? server::default_db_url() : *act_db, g.json); };
+    action = [act_db, &g] { return server::migrate_activate(resolve_db_url(*act_db, g), g.json); };
   });
   auto st_db = std::make_shared<std::string>();
   auto* s = cmd->add_subcommand("status", "Counts of migrated rows, identity-map size and the enforcement flag");
   s->add_option("--db", *st_db, "Control-plane database")->envname("MEP_DB");
   s->callback([st_db, &g, &action] {
-    action = [st_db, &g] { return server::migrate_status(st_db->empty() ? server::default_db_url() : *st_db, g.json); };
+    action = [st_db, &g] { return server::migrate_status(resolve_db_url(*st_db, g), g.json); };
   });
 }
 

@@ -230,7 +230,7 @@ void register_run(CLI::App& app, GlobalOptions& g, Action& action) {
   cmd->add_option("--grace", o->grace, "Seconds between SIGTERM and SIGKILL (never past the lease's expiry)")
       ->capture_default_str();
   cmd->add_option("command", o->command, "The command and its arguments (after --)")->required();
-  cmd->footer("Exit status: the command's (128+N after signal N), 4 when the lease was lost, else as 'mep help'.\n"
+  cmd->footer("Exit status: the command's (128+N after signal N), 4 when the lease was lost, else as 'mep --help'.\n"
               "The command sees MEP_CANONICAL_NAME, MEP_MEMORY_INSTANCE_ID, MEP_FENCING_TOKEN, MEP_LEASE_ID,\n"
               "MEP_LEASE_EXPIRES_AT. SIGINT, SIGTERM and SIGHUP are forwarded to its process group.");
   cmd->callback([o, &g, &action] { action = [o, &g] { return run(*o, g); }; });

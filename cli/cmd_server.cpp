@@ -1,6 +1,7 @@
 // `mep server`: run the control plane; `mep server audit`: list audit rows.
 #include "commands.hpp"
 
+#include "mep/config.hpp"
 #include "mep/json.hpp"
 #include "mep/problem.hpp"
 #include "mep/server.hpp"
@@ -13,6 +14,13 @@
 #include <memory>
 
 namespace mep::cli {
+
+std::string resolve_db_url(const std::string& flag, const GlobalOptions& g) {
+  if (!flag.empty()) return flag;
+  auto cfg = Config::load(g.config_file);
+  if (!cfg) return server::default_db_url();
+  return cfg->get("db", std::nullopt, "--db", server::default_db_url()).value;
+}
 
 void register_server(CLI::App& app, GlobalOptions& g, Action& action) {
   auto opt = std::make_shared<server::ServerOptions>();
@@ -31,8 +39,6 @@ void register_server(CLI::App& app, GlobalOptions& g, Action& action) {
       ->capture_default_str();
   cmd->add_option("--log-level", opt->log_level, "debug, info, warn or error")->capture_default_str();
   cmd->add_option("--threads", opt->threads, "I/O threads")->capture_default_str()->check(CLI::Range(1, 64));
-  cmd->footer("Prints 'mep server listening on http://HOST:PORT' on stderr when ready.\n"
-              "SIGTERM/SIGINT: stops accepting, finishes requests in flight (at most 5 s), exits 0.");
 
   auto audit_db = std::make_shared<std::string>();
   auto audit_tenant = std::make_shared<std::string>();
@@ -44,7 +50,7 @@ void register_server(CLI::App& app, GlobalOptions& g, Action& action) {
   audit->add_flag("--json", g.json, "Print {\"events\": [...]}");
   audit->callback([=, &g, &action] {
     action = [=, &g] {
-      auto store = server::open_store(audit_db->empty() ? server::default_db_url() : *audit_db);
+      auto store = server::open_store(resolve_db_url(*audit_db, g));
       auto rows = store->list_audit(audit_tenant->empty() ? std::nullopt : std::optional(*audit_tenant),
                                     *audit_limit);
       if (g.json) {
@@ -71,8 +77,16 @@ void register_server(CLI::App& app, GlobalOptions& g, Action& action) {
     };
   });
 
-  cmd->callback([opt, cmd, &action] {
-    if (cmd->get_subcommands().empty()) action = [opt] { return server::run_server(*opt); };
+  // Set after `audit` is added, which would otherwise inherit it.
+  cmd->footer("Prints 'mep server listening on http://HOST:PORT' on stderr when ready.\n"
+              "SIGTERM/SIGINT: stops accepting, finishes requests in flight (at most 5 s), exits 0.");
+
+  cmd->callback([opt, cmd, &g, &action] {
+    if (!cmd->get_subcommands().empty()) return;
+    action = [opt, &g] {
+      opt->db_url = resolve_db_url(opt->db_url, g);
+      return server::run_server(*opt);
+    };
   });
 }
 

@@ -15,8 +15,8 @@
 namespace mep::cli {
 
 namespace {
-std::unique_ptr<server::Store> open(const std::string& db) {
-  return server::open_store(db.empty() ? server::default_db_url() : db);
+std::unique_ptr<server::Store> open(const std::string& db, const GlobalOptions& g) {
+  return server::open_store(resolve_db_url(db, g));
 }
 } // namespace
 
@@ -38,7 +38,7 @@ void register_token(CLI::App& app, GlobalOptions& g, Action& action) {
   create->add_flag("--json", g.json, "Print {\"tenant_id\", \"token\"}");
   create->callback([c, &g, &action] {
     action = [c, &g] {
-      auto store = open(c->db);
+      auto store = open(c->db, g);
       auto scope = c->admin || c->scope == "admin" ? server::Scope::admin : server::Scope::lease;
       auto [tenant_id, token] = store->create_token(c->tenant, scope);
       if (g.json)
@@ -57,7 +57,7 @@ void register_token(CLI::App& app, GlobalOptions& g, Action& action) {
   list->add_flag("--json", g.json, "JSON output");
   list->callback([=, &g, &action] {
     action = [=, &g] {
-      auto store = open(*list_db);
+      auto store = open(*list_db, g);
       auto tokens = store->list_tokens(list_tenant->empty() ? std::nullopt : std::optional(*list_tenant));
       if (g.json) {
         boost::json::array arr;
@@ -84,9 +84,9 @@ void register_token(CLI::App& app, GlobalOptions& g, Action& action) {
   auto* revoke = cmd->add_subcommand("revoke", "Revoke a token by its id (see mep token list)");
   revoke->add_option("--db", *rv_db, "Database URL")->envname("MEP_DB");
   revoke->add_option("token_id", *rv_id, "The token id")->required();
-  revoke->callback([=, &action] {
-    action = [=] {
-      auto store = open(*rv_db);
+  revoke->callback([=, &g, &action] {
+    action = [=, &g] {
+      auto store = open(*rv_db, g);
       if (!store->revoke_token(*rv_id)) {
         std::fprintf(stderr, "mep: no active token with id %s\n", rv_id->c_str());
         return exit_code::other;

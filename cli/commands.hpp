@@ -18,6 +18,12 @@ struct GlobalOptions {
 /// A registered command's action; returns the process exit code.
 using Action = std::function<int()>;
 
+/// The control plane's database URL for `mep server`, `mep token` and `mep migrate`:
+/// `flag` (--db, which CLI11 already fills from MEP_DB), else the config file's `db`, else
+/// sqlite:$XDG_STATE_HOME/mep/control.db — the order `mep config` reports. A config file
+/// that cannot be read is ignored here (`mep config` reports it).
+std::string resolve_db_url(const std::string& flag, const GlobalOptions& g);
+
 /// Each register_* adds its subcommand to `app` and sets `action` when it is chosen.
 void register_canonicalize(CLI::App& app, GlobalOptions& g, Action& action);
 void register_server(CLI::App& app, GlobalOptions& g, Action& action);

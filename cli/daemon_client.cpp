@@ -6,6 +6,8 @@
 
 #include <boost/json/parse.hpp>
 
+#include <algorithm>
+#include <cctype>
 #include <cerrno>
 #include <cstring>
 #include <poll.h>
@@ -163,9 +165,16 @@ int report_problem(const DaemonReply& r, const std::string& socket, bool json) {
   if (json) {
     std::printf("%s\n", r.status ? r.body.c_str() : mep::json::dump(p.to_json()).c_str());
   } else {
-    std::string line = "mep: " + std::string(p.title()) + ": " + p.detail;
-    if (auto* ra = p.extensions.if_contains("retry_after")) (void)ra;
-    std::fprintf(stderr, "%s\n", line.c_str());
+    // "Invalid agent name: invalid agent name: …" reads better without the repetition.
+    std::string title(p.title());
+    std::string detail = p.detail;
+    auto same = [](char a, char b) {
+      return std::tolower(static_cast<unsigned char>(a)) == std::tolower(static_cast<unsigned char>(b));
+    };
+    if (detail.size() > title.size() + 1 && detail[title.size()] == ':' &&
+        std::equal(title.begin(), title.end(), detail.begin(), same))
+      detail.erase(0, detail.find_first_not_of(' ', title.size() + 1));
+    std::fprintf(stderr, "mep: %s: %s\n", title.c_str(), detail.c_str());
   }
   return p.exit_code();
 }

@@ -25,6 +25,8 @@ int main(int argc, char** argv) {
   app.add_option("--socket", g.socket, "Path of the mepd socket (default: $MEP_SOCKET, "
                                        "$XDG_RUNTIME_DIR/mep/mepd.sock, /run/mep/mepd.sock)");
   app.add_option("--config", g.config_file, "Config file (default ~/.config/mep/config.toml)");
+  app.footer("Exit status: 0 ok, 1 other error, 2 usage, 3 held/locked, 4 lost/stale/expired, 5 unavailable\n"
+             "(mepd not running), 6 invalid name, 7 auth. 'man mep' has the details.");
   Action action;
   register_canonicalize(app, g, action);
   register_server(app, g, action);

@@ -13,7 +13,7 @@ packages=(
   # tests and benchmarks
   catch2 libbenchmark-dev postgresql-15 curl python3 procps util-linux
   # docs and packaging checks
-  scdoc mandoc lintian graphviz
+  scdoc mandoc lintian graphviz zsh fish
 )
 
 missing=()
