@@ -9,6 +9,7 @@
 #include <boost/json/parse.hpp>
 #include <curl/curl.h>
 
+#include <algorithm>
 #include <chrono>
 #include <fstream>
 #include <future>
@@ -47,16 +48,19 @@ public:
     std::getline(in, m_token);
     if (m_token.rfind("mep_", 0) != 0) {
       m_token = m_store->create_token("local", server::Scope::admin).second;
-      ::umask(077);
-      std::ofstream out(token_file, std::ios::trunc);
-      out << m_token << "\n";
+      mode_t old = ::umask(077); // the token file is created 0600; the process umask is restored
+      {
+        std::ofstream out(token_file, std::ios::trunc);
+        out << m_token << "\n";
+      }
+      ::umask(old);
       ::chmod(token_file.c_str(), 0600);
     }
     m_describe = "embedded (sqlite:" + (dir / "control.db").string() + ")";
   }
 
   CpReply request(std::string_view method, std::string_view path, const std::string& body,
-                  const std::string& idempotency_key) override {
+                  const std::string& idempotency_key, std::chrono::milliseconds timeout) override {
     server::HttpRequest req{http::string_to_verb(method), path, 11};
     req.set(http::field::authorization, "Bearer " + m_token);
     if (!body.empty()) req.set(http::field::content_type, "application/json");
@@ -67,7 +71,7 @@ public:
     auto future = promise->get_future();
     m_router.handle(std::move(req), server::Peer{true},
                     [promise](server::HttpResponse&& res) { promise->set_value(std::move(res)); });
-    if (future.wait_for(std::chrono::seconds(30)) != std::future_status::ready)
+    if (future.wait_for(timeout.count() > 0 ? timeout : std::chrono::milliseconds(30000)) != std::future_status::ready)
       return CpReply{0, {}, {}, "the embedded control plane did not answer in time"};
     auto res = future.get();
     CpReply r;
@@ -137,8 +141,9 @@ public:
   }
 
   CpReply request(std::string_view method, std::string_view path, const std::string& body,
-                  const std::string& idempotency_key) override {
+                  const std::string& idempotency_key, std::chrono::milliseconds timeout) override {
     CURL* c = acquire();
+    long total_ms = timeout.count() > 0 ? static_cast<long>(timeout.count()) : 10000L;
     CpReply r;
     std::string url = m_url + std::string(path);
     curl_slist* headers = nullptr;
@@ -161,8 +166,8 @@ public:
     curl_easy_setopt(c, CURLOPT_HEADERFUNCTION, on_header);
     curl_easy_setopt(c, CURLOPT_HEADERDATA, &r.retry_after_s);
     curl_easy_setopt(c, CURLOPT_NOSIGNAL, 1L);
-    curl_easy_setopt(c, CURLOPT_CONNECTTIMEOUT_MS, 3000L);
-    curl_easy_setopt(c, CURLOPT_TIMEOUT_MS, 10000L);
+    curl_easy_setopt(c, CURLOPT_CONNECTTIMEOUT_MS, std::min(3000L, total_ms));
+    curl_easy_setopt(c, CURLOPT_TIMEOUT_MS, total_ms);
     curl_easy_setopt(c, CURLOPT_SSLVERSION, static_cast<long>(CURL_SSLVERSION_TLSv1_3));
     curl_easy_setopt(c, CURLOPT_PROTOCOLS_STR, "http,https");
     CURLcode rc = curl_easy_perform(c);

@@ -262,7 +262,8 @@ void Keeper::resend_intents() {
   for (const auto& in : intents) {
     auto sent = Clock::now();
     CpReply r = m_cp->request("POST", "/v1/leases", in.body, in.key);
-    if (r.status == 0 || r.status >= 500) continue; // still unknown: try again later
+    if (r.status == 0 || r.status >= 500 || r.code() == "idempotency-request-in-flight")
+      continue; // still unknown: try again later
     std::lock_guard lock(m_mutex);
     {
       Use d(m_db->prepare("DELETE FROM intents WHERE idem_key = ?1"));
@@ -454,10 +455,10 @@ server::Reply Keeper::attach(const AttachRequest& req, const std::string& rid) {
     sent = Clock::now();
     m_cp_requests++;
     r = m_cp->request("POST", "/v1/leases", body, key);
-    if (r.status != 0 && r.status < 500) break;
+    if (r.status != 0 && r.status < 500 && r.code() != "idempotency-request-in-flight") break;
   }
   std::lock_guard lock(m_mutex);
-  if (r.status == 0 || r.status >= 500) {
+  if (r.status == 0 || r.status >= 500 || r.code() == "idempotency-request-in-flight") {
     // Unknown outcome: the intent stays; the renewal loop resends it and releases any
     // lease it turns out to have won, since this caller was told it failed.
     Use s(m_db->prepare("UPDATE intents SET bind_pid = -1 WHERE idem_key = ?1"));

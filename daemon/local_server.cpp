@@ -15,6 +15,8 @@
 #include <boost/url/parse.hpp>
 
 #include <deque>
+#include <grp.h>
+#include <pwd.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
 #include <unistd.h>
@@ -61,10 +63,10 @@ public:
   }
 
   void reject() {
-    server::Reply r = server::problem_reply(Problem(Code::forbidden, "peer is not allowed to use this daemon"),
-                                            uuid_v7().to_string());
+    std::string rid = uuid_v7().to_string();
+    server::Reply r = server::problem_reply(Problem(Code::forbidden, "peer is not allowed to use this daemon"), rid);
     m_close = true;
-    write(response(r, 11, false));
+    write(response(r, 11, false, rid));
   }
 
 private:
@@ -93,18 +95,17 @@ private:
 
   void on_read(beast::error_code ec, std::size_t) {
     if (ec) {
+      std::string rid = uuid_v7().to_string();
       if (ec == http::error::body_limit || ec == http::error::header_limit) {
         m_close = true;
-        return write(response(server::problem_reply(Problem(Code::payload_too_large, "request too large"),
-                                                    uuid_v7().to_string()),
-                              11, false));
+        return write(response(server::problem_reply(Problem(Code::payload_too_large, "request too large"), rid), 11,
+                              false, rid));
       }
       if (ec.category() == beast::error_code(http::error::bad_target).category() && ec != http::error::end_of_stream &&
           ec != http::error::partial_message) {
         m_close = true;
-        return write(response(server::problem_reply(Problem(Code::invalid_request, "malformed HTTP request"),
-                                                    uuid_v7().to_string()),
-                              11, false));
+        return write(response(server::problem_reply(Problem(Code::invalid_request, "malformed HTTP request"), rid), 11,
+                              false, rid));
       }
       beast::error_code ignored;
       m_stream.socket().shutdown(local::socket::shutdown_send, ignored);
@@ -334,6 +335,29 @@ void LocalServer::stop() {
   });
 }
 
+// SPEC §7: the daemon's own user; in system mode (a socket the group may use, 0660) also
+// members of the socket's group.
+bool LocalServer::peer_allowed(const PeerCredView& peer) const {
+  if (peer.uid == ::getuid()) return true;
+  struct stat st {};
+  std::string path = m_path.string();
+  if (path.empty() || ::stat(path.c_str(), &st) != 0 || !(st.st_mode & S_IWGRP)) return false;
+  if (peer.gid == st.st_gid) return true;
+  passwd pw{};
+  passwd* found = nullptr;
+  std::vector<char> buf(16384);
+  if (::getpwuid_r(peer.uid, &pw, buf.data(), buf.size(), &found) != 0 || !found) return false;
+  int n = 64;
+  std::vector<gid_t> groups(static_cast<std::size_t>(n));
+  if (::getgrouplist(pw.pw_name, pw.pw_gid, groups.data(), &n) < 0) {
+    groups.resize(static_cast<std::size_t>(n));
+    if (::getgrouplist(pw.pw_name, pw.pw_gid, groups.data(), &n) < 0) return false;
+  }
+  for (int i = 0; i < n; ++i)
+    if (groups[static_cast<std::size_t>(i)] == st.st_gid) return true;
+  return false;
+}
+
 void LocalServer::do_accept() {
   m_acceptor.async_accept(net::make_strand(m_ioc), [this](beast::error_code ec, local::socket socket) {
     if (ec == net::error::operation_aborted || !m_acceptor.is_open()) return;
@@ -344,7 +368,7 @@ void LocalServer::do_accept() {
       bool known = ::getsockopt(socket.native_handle(), SOL_SOCKET, SO_PEERCRED, &cred, &len) == 0;
       if (known) peer = PeerCred{cred.pid, cred.uid, cred.gid};
       auto session = std::make_shared<Session>(std::move(socket), m_keeper, peer);
-      if (!known || peer.uid != ::getuid()) {
+      if (!known || !peer_allowed(PeerCredView{peer.uid, peer.gid})) {
         log::warn("refused a client with uid {}", known ? static_cast<long>(peer.uid) : -1L);
         session->reject();
       } else {

@@ -58,8 +58,13 @@ int main(int argc, char** argv) {
   app.set_version_flag("--version", "mepd " MEP_VERSION);
   try {
     app.parse(argc, argv);
-  } catch (const CLI::ParseError& e) {
+  } catch (const CLI::CallForHelp& e) {
     return app.exit(e);
+  } catch (const CLI::CallForVersion& e) {
+    return app.exit(e);
+  } catch (const CLI::ParseError& e) {
+    std::fprintf(stderr, "mepd: %s\nRun 'mepd --help' for usage.\n", e.what());
+    return mep::exit_code::usage;
   }
   mep::log::Level level;
   if (!mep::log::parse_level(log_level, level)) {

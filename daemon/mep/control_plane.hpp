@@ -4,6 +4,7 @@
 #pragma once
 #include <boost/json/object.hpp>
 
+#include <chrono>
 #include <filesystem>
 #include <memory>
 #include <optional>
@@ -30,9 +31,12 @@ struct CpReply {
 class ControlPlane {
 public:
   virtual ~ControlPlane() = default;
-  /// Sends one request; thread-safe; never throws for transport errors.
+  /// Sends one request; thread-safe; never throws for transport errors. `timeout` bounds
+  /// the whole exchange (0: the default, 10 s remote / 30 s embedded); past it the reply
+  /// has status 0.
   virtual CpReply request(std::string_view method, std::string_view path, const std::string& body,
-                          const std::string& idempotency_key = {}) = 0;
+                          const std::string& idempotency_key = {},
+                          std::chrono::milliseconds timeout = std::chrono::milliseconds{0}) = 0;
   /// "embedded (sqlite:…)" or the URL, for logs and /healthz.
   virtual std::string describe() const = 0;
 };

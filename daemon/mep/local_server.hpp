@@ -8,6 +8,7 @@
 
 #include <filesystem>
 #include <memory>
+#include <sys/types.h>
 
 namespace mep::daemon {
 
@@ -21,7 +22,13 @@ public:
   void start();
   void stop();
 
+  struct PeerCredView {
+    uid_t uid;
+    gid_t gid;
+  };
+
 private:
+  bool peer_allowed(const PeerCredView& peer) const;
   void do_accept();
   boost::asio::io_context& m_ioc;
   Keeper& m_keeper;

@@ -1,0 +1,637 @@
+"""The mep CLI against a real mepd (SPEC §7, issue 6): every daemon-facing command's human and
+--json output (init, claim, status, identify, branch, lineage in tree, dot and json, release,
+config), the exit code of each error class (2 usage, 3 held, 5 daemon not running, 6 invalid
+name), and `mep run`: the lease in the child's environment, SIGTERM forwarded, the child's
+status returned, and — against a real `mep server` that is SIGSTOPped — the child's whole
+process group killed when the lease is lost, with exit status 4.
+
+The daemon runs in embedded mode with --socket and --state-dir in a temporary directory (and
+HOME/XDG_* there too); mep gets --socket. Every command is bounded in time; every process
+started here is ended by its PID. Binaries come from $MEP_BIN and $MEPD_BIN."""
+import json
+import os
+import pty
+import re
+import select
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import unittest
+import uuid
+
+from daemonfixture import MepServer, Mepd, clean_env
+from mephelpers import mep_bin
+
+COMMAND_TIMEOUT_S = 30
+WAIT_S = 15            # a file the child writes, a lease to appear or go
+LOSS_TIMEOUT_S = 40    # SIGSTOP of the server → mep run has ended (ttl 6 + grace 1 + slack)
+
+UUID = r"[0-9a-f]{8}-[0-9a-f]{4}-7[0-9a-f]{3}-[89ab][0-9a-f]{3}-[0-9a-f]{12}"
+RFC3339_MS = r"\d{4}-\d{2}-\d{2}T\d{2}:\d{2}:\d{2}\.\d{3}Z"
+PROBLEM_BASE = "https://memoryendpoints.com/problems/"
+LEASE_FIELDS = ["lease_id", "canonical_name", "display_name", "memory_instance_id", "fencing_token",
+                "expires_at", "ttl_seconds", "path", "state"]
+
+EXIT_OK, EXIT_OTHER, EXIT_USAGE, EXIT_HELD, EXIT_LOST, EXIT_UNAVAILABLE, EXIT_INVALID_NAME = 0, 1, 2, 3, 4, 5, 6
+
+
+def unique(prefix="agent"):
+    return "%s-%s" % (prefix, uuid.uuid4().hex[:12])
+
+
+def wait_for(predicate, timeout=WAIT_S, interval=0.05):
+    """Polls `predicate` until it returns a true value (returned) or `timeout` passes (None)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            return None
+        time.sleep(interval)
+
+
+def read_file(path):
+    try:
+        with open(path) as f:
+            return f.read()
+    except FileNotFoundError:
+        return None
+
+
+def pid_gone(pid):
+    """True when `pid` no longer runs (gone, or a zombie nobody reaped yet)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    try:
+        with open("/proc/%d/stat" % pid) as f:
+            return f.read().rsplit(")", 1)[1].split()[0] == "Z"
+    except (FileNotFoundError, IndexError):
+        return True
+
+
+def kill_if_alive(pid):
+    if pid and not pid_gone(pid):
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+class CliTestCase(unittest.TestCase):
+    """One embedded mepd per test class, in a temporary HOME; mep runs with --socket and the
+    working directory in that HOME. The daemon's log is printed when a test fails."""
+
+    @classmethod
+    def setUpClass(cls):
+        super().setUpClass()
+        mep_bin()
+        cls._tmp = tempfile.TemporaryDirectory(prefix="mep-cli-")
+        cls.addClassCleanup(cls._tmp.cleanup)
+        cls.home = cls._tmp.name
+        cls.env = clean_env(cls.home)
+        cls.work = os.path.join(cls.home, "work")
+        os.makedirs(cls.work)
+        cls.daemon = cls.start_daemon()
+
+    @classmethod
+    def start_daemon(cls):
+        d = Mepd(cls.home, cls.env)
+        cls.addClassCleanup(d.stop)
+        return d.start()
+
+    def setUp(self):
+        self.popens = []
+        self.addCleanup(self._end_popens)
+
+    def _end_popens(self):
+        for p in self.popens:
+            if p.poll() is None:
+                os.kill(p.pid, signal.SIGKILL)
+                p.wait(timeout=10)
+
+    def run(self, result=None):
+        before = (len(result.failures) + len(result.errors)) if result is not None else 0
+        out = super().run(result)
+        if result is not None and len(result.failures) + len(result.errors) > before:
+            d = getattr(type(self), "daemon", None)
+            if d is not None:
+                sys.stderr.write("\n---- mepd log ----\n%s\n---- end ----\n" % d.log_text()[-6000:])
+        return out
+
+    # -- running mep --
+
+    def mep(self, *args, socket=None, timeout=COMMAND_TIMEOUT_S, env=None):
+        """Runs `mep --socket S ARGS…` in the work directory; returns (rc, stdout, stderr)."""
+        argv = [mep_bin(), "--socket", socket or self.daemon.socket_path, *args]
+        p = subprocess.run(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                           env=env or self.env, cwd=self.work, timeout=timeout, check=False)
+        return p.returncode, p.stdout.decode("utf-8"), p.stderr.decode("utf-8")
+
+    def ok(self, *args, **kw):
+        rc, out, err = self.mep(*args, **kw)
+        self.assertEqual(rc, EXIT_OK, "mep %s: %s%s" % (" ".join(args), out, err))
+        self.assertEqual(err, "", args)
+        return out
+
+    def ok_json(self, *args, **kw):
+        """`mep --json ARGS…`: exit 0, exactly one JSON document on stdout, nothing on stderr."""
+        return self.one_json(self.ok("--json", *args, **kw))
+
+    def one_json(self, out):
+        self.assertTrue(out.endswith("\n") and out.count("\n") == 1, "not one line: %r" % out)
+        return json.loads(out)
+
+    def popen_mep(self, *args, **kw):
+        argv = [mep_bin(), "--socket", self.daemon.socket_path, *args]
+        p = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                             env=self.env, cwd=self.work, start_new_session=True, **kw)
+        self.popens.append(p)
+        return p
+
+    def communicate(self, p, timeout=COMMAND_TIMEOUT_S):
+        out, err = p.communicate(timeout=timeout)
+        return p.returncode, out.decode("utf-8"), err.decode("utf-8")
+
+    # -- fixtures --
+
+    def path(self, name=None):
+        return os.path.join(self.work, name or unique("mem") + ".uai")
+
+    def new_memory(self):
+        """`mep init` a fresh file; returns (path, memory id)."""
+        path = self.path()
+        out = self.ok("init", path)
+        m = re.fullmatch(r"created (\S+)  memory=(%s)\n" % UUID, out)
+        self.assertIsNotNone(m, out)
+        return path, m.group(2)
+
+    def claim(self, name, path, *extra):
+        return self.ok_json("claim", name, path, *extra)
+
+    def leases(self):
+        return {l["canonical_name"]: l for l in self.ok_json("status")["leases"]}
+
+    def assertProblem(self, out, status, code):
+        doc = self.one_json(out)
+        for k in ("type", "title", "status", "detail", "code"):
+            self.assertIn(k, doc)
+        self.assertEqual((doc["status"], doc["code"]), (status, code), doc)
+        self.assertEqual(doc["type"], PROBLEM_BASE + code)
+        return doc
+
+    def assertOneLine(self, err):
+        self.assertTrue(err.startswith("mep: ") and err.endswith("\n") and err.count("\n") == 1, repr(err))
+
+
+class Commands(CliTestCase):
+    """Human lines and --json documents of the daemon-facing commands."""
+
+    def test_init(self):
+        path = self.path()
+        out = self.ok("init", path)
+        self.assertRegex(out, r"^created %s  memory=%s\n$" % (re.escape(path), UUID))
+        self.assertEqual(os.path.getsize(path), 0)
+        doc = self.ok_json("init", self.path("json.uai"))
+        self.assertEqual(set(doc), {"memory_instance_id", "path"})
+        self.assertRegex(doc["memory_instance_id"], "^%s$" % UUID)
+        self.assertEqual(doc["path"], self.path("json.uai"))
+        # Two fresh files are two identities; a relative path is taken from the cwd.
+        self.assertNotEqual(self.new_memory()[1], self.new_memory()[1])
+        out = self.ok("init", "relative.uai")
+        self.assertIn(" %s  " % self.path("relative.uai"), " " + out)
+
+    def test_claim_status_release(self):
+        path, mem = self.new_memory()
+        name = unique("Agent")
+        out = self.ok("claim", name, path, "--ttl", "20")
+        m = re.fullmatch(r"claimed (\S+)  memory=(%s)  token=(\d+)  expires in (\d+) s\n" % UUID, out)
+        self.assertIsNotNone(m, out)
+        self.assertEqual(m.group(1), name.lower())
+        self.assertEqual(m.group(2), mem)
+        self.assertLessEqual(int(m.group(4)), 20)
+
+        table = self.ok("status").splitlines()
+        self.assertRegex(table[0], r"^NAME +MEMORY +TOKEN +EXPIRES IN +STATE +PATH$")
+        rows = [r for r in table[1:] if r.startswith(name.lower() + " ")]
+        self.assertEqual(len(rows), 1, table)
+        self.assertRegex(rows[0], r"^%s +%s +%s +\d+ s +held +%s$" % (name.lower(), mem, m.group(3), re.escape(path)))
+
+        lease = self.leases()[name.lower()]
+        for k in LEASE_FIELDS:
+            self.assertIn(k, lease)
+        self.assertEqual((lease["display_name"], lease["memory_instance_id"], lease["path"], lease["state"],
+                          lease["ttl_seconds"], lease["fencing_token"]), (name, mem, path, "held", 20, int(m.group(3))))
+        self.assertRegex(lease["expires_at"], "^%s$" % RFC3339_MS)
+
+        self.assertEqual(self.ok("release", name), "released %s\n" % name)
+        self.assertNotIn(name.lower(), self.leases())
+
+    def test_claim_and_release_json(self):
+        path, mem = self.new_memory()
+        name = unique()
+        doc = self.claim(name, path)
+        for k in LEASE_FIELDS:
+            self.assertIn(k, doc)
+        self.assertEqual((doc["canonical_name"], doc["memory_instance_id"], doc["path"], doc["state"],
+                          doc["ttl_seconds"]), (name, mem, path, "held", 30))
+        self.assertIsInstance(doc["fencing_token"], int)
+        self.assertRegex(doc["lease_id"], "^%s$" % UUID)
+        self.assertEqual(self.ok_json("release", name), {})
+        # Claimed again after the release: a larger token (the counter lives on the memory).
+        again = self.claim(name, path)
+        self.assertGreater(again["fencing_token"], doc["fencing_token"])
+        self.ok("release", name)
+
+    def test_status_empty(self):
+        # A daemon of its own, so no other test's lease shows up.
+        home = tempfile.mkdtemp(prefix="mep-cli-empty-")
+        self.addCleanup(shutil.rmtree, home, True)
+        d = Mepd(home, clean_env(home), tag="empty")
+        self.addCleanup(d.stop)
+        d.start()
+        self.assertEqual(self.ok("status", socket=d.socket_path), "no leases\n")
+        self.assertEqual(self.ok_json("status", socket=d.socket_path), {"leases": []})
+
+    def test_identify(self):
+        path, mem = self.new_memory()
+        self.assertEqual(self.ok("identify", path), "%s  memory=%s  parent=-\n" % (path, mem))
+        doc = self.ok_json("identify", path)
+        self.assertEqual((doc["memory_instance_id"], doc["path"], doc["parent_memory_instance_id"]), (mem, path, None))
+
+    def test_branch_and_lineage(self):
+        root, root_id = self.new_memory()
+        name = unique()
+        token = self.claim(name, root)["fencing_token"]
+        child = self.path()
+        out = self.ok("branch", root, child)
+        m = re.fullmatch(r"branched (\S+)  memory=(%s)  parent=(%s)  at token (\d+)\n" % (UUID, UUID), out)
+        self.assertIsNotNone(m, out)
+        self.assertEqual((m.group(1), m.group(3), int(m.group(4))), (child, root_id, token))
+        child_id = m.group(2)
+        second = self.path()
+        doc = self.ok_json("branch", root, second)
+        self.assertEqual(set(doc), {"memory_instance_id", "parent_memory_instance_id", "branched_at_token", "path"})
+        self.assertEqual((doc["parent_memory_instance_id"], doc["branched_at_token"], doc["path"]),
+                         (root_id, token, second))
+        second_id = doc["memory_instance_id"]
+        self.ok("release", name)
+
+        # The branch's identity and parent; a grandchild, to get three generations.
+        self.assertEqual(self.ok("identify", child), "%s  memory=%s  parent=%s\n" % (child, child_id, root_id))
+        gname = unique()
+        gtoken = self.claim(gname, child)["fencing_token"]
+        grandchild_id = self.ok_json("branch", child, self.path())["memory_instance_id"]
+        self.ok("release", gname)
+
+        # tree, not on a terminal: ASCII. Root first, this memory marked, its children below.
+        tree = self.ok("lineage", child)
+        self.assertEqual(tree, "%s\n\\- %s  (branched at token %d)  <- this memory\n"
+                               "   \\- %s  (branched at token %d)\n" % (root_id, child_id, token, grandchild_id, gtoken))
+        tree = self.ok("lineage", "--format", "tree", root)
+        self.assertEqual(tree.splitlines(), ["%s  <- this memory" % root_id,
+                                             "+- %s  (branched at token %d)" % (child_id, token),
+                                             "\\- %s  (branched at token %d)" % (second_id, token)])
+        # By id as well as by path.
+        self.assertEqual(self.ok("lineage", child_id), self.ok("lineage", child))
+
+        # json (--format json and --json are the same document).
+        doc = self.one_json(self.ok("lineage", "--format", "json", child))
+        self.assertEqual(doc, self.ok_json("lineage", child))
+        self.assertEqual(doc["memory"]["memory_instance_id"], child_id)
+        self.assertEqual(doc["memory"]["parent_memory_instance_id"], root_id)
+        self.assertEqual(doc["memory"]["branched_at_token"], token)
+        self.assertEqual([a["memory_instance_id"] for a in doc["ancestors"]], [root_id])
+        self.assertEqual([(c["memory_instance_id"], c["branched_at_token"]) for c in doc["children"]],
+                         [(grandchild_id, gtoken)])
+
+        # dot: a digraph with both edges, which Graphviz renders.
+        dot = self.ok("lineage", "--format", "dot", child)
+        self.assertTrue(dot.startswith("digraph lineage {\n") and dot.endswith("}\n"), dot)
+        self.assertIn('"%s" -> "%s" [label="token %d"];' % (root_id, child_id, token), dot)
+        self.assertIn('"%s" -> "%s" [label="token %d"];' % (child_id, grandchild_id, gtoken), dot)
+        if shutil.which("dot") is None:
+            self.skipTest("graphviz is not installed")
+        p = subprocess.run(["dot", "-Tsvg"], input=dot.encode(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                           timeout=COMMAND_TIMEOUT_S, check=False)
+        self.assertEqual((p.returncode, p.stderr), (0, b""))
+        self.assertIn(b"<svg", p.stdout)
+        self.assertIn(child_id.replace("-", "&#45;").encode(), p.stdout)  # SVG escapes the hyphens
+
+    def test_lineage_tree_on_a_terminal_draws_boxes(self):
+        root, root_id = self.new_memory()
+        name = unique()
+        token = self.claim(name, root)["fencing_token"]
+        child_id = self.ok_json("branch", root, self.path())["memory_instance_id"]
+        self.ok("release", name)
+        master, slave = pty.openpty()
+        try:
+            p = subprocess.Popen([mep_bin(), "--socket", self.daemon.socket_path, "lineage", root],
+                                 stdin=subprocess.DEVNULL, stdout=slave, stderr=subprocess.PIPE, env=self.env,
+                                 cwd=self.work)
+            self.popens.append(p)
+            os.close(slave)
+            slave = None
+            data = b""
+            deadline = time.monotonic() + COMMAND_TIMEOUT_S
+            while time.monotonic() < deadline:
+                ready, _, _ = select.select([master], [], [], 0.2)
+                if ready:
+                    try:
+                        chunk = os.read(master, 65536)
+                    except OSError:  # EIO: the last writer closed the terminal
+                        break
+                    if not chunk:
+                        break
+                    data += chunk
+                elif p.poll() is not None:
+                    break
+            self.assertEqual(p.wait(timeout=COMMAND_TIMEOUT_S), 0, p.stderr.read())
+            p.stderr.close()
+        finally:
+            os.close(master)
+            if slave is not None:
+                os.close(slave)
+        text = data.decode("utf-8").replace("\r\n", "\n")
+        self.assertEqual(text, "%s  ◀ this memory\n└─ %s  (branched at token %d)\n" % (root_id, child_id, token))
+
+    def test_config(self):
+        out = self.ok("config")
+        rows = {}
+        for line in out.splitlines():
+            m = re.fullmatch(r"(\w+) +(.+?) +\((.+)\)", line)
+            self.assertIsNotNone(m, line)
+            rows[m.group(1)] = (m.group(2), m.group(3))
+        self.assertEqual(list(rows), ["socket", "control_plane", "token_file", "state_dir", "db"])
+        self.assertEqual(rows["socket"], (self.daemon.socket_path, "flag --socket"))
+        self.assertEqual(rows["control_plane"], ("(none: embedded)", "default"))
+        self.assertEqual(rows["token_file"], ("(none)", "default"))
+        self.assertEqual(rows["db"], ("sqlite:%s/state/mep/control.db" % self.home, "default"))
+
+        # The environment beats the file, the file beats the default; --json says the same.
+        cfg = os.path.join(self.home, "custom.toml")
+        with open(cfg, "w") as f:
+            f.write('state_dir = "/srv/mep"\ncontrol_plane = "https://file.example"\n')
+        env = dict(self.env, MEP_CONTROL_PLANE="https://env.example", MEP_TOKEN_FILE="/etc/mep/token")
+        doc = self.ok_json("--config", cfg, "config", env=env)
+        self.assertEqual(doc["control_plane"], {"value": "https://env.example", "source": "env MEP_CONTROL_PLANE"})
+        self.assertEqual(doc["token_file"], {"value": "/etc/mep/token", "source": "env MEP_TOKEN_FILE"})
+        self.assertEqual(doc["state_dir"], {"value": "/srv/mep", "source": "file " + cfg})
+        self.assertEqual(doc["socket"], {"value": self.daemon.socket_path, "source": "flag --socket"})
+        self.assertEqual(doc["db"]["source"], "default")
+
+    def test_config_state_dir_default_follows_mepd(self):
+        # mepd run by root without XDG_STATE_HOME keeps its state in /var/lib/mep.
+        env = {k: v for k, v in self.env.items() if k != "XDG_STATE_HOME"}
+        doc = self.ok_json("config", env=env)
+        expected = "/var/lib/mep" if os.geteuid() == 0 else os.path.join(self.home, ".local/state/mep/mepd")
+        self.assertEqual(doc["state_dir"], {"value": expected, "source": "default"})
+
+    def test_db_from_the_config_file_is_used(self):
+        # `mep config` reports the file's db; mep token, mep server audit and mep migrate use it.
+        db = os.path.join(self.home, "from-file.db")
+        cfg = os.path.join(self.home, "db.toml")
+        with open(cfg, "w") as f:
+            f.write('db = "sqlite:%s"\n' % db)
+        self.assertEqual(self.ok_json("--config", cfg, "config")["db"],
+                         {"value": "sqlite:" + db, "source": "file " + cfg})
+        token = self.ok("--config", cfg, "token", "create", "--tenant", "from-file").strip()
+        self.assertTrue(token and os.path.exists(db))
+        tokens = self.ok_json("--config", cfg, "token", "list")["tokens"]
+        self.assertEqual([t["tenant"] for t in tokens], ["from-file"])
+        self.assertIn("events", self.ok_json("--config", cfg, "server", "audit"))
+        # MEP_DB still beats the file.
+        other = os.path.join(self.home, "from-env.db")
+        self.ok("--config", cfg, "token", "create", "--tenant", "env", env=dict(self.env, MEP_DB="sqlite:" + other))
+        self.assertTrue(os.path.exists(other))
+
+    def test_config_errors_exit_2(self):
+        rc, out, err = self.mep("config", "--config", os.path.join(self.home, "missing.toml"))
+        self.assertEqual((rc, out), (EXIT_USAGE, ""))
+        self.assertOneLine(err)
+        bad = os.path.join(self.home, "bad.toml")
+        with open(bad, "w") as f:
+            f.write("socket = \n")
+        rc, out, err = self.mep("--json", "config", "--config", bad)
+        self.assertEqual((rc, err), (EXIT_USAGE, ""))
+        self.assertIn("bad.toml:1", self.assertProblem(out, 400, "invalid-request")["detail"])
+
+
+class ErrorClasses(CliTestCase):
+    """Each error class: its exit code, one line on stderr, or a problem document with --json."""
+
+    def test_held_name_exit_3(self):
+        a, _ = self.new_memory()
+        b, _ = self.new_memory()
+        name = unique()
+        self.claim(name, a)
+        rc, out, err = self.mep("claim", name.upper(), b)
+        self.assertEqual((rc, out), (EXIT_HELD, ""))
+        self.assertOneLine(err)
+        self.assertIn("Name held", err)
+        rc, out, err = self.mep("--json", "claim", name, b)
+        self.assertEqual((rc, err), (EXIT_HELD, ""))
+        self.assertProblem(out, 423, "name-held")
+        # The memory under another name, and a confusable of the name (agent_1 / agent_l).
+        rc, out, _ = self.mep("--json", "claim", unique(), a)
+        self.assertEqual(rc, EXIT_HELD)
+        self.assertProblem(out, 423, "memory-attached")
+        base = "c" + uuid.uuid4().hex[:8]
+        self.claim(base + "_1", b)
+        c, _ = self.new_memory()
+        rc, out, _ = self.mep("--json", "claim", base + "_l", c)
+        self.assertEqual(rc, EXIT_HELD)
+        self.assertProblem(out, 423, "name-confusable")
+
+    def test_invalid_name_exit_6(self):
+        path, _ = self.new_memory()
+        rc, out, err = self.mep("claim", "agent!", path)
+        self.assertEqual((rc, out), (EXIT_INVALID_NAME, ""))
+        self.assertEqual(err, "mep: Invalid agent name: disallowed character U+0021 '!' at index 5\n")
+        rc, out, err = self.mep("--json", "claim", "myаgent", path)  # Cyrillic а
+        self.assertEqual((rc, err), (EXIT_INVALID_NAME, ""))
+        self.assertEqual(self.assertProblem(out, 422, "invalid-name")["reason"], "mixed-script")
+        rc, _, _ = self.mep("run", "bad name!", path, "--", "true")
+        self.assertEqual(rc, EXIT_INVALID_NAME)
+
+    def test_usage_exit_2(self):
+        path, _ = self.new_memory()
+        for args in (["claim", "only-a-name"], ["frobnicate"], ["--frobnicate", "status"], ["status", "extra"],
+                     ["lineage", "--format", "svg", path], ["run", "--on-loss", "sometimes", "x", path, "--", "true"],
+                     ["run", "x", path], ["claim", "--ttl", "soon", "x", path], []):
+            rc, out, err = self.mep(*args)
+            self.assertEqual((rc, out), (EXIT_USAGE, ""), args)
+            self.assertTrue(err.startswith("mep: "), (args, err))
+        # Bad values the daemon rejects are usage errors too.
+        rc, out, err = self.mep("claim", "--ttl", "1", unique(), path)
+        self.assertEqual((rc, out), (EXIT_USAGE, ""))
+        self.assertOneLine(err)
+        rc, out, err = self.mep("--json", "claim", "--ttl", "301", unique(), path)
+        self.assertEqual((rc, err), (EXIT_USAGE, ""))
+        self.assertProblem(out, 422, "invalid-ttl")
+        rc, out, err = self.mep("claim", unique(), self.path("does-not-exist.uai"))
+        self.assertEqual((rc, out), (EXIT_USAGE, ""))
+        self.assertIn("mep init", err)
+        rc, out, err = self.mep("init", path)
+        self.assertEqual((rc, out), (EXIT_USAGE, ""))
+        self.assertIn("already exists", err)
+
+    def test_not_found_exit_1(self):
+        rc, out, err = self.mep("release", unique())
+        self.assertEqual((rc, out), (EXIT_OTHER, ""))
+        self.assertOneLine(err)
+        rc, out, err = self.mep("--json", "release", unique())
+        self.assertEqual((rc, err), (EXIT_OTHER, ""))
+        self.assertProblem(out, 404, "lease-not-found")
+        path, _ = self.new_memory()
+        rc, out, _ = self.mep("--json", "branch", path, self.path())  # no lease on the source
+        self.assertEqual(rc, EXIT_OTHER)
+        self.assertProblem(out, 404, "lease-not-found")
+
+    def test_daemon_not_running_exit_5_with_a_hint(self):
+        gone = os.path.join(self.home, "no-daemon", "mepd.sock")
+        path, _ = self.new_memory()
+        for args in (["status"], ["claim", "x", path], ["init", self.path()], ["identify", path],
+                     ["lineage", path], ["release", "x"], ["branch", path, self.path()],
+                     ["run", "x", path, "--", "touch", self.path("never-run")]):
+            rc, out, err = self.mep(*args, socket=gone)
+            self.assertEqual((rc, out), (EXIT_UNAVAILABLE, ""), args)
+            self.assertOneLine(err)
+            self.assertIn(gone, err)
+            self.assertIn("mepd", err)
+            self.assertIn("systemctl --user start mepd.socket", err)
+        self.assertFalse(os.path.exists(self.path("never-run")))
+        rc, out, err = self.mep("--json", "status", socket=gone)
+        self.assertEqual((rc, err), (EXIT_UNAVAILABLE, ""))
+        self.assertIn("mepd", self.assertProblem(out, 503, "unavailable")["detail"])
+
+
+class Run(CliTestCase):
+    """`mep run` against the embedded daemon."""
+
+    def test_passes_the_lease_and_returns_the_status(self):
+        path, mem = self.new_memory()
+        name = unique("Runner")
+        envfile = self.path("env.txt")
+        rc, out, err = self.mep("run", name, path, "--", "sh", "-c", 'env > "$1"; echo out; exit 7', "sh", envfile,
+                                env=dict(self.env, CLI_TEST_VARIABLE="kept"))
+        self.assertEqual((rc, out, err), (7, "out\n", ""))
+        seen = dict(line.split("=", 1) for line in read_file(envfile).splitlines() if "=" in line)
+        self.assertEqual(seen["MEP_CANONICAL_NAME"], name.lower())
+        self.assertEqual(seen["MEP_MEMORY_INSTANCE_ID"], mem)
+        self.assertRegex(seen["MEP_FENCING_TOKEN"], r"^[1-9]\d*$")
+        self.assertRegex(seen["MEP_LEASE_ID"], "^%s$" % UUID)
+        self.assertRegex(seen["MEP_LEASE_EXPIRES_AT"], "^%s$" % RFC3339_MS)
+        # The user's environment is kept; the lease is released when the command ends.
+        self.assertEqual(seen["CLI_TEST_VARIABLE"], "kept")
+        self.assertNotIn(name.lower(), self.leases())
+        # A second run gets a larger token.
+        rc, out, _ = self.mep("run", name, path, "--", "sh", "-c", 'echo "$MEP_FENCING_TOKEN"')
+        self.assertEqual(rc, 0)
+        self.assertGreater(int(out), int(seen["MEP_FENCING_TOKEN"]))
+
+    def test_child_killed_by_a_signal_is_128_plus_n(self):
+        path, _ = self.new_memory()
+        rc, _, _ = self.mep("run", unique(), path, "--", "sh", "-c", "kill -KILL $$")
+        self.assertEqual(rc, 128 + signal.SIGKILL)
+        rc, _, _ = self.mep("run", unique(), path, "--", "true")
+        self.assertEqual(rc, 0)
+
+    def test_command_not_found_is_127(self):
+        path, _ = self.new_memory()
+        rc, out, err = self.mep("run", unique(), path, "--", "/nonexistent/mep-test-command")
+        self.assertEqual((rc, out), (127, ""))
+        self.assertIn("cannot run /nonexistent/mep-test-command", err)
+
+    def test_sigterm_is_forwarded_to_the_child(self):
+        path, _ = self.new_memory()
+        name = unique()
+        ready, seen = self.path("ready"), self.path("seen")
+        script = ('trap \'echo TERM > "$2"; exit 143\' TERM; echo $$ > "$1"; '
+                  'while :; do sleep 0.1; done')
+        p = self.popen_mep("run", name, path, "--", "sh", "-c", script, "sh", ready, seen)
+        child = wait_for(lambda: (read_file(ready) or "").strip())
+        self.assertTrue(child, "the child never started")
+        self.assertIn(name, self.leases())
+        os.kill(p.pid, signal.SIGTERM)
+        rc, out, err = self.communicate(p)
+        self.assertEqual(rc, 143, err)
+        self.assertEqual(read_file(seen), "TERM\n")
+        self.assertTrue(pid_gone(int(child)))
+        self.assertIsNotNone(wait_for(lambda: name not in self.leases()), "the lease was not released")
+
+    def test_held_name_does_not_start_the_command(self):
+        a, _ = self.new_memory()
+        b, _ = self.new_memory()
+        name = unique()
+        self.claim(name, a)
+        marker = self.path("started")
+        rc, out, err = self.mep("run", name, b, "--", "touch", marker)
+        self.assertEqual((rc, out), (EXIT_HELD, ""))
+        self.assertOneLine(err)
+        self.assertFalse(os.path.exists(marker))
+        rc, out, err = self.mep("--json", "run", name, b, "--", "touch", marker)
+        self.assertEqual((rc, err), (EXIT_HELD, ""))
+        self.assertProblem(out, 423, "name-held")
+        self.assertFalse(os.path.exists(marker))
+
+
+class RunLeaseLoss(CliTestCase):
+    """mepd against a real `mep server`; the server is SIGSTOPped while `mep run --ttl 6` holds a
+    lease, so renewals hang and the local deadline passes: the lease is lost, the child's whole
+    process group (a grandchild too) gets SIGTERM, then SIGKILL, and mep run exits 4."""
+
+    @classmethod
+    def start_daemon(cls):
+        server = MepServer(cls.home, cls.env)
+        cls.addClassCleanup(server.stop)
+        cls.server = server.start()
+        d = Mepd(cls.home, cls.env, control_plane=server.url, token=server.token("tenant-cli"))
+        cls.addClassCleanup(d.stop)
+        return d.start()
+
+    def test_loss_kills_the_process_group_and_exits_4(self):
+        path, _ = self.new_memory()
+        name = unique()
+        child_pid, gc_pid, signals = self.path("child.pid"), self.path("gc.pid"), self.path("signals")
+        # The child notes SIGTERM and carries on; its background grandchild ignores SIGTERM.
+        # Only SIGKILL to the whole group ends both.
+        script = ('trap \'echo TERM >> "$3"\' TERM; '
+                  '(trap "" TERM; exec sleep 1000) & echo $! > "$2"; echo $$ > "$1"; '
+                  'while :; do sleep 0.2; done')
+        p = self.popen_mep("run", "--ttl", "6", "--grace", "1", name, path, "--",
+                           "sh", "-c", script, "sh", child_pid, gc_pid, signals)
+        pids = wait_for(lambda: (read_file(child_pid) or "").strip() and (read_file(gc_pid) or "").strip()
+                        and (int(read_file(child_pid)), int(read_file(gc_pid))))
+        self.assertTrue(pids, "the child never started")
+        self.addCleanup(kill_if_alive, pids[0])
+        self.addCleanup(kill_if_alive, pids[1])
+        self.assertEqual(os.getpgid(pids[0]), pids[0], "the child leads its own process group")
+        self.assertEqual(os.getpgid(pids[1]), pids[0], "the grandchild is in the child's group")
+        # Survive at least one renewal (ttl/3 = 2 s) before the partition.
+        time.sleep(3)
+        self.assertIsNone(p.poll(), "mep run ended early: %r" % (p.stderr.read() if p.poll() is not None else ""))
+
+        os.kill(self.server.proc.pid, signal.SIGSTOP)
+        self.addCleanup(self.server.proc.signal, signal.SIGCONT)
+        stopped = time.monotonic()
+        rc, out, err = self.communicate(p, timeout=LOSS_TIMEOUT_S)
+        elapsed = time.monotonic() - stopped
+        self.assertEqual(rc, EXIT_LOST, err)
+        self.assertRegex(err, r"(?m)^mep: lease on %s lost \(" % re.escape(name))
+        # ttl 6: lost at most ~5 s after the last renewal was sent, then 1 s of grace.
+        self.assertLess(elapsed, 6 + 1 + 8, err)
+        self.assertEqual(read_file(signals), "TERM\n", "SIGTERM first, then SIGKILL")
+        self.assertTrue(wait_for(lambda: pid_gone(pids[0]), timeout=5), "the child survived")
+        self.assertTrue(wait_for(lambda: pid_gone(pids[1]), timeout=5), "the grandchild survived")
+        status = self.leases().get(name)
+        self.assertTrue(status is None or status["state"] == "lost", status)
+
+
+if __name__ == "__main__":
+    unittest.main()
