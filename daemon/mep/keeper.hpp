@@ -99,6 +99,8 @@ private:
   void resend_intents();
   void pull_identity_map();
   std::chrono::milliseconds margin(std::int64_t ttl_s) const;
+  void note_times(const Held& h);
+  void recompute_checks();
 
   std::filesystem::path m_state_dir;
   std::unique_ptr<ControlPlane> m_cp;
@@ -108,6 +110,8 @@ private:
   std::unique_ptr<sqlite::Db> m_db;
   std::map<std::string, Held> m_leases; // by canonical name
   std::map<pid_t, int> m_pidfds;        // watched pid -> pidfd
+  SteadyTime m_next_renew_check{};      // no lease is due before this (renewer skips scans)
+  SteadyTime m_next_deadline_check{};   // no deadline passes before this
   std::map<int, std::function<void(const std::string&)>> m_sinks;
   int m_next_sink = 1;
   bool m_stop = false;
