@@ -143,7 +143,8 @@ double cpu_seconds(pid_t pid) {
   return static_cast<double>(utime + stime) / static_cast<double>(::sysconf(_SC_CLK_TCK));
 }
 
-long metric(UnixConn& c, const std::string& name) {
+long metric(const std::string& sock, const std::string& name) {
+  UnixConn c(sock); // a fresh connection: the measurement must not depend on an old one
   auto [st, body] = c.request("GET", "/metrics");
   auto at = body.find("\n" + name + " ");
   return at == std::string::npos ? -1 : std::atol(body.c_str() + at + name.size() + 2);
@@ -233,18 +234,18 @@ int main(int argc, char** argv) {
       if (st != 201) std::fprintf(stderr, "attach %d: %d %s\n", i, st, body.c_str());
     }
     double attach_s = std::chrono::duration<double>(Clock::now() - t_attach).count();
-    long req0 = metric(c, "mepd_control_plane_requests_total");
-    long batches0 = metric(c, "mepd_renew_batches_total");
-    long renewed0 = metric(c, "mepd_renewed_leases_total");
+    long req0 = metric(sock, "mepd_control_plane_requests_total");
+    long batches0 = metric(sock, "mepd_renew_batches_total");
+    long renewed0 = metric(sock, "mepd_renewed_leases_total");
     double cpu0 = cpu_seconds(d);
     auto t0 = Clock::now();
     std::this_thread::sleep_for(std::chrono::duration<double>(hold));
     double secs = std::chrono::duration<double>(Clock::now() - t0).count();
     double cpu = cpu_seconds(d) - cpu0;
-    long req = metric(c, "mepd_control_plane_requests_total") - req0;
-    long batches = metric(c, "mepd_renew_batches_total") - batches0;
-    long renewed = metric(c, "mepd_renewed_leases_total") - renewed0;
-    long lost = metric(c, "mepd_leases_lost_total");
+    long req = metric(sock, "mepd_control_plane_requests_total") - req0;
+    long batches = metric(sock, "mepd_renew_batches_total") - batches0;
+    long renewed = metric(sock, "mepd_renewed_leases_total") - renewed0;
+    long lost = metric(sock, "mepd_leases_lost_total");
     double per_lease = static_cast<double>(leases) / 10.0; // renewals/s needed at ttl/3
     std::printf("%d leases (ttl 30 s) held %.0f s against a remote mep server (attached in %.1f s):\n", leases, secs, attach_s);
     std::printf("  %-46s %12s %12s\n", "measure", "measured", "target");

@@ -27,6 +27,7 @@ struct Run {
 };
 
 Run run(const std::vector<std::string>& args) {
+  std::fflush(stdout); // the child must not print our buffered output again
   auto start = std::chrono::steady_clock::now();
   pid_t pid = ::fork();
   if (pid == 0) {
@@ -85,7 +86,6 @@ int main(int argc, char** argv) {
     }
   }
   std::string db = "sqlite:" + (dir / "control.db").string();
-  std::fflush(stdout); // fork() below must not duplicate buffered output
   std::printf("mep migrate benchmark — %ld legacy rows, 5 %% collisions, SQLite (WAL, synchronous=FULL)\n\n", rows);
   std::printf("%-40s %10s %12s %14s %8s\n", "command", "seconds", "rows/s", "peak RSS MiB", "exit");
   auto row = [&](const char* what, const Run& r) {

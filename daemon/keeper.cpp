@@ -34,6 +34,8 @@
 #include <boost/json.hpp>
 #include <fmt/format.h>
 
+#include <random>
+
 #include <fcntl.h>
 #include <poll.h>
 #include <signal.h>
@@ -669,7 +671,7 @@ void Keeper::renew_due() {
     std::int64_t ttl_s;
   };
   std::vector<Due> due;
-  boost::json::array items;
+  std::string items; // the JSON array's members, built as text (no DOM per lease)
   std::chrono::milliseconds timeout{};
   {
     std::lock_guard lock(m_mutex);
@@ -692,11 +694,14 @@ void Keeper::renew_due() {
     }
     auto add = [&](const Held& h) {
       due.push_back({h.canonical_name, h.fencing_token, h.ttl_s});
-      items.emplace_back(boost::json::object{{"canonical_name", h.canonical_name},
-                                             {"memory_instance_id", h.memory_id},
-                                             {"fencing_token", h.fencing_token},
-                                             {"owner_client_id", h.owner_client_id},
-                                             {"ttl_seconds", h.ttl_s}});
+      if (!items.empty()) items.push_back(',');
+      items += "{\"canonical_name\":";
+      json::append_string(items, h.canonical_name);
+      items += ",\"memory_instance_id\":";
+      json::append_string(items, h.memory_id);
+      items += ",\"fencing_token\":" + std::to_string(h.fencing_token) + ",\"owner_client_id\":";
+      json::append_string(items, h.owner_client_id);
+      items += ",\"ttl_seconds\":" + std::to_string(h.ttl_s) + "}";
     };
     // Due leases first, then those due within the coming second (at most ttl/6 early):
     // a daemon with many leases makes about one call a second, each lease renewed close
@@ -712,7 +717,9 @@ void Keeper::renew_due() {
                          std::chrono::milliseconds(250), std::chrono::milliseconds(10000));
   }
   auto sent = Clock::now();
-  std::string body = json::dump(boost::json::object{{"owner_client_id", m_daemon_id}, {"leases", std::move(items)}});
+  std::string body = "{\"owner_client_id\":";
+  json::append_string(body, m_daemon_id);
+  body += ",\"leases\":[" + items + "]}";
   CpReply r = m_cp->request("POST", "/v1/leases/renew-batch", body, {}, timeout);
   std::lock_guard lock(m_mutex);
   m_cp_requests++;
@@ -748,9 +755,9 @@ void Keeper::renew_due() {
     if (status == 200) {
       h.expires_at = parse_rfc3339(str(*item, "expires_at")).value_or(h.expires_at);
       h.local_deadline = sent + std::chrono::seconds(h.ttl_s) - margin(h.ttl_s);
-      std::uint32_t jitter;
-      random_bytes(&jitter, sizeof jitter);
-      double factor = 0.9 + 0.2 * (jitter % 1000) / 1000.0;
+      // ±10 % jitter spreads renewals; it needs no cryptographic randomness.
+      static thread_local std::minstd_rand jitter_rng{std::random_device{}()};
+      double factor = 0.9 + 0.2 * static_cast<double>(jitter_rng() % 1000) / 1000.0;
       h.next_renew = sent + std::chrono::milliseconds(static_cast<std::int64_t>(h.ttl_s * 1000 / 3 * factor));
       h.state = "held";
       h.failures = 0;
