@@ -3,6 +3,8 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export CCACHE_DIR="${CCACHE_DIR:-$HOME/.cache/ccache}"
+# Cache hits across checkouts in different folders (CI clones anew each time).
+export CCACHE_BASEDIR="$PWD" CCACHE_NOHASHDIR=1
 jobs="${MEP_JOBS:-$(nproc)}"
 cmake -S . -B build -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo "$@" >/dev/null
 cmake --build build -j "$jobs"
