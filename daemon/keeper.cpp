@@ -143,6 +143,27 @@ std::chrono::milliseconds Keeper::margin(std::int64_t ttl_s) const {
   return std::chrono::milliseconds(std::max<std::int64_t>(1000, ttl_s * 100));
 }
 
+// A lease the control plane granted (the claim's 201 body), held from `sent` on: the
+// local deadline is sent + ttl − margin, the first renewal at ttl/3.
+Held Keeper::held_from_grant(const boost::json::object& o, std::string owner, std::string path, pid_t pid,
+                             SteadyTime sent) const {
+  Held h;
+  h.canonical_name = str(o, "canonical_name");
+  h.display_name = str(o, "display_name");
+  h.memory_id = str(o, "memory_instance_id");
+  h.lease_id = str(o, "lease_id");
+  h.fencing_token = num(o, "fencing_token");
+  h.ttl_s = num(o, "ttl_seconds");
+  h.expires_at = parse_rfc3339(str(o, "expires_at")).value_or(0);
+  h.owner_client_id = std::move(owner);
+  h.path = std::move(path);
+  h.bind_pid = pid;
+  h.state = "held";
+  h.local_deadline = sent + std::chrono::seconds(h.ttl_s) - margin(h.ttl_s);
+  h.next_renew = sent + std::chrono::milliseconds(h.ttl_s * 1000 / 3);
+  return h;
+}
+
 // ---- start-up: re-adoption and intents ---------------------------------------------------
 
 void Keeper::start() {
@@ -273,37 +294,17 @@ void Keeper::resend_intents() {
       d->bind(1, in.key).run();
     }
     if (r.status != 201 && r.status != 200) continue;
-    auto o = r.json();
-    Held h;
-    h.canonical_name = str(o, "canonical_name");
-    h.display_name = str(o, "display_name");
-    h.memory_id = str(o, "memory_instance_id");
-    h.lease_id = str(o, "lease_id");
-    h.fencing_token = num(o, "fencing_token");
-    h.ttl_s = num(o, "ttl_seconds");
-    h.expires_at = parse_rfc3339(str(o, "expires_at")).value_or(0);
     auto body = json::parse_object(in.body);
-    h.owner_client_id = body ? str(*body, "owner_client_id") : std::string();
-    h.path = in.path;
-    h.bind_pid = in.pid;
+    Held h = held_from_grant(r.json(), body ? str(*body, "owner_client_id") : std::string(), in.path, in.pid, sent);
     if (h.bind_pid && !pid_alive(h.bind_pid)) {
       // The agent that asked is gone; the claim it made must not linger.
       log::info("releasing lease {} adopted from an intent whose agent exited", h.canonical_name);
-      m_cp_requests++;
-      std::string rel = json::dump(boost::json::object{{"canonical_name", h.canonical_name},
-                                                        {"memory_instance_id", h.memory_id},
-                                                        {"fencing_token", h.fencing_token},
-                                                        {"owner_client_id", h.owner_client_id}});
-      m_cp->request("POST", "/v1/leases/release", rel);
+      release_on_server(h);
       continue;
     }
-    h.state = "held";
-    h.local_deadline = sent + std::chrono::seconds(h.ttl_s) - margin(h.ttl_s);
-    h.next_renew = sent + std::chrono::milliseconds(h.ttl_s * 1000 / 3);
     persist(h);
     if (h.bind_pid) watch_pid(h.bind_pid);
     m_leases[h.canonical_name] = h;
-  note_times(h);
     note_times(h);
     emit("granted", h);
     log::info("adopted lease {} from a pending claim intent", h.canonical_name);
@@ -476,21 +477,7 @@ server::Reply Keeper::attach(const AttachRequest& req, const std::string& rid) {
     d->bind(1, key).run();
   }
   if (r.status != 201 && r.status != 200) return relay(r, rid);
-  auto o = r.json();
-  Held h;
-  h.canonical_name = str(o, "canonical_name");
-  h.display_name = str(o, "display_name");
-  h.memory_id = str(o, "memory_instance_id");
-  h.lease_id = str(o, "lease_id");
-  h.fencing_token = num(o, "fencing_token");
-  h.ttl_s = num(o, "ttl_seconds");
-  h.expires_at = parse_rfc3339(str(o, "expires_at")).value_or(0);
-  h.owner_client_id = m_daemon_id + "/" + attach_id;
-  h.path = path;
-  h.bind_pid = req.bind_pid ? req.pid : 0;
-  h.state = "held";
-  h.local_deadline = sent + std::chrono::seconds(h.ttl_s) - margin(h.ttl_s);
-  h.next_renew = sent + std::chrono::milliseconds(h.ttl_s * 1000 / 3);
+  Held h = held_from_grant(r.json(), m_daemon_id + "/" + attach_id, path, req.bind_pid ? req.pid : 0, sent);
   persist(h);
   m_leases[h.canonical_name] = h;
   note_times(h);

@@ -100,6 +100,8 @@ private:
   void pull_identity_map();
   std::chrono::milliseconds margin(std::int64_t ttl_s) const;
   void note_times(const Held& h);
+  Held held_from_grant(const boost::json::object& o, std::string owner, std::string path, pid_t pid,
+                       SteadyTime sent) const;
   void recompute_checks();
 
   std::filesystem::path m_state_dir;
