@@ -1,14 +1,21 @@
-"""Crash safety of the SQLite control plane: SIGKILL during a claim storm.
+"""Faults against the control plane: SIGKILL during a claim storm, and a SIGSTOPped holder.
 
 `server_kill9_mid_claims_consistent` (SPEC §13): every grant the server acknowledged is on
 disk after a SIGKILL (S3: a fencing token is never issued twice), the database holds no
 partial claim (S5), and service resumes on the same file with strictly larger tokens. (A
 process kill checks that replies follow the commit; power loss, which fsync guards
 against, cannot be simulated here.)
+
+`zombie_sigstop_write_rejected`: a lease holder paused past its TTL, while another owner
+takes over, has every mutation rejected with 409 stale-fence when it resumes (S4).
 """
+import json
 import os
 import shutil
+import signal
 import sqlite3
+import subprocess
+import sys
 import tempfile
 import threading
 import time
@@ -91,6 +98,76 @@ class ServerKill9Test(unittest.TestCase):
                 self.assertEqual(r.status, 201, r)
                 if acked[m]:
                     self.assertGreater(r.json["fencing_token"], max(acked[m]))
+
+
+# A lease holder that stops (SIGSTOP) past its TTL and wakes up believing it still holds
+# the lease: it claims, reports its token, waits for "go" on stdin, then tries every
+# mutation with that token and prints the statuses as one JSON line.
+ZOMBIE = r"""
+import json, sys
+from serverfixture import ApiClient
+port, token, memory, name = sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4]
+c = ApiClient(int(port), token)
+r = c.claim(name, memory, "zombie", ttl=5)
+print(json.dumps({"claimed": r.json["fencing_token"], "canonical_name": r.json["canonical_name"]}), flush=True)
+sys.stdin.readline()
+t, n = r.json["fencing_token"], r.json["canonical_name"]
+out = {
+    "renew": c.renew(n, memory, t, "zombie").json,
+    "release": c.release(n, memory, t, "zombie").json,
+    "branch": c.branch(memory, t).json,
+    "verify": c.verify(memory, t).json,
+}
+print(json.dumps(out), flush=True)
+"""
+
+
+class ZombieTest(unittest.TestCase):
+    def setUp(self):
+        self.dir = tempfile.mkdtemp(prefix="mep-zombie-")
+        self.db = os.path.join(self.dir, "control.db")
+        self.token = create_token(self.db, "zombies")
+        self.server = MepServer(self.dir, self.db).start()
+
+    def tearDown(self):
+        self.server.stop()
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+    def test_zombie_sigstop_write_rejected(self):
+        with self.server.client(self.token) as c:
+            memory = c.new_memory()
+        name = unique_name("zombie")
+        child = subprocess.Popen([sys.executable, "-c", ZOMBIE, str(self.server.port), self.token, memory, name],
+                                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                                 cwd=os.path.dirname(os.path.abspath(__file__)))
+        try:
+            first = json.loads(child.stdout.readline())
+            os.kill(child.pid, signal.SIGSTOP)  # the holder pauses past its TTL
+            time.sleep(5.5)
+            with self.server.client(self.token) as c:
+                r = c.claim(name, memory, "new-owner")
+                self.assertEqual(r.status, 201, r)
+                new_token = r.json["fencing_token"]
+            self.assertGreater(new_token, first["claimed"])
+            os.kill(child.pid, signal.SIGCONT)
+            child.stdin.write("go\n")
+            child.stdin.flush()
+            results = json.loads(child.stdout.readline())
+            for op, problem in results.items():
+                self.assertEqual(problem.get("code"), "stale-fence", f"{op}: {problem}")
+            with self.server.client(self.token) as c:
+                lease = c.get_lease(first["canonical_name"])
+                self.assertEqual(lease.status, 200)
+                self.assertEqual(lease.json["fencing_token"], new_token)  # the new owner's lease is intact
+        finally:
+            try:
+                os.kill(child.pid, signal.SIGCONT)
+            except ProcessLookupError:
+                pass
+            child.kill()
+            child.wait(timeout=10)
+            child.stdin.close()
+            child.stdout.close()
 
 
 if __name__ == "__main__":
