@@ -69,7 +69,6 @@ int call(const GlobalOptions& g, const std::string& method, const std::string& t
 void print_tree(const boost::json::object& o, bool unicode) {
   const char* tee = unicode ? "├─ " : "+- ";
   const char* last = unicode ? "└─ " : "\\- ";
-  const char* pipe = unicode ? "│  " : "|  ";
   std::vector<boost::json::object> chain;
   if (auto* a = o.if_contains("ancestors"); a && a->is_array())
     for (auto it = a->get_array().rbegin(); it != a->get_array().rend(); ++it) chain.push_back(it->get_object());
@@ -89,7 +88,6 @@ void print_tree(const boost::json::object& o, bool unicode) {
     std::printf("%s%s%s  (branched at token %s)\n", indent.c_str(), i + 1 == children.size() ? last : tee,
                 str(c, "memory_instance_id").c_str(), str(c, "branched_at_token").c_str());
   }
-  (void)pipe;
 }
 
 void print_dot(const boost::json::object& o) {
