@@ -21,6 +21,7 @@ import threading
 import time
 import unittest
 
+from history import History
 from serverfixture import MepServer, create_token, unique_name
 
 
@@ -43,18 +44,25 @@ class ServerKill9Test(unittest.TestCase):
         acked = {m: [] for m in memories}  # acknowledged fencing tokens per memory
         lock = threading.Lock()
         stop = threading.Event()
+        history = History()
 
         def storm(memory):
             name = unique_name("storm")
+            owner = "owner-" + memory
             try:
                 with self.server.client(self.token) as c:
                     while not stop.is_set():
-                        r = c.claim(name, memory, "owner-" + memory)
+                        t0 = history.begin()
+                        r = c.claim(name, memory, owner)
+                        history.record("claim", t0, r.status, name=name, memory=memory, owner=owner, body=r.json)
                         if r.status != 201:
                             continue
                         with lock:
                             acked[memory].append(r.json["fencing_token"])
-                        c.release(r.json["canonical_name"], memory, r.json["fencing_token"], "owner-" + memory)
+                        t0 = history.begin()
+                        s = c.release(r.json["canonical_name"], memory, r.json["fencing_token"], owner)
+                        history.record("release", t0, s.status, name=r.json["canonical_name"], memory=memory,
+                                       owner=owner, token=r.json["fencing_token"], body=s.json)
             except Exception:
                 return  # the server died under us: expected
 
@@ -70,6 +78,7 @@ class ServerKill9Test(unittest.TestCase):
             t.join(timeout=30)
         total = sum(len(v) for v in acked.values())
         self.assertGreater(total, 0, "no claim was acknowledged before the kill")
+        self.assertEqual(history.check(), [])
         print(f"{total} grants acknowledged before SIGKILL")
 
         # The file is consistent and every acknowledged grant survived.

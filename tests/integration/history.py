@@ -1,0 +1,114 @@
+"""A history checker for the control plane (SPEC §3, S1–S4).
+
+Tests record every claim, renew, release, branch and verify with its request, its
+response and the client's monotonic window [start, end] in which it ran; `check()` then
+verifies, for the whole history:
+
+- S3: per memory, acknowledged grants have distinct tokens, and a grant acknowledged
+  before another grant started has the smaller token (tokens increase in real time);
+- S4: a renew, release, branch or verify that succeeded used the memory's newest token:
+  no grant with a larger token was acknowledged before that operation started;
+- S1/S2: two grants to different holders on one name or one memory do not overlap: the
+  later one (by server time) comes after the earlier one's last acknowledged expiry, or
+  after a successful release of it had started.
+
+Only acknowledged outcomes are trusted; operations without an answer (a killed server)
+are kept as "unknown" and constrain nothing, which is what a client can know.
+"""
+import threading
+import time
+
+try:
+    from serverfixture import parse_rfc3339_ms
+except ImportError:  # pragma: no cover - the checker is usable on its own
+    parse_rfc3339_ms = None
+
+
+class History:
+    def __init__(self):
+        self._lock = threading.Lock()
+        self.ops = []
+
+    def begin(self):
+        return time.monotonic()
+
+    def record(self, kind, start, status, *, name=None, memory=None, owner=None, token=None, body=None):
+        """kind: claim | renew | release | branch | verify; status: HTTP status or None
+        (no answer); body: the parsed JSON answer (or None)."""
+        op = {"kind": kind, "start": start, "end": time.monotonic(), "status": status, "name": name,
+              "memory": memory, "owner": owner, "token": token, "body": body or {}}
+        with self._lock:
+            self.ops.append(op)
+        return op
+
+    # ---- the checker ------------------------------------------------------------------------
+
+    def check(self):
+        """Returns a list of violations (empty when the history is consistent)."""
+        ops = list(self.ops)
+        bad = []
+        grants = [o for o in ops if o["kind"] == "claim" and o["status"] == 201]
+        for g in grants:
+            g["granted_token"] = g["body"]["fencing_token"]
+            g["memory"] = g["body"]["memory_instance_id"]
+            g["name"] = g["body"]["canonical_name"]
+            g["server_ms"] = _ms(g["body"]["server_time"])
+            g["last_expiry_ms"] = _ms(g["body"]["expires_at"])
+        by_memory = {}
+        for g in grants:
+            by_memory.setdefault(g["memory"], []).append(g)
+        # S3
+        for memory, gs in by_memory.items():
+            tokens = [g["granted_token"] for g in gs]
+            if len(tokens) != len(set(tokens)):
+                bad.append(f"S3: token issued twice on memory {memory}: {sorted(tokens)}")
+            for a in gs:
+                for b in gs:
+                    if a["end"] < b["start"] and not a["granted_token"] < b["granted_token"]:
+                        bad.append(f"S3: grant {a['granted_token']} acknowledged before grant "
+                                   f"{b['granted_token']} started on memory {memory}")
+        # Renewals extend a grant's last acknowledged expiry.
+        for o in ops:
+            if o["kind"] == "renew" and o["status"] == 200:
+                for g in by_memory.get(o["memory"], []):
+                    if g["granted_token"] == o["token"]:
+                        g["last_expiry_ms"] = max(g["last_expiry_ms"], _ms(o["body"]["expires_at"]))
+        # S4
+        for o in ops:
+            ok = (o["kind"] == "renew" and o["status"] == 200) or (o["kind"] == "release" and o["status"] == 204) \
+                or (o["kind"] in ("branch",) and o["status"] == 201) or (o["kind"] == "verify" and o["status"] == 200)
+            if not ok or o["token"] is None:
+                continue
+            for g in by_memory.get(o["memory"], []):
+                if g["granted_token"] > o["token"] and g["end"] < o["start"]:
+                    bad.append(f"S4: {o['kind']} with token {o['token']} succeeded after grant "
+                               f"{g['granted_token']} on memory {o['memory']} was acknowledged")
+        # S1/S2
+        releases = [o for o in ops if o["kind"] == "release" and o["status"] == 204]
+
+        def ended_by_release(g, before):
+            return any(r["memory"] == g["memory"] and r["token"] == g["granted_token"] and r["start"] <= before
+                       for r in releases)
+
+        for key in ("name", "memory"):
+            groups = {}
+            for g in grants:
+                groups.setdefault(g[key], []).append(g)
+            for k, gs in groups.items():
+                gs = sorted(gs, key=lambda g: g["server_ms"])
+                for a, b in zip(gs, gs[1:]):
+                    same_holder = a["owner"] == b["owner"] and a["memory"] == b["memory"] and a["name"] == b["name"]
+                    if same_holder:
+                        continue  # a same-owner re-claim replaces the lease
+                    if b["server_ms"] < a["last_expiry_ms"] and not ended_by_release(a, b["end"]):
+                        bad.append(f"S{1 if key == 'name' else 2}: {key} {k} granted to two holders at once "
+                                   f"(tokens {a['granted_token']} and {b['granted_token']})")
+        return bad
+
+
+def _ms(text):
+    if parse_rfc3339_ms is not None:
+        return parse_rfc3339_ms(text)
+    import calendar
+    date, frac = text[:19], text[20:23]
+    return calendar.timegm(time.strptime(date, "%Y-%m-%dT%H:%M:%S")) * 1000 + int(frac)
