@@ -411,6 +411,15 @@ void on_revoke(const CallPtr& c, Store& store) {
 
 void on_get_lease(const CallPtr& c, Store& store) { store.get_lease(c->ctx, lookup_name(c->params[0]), reply_to(c)); }
 
+// A `limit` query value: digits only (no sign, no spaces), from 1 to `max`.
+std::optional<std::size_t> page_limit(std::string_view v, std::size_t max) {
+  if (v.empty() || v.size() > 6 || v.find_first_not_of("0123456789") != std::string_view::npos) return std::nullopt;
+  std::size_t n = 0;
+  for (char ch : v) n = n * 10 + static_cast<std::size_t>(ch - '0');
+  if (n < 1 || n > max) return std::nullopt;
+  return n;
+}
+
 void on_list_leases(const CallPtr& c, Store& store) {
   ListLeases req;
   for (auto p : c->query) {
@@ -419,12 +428,9 @@ void on_list_leases(const CallPtr& c, Store& store) {
     } else if (p.key == "cursor") {
       req.cursor = std::string(p.value);
     } else if (p.key == "limit") {
-      std::string v(p.value);
-      char* end = nullptr;
-      long n = std::strtol(v.c_str(), &end, 10);
-      if (v.empty() || v.find_first_not_of("0123456789") != std::string::npos || *end || n < 1 || n > 1000)
-        return fail(c, Problem(Code::invalid_request, "limit must be an integer from 1 to 1000"));
-      req.limit = static_cast<std::size_t>(n);
+      auto n = page_limit(p.value, 1000);
+      if (!n) return fail(c, Problem(Code::invalid_request, "limit must be an integer from 1 to 1000"));
+      req.limit = *n;
     } else {
       return fail(c, Problem(Code::invalid_request, "unknown query parameter \"" + std::string(p.key) + "\""));
     }
@@ -459,12 +465,9 @@ void on_identity_map(const CallPtr& c, Store& store) {
     if (q.key == "cursor") {
       cursor = std::string(q.value);
     } else if (q.key == "limit") {
-      std::string v(q.value);
-      char* end = nullptr;
-      long n = std::strtol(v.c_str(), &end, 10);
-      if (v.empty() || *end || n < 1 || n > 10000)
-        return fail(c, Problem(Code::invalid_request, "limit must be an integer from 1 to 10000"));
-      limit = static_cast<std::size_t>(n);
+      auto n = page_limit(q.value, 10000);
+      if (!n) return fail(c, Problem(Code::invalid_request, "limit must be an integer from 1 to 10000"));
+      limit = *n;
     } else {
       return fail(c, Problem(Code::invalid_request, "unknown query parameter \"" + std::string(q.key) + "\""));
     }
