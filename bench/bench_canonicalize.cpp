@@ -9,6 +9,7 @@
 // --only runs mep::canonicalize alone on one corpus (no baseline, no CLI): the run to give
 // to `valgrind --tool=callgrind`.
 #include "mep/canonical.hpp"
+#include "mep/utf8.hpp"
 
 #include <unicode/locid.h>
 #include <unicode/normalizer2.h>
@@ -70,23 +71,6 @@ private:
   std::uint64_t m_state;
 };
 
-void put(std::string& out, char32_t c) {
-  if (c < 0x80) {
-    out.push_back(static_cast<char>(c));
-  } else if (c < 0x800) {
-    out.push_back(static_cast<char>(0xC0 | c >> 6));
-    out.push_back(static_cast<char>(0x80 | (c & 0x3F)));
-  } else if (c < 0x10000) {
-    out.push_back(static_cast<char>(0xE0 | c >> 12));
-    out.push_back(static_cast<char>(0x80 | (c >> 6 & 0x3F)));
-    out.push_back(static_cast<char>(0x80 | (c & 0x3F)));
-  } else {
-    out.push_back(static_cast<char>(0xF0 | c >> 18));
-    out.push_back(static_cast<char>(0x80 | (c >> 12 & 0x3F)));
-    out.push_back(static_cast<char>(0x80 | (c >> 6 & 0x3F)));
-    out.push_back(static_cast<char>(0x80 | (c & 0x3F)));
-  }
-}
 
 constexpr std::array<std::string_view, 24> k_words = {
     "agent",  "bot",     "build",   "claude",  "review", "ci",     "runner",  "deploy",
@@ -129,7 +113,7 @@ void letters(std::string& out, Rng& rng, unsigned n, char32_t lo, char32_t hi,
     do {
       c = rng.range(lo, hi);
     } while (c == skip);
-    put(out, c);
+    mep::utf8::append(out, c);
   }
 }
 
@@ -198,8 +182,8 @@ std::string mixed_name(Rng& rng) {
     if (rng.chance(40)) letters(out, rng, rng.range(1, 2), 0xFF10, 0xFF19);
   } else { // invalid
     switch (rng.range(0, 7)) {
-    case 0: out = "my"; put(out, 0x430); out += "gent"; break;          // Latin + Cyrillic а
-    case 1: out = "bot"; put(out, rng.range(0x1F600, 0x1F64F)); break; // emoji
+    case 0: out = "my"; mep::utf8::append(out, 0x430); out += "gent"; break;          // Latin + Cyrillic а
+    case 1: out = "bot"; mep::utf8::append(out, rng.range(0x1F600, 0x1F64F)); break; // emoji
     case 2: out = ascii_name(rng) + "!"; break;
     case 3: out = "ab"; out.push_back('\xFF'); out += "cd"; break;      // invalid UTF-8
     case 4: out = "agent\u200D"; break;                                 // ZWJ

@@ -15,6 +15,7 @@
 #include "mep/canonical.hpp"
 
 #include "mep/precis.hpp"
+#include "mep/utf8.hpp"
 
 #include <fmt/format.h>
 #include <unicode/locid.h>
@@ -34,51 +35,6 @@
 
 namespace mep {
 namespace {
-
-// ---- UTF-8 ---------------------------------------------------------------------------
-
-// Decodes strictly (no overlongs, surrogates or values past U+10FFFF); on failure
-// returns the byte offset of the first ill-formed sequence.
-expected<std::u32string, std::size_t> decode_utf8(std::string_view s) {
-  std::u32string out;
-  out.reserve(s.size());
-  const auto* p = reinterpret_cast<const uint8_t*>(s.data());
-  int32_t i = 0;
-  const auto n = static_cast<int32_t>(s.size());
-  while (i < n) {
-    int32_t start = i;
-    UChar32 c;
-    U8_NEXT(p, i, n, c);
-    if (c < 0) return make_unexpected(static_cast<std::size_t>(start));
-    out.push_back(static_cast<char32_t>(c));
-  }
-  return out;
-}
-
-void append_utf8(std::string& out, char32_t c) {
-  if (c < 0x80) {
-    out.push_back(static_cast<char>(c));
-  } else if (c < 0x800) {
-    out.push_back(static_cast<char>(0xC0 | c >> 6));
-    out.push_back(static_cast<char>(0x80 | (c & 0x3F)));
-  } else if (c < 0x10000) {
-    out.push_back(static_cast<char>(0xE0 | c >> 12));
-    out.push_back(static_cast<char>(0x80 | (c >> 6 & 0x3F)));
-    out.push_back(static_cast<char>(0x80 | (c & 0x3F)));
-  } else {
-    out.push_back(static_cast<char>(0xF0 | c >> 18));
-    out.push_back(static_cast<char>(0x80 | (c >> 12 & 0x3F)));
-    out.push_back(static_cast<char>(0x80 | (c >> 6 & 0x3F)));
-    out.push_back(static_cast<char>(0x80 | (c & 0x3F)));
-  }
-}
-
-std::string encode_utf8(std::u32string_view s) {
-  std::string out;
-  out.reserve(s.size() * 2);
-  for (char32_t c : s) append_utf8(out, c);
-  return out;
-}
 
 // ---- ICU spoof checker ----------------------------------------------------------------
 
@@ -342,7 +298,7 @@ expected<CanonicalName, NameError> canonicalize_ascii(std::string_view in) {
   return out;
 }
 
-std::string show(std::u32string_view s) { return encode_utf8(s); }
+std::string show(std::u32string_view s) { return utf8::encode(s); }
 
 } // namespace
 
@@ -391,7 +347,7 @@ std::string NameError::message() const {
                      is_category(cp, U_GC_Z_MASK | U_GC_M_MASK));
   if (printable) {
     glyph = " '";
-    append_utf8(glyph, cp);
+    utf8::append(glyph, cp);
     glyph += "'";
   }
   return fmt::format("{} {}{} at index {}", what, format_codepoint(cp), glyph, index.value_or(0));
@@ -471,7 +427,7 @@ expected<CanonicalName, NameError> canonicalize(std::string_view utf8,
     for (unsigned char c : utf8) ascii = ascii && c < 0x80;
     if (ascii) return canonicalize_ascii(utf8);
   }
-  auto decoded = decode_utf8(utf8);
+  auto decoded = utf8::decode(utf8);
   if (!decoded) return make_unexpected(NameError{NameReason::invalid_utf8, {}, decoded.error(), {}});
   const std::u32string& in = *decoded;
   for (std::size_t i = 0; i < in.size(); ++i)
@@ -483,7 +439,7 @@ expected<CanonicalName, NameError> canonicalize(std::string_view utf8,
   if (b == e) return make_unexpected(NameError{NameReason::empty, {}, {}, {}});
   std::u32string_view trimmed = std::u32string_view(in).substr(b, e - b);
   CanonicalName out;
-  out.display_name = encode_utf8(precis::nfc(trimmed));
+  out.display_name = utf8::encode(precis::nfc(trimmed));
   if (explain) step("display_name (trimmed, NFC)", out.display_name);
 
   // 2. Remove space separators.
@@ -511,7 +467,7 @@ expected<CanonicalName, NameError> canonicalize(std::string_view utf8,
                                       locate_in_input(trimmed, b, true, *at)));
   if (mapped.size() > k_max_name_code_points)
     return make_unexpected(NameError{NameReason::too_long, {}, {}, {}});
-  out.canonical_name = encode_utf8(mapped);
+  out.canonical_name = utf8::encode(mapped);
   if (explain) step("agent-name policy", "ok");
 
   // 5. UTS #39 restriction level, digits, invisibles.
@@ -532,7 +488,7 @@ expected<std::string, NameError> username_case_mapped(std::string_view utf8,
     if (explain) explain->push_back({std::string(name), std::move(value)});
   };
   step("input", std::string(utf8));
-  auto decoded = decode_utf8(utf8);
+  auto decoded = utf8::decode(utf8);
   if (!decoded) return make_unexpected(NameError{NameReason::invalid_utf8, {}, decoded.error(), {}});
   std::u32string mapped = precis::map_username_case_mapped(*decoded);
   step("width-mapped, lower-cased, NFC", show(mapped));
@@ -542,7 +498,7 @@ expected<std::string, NameError> username_case_mapped(std::string_view utf8,
   if (auto err = precis::check_class(mapped, precis::StringClass::identifier))
     return make_unexpected(from_precis(*err, *decoded, 0, false));
   step("canonical_name", show(mapped));
-  return encode_utf8(mapped);
+  return utf8::encode(mapped);
 }
 
 std::string confusable_skeleton(std::string_view utf8) { return spoof().skeleton(utf8); }
