@@ -7,9 +7,10 @@
 // 2. N leases (ttl 30 s) held for S seconds against a remote `mep server`: daemon RSS and
 //    CPU, and control-plane requests per second next to the expected
 //    (leases ÷ (ttl/3)) ÷ batch size — batching must show.
+#include "http_conn.hpp"
+
 #include <signal.h>
 #include <sys/socket.h>
-#include <sys/un.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -34,41 +35,16 @@ namespace {
 std::string g_mep = MEP_BIN_DEFAULT;
 std::string g_mepd = MEPD_BIN_DEFAULT;
 
+// Keep-alive HTTP over mepd's socket.
 class UnixConn {
 public:
-  explicit UnixConn(const std::string& path) {
-    m_fd = ::socket(AF_UNIX, SOCK_STREAM, 0);
-    sockaddr_un a{};
-    a.sun_family = AF_UNIX;
-    std::strncpy(a.sun_path, path.c_str(), sizeof a.sun_path - 1);
-    if (::connect(m_fd, reinterpret_cast<sockaddr*>(&a), sizeof a) != 0) throw std::runtime_error("connect " + path);
-  }
-  ~UnixConn() { ::close(m_fd); }
+  explicit UnixConn(const std::string& path) : m_http(mep::bench::HttpConn::unix_socket(path)) {}
   std::pair<int, std::string> request(const std::string& method, const std::string& target, const std::string& body = {}) {
-    std::string req = method + " " + target + " HTTP/1.1\r\nHost: mepd\r\nContent-Length: " + std::to_string(body.size()) +
-                      "\r\nContent-Type: application/json\r\n\r\n" + body;
-    if (::send(m_fd, req.data(), req.size(), MSG_NOSIGNAL) != static_cast<ssize_t>(req.size())) throw std::runtime_error("send");
-    std::size_t head;
-    while ((head = m_buf.find("\r\n\r\n")) == std::string::npos) fill();
-    std::size_t len = 0;
-    auto cl = m_buf.find("Content-Length: ");
-    if (cl != std::string::npos && cl < head) len = std::strtoul(m_buf.c_str() + cl + 16, nullptr, 10);
-    while (m_buf.size() < head + 4 + len) fill();
-    int status = std::atoi(m_buf.c_str() + 9);
-    std::string out = m_buf.substr(head + 4, len);
-    m_buf.erase(0, head + 4 + len);
-    return {status, out};
+    return m_http.request(method, target, body);
   }
 
 private:
-  void fill() {
-    char tmp[8192];
-    ssize_t n = ::recv(m_fd, tmp, sizeof tmp, 0);
-    if (n <= 0) throw std::runtime_error("recv");
-    m_buf.append(tmp, static_cast<std::size_t>(n));
-  }
-  int m_fd;
-  std::string m_buf;
+  mep::bench::HttpConn m_http;
 };
 
 pid_t spawn(const std::vector<std::string>& args, const std::string& log) {

@@ -6,9 +6,8 @@
 // Starts the real `mep server` on a fresh SQLite file (on disk, synchronous=FULL), runs
 // claim+release cycles and renews at 1, 8 and 64 clients, then fills the server with N
 // live leases and reads its RSS. Prints one table. Nothing here asserts a timing.
-#include <arpa/inet.h>
-#include <netinet/in.h>
-#include <netinet/tcp.h>
+#include "http_conn.hpp"
+
 #include <signal.h>
 #include <sqlite3.h>
 #include <sys/socket.h>
@@ -35,56 +34,20 @@ namespace {
 
 std::string g_mep = MEP_BIN_DEFAULT;
 
-// ---- a minimal blocking HTTP/1.1 client with keep-alive ------------------------------------
-
+// Keep-alive HTTP to the server with its bearer token and an optional Idempotency-Key.
 class Conn {
 public:
-  explicit Conn(int port) {
-    m_fd = ::socket(AF_INET, SOCK_STREAM, 0);
-    sockaddr_in a{};
-    a.sin_family = AF_INET;
-    a.sin_port = htons(static_cast<uint16_t>(port));
-    a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-    if (::connect(m_fd, reinterpret_cast<sockaddr*>(&a), sizeof a) != 0) throw std::runtime_error("connect");
-    int one = 1;
-    ::setsockopt(m_fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
-  }
-  ~Conn() { ::close(m_fd); }
-
-  // Sends one request and returns {status, body}.
+  explicit Conn(int port) : m_http(mep::bench::HttpConn::tcp(port)) {}
   std::pair<int, std::string> request(const std::string& method, const std::string& path,
                                       const std::string& token, const std::string& body,
                                       const std::string& idem = {}) {
-    std::string req = method + " " + path + " HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: Bearer " + token +
-                      "\r\nContent-Type: application/json\r\nContent-Length: " + std::to_string(body.size()) + "\r\n";
-    if (!idem.empty()) req += "Idempotency-Key: " + idem + "\r\n";
-    req += "\r\n" + body;
-    for (std::size_t off = 0; off < req.size();) {
-      ssize_t n = ::send(m_fd, req.data() + off, req.size() - off, MSG_NOSIGNAL);
-      if (n <= 0) throw std::runtime_error("send");
-      off += static_cast<std::size_t>(n);
-    }
-    std::size_t head_end;
-    while ((head_end = m_buf.find("\r\n\r\n")) == std::string::npos) fill();
-    int status = std::atoi(m_buf.c_str() + 9);
-    std::size_t len = 0;
-    auto cl = m_buf.find("Content-Length: ");
-    if (cl != std::string::npos && cl < head_end) len = std::strtoul(m_buf.c_str() + cl + 16, nullptr, 10);
-    while (m_buf.size() < head_end + 4 + len) fill();
-    std::string out = m_buf.substr(head_end + 4, len);
-    m_buf.erase(0, head_end + 4 + len);
-    return {status, out};
+    std::string headers = "Authorization: Bearer " + token + "\r\n";
+    if (!idem.empty()) headers += "Idempotency-Key: " + idem + "\r\n";
+    return m_http.request(method, path, body, headers);
   }
 
 private:
-  void fill() {
-    char tmp[16384];
-    ssize_t n = ::recv(m_fd, tmp, sizeof tmp, 0);
-    if (n <= 0) throw std::runtime_error("recv");
-    m_buf.append(tmp, static_cast<std::size_t>(n));
-  }
-  int m_fd;
-  std::string m_buf;
+  mep::bench::HttpConn m_http;
 };
 
 std::string field(const std::string& json, const std::string& key) {
