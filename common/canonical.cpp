@@ -541,15 +541,21 @@ RestrictionLevel restriction_level(std::string_view utf8, AllowedSet allowed,
 }
 
 std::string unicode_version() {
-  UVersionInfo v;
-  u_getUnicodeVersion(v);
-  return fmt::format("{}.{}", v[0], v[1]);
+  static const std::string version = [] {
+    UVersionInfo v;
+    u_getUnicodeVersion(v);
+    return fmt::format("{}.{}", v[0], v[1]);
+  }();
+  return version;
 }
 
 std::string icu_version() {
-  UVersionInfo v;
-  u_getVersion(v);
-  return fmt::format("{}.{}", v[0], v[1]);
+  static const std::string version = [] {
+    UVersionInfo v;
+    u_getVersion(v);
+    return fmt::format("{}.{}", v[0], v[1]);
+  }();
+  return version;
 }
 
 } // namespace mep
