@@ -27,8 +27,17 @@ void register_server(CLI::App& app, GlobalOptions& g, Action& action) {
   auto* cmd = app.add_subcommand("server", "Run the control plane (the HTTP API of SPEC §6)");
   cmd->require_subcommand(0, 1);
   cmd->add_option("--db", opt->db_url,
-                  "Database URL: sqlite:PATH (default sqlite:$XDG_STATE_HOME/mep/control.db)")
+                  "Database URL: sqlite:PATH or postgresql://USER@HOST:PORT/DB (default "
+                  "sqlite:$XDG_STATE_HOME/mep/control.db)")
       ->envname("MEP_DB");
+  auto isolation = std::make_shared<std::string>("read-committed");
+  cmd->add_option("--isolation", *isolation,
+                  "PostgreSQL transaction isolation: read-committed or serializable (retried on conflicts)")
+      ->check(CLI::IsMember({"read-committed", "serializable"}))
+      ->capture_default_str();
+  cmd->add_option("--db-pool", opt->store.pool, "PostgreSQL connections running lease operations")
+      ->capture_default_str()
+      ->check(CLI::Range(1, 256));
   cmd->add_option("--listen", opt->listen, "HOST:PORT to listen on; port 0 picks a free port")
       ->capture_default_str();
   cmd->add_option("--tls-cert", opt->tls_cert, "PEM certificate chain; enables HTTPS (TLS 1.3 only)");
@@ -81,10 +90,12 @@ void register_server(CLI::App& app, GlobalOptions& g, Action& action) {
   cmd->footer("Prints 'mep server listening on http://HOST:PORT' on stderr when ready.\n"
               "SIGTERM/SIGINT: stops accepting, finishes requests in flight (at most 5 s), exits 0.");
 
-  cmd->callback([opt, cmd, &g, &action] {
+  cmd->callback([opt, isolation, cmd, &g, &action] {
     if (!cmd->get_subcommands().empty()) return;
-    action = [opt, &g] {
+    action = [opt, isolation, &g] {
       opt->db_url = resolve_db_url(opt->db_url, g);
+      opt->store.isolation =
+          *isolation == "serializable" ? server::Isolation::serializable : server::Isolation::read_committed;
       return server::run_server(*opt);
     };
   });

@@ -16,7 +16,9 @@ namespace mep::cli {
 
 namespace {
 std::unique_ptr<server::Store> open(const std::string& db, const GlobalOptions& g) {
-  return server::open_store(resolve_db_url(db, g));
+  server::StoreOptions options;
+  options.pool = 1; // one short command: one worker connection is plenty
+  return server::open_store(resolve_db_url(db, g), options);
 }
 } // namespace
 

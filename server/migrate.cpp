@@ -118,6 +118,8 @@ private:
 std::uint64_t hash_of(std::string_view s) { return std::hash<std::string_view>{}(s); }
 
 std::string db_path(const std::string& url) {
+  if (url.rfind("postgres://", 0) == 0 || url.rfind("postgresql://", 0) == 0)
+    throw std::runtime_error("mep migrate works on sqlite: databases only (PostgreSQL is not supported yet)");
   if (url.rfind("sqlite://", 0) == 0) return url.substr(9);
   if (url.rfind("sqlite:", 0) == 0) return url.substr(7);
   return url;

@@ -5,6 +5,7 @@
 #include "mep/http_server.hpp"
 #include "mep/log.hpp"
 #include "mep/problem.hpp"
+#include "mep/pg_store.hpp"
 #include "mep/sqlite_store.hpp"
 
 #include <boost/asio/ip/address.hpp>
@@ -22,11 +23,10 @@ using tcp = net::ip::tcp;
 
 std::string default_db_url() { return "sqlite:" + (xdg_state_home() / "mep" / "control.db").string(); }
 
-std::unique_ptr<Store> open_store(const std::string& url) {
-  if (url.rfind("postgres://", 0) == 0 || url.rfind("postgresql://", 0) == 0)
-    throw std::runtime_error("this build supports only sqlite:PATH databases");
+std::unique_ptr<Store> open_store(const std::string& url, const StoreOptions& options) {
+  if (pg::is_pg_url(url)) return std::make_unique<PgStore>(url, options);
   if (url.find("://") != std::string::npos && url.rfind("sqlite://", 0) != 0)
-    throw std::runtime_error("unsupported database URL scheme in \"" + url + "\" (use sqlite:PATH)");
+    throw std::runtime_error("unsupported database URL scheme (use sqlite:PATH or postgresql://...)");
   return std::make_unique<SqliteStore>(url);
 }
 
@@ -117,7 +117,7 @@ int run_server(const ServerOptions& o) {
   std::unique_ptr<Store> store;
   std::unique_ptr<net::ssl::context> tls_ctx;
   try {
-    store = open_store(o.db_url.empty() ? default_db_url() : o.db_url);
+    store = open_store(o.db_url.empty() ? default_db_url() : o.db_url, o.store);
     if (tls) tls_ctx = make_tls_context(o.tls_cert, o.tls_key);
   } catch (const std::exception& e) {
     log::error("{}", e.what());

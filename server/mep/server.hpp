@@ -1,5 +1,7 @@
 // `mep server`: options and the main loop of the control plane.
 #pragma once
+#include "mep/store.hpp"
+
 #include <string>
 
 namespace mep::server {
@@ -16,6 +18,7 @@ struct ServerOptions {
   double rate_limit = k_default_rate_limit; ///< requests/s per token; 0 = off
   std::string log_level = "info";
   int threads = 2;
+  StoreOptions store;                       ///< isolation and pool size (PostgreSQL)
 };
 
 /// Runs the server until SIGTERM/SIGINT; returns the process exit code (0 after a clean

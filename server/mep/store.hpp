@@ -174,9 +174,19 @@ public:
                                            std::size_t limit) = 0;
 };
 
-/// Opens the store named by `url`: `sqlite:PATH` (or a bare path). Creates and migrates
-/// the schema. Throws std::runtime_error with a readable message on failure.
-std::unique_ptr<Store> open_store(const std::string& url);
+/// Transaction isolation on PostgreSQL (SQLite transactions are always serializable).
+enum class Isolation { read_committed, serializable };
+
+/// Backend settings beyond the URL.
+struct StoreOptions {
+  Isolation isolation = Isolation::read_committed;
+  /// PostgreSQL: connections (one worker thread each) that run lease operations.
+  int pool = 16;
+};
+
+/// Opens the store named by `url`: `sqlite:PATH` (or a bare path) or `postgresql://…`.
+/// Creates and migrates the schema. Throws std::runtime_error with a readable message.
+std::unique_ptr<Store> open_store(const std::string& url, const StoreOptions& options = {});
 
 /// The default database URL: sqlite:$XDG_STATE_HOME/mep/control.db.
 std::string default_db_url();

@@ -1,0 +1,111 @@
+// A thin RAII layer over libpq: one connection, results that free themselves, errors that
+// carry their SQLSTATE and say whether the connection was lost. Blocking calls only; the
+// PostgreSQL store gives each of its threads its own connection.
+#pragma once
+#include <libpq-fe.h>
+
+#include <chrono>
+#include <cstdint>
+#include <optional>
+#include <set>
+#include <stdexcept>
+#include <string>
+#include <string_view>
+#include <vector>
+
+namespace mep::pg {
+
+/// A failed call. `sqlstate` is empty when the server sent none (connection trouble).
+class Error : public std::runtime_error {
+public:
+  Error(const std::string& what, std::string sqlstate, bool connection_lost)
+      : std::runtime_error(what), m_sqlstate(std::move(sqlstate)), m_lost(connection_lost) {}
+  const std::string& sqlstate() const { return m_sqlstate; }
+  /// The connection is unusable; the outcome of the call is unknown.
+  bool connection_lost() const { return m_lost; }
+  /// 40001 serialization_failure or 40P01 deadlock_detected: rolled back, safe to retry.
+  bool retryable() const { return m_sqlstate == "40001" || m_sqlstate == "40P01"; }
+
+private:
+  std::string m_sqlstate;
+  bool m_lost;
+};
+
+/// A query result (owns the PGresult).
+class Result {
+public:
+  Result() = default;
+  explicit Result(PGresult* r) : m_r(r) {}
+  Result(Result&& o) noexcept : m_r(o.m_r) { o.m_r = nullptr; }
+  Result& operator=(Result&& o) noexcept {
+    if (this != &o) {
+      if (m_r) PQclear(m_r);
+      m_r = o.m_r;
+      o.m_r = nullptr;
+    }
+    return *this;
+  }
+  Result(const Result&) = delete;
+  Result& operator=(const Result&) = delete;
+  ~Result() {
+    if (m_r) PQclear(m_r);
+  }
+
+  int rows() const { return m_r ? PQntuples(m_r) : 0; }
+  bool is_null(int row, int col) const { return PQgetisnull(m_r, row, col) != 0; }
+  std::string text(int row, int col) const {
+    return std::string(PQgetvalue(m_r, row, col), static_cast<std::size_t>(PQgetlength(m_r, row, col)));
+  }
+  std::optional<std::string> opt_text(int row, int col) const {
+    if (is_null(row, col)) return std::nullopt;
+    return text(row, col);
+  }
+  std::int64_t int64(int row, int col) const;
+  std::optional<std::int64_t> opt_int64(int row, int col) const {
+    if (is_null(row, col)) return std::nullopt;
+    return int64(row, col);
+  }
+  /// Rows affected by INSERT/UPDATE/DELETE.
+  std::int64_t affected() const;
+
+private:
+  PGresult* m_r = nullptr;
+};
+
+/// A query parameter in text format; nullopt is SQL NULL.
+using Param = std::optional<std::string>;
+
+/// One libpq connection.
+class Conn {
+public:
+  /// Connects to `url` (a postgresql:// URL or a conninfo string). Throws Error.
+  /// `options` are extra "key=value" settings applied with SET after connecting.
+  explicit Conn(const std::string& url, const std::vector<std::string>& set_commands = {});
+  ~Conn();
+  Conn(const Conn&) = delete;
+  Conn& operator=(const Conn&) = delete;
+
+  bool ok() const { return PQstatus(m_c) == CONNECTION_OK; }
+
+  /// Runs one or more statements without parameters (simple query protocol).
+  Result exec(const std::string& sql);
+  /// Runs `sql` with parameters; prepared once per connection under `name` when `name` is
+  /// not empty.
+  Result exec(const std::string& name, const std::string& sql, const std::vector<Param>& params);
+
+private:
+  Result check(PGresult* r, std::string_view what);
+
+  PGconn* m_c = nullptr;
+  std::set<std::string> m_prepared;
+};
+
+/// A PostgreSQL array literal of texts ({"a","b\"c"}), for a text[] parameter.
+std::string text_array(const std::vector<std::string>& items);
+/// A PostgreSQL array literal of integers ({1,2,3}).
+std::string int_array(const std::vector<std::int64_t>& items);
+
+/// True when `url` names a PostgreSQL database (postgres:// or postgresql://).
+bool is_pg_url(std::string_view url);
+
+} // namespace mep::pg

@@ -1,0 +1,112 @@
+// The PostgreSQL implementation of Store (SPEC §9): a pool of connections, one thread
+// each, every lease operation one call of a server-side function (one round trip, one
+// transaction), retried on serialization failures and deadlocks.
+#pragma once
+#include "mep/pg.hpp"
+#include "mep/store.hpp"
+
+#include <atomic>
+#include <chrono>
+#include <condition_variable>
+#include <deque>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <thread>
+#include <vector>
+
+namespace mep::server {
+
+class PgStore final : public Store {
+public:
+  /// Connects to `url`, creates or migrates the schema (safe when several servers start
+  /// at once) and starts `options.pool` worker threads (connecting lazily). Throws
+  /// pg::Error or std::runtime_error.
+  PgStore(const std::string& url, const StoreOptions& options);
+  /// Finishes every queued job, then stops the workers.
+  ~PgStore() override;
+
+  void register_memory(const Ctx&, Idempotency, RegisterMemory, Done) override;
+  void claim(const Ctx&, Idempotency, Claim, Done) override;
+  void branch(const Ctx&, Idempotency, Branch, Done) override;
+  void renew(const Ctx&, LeaseRef, Done) override;
+  void renew_batch(const Ctx&, RenewBatch, Done) override;
+  void release(const Ctx&, LeaseRef, Done) override;
+  void verify(const Ctx&, Verify, Done) override;
+  void revoke(const Ctx&, std::string canonical_name, Done) override;
+  void get_lease(const Ctx&, std::string canonical_name, Done) override;
+  void list_leases(const Ctx&, ListLeases, Done) override;
+  void get_memory(const Ctx&, std::string memory_id, Done) override;
+  void lineage(const Ctx&, std::string memory_id, Done) override;
+  std::optional<AuthInfo> authenticate(const std::string& token_sha256) override;
+  void audit_auth_failure(const std::string& tenant_id) override;
+  bool ready() override;
+  std::int64_t active_leases() override;
+  std::int64_t sweep() override;
+  std::int64_t transaction_retries() override { return m_retries.load(); }
+  bool migration_in_progress() override { return m_migration_in_progress.load(); }
+  void identity_map(const Ctx&, std::optional<std::string> cursor, std::size_t limit, Done) override;
+  std::pair<std::string, std::string> create_token(const std::string& tenant_name, Scope) override;
+  std::vector<TokenInfo> list_tokens(const std::optional<std::string>& tenant_name) override;
+  bool revoke_token(const std::string& token_id) override;
+  std::vector<AuditRow> list_audit(const std::optional<std::string>& tenant_name, std::size_t limit) override;
+
+private:
+  using Work = std::function<Reply(pg::Conn&)>;
+  struct Job {
+    Work work;
+    Done done;
+    std::string request_id;
+  };
+  // A connection slot: the connection (null while disconnected) and when to try again.
+  struct Slot {
+    std::unique_ptr<pg::Conn> conn;
+    std::chrono::steady_clock::time_point next_attempt{};
+  };
+  // A connection borrowed for a synchronous call, returned on destruction.
+  class Borrowed {
+  public:
+    Borrowed(PgStore* s, std::unique_ptr<pg::Conn> c) : m_store(s), m_conn(std::move(c)) {}
+    Borrowed(Borrowed&&) = default;
+    ~Borrowed();
+    pg::Conn& operator*() { return *m_conn; }
+    pg::Conn* operator->() { return m_conn.get(); }
+    void discard() { m_conn.reset(); }
+
+  private:
+    PgStore* m_store;
+    std::unique_ptr<pg::Conn> m_conn;
+  };
+
+  void migrate();
+  void enqueue(Work work, Done done, std::string request_id);
+  void worker_loop();
+  Reply execute(Slot& slot, Job& job);
+  /// Runs `fn` on a borrowed connection in the calling thread, with the same retry and
+  /// reconnection rules as the workers. Throws pg::Error when the database is unavailable.
+  template <typename T>
+  T with_conn(const std::function<T(pg::Conn&)>& fn);
+  std::unique_ptr<pg::Conn> connect();
+  Reply unavailable(const std::string& request_id) const;
+  void backoff(int attempt) const;
+
+  std::string m_url;
+  StoreOptions m_options;
+  std::vector<std::string> m_session_setup;
+
+  std::mutex m_mutex;
+  std::condition_variable m_cv;
+  std::deque<Job> m_queue;
+  bool m_stopping = false;
+  std::vector<std::thread> m_workers;
+
+  std::mutex m_spare_mutex;
+  std::vector<std::unique_ptr<pg::Conn>> m_spare; // for synchronous calls
+  std::atomic<std::int64_t> m_next_sync_attempt_ns{0};
+
+  std::atomic<bool> m_healthy{true};
+  std::atomic<bool> m_migration_in_progress{false};
+  std::atomic<std::int64_t> m_retries{0};
+};
+
+} // namespace mep::server

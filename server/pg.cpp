@@ -1,0 +1,116 @@
+#include "mep/pg.hpp"
+
+#include <charconv>
+
+namespace mep::pg {
+namespace {
+
+void ignore_notice(void*, const char*) {}
+
+std::string first_line(const char* msg) {
+  std::string s = msg ? msg : "";
+  while (!s.empty() && (s.back() == '\n' || s.back() == ' ')) s.pop_back();
+  return s;
+}
+
+} // namespace
+
+std::int64_t Result::int64(int row, int col) const {
+  const char* v = PQgetvalue(m_r, row, col);
+  std::int64_t out = 0;
+  auto len = static_cast<std::size_t>(PQgetlength(m_r, row, col));
+  auto [p, ec] = std::from_chars(v, v + len, out);
+  if (ec != std::errc() || p != v + len) throw Error("not an integer in a result column", "", false);
+  return out;
+}
+
+std::int64_t Result::affected() const {
+  const char* n = m_r ? PQcmdTuples(m_r) : "";
+  std::int64_t out = 0;
+  std::from_chars(n, n + std::char_traits<char>::length(n), out);
+  return out;
+}
+
+Conn::Conn(const std::string& url, const std::vector<std::string>& set_commands) {
+  // Our defaults first; the URL last, so that what it says wins (expand_dbname).
+  const char* keys[] = {"connect_timeout", "application_name", "keepalives", "keepalives_idle",
+                        "keepalives_interval", "keepalives_count", "tcp_user_timeout", "dbname",
+                        nullptr};
+  const char* values[] = {"3", "mep-server", "1", "5", "2", "3", "10000", url.c_str(), nullptr};
+  m_c = PQconnectdbParams(keys, values, 1);
+  if (!m_c) throw Error("out of memory connecting to PostgreSQL", "", true);
+  if (PQstatus(m_c) != CONNECTION_OK) {
+    std::string msg = "cannot connect to PostgreSQL: " + first_line(PQerrorMessage(m_c));
+    PQfinish(m_c);
+    m_c = nullptr;
+    throw Error(msg, "", true);
+  }
+  PQsetNoticeProcessor(m_c, ignore_notice, nullptr);
+  for (const auto& s : set_commands) exec(s);
+}
+
+Conn::~Conn() {
+  if (m_c) PQfinish(m_c);
+}
+
+Result Conn::check(PGresult* r, std::string_view what) {
+  if (!r) throw Error(std::string(what) + ": " + first_line(PQerrorMessage(m_c)), "", true);
+  auto st = PQresultStatus(r);
+  if (st == PGRES_COMMAND_OK || st == PGRES_TUPLES_OK || st == PGRES_EMPTY_QUERY) return Result(r);
+  const char* state = PQresultErrorField(r, PG_DIAG_SQLSTATE);
+  std::string msg = std::string(what) + ": " + first_line(PQresultErrorMessage(r));
+  std::string sqlstate = state ? state : "";
+  PQclear(r);
+  // Class 08 (connection exception), 57P01-57P03 (admin shutdown, crash shutdown, cannot
+  // connect now) and a dead socket all mean: this connection is done.
+  bool lost = !ok() || sqlstate.rfind("08", 0) == 0 || sqlstate == "57P01" || sqlstate == "57P02" ||
+              sqlstate == "57P03";
+  throw Error(msg, sqlstate, lost);
+}
+
+Result Conn::exec(const std::string& sql) { return check(PQexec(m_c, sql.c_str()), "query failed"); }
+
+Result Conn::exec(const std::string& name, const std::string& sql, const std::vector<Param>& params) {
+  std::vector<const char*> values;
+  values.reserve(params.size());
+  for (const auto& p : params) values.push_back(p ? p->c_str() : nullptr);
+  int n = static_cast<int>(values.size());
+  if (name.empty())
+    return check(PQexecParams(m_c, sql.c_str(), n, nullptr, values.data(), nullptr, nullptr, 0), "query failed");
+  if (!m_prepared.count(name)) {
+    check(PQprepare(m_c, name.c_str(), sql.c_str(), n, nullptr), "prepare failed");
+    m_prepared.insert(name);
+  }
+  return check(PQexecPrepared(m_c, name.c_str(), n, values.data(), nullptr, nullptr, 0), "query failed");
+}
+
+std::string text_array(const std::vector<std::string>& items) {
+  std::string out = "{";
+  for (std::size_t i = 0; i < items.size(); ++i) {
+    if (i) out += ',';
+    out += '"';
+    for (char ch : items[i]) {
+      if (ch == '"' || ch == '\\') out += '\\';
+      out += ch;
+    }
+    out += '"';
+  }
+  out += '}';
+  return out;
+}
+
+std::string int_array(const std::vector<std::int64_t>& items) {
+  std::string out = "{";
+  for (std::size_t i = 0; i < items.size(); ++i) {
+    if (i) out += ',';
+    out += std::to_string(items[i]);
+  }
+  out += '}';
+  return out;
+}
+
+bool is_pg_url(std::string_view url) {
+  return url.rfind("postgres://", 0) == 0 || url.rfind("postgresql://", 0) == 0;
+}
+
+} // namespace mep::pg

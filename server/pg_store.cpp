@@ -1,0 +1,826 @@
+// The PostgreSQL store (SPEC §9).
+//
+// Design notes.
+// * Every lease operation is one call of a server-side function (pg_schema.cpp): one round
+//   trip, one transaction, committed before the reply (PostgreSQL's own group commit
+//   batches the WAL flushes of concurrent commits). The database clock is the only clock.
+// * Threads: `pool` workers, each owning one connection, take jobs from one queue; reads,
+//   authentication and administration borrow spare connections in the calling thread.
+// * Retries: SQLSTATE 40001/40P01 (rolled back, so safe) are retried with capped
+//   exponential backoff and full jitter, at most k_max_attempts times, then 503
+//   transaction-conflict. A lost connection is reopened; a request whose outcome is unknown
+//   is retried once on a fresh connection only when a second execution is harmless (creating
+//   calls replay through their Idempotency-Key; renew, release and verify are idempotent),
+//   otherwise it gets 503 unavailable with Retry-After. Reconnection attempts are spaced
+//   (k_reconnect_gap), so a database that is down costs a request one refused connect.
+// * Idempotent replays are byte-identical because the stored outcome is the structured
+//   result of the function, and the body is rendered from it by one deterministic function
+//   (render_*) both the first time and on every replay.
+#include "mep/pg_store.hpp"
+
+#include "mep/canonical.hpp"
+#include "mep/crypto.hpp"
+#include "mep/json.hpp"
+#include "mep/log.hpp"
+#include "mep/metrics.hpp"
+#include "mep/random.hpp"
+#include "mep/uuid.hpp"
+#include "mep/wire.hpp"
+
+#include <boost/json/array.hpp>
+#include <boost/json/parse.hpp>
+#include <boost/json/serialize.hpp>
+#include <fmt/format.h>
+
+#include <random>
+
+namespace mep::server {
+
+extern const std::string_view k_pg_schema_v1;
+
+namespace {
+
+namespace json = boost::json;
+using Clock = std::chrono::steady_clock;
+
+constexpr int k_schema_version = 1;
+constexpr int k_max_attempts = 10;
+constexpr auto k_reconnect_gap = std::chrono::milliseconds(500);
+
+std::int64_t i64(const json::value& v) {
+  if (v.is_int64()) return v.as_int64();
+  if (v.is_uint64()) return static_cast<std::int64_t>(v.as_uint64());
+  if (v.is_double()) return static_cast<std::int64_t>(v.as_double());
+  if (v.is_string()) return std::stoll(std::string(v.as_string()));
+  throw std::runtime_error("expected an integer in a database result");
+}
+
+std::string str(const json::object& o, std::string_view key) {
+  auto* v = o.if_contains(key);
+  return v && v->is_string() ? std::string(v->as_string()) : std::string();
+}
+
+json::object parse_result(const std::string& text) {
+  json::value v = json::parse(text);
+  if (!v.is_object()) throw std::runtime_error("a database function returned no JSON object");
+  return std::move(v.as_object());
+}
+
+bool is_problem(const json::object& r) { return r.contains("code"); }
+
+// A problem from its stored form {code, detail, instance, retry_after?, ext?, outcome?}.
+Reply render_problem(const json::object& r) {
+  Code code = code_from_slug(str(r, "code")).value_or(Code::internal);
+  Problem p(code, str(r, "detail"));
+  if (auto* ra = r.if_contains("retry_after")) p.retry_after_s = static_cast<int>(i64(*ra));
+  if (auto* ext = r.if_contains("ext"); ext && ext->is_object())
+    for (const auto& kv : ext->as_object()) p.extensions[kv.key()] = kv.value();
+  return problem_reply(std::move(p), str(r, "instance"), str(r, "outcome"));
+}
+
+// The stored form of a problem found before the database call (invalid name or TTL).
+json::object problem_record(const Problem& p, const std::string& request_id, std::string outcome) {
+  json::object o{{"code", p.slug()}, {"detail", p.detail}, {"instance", request_id}};
+  if (p.retry_after_s) o["retry_after"] = *p.retry_after_s;
+  if (!p.extensions.empty()) o["ext"] = p.extensions;
+  if (!outcome.empty()) o["outcome"] = std::move(outcome);
+  return o;
+}
+
+Reply render_grant(int status, const json::object& r) {
+  LeaseRow l;
+  l.lease_id = str(r, "lease_id");
+  l.canonical_name = str(r, "canonical_name");
+  l.display_name = str(r, "display_name");
+  l.memory_id = str(r, "memory_instance_id");
+  l.fencing_token = i64(r.at("fencing_token"));
+  l.expires_at = i64(r.at("expires_at"));
+  l.ttl_s = i64(r.at("ttl_seconds"));
+  return json_reply(status, grant_json(l, i64(r.at("server_time"))), str(r, "outcome"));
+}
+
+Reply render_memory_created(int status, const json::object& r) {
+  json::object o{{"memory_instance_id", str(r, "memory_instance_id")},
+                 {"created_at", format_rfc3339_ms(i64(r.at("created_at")))}};
+  return json_reply(status, o);
+}
+
+Reply render_branch(int status, const json::object& r) {
+  json::object o{{"memory_instance_id", str(r, "memory_instance_id")},
+                 {"parent_memory_instance_id", str(r, "parent_memory_instance_id")},
+                 {"branched_at_token", i64(r.at("branched_at_token"))}};
+  return json_reply(status, o, str(r, "outcome"));
+}
+
+// The answer of an idempotent function (status, result, replayed), rendered by `success`.
+Reply finish_idempotent(const pg::Result& res, Reply (*success)(int, const json::object&)) {
+  auto& metrics = Metrics::global();
+  int status = static_cast<int>(res.int64(0, 0));
+  json::object r = parse_result(res.text(0, 1));
+  bool replayed = res.text(0, 2) == "t";
+  bool mismatch = !replayed && is_problem(r) && str(r, "code") == "idempotency-key-reused";
+  metrics.inc("mep_idempotency_lookups_total",
+              replayed ? "result=\"hit\"" : mismatch ? "result=\"mismatch\"" : "result=\"miss\"");
+  if (!replayed && str(r, "code") == "stale-fence") metrics.inc("mep_fencing_rejections_total");
+  Reply out;
+  if (is_problem(r)) {
+    out = render_problem(r);
+  } else {
+    if (replayed && status == 201) status = 200;
+    out = success(status, r);
+  }
+  if (replayed) {
+    out.replayed = true;
+    out.outcome = "replayed";
+  }
+  return out;
+}
+
+// SQL text of the hot statements, prepared once per connection.
+constexpr const char* k_sql_claim =
+    "SELECT status, result::text, replayed FROM mep_claim($1, $2, $3, $4, $5::jsonb, $6, $7, $8, $9, $10, "
+    "$11::bigint, $12, $13, $14)";
+constexpr const char* k_sql_register =
+    "SELECT status, result::text, replayed FROM mep_register($1, $2, $3, $4, $5)";
+constexpr const char* k_sql_branch =
+    "SELECT status, result::text, replayed FROM mep_branch($1, $2, $3, $4, $5, $6::bigint, $7)";
+constexpr const char* k_sql_renew = "SELECT mep_renew($1, $2, $3, $4::bigint, $5, $6::bigint, $7)::text";
+constexpr const char* k_sql_renew_batch =
+    "SELECT mep_renew_batch($1, $2::text[], $3::text[], $4::bigint[], $5::text[], $6::bigint[], $7)::text";
+constexpr const char* k_sql_release = "SELECT mep_release($1, $2, $3, $4::bigint, $5, $6)::text";
+constexpr const char* k_sql_verify = "SELECT mep_verify($1, $2, $3::bigint, $4)::text";
+constexpr const char* k_sql_revoke = "SELECT mep_revoke($1, $2, $3)::text";
+constexpr const char* k_lease_cols =
+    "lease_id, tenant_id, canonical_name, display_name, skeleton, memory_id, fencing_token, "
+    "owner_client_id, ttl_seconds, expires_at, acquired_at";
+
+LeaseRow read_lease(const pg::Result& r, int row) {
+  LeaseRow l;
+  l.lease_id = r.text(row, 0);
+  l.tenant_id = r.text(row, 1);
+  l.canonical_name = r.text(row, 2);
+  l.display_name = r.text(row, 3);
+  l.skeleton = r.text(row, 4);
+  l.memory_id = r.text(row, 5);
+  l.fencing_token = r.int64(row, 6);
+  l.owner_client_id = r.text(row, 7);
+  l.ttl_s = r.int64(row, 8);
+  l.expires_at = r.int64(row, 9);
+  l.acquired_at = r.int64(row, 10);
+  return l;
+}
+
+std::optional<MemoryRow> find_memory(pg::Conn& c, const std::string& id) {
+  auto r = c.exec("find_memory",
+                  "SELECT memory_id, tenant_id, parent_memory_id, branched_at_token, fence_counter, created_at "
+                  "FROM memories WHERE memory_id = $1",
+                  {id});
+  if (r.rows() == 0) return std::nullopt;
+  return MemoryRow{r.text(0, 0), r.text(0, 1), r.opt_text(0, 2), r.opt_int64(0, 3), r.int64(0, 4), r.int64(0, 5)};
+}
+
+std::string to_s(std::int64_t v) { return std::to_string(v); }
+
+// bytea in text form for a parameter.
+std::string bytea_hex(const std::string& bytes) {
+  static constexpr char k_hex[] = "0123456789abcdef";
+  std::string out = "\\x";
+  for (unsigned char ch : bytes) {
+    out += k_hex[ch >> 4];
+    out += k_hex[ch & 15];
+  }
+  return out;
+}
+
+} // namespace
+
+// ---- construction, workers, retries -------------------------------------------------------
+
+PgStore::PgStore(const std::string& url, const StoreOptions& options) : m_url(url), m_options(options) {
+  if (m_options.pool < 1) m_options.pool = 1;
+  m_session_setup = {
+      m_options.isolation == Isolation::serializable
+          ? "SET default_transaction_isolation TO 'serializable'"
+          : "SET default_transaction_isolation TO 'read committed'",
+      "SET statement_timeout TO '30s'",
+      "SET lock_timeout TO '10s'",
+  };
+  migrate();
+  for (int i = 0; i < m_options.pool; ++i) m_workers.emplace_back([this] { worker_loop(); });
+}
+
+PgStore::~PgStore() {
+  {
+    std::lock_guard lock(m_mutex);
+    m_stopping = true;
+  }
+  m_cv.notify_all();
+  for (auto& t : m_workers) t.join();
+}
+
+std::unique_ptr<pg::Conn> PgStore::connect() { return std::make_unique<pg::Conn>(m_url, m_session_setup); }
+
+void PgStore::migrate() {
+  auto c = connect();
+  for (int attempt = 1;; ++attempt) {
+    try {
+      // Concurrent CREATE TABLE IF NOT EXISTS may trip over the catalog's unique index
+      // (23505/42P07); the loser retries and finds the table.
+      c->exec("CREATE TABLE IF NOT EXISTS schema_version (id INTEGER PRIMARY KEY, version INTEGER NOT NULL)");
+      c->exec("INSERT INTO schema_version(id, version) VALUES (1, 0) ON CONFLICT (id) DO NOTHING");
+      c->exec("BEGIN");
+      try {
+        // The row lock makes servers that start together migrate one after another.
+        auto r = c->exec("SELECT version FROM schema_version WHERE id = 1 FOR UPDATE");
+        std::int64_t version = r.int64(0, 0);
+        if (version > k_schema_version)
+          throw std::runtime_error(fmt::format(
+              "database schema version {} is newer than this mep ({}); upgrade mep", version, k_schema_version));
+        if (version < 1) {
+          c->exec(std::string(k_pg_schema_v1));
+          c->exec("UPDATE schema_version SET version = 1 WHERE id = 1");
+        }
+        c->exec("COMMIT");
+      } catch (...) {
+        try {
+          c->exec("ROLLBACK");
+        } catch (...) {
+        }
+        throw;
+      }
+      break;
+    } catch (const pg::Error& e) {
+      bool race = e.sqlstate() == "23505" || e.sqlstate() == "42P07" || e.retryable();
+      if (!race || attempt >= 5) throw;
+      std::this_thread::sleep_for(std::chrono::milliseconds(50 * attempt));
+    }
+  }
+  auto r = c->exec("SELECT value FROM settings WHERE key = 'migration_state'");
+  m_migration_in_progress = r.rows() > 0 && r.text(0, 0) == "in-progress";
+  std::lock_guard lock(m_spare_mutex);
+  m_spare.push_back(std::move(c));
+}
+
+void PgStore::enqueue(Work work, Done done, std::string request_id) {
+  {
+    std::lock_guard lock(m_mutex);
+    m_queue.push_back(Job{std::move(work), std::move(done), std::move(request_id)});
+  }
+  m_cv.notify_one();
+}
+
+void PgStore::worker_loop() {
+  Slot slot;
+  for (;;) {
+    Job job;
+    {
+      std::unique_lock lock(m_mutex);
+      m_cv.wait(lock, [&] { return !m_queue.empty() || m_stopping; });
+      if (m_queue.empty()) return;
+      job = std::move(m_queue.front());
+      m_queue.pop_front();
+    }
+    Reply r = execute(slot, job);
+    job.done(std::move(r));
+  }
+}
+
+Reply PgStore::unavailable(const std::string& request_id) const {
+  Problem p(Code::unavailable, "the database is unavailable; retry later");
+  p.retry_after_s = 1;
+  return problem_reply(std::move(p), request_id);
+}
+
+void PgStore::backoff(int attempt) const {
+  // Full jitter over a capped exponential: uniform in [0, min(200 ms, 2 ms * 2^attempt)).
+  thread_local std::minstd_rand rng{std::random_device{}()};
+  std::int64_t cap = std::min<std::int64_t>(200'000, 2'000LL << std::min(attempt, 10));
+  std::uniform_int_distribution<std::int64_t> d(0, cap);
+  std::this_thread::sleep_for(std::chrono::microseconds(d(rng)));
+}
+
+Reply PgStore::execute(Slot& slot, Job& job) {
+  bool reconnected = false;
+  for (int attempt = 1;; ++attempt) {
+    if (!slot.conn) {
+      if (Clock::now() < slot.next_attempt) return unavailable(job.request_id);
+      try {
+        slot.conn = connect();
+      } catch (const pg::Error& e) {
+        slot.next_attempt = Clock::now() + k_reconnect_gap;
+        if (m_healthy.exchange(false)) log::warn("{}", e.what());
+        return unavailable(job.request_id);
+      }
+    }
+    try {
+      Reply r = job.work(*slot.conn);
+      if (!m_healthy.exchange(true)) log::info("database reachable again");
+      return r;
+    } catch (const pg::Error& e) {
+      if (e.connection_lost()) {
+        slot.conn.reset();
+        if (m_healthy.exchange(false)) log::warn("database connection lost: {}", e.what());
+        if (!reconnected) { // see the design notes: every queued operation is safe to repeat
+          reconnected = true;
+          continue;
+        }
+        return unavailable(job.request_id);
+      }
+      if (e.retryable()) {
+        if (attempt < k_max_attempts) {
+          ++m_retries;
+          backoff(attempt);
+          continue;
+        }
+        Problem p(Code::transaction_conflict, "the transaction kept conflicting with concurrent ones; retry");
+        p.retry_after_s = 1;
+        return problem_reply(std::move(p), job.request_id);
+      }
+      if (e.sqlstate() == "57014" || e.sqlstate() == "55P03") { // statement or lock timeout
+        log::warn("request {}: {}", job.request_id, e.what());
+        return unavailable(job.request_id);
+      }
+      log::error("request {} failed: {}", job.request_id, e.what());
+      return problem_reply(Problem(Code::internal, "internal error"), job.request_id);
+    } catch (const std::exception& e) {
+      log::error("request {} failed: {}", job.request_id, e.what());
+      return problem_reply(Problem(Code::internal, "internal error"), job.request_id);
+    }
+  }
+}
+
+PgStore::Borrowed::~Borrowed() {
+  if (!m_conn || !m_conn->ok()) return;
+  std::lock_guard lock(m_store->m_spare_mutex);
+  if (m_store->m_spare.size() < 8) m_store->m_spare.push_back(std::move(m_conn));
+}
+
+template <typename T>
+T PgStore::with_conn(const std::function<T(pg::Conn&)>& fn) {
+  for (int attempt = 1;; ++attempt) {
+    std::unique_ptr<pg::Conn> c;
+    {
+      std::lock_guard lock(m_spare_mutex);
+      if (!m_spare.empty()) {
+        c = std::move(m_spare.back());
+        m_spare.pop_back();
+      }
+    }
+    if (!c) {
+      auto now = Clock::now().time_since_epoch().count();
+      if (now < m_next_sync_attempt_ns.load()) throw pg::Error("the database is unavailable", "", true);
+      try {
+        c = connect();
+      } catch (const pg::Error&) {
+        m_next_sync_attempt_ns =
+            (Clock::now() + k_reconnect_gap).time_since_epoch().count();
+        m_healthy = false;
+        throw;
+      }
+    }
+    Borrowed b(this, std::move(c));
+    try {
+      return fn(*b);
+    } catch (const pg::Error& e) {
+      if (e.connection_lost()) {
+        b.discard();
+        m_healthy = false;
+        if (attempt == 1) continue;
+        throw;
+      }
+      if (e.retryable() && attempt < k_max_attempts) {
+        ++m_retries;
+        backoff(attempt);
+        continue;
+      }
+      throw;
+    }
+  }
+}
+
+// ---- creating operations ------------------------------------------------------------------
+
+void PgStore::register_memory(const Ctx& ctx, Idempotency idem, RegisterMemory req, Done done) {
+  std::string id = req.memory_id.value_or(uuid_v7().to_string());
+  enqueue(
+      [ctx, idem = std::move(idem), id](pg::Conn& c) {
+        auto r = c.exec("register", k_sql_register,
+                        {ctx.auth.tenant_id, idem.key, idem.fingerprint, ctx.request_id, id});
+        return finish_idempotent(r, render_memory_created);
+      },
+      std::move(done), ctx.request_id);
+}
+
+void PgStore::claim(const Ctx& ctx, Idempotency idem, Claim req, Done done) {
+  // Problems found before the transaction are still recorded under the key (SPEC §6).
+  pg::Param pre;
+  if (!req.name)
+    pre = boost::json::serialize(problem_record(req.name.error().to_problem(), ctx.request_id, "invalid-name"));
+  else if (req.ttl_s < k_min_ttl_s || req.ttl_s > k_max_ttl_s)
+    pre = boost::json::serialize(problem_record(
+        Problem(Code::invalid_ttl, fmt::format("ttl_seconds must be between {} and {} (got {})", k_min_ttl_s,
+                                               k_max_ttl_s, req.ttl_s)),
+        ctx.request_id, "invalid-ttl"));
+  std::vector<pg::Param> params{ctx.auth.tenant_id, idem.key, idem.fingerprint, ctx.request_id, pre};
+  if (req.name) {
+    params.insert(params.end(), {req.name->canonical_name, req.name->display_name, req.name->skeleton});
+  } else {
+    params.insert(params.end(), {std::string(), req.display_name, std::string()});
+  }
+  params.insert(params.end(), {req.memory_id, req.owner_client_id, to_s(req.ttl_s), uuid_v7().to_string(),
+                               std::string(unicode_version()), std::string(icu_version())});
+  enqueue(
+      [params = std::move(params)](pg::Conn& c) {
+        return finish_idempotent(c.exec("claim", k_sql_claim, params), render_grant);
+      },
+      std::move(done), ctx.request_id);
+}
+
+void PgStore::branch(const Ctx& ctx, Idempotency idem, Branch req, Done done) {
+  std::string id = req.memory_id.value_or(uuid_v7().to_string());
+  enqueue(
+      [ctx, idem = std::move(idem), req = std::move(req), id](pg::Conn& c) {
+        auto r = c.exec("branch", k_sql_branch,
+                        {ctx.auth.tenant_id, idem.key, idem.fingerprint, ctx.request_id, req.parent_memory_id,
+                         to_s(req.parent_fencing_token), id});
+        return finish_idempotent(r, render_branch);
+      },
+      std::move(done), ctx.request_id);
+}
+
+// ---- lease operations -----------------------------------------------------------------------
+
+namespace {
+
+Reply finish_simple(const pg::Result& res, int status, Reply (*success)(int, const json::object&)) {
+  json::object r = parse_result(res.text(0, 0));
+  if (is_problem(r)) {
+    if (str(r, "code") == "stale-fence") Metrics::global().inc("mep_fencing_rejections_total");
+    return render_problem(r);
+  }
+  return success(status, r);
+}
+
+Reply render_renew(int status, const json::object& r) {
+  json::object o{{"expires_at", format_rfc3339_ms(i64(r.at("expires_at")))},
+                 {"ttl_seconds", i64(r.at("ttl_seconds"))},
+                 {"server_time", format_rfc3339_ms(i64(r.at("server_time")))}};
+  return json_reply(status, o, "renewed");
+}
+
+Reply render_no_content(int, const json::object& r) { return no_content(str(r, "outcome")); }
+
+Reply render_verify(int status, const json::object& r) {
+  json::object o{{"memory_instance_id", str(r, "memory_instance_id")},
+                 {"fencing_token", i64(r.at("fencing_token"))},
+                 {"canonical_name", str(r, "canonical_name")},
+                 {"expires_at", format_rfc3339_ms(i64(r.at("expires_at")))},
+                 {"server_time", format_rfc3339_ms(i64(r.at("server_time")))}};
+  return json_reply(status, o, "valid");
+}
+
+} // namespace
+
+void PgStore::renew(const Ctx& ctx, LeaseRef ref, Done done) {
+  enqueue(
+      [ctx, ref = std::move(ref)](pg::Conn& c) {
+        auto r = c.exec("renew", k_sql_renew,
+                        {ctx.auth.tenant_id, ref.canonical_name, ref.memory_id, to_s(ref.fencing_token),
+                         ref.owner_client_id, to_s(ref.ttl_s), ctx.request_id});
+        return finish_simple(r, 200, render_renew);
+      },
+      std::move(done), ctx.request_id);
+}
+
+void PgStore::renew_batch(const Ctx& ctx, RenewBatch req, Done done) {
+  std::vector<std::string> names, memories, owners;
+  std::vector<std::int64_t> tokens, ttls;
+  for (const auto& ref : req.leases) {
+    names.push_back(ref.canonical_name);
+    memories.push_back(ref.memory_id);
+    owners.push_back(ref.owner_client_id.empty() ? req.owner_client_id : ref.owner_client_id);
+    tokens.push_back(ref.fencing_token);
+    ttls.push_back(ref.ttl_s);
+  }
+  std::vector<pg::Param> params{ctx.auth.tenant_id, pg::text_array(names), pg::text_array(memories),
+                                pg::int_array(tokens), pg::text_array(owners), pg::int_array(ttls),
+                                ctx.request_id};
+  enqueue(
+      [params = std::move(params), names = std::move(names)](pg::Conn& c) {
+        auto res = c.exec("renew_batch", k_sql_renew_batch, params);
+        json::value v = json::parse(res.text(0, 0));
+        if (!v.is_array() || v.as_array().size() != names.size())
+          throw std::runtime_error("mep_renew_batch returned an unexpected result");
+        json::array results;
+        std::size_t i = 0;
+        for (const auto& item : v.as_array()) {
+          const json::object& r = item.as_object();
+          json::object out{{"canonical_name", names[i++]}};
+          if (is_problem(r)) {
+            Code code = code_from_slug(str(r, "code")).value_or(Code::internal);
+            if (code == Code::stale_fence) Metrics::global().inc("mep_fencing_rejections_total");
+            out["status"] = code_info(code).http_status;
+            out["code"] = code_info(code).slug;
+          } else {
+            out["status"] = 200;
+            out["expires_at"] = format_rfc3339_ms(i64(r.at("expires_at")));
+          }
+          results.emplace_back(std::move(out));
+        }
+        return json_reply(200, json::object{{"results", std::move(results)}}, "renewed");
+      },
+      std::move(done), ctx.request_id);
+}
+
+void PgStore::release(const Ctx& ctx, LeaseRef ref, Done done) {
+  enqueue(
+      [ctx, ref = std::move(ref)](pg::Conn& c) {
+        auto r = c.exec("release", k_sql_release,
+                        {ctx.auth.tenant_id, ref.canonical_name, ref.memory_id, to_s(ref.fencing_token),
+                         ref.owner_client_id, ctx.request_id});
+        return finish_simple(r, 204, render_no_content);
+      },
+      std::move(done), ctx.request_id);
+}
+
+void PgStore::verify(const Ctx& ctx, Verify req, Done done) {
+  enqueue(
+      [ctx, req = std::move(req)](pg::Conn& c) {
+        auto r = c.exec("verify", k_sql_verify,
+                        {ctx.auth.tenant_id, req.memory_id, to_s(req.fencing_token), ctx.request_id});
+        return finish_simple(r, 200, render_verify);
+      },
+      std::move(done), ctx.request_id);
+}
+
+void PgStore::revoke(const Ctx& ctx, std::string canonical_name, Done done) {
+  enqueue(
+      [ctx, canonical_name = std::move(canonical_name)](pg::Conn& c) {
+        auto r = c.exec("revoke", k_sql_revoke, {ctx.auth.tenant_id, canonical_name, ctx.request_id});
+        return finish_simple(r, 204, render_no_content);
+      },
+      std::move(done), ctx.request_id);
+}
+
+// ---- reads ----------------------------------------------------------------------------------
+
+void PgStore::get_lease(const Ctx& ctx, std::string canonical_name, Done done) {
+  Reply r;
+  try {
+    r = with_conn<Reply>([&](pg::Conn& c) {
+      auto res = c.exec("get_lease",
+                        fmt::format("SELECT {}, mep_now_ms() FROM leases WHERE canonical_name = $1", k_lease_cols),
+                        {canonical_name});
+      if (res.rows() == 0)
+        return problem_reply(Problem(Code::lease_not_found, "no live lease of this tenant under this name"),
+                             ctx.request_id);
+      LeaseRow l = read_lease(res, 0);
+      UnixMs now = res.int64(0, 11);
+      if (l.tenant_id != ctx.auth.tenant_id || l.expires_at <= now)
+        return problem_reply(Problem(Code::lease_not_found, "no live lease of this tenant under this name"),
+                             ctx.request_id);
+      return json_reply(200, lease_json(l, now));
+    });
+  } catch (const pg::Error& e) {
+    log::error("read failed: {}", e.what());
+    r = unavailable(ctx.request_id);
+  }
+  done(std::move(r));
+}
+
+void PgStore::list_leases(const Ctx& ctx, ListLeases req, Done done) {
+  Reply r;
+  try {
+    r = with_conn<Reply>([&](pg::Conn& c) {
+      auto res = c.exec(
+          "list_leases",
+          fmt::format("SELECT {}, mep_now_ms() FROM leases WHERE tenant_id = $1 AND expires_at > mep_now_ms() "
+                      "AND ($2::text IS NULL OR owner_client_id = $2) AND ($3::text IS NULL OR canonical_name > $3) "
+                      "ORDER BY canonical_name LIMIT $4::bigint",
+                      k_lease_cols),
+          {ctx.auth.tenant_id, req.owner_client_id, req.cursor, to_s(static_cast<std::int64_t>(req.limit + 1))});
+      json::array leases;
+      std::string last;
+      bool more = false;
+      for (int i = 0; i < res.rows(); ++i) {
+        if (leases.size() == req.limit) {
+          more = true;
+          break;
+        }
+        LeaseRow l = read_lease(res, i);
+        last = l.canonical_name;
+        leases.emplace_back(lease_json(l, res.int64(i, 11)));
+      }
+      json::object o{{"leases", std::move(leases)}};
+      o["next_cursor"] = more ? json::value(last) : json::value(nullptr);
+      return json_reply(200, o);
+    });
+  } catch (const pg::Error& e) {
+    log::error("read failed: {}", e.what());
+    r = unavailable(ctx.request_id);
+  }
+  done(std::move(r));
+}
+
+void PgStore::get_memory(const Ctx& ctx, std::string memory_id, Done done) {
+  Reply r;
+  try {
+    r = with_conn<Reply>([&](pg::Conn& c) {
+      auto m = find_memory(c, memory_id);
+      if (!m || m->tenant_id != ctx.auth.tenant_id)
+        return problem_reply(Problem(Code::memory_not_found, "no such memory for this tenant"), ctx.request_id);
+      return json_reply(200, memory_json(*m));
+    });
+  } catch (const pg::Error& e) {
+    log::error("read failed: {}", e.what());
+    r = unavailable(ctx.request_id);
+  }
+  done(std::move(r));
+}
+
+void PgStore::lineage(const Ctx& ctx, std::string memory_id, Done done) {
+  Reply r;
+  try {
+    r = with_conn<Reply>([&](pg::Conn& c) {
+      auto m = find_memory(c, memory_id);
+      if (!m || m->tenant_id != ctx.auth.tenant_id)
+        return problem_reply(Problem(Code::memory_not_found, "no such memory for this tenant"), ctx.request_id);
+      json::array ancestors;
+      auto cur = m;
+      for (int depth = 0; cur->parent_memory_id && depth < 100000; ++depth) {
+        cur = find_memory(c, *cur->parent_memory_id);
+        if (!cur || cur->tenant_id != ctx.auth.tenant_id) break;
+        ancestors.emplace_back(memory_json(*cur));
+      }
+      auto kids = c.exec("lineage_children",
+                         "SELECT memory_id, tenant_id, parent_memory_id, branched_at_token, fence_counter, "
+                         "created_at FROM memories WHERE parent_memory_id = $1 AND tenant_id = $2 ORDER BY memory_id",
+                         {memory_id, ctx.auth.tenant_id});
+      json::array children;
+      for (int i = 0; i < kids.rows(); ++i)
+        children.emplace_back(memory_json(MemoryRow{kids.text(i, 0), kids.text(i, 1), kids.opt_text(i, 2),
+                                                    kids.opt_int64(i, 3), kids.int64(i, 4), kids.int64(i, 5)}));
+      json::object o{{"memory_instance_id", memory_id},
+                     {"memory", memory_json(*m)},
+                     {"ancestors", std::move(ancestors)},
+                     {"children", std::move(children)}};
+      return json_reply(200, o);
+    });
+  } catch (const pg::Error& e) {
+    log::error("read failed: {}", e.what());
+    r = unavailable(ctx.request_id);
+  }
+  done(std::move(r));
+}
+
+void PgStore::identity_map(const Ctx& ctx, std::optional<std::string> cursor, std::size_t limit, Done done) {
+  Reply r;
+  try {
+    r = with_conn<Reply>([&](pg::Conn& c) {
+      auto res = c.exec("identity_map",
+                        "SELECT legacy_memory_ref, memory_instance_id FROM migration_identity_map "
+                        "WHERE tenant_id = $1 AND ($2::text IS NULL OR legacy_memory_ref > $2) "
+                        "ORDER BY legacy_memory_ref LIMIT $3::bigint",
+                        {ctx.auth.tenant_id, cursor, to_s(static_cast<std::int64_t>(limit + 1))});
+      json::array entries;
+      std::string last;
+      bool more = false;
+      for (int i = 0; i < res.rows(); ++i) {
+        if (entries.size() == limit) {
+          more = true;
+          break;
+        }
+        last = res.text(i, 0);
+        entries.emplace_back(json::object{{"legacy_memory_ref", last}, {"memory_instance_id", res.text(i, 1)}});
+      }
+      json::object o{{"entries", std::move(entries)}};
+      o["next_cursor"] = more ? json::value(last) : json::value(nullptr);
+      return json_reply(200, o);
+    });
+  } catch (const pg::Error& e) {
+    log::error("read failed: {}", e.what());
+    r = unavailable(ctx.request_id);
+  }
+  done(std::move(r));
+}
+
+// ---- authentication, health, maintenance ----------------------------------------------------
+
+std::optional<AuthInfo> PgStore::authenticate(const std::string& token_sha256) {
+  return with_conn<std::optional<AuthInfo>>([&](pg::Conn& c) -> std::optional<AuthInfo> {
+    auto r = c.exec("authenticate",
+                    "SELECT token_id, tenant_id, scopes FROM tokens WHERE token_sha256 = $1 AND revoked_at IS NULL",
+                    {token_sha256});
+    if (r.rows() == 0) return std::nullopt;
+    AuthInfo a;
+    a.token_id = r.text(0, 0);
+    a.tenant_id = r.text(0, 1);
+    std::string scopes = r.text(0, 2);
+    a.scope_admin = scopes.find("admin") != std::string::npos;
+    a.scope_lease = scopes.find("lease") != std::string::npos || a.scope_admin;
+    return a;
+  });
+}
+
+void PgStore::audit_auth_failure(const std::string& tenant_id) {
+  enqueue(
+      [tenant_id](pg::Conn& c) {
+        c.exec("audit_auth", "SELECT mep_audit($1, 'AUTH_FAILED', NULL, NULL, NULL, mep_now_ms())", {tenant_id});
+        return Reply{};
+      },
+      [](Reply) {}, {});
+}
+
+bool PgStore::ready() {
+  try {
+    bool ok = with_conn<bool>([](pg::Conn& c) { return c.exec("SELECT 1").rows() == 1; });
+    if (ok && !m_healthy.exchange(true)) log::info("database reachable again");
+    return ok;
+  } catch (const std::exception&) {
+    return false;
+  }
+}
+
+std::int64_t PgStore::active_leases() {
+  try {
+    return with_conn<std::int64_t>([](pg::Conn& c) {
+      return c.exec("active", "SELECT count(*) FROM leases WHERE expires_at > mep_now_ms()", {}).int64(0, 0);
+    });
+  } catch (const pg::Error&) {
+    return 0;
+  }
+}
+
+std::int64_t PgStore::sweep() {
+  return with_conn<std::int64_t>([this](pg::Conn& c) {
+    auto state = c.exec("migration_state", "SELECT value FROM settings WHERE key = 'migration_state'", {});
+    m_migration_in_progress = state.rows() > 0 && state.text(0, 0) == "in-progress";
+    return c.exec("sweep", "SELECT mep_sweep()", {}).int64(0, 0);
+  });
+}
+
+// ---- administration -------------------------------------------------------------------------
+
+std::pair<std::string, std::string> PgStore::create_token(const std::string& tenant_name, Scope scope) {
+  std::string salt = random_hex(32);
+  std::string ipad(64, '\x36'), opad(64, '\x5c');
+  for (std::size_t i = 0; i < salt.size() && i < 64; ++i) {
+    ipad[i] = static_cast<char>(ipad[i] ^ salt[i]);
+    opad[i] = static_cast<char>(opad[i] ^ salt[i]);
+  }
+  std::string token = "mep_" + random_hex(32);
+  return with_conn<std::pair<std::string, std::string>>([&](pg::Conn& c) {
+    auto t = c.exec({},
+                    "WITH t AS (INSERT INTO tenants(tenant_id, name, audit_salt, audit_ipad, audit_opad, created_at) "
+                    "VALUES ($1, $2, $3, $4::bytea, $5::bytea, mep_now_ms()) ON CONFLICT (name) DO NOTHING "
+                    "RETURNING tenant_id) "
+                    "SELECT tenant_id FROM t UNION ALL SELECT tenant_id FROM tenants WHERE name = $2 LIMIT 1",
+                    {uuid_v7().to_string(), tenant_name, salt, bytea_hex(ipad), bytea_hex(opad)});
+    if (t.rows() == 0) throw std::runtime_error("could not create the tenant");
+    std::string tenant_id = t.text(0, 0);
+    c.exec({},
+           "INSERT INTO tokens(token_id, tenant_id, token_sha256, scopes, created_at) "
+           "VALUES ($1, $2, $3, $4, mep_now_ms())",
+           {uuid_v7().to_string(), tenant_id, sha256_hex(token), scope == Scope::admin ? "lease admin" : "lease"});
+    return std::make_pair(tenant_id, token);
+  });
+}
+
+std::vector<TokenInfo> PgStore::list_tokens(const std::optional<std::string>& tenant_name) {
+  return with_conn<std::vector<TokenInfo>>([&](pg::Conn& c) {
+    auto r = c.exec({},
+                    "SELECT t.token_id, t.tenant_id, n.name, t.scopes, t.created_at, t.revoked_at "
+                    "FROM tokens t JOIN tenants n ON n.tenant_id = t.tenant_id "
+                    "WHERE $1::text IS NULL OR n.name = $1 ORDER BY t.token_id",
+                    {tenant_name});
+    std::vector<TokenInfo> out;
+    for (int i = 0; i < r.rows(); ++i)
+      out.push_back(TokenInfo{r.text(i, 0), r.text(i, 1), r.text(i, 2), r.text(i, 3), r.int64(i, 4), r.opt_int64(i, 5)});
+    return out;
+  });
+}
+
+bool PgStore::revoke_token(const std::string& token_id) {
+  return with_conn<bool>([&](pg::Conn& c) {
+    return c.exec({}, "UPDATE tokens SET revoked_at = mep_now_ms() WHERE token_id = $1 AND revoked_at IS NULL",
+                  {token_id})
+               .affected() > 0;
+  });
+}
+
+std::vector<AuditRow> PgStore::list_audit(const std::optional<std::string>& tenant_name, std::size_t limit) {
+  return with_conn<std::vector<AuditRow>>([&](pg::Conn& c) {
+    auto r = c.exec({},
+                    "SELECT a.event_id, a.tenant_id, a.event_type, a.redacted_name_hash, a.redacted_memory_hash, "
+                    "a.fencing_token, a.created_at FROM audit_events a LEFT JOIN tenants n ON n.tenant_id = a.tenant_id "
+                    "WHERE $1::text IS NULL OR n.name = $1 ORDER BY a.created_at DESC, a.event_id DESC LIMIT $2::bigint",
+                    {tenant_name, to_s(static_cast<std::int64_t>(limit))});
+    std::vector<AuditRow> out;
+    for (int i = 0; i < r.rows(); ++i)
+      out.push_back(AuditRow{r.text(i, 0), r.text(i, 1), r.text(i, 2), r.text(i, 3), r.text(i, 4), r.opt_int64(i, 5),
+                             r.int64(i, 6)});
+    return out;
+  });
+}
+
+} // namespace mep::server
