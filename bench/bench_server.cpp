@@ -1,11 +1,14 @@
 // bench_server: control-plane throughput and latency over real HTTP (keep-alive), next
 // to the same claim transaction run directly on SQLite at the same durability.
 //
-//   build/bench/bench_server [--mep PATH] [--seconds S] [--rss-leases N]
+//   build/bench/bench_server [--mep PATH] [--seconds S] [--rss-leases N] [--pg auto|off|URL]
 //
 // Starts the real `mep server` on a fresh SQLite file (on disk, synchronous=FULL), runs
 // claim+release cycles and renews at 1, 8 and 64 clients, then fills the server with N
-// live leases and reads its RSS. Prints one table. Nothing here asserts a timing.
+// live leases and reads its RSS. Then the same on PostgreSQL (a throwaway cluster with
+// PostgreSQL's durable defaults, or the cluster whose maintenance URL is given), next to
+// pgbench running the same claim function directly in one round trip (the floor).
+// Prints tables. Nothing here asserts a timing.
 #include "http_conn.hpp"
 
 #include <signal.h>
@@ -33,6 +36,7 @@ using Clock = std::chrono::steady_clock;
 namespace {
 
 std::string g_mep = MEP_BIN_DEFAULT;
+std::string g_source = MEP_SOURCE_DIR_DEFAULT;
 
 // Keep-alive HTTP to the server with its bearer token and an optional Idempotency-Key.
 class Conn {
@@ -314,18 +318,131 @@ long fill_and_measure(const Server& s, const std::string& token, int n) {
   return rss_kib(s.pid);
 }
 
+// ---- PostgreSQL ----------------------------------------------------------------------------------
+
+std::string with_db(const std::string& admin_url, const std::string& name) {
+  auto slash = admin_url.find('/', admin_url.find("://") + 3);
+  auto q = admin_url.find('?', slash);
+  return admin_url.substr(0, slash) + "/" + name + (q == std::string::npos ? "" : admin_url.substr(q));
+}
+
+std::string psql(const std::string& url, const std::string& sql) {
+  return run_capture("psql -X -q -A -t -v ON_ERROR_STOP=1 -d '" + url + "' -c \"" + sql + "\" 2>&1");
+}
+
+// pgbench with `script` at `clients` clients for `seconds` (whole seconds, at least 1):
+// transactions per second and the average latency in ms.
+Result run_pgbench(const std::string& url, const std::string& script_path, int clients, double seconds) {
+  int secs = std::max(1, static_cast<int>(seconds + 0.5));
+  std::string out = run_capture("pgbench -n -M prepared -f '" + script_path + "' -c " + std::to_string(clients) +
+                                " -j " + std::to_string(std::min(clients, 2)) + " -T " + std::to_string(secs) + " '" +
+                                url + "' 2>&1");
+  Result r;
+  auto tps = out.find("tps = ");
+  auto lat = out.find("latency average = ");
+  auto failed = out.find("number of failed transactions: ");
+  if (tps == std::string::npos) {
+    std::fprintf(stderr, "pgbench failed:\n%s\n", out.c_str());
+    r.errors = 1;
+    return r;
+  }
+  r.ops_per_s = std::atof(out.c_str() + tps + 6);
+  if (lat != std::string::npos) r.p50_ms = std::atof(out.c_str() + lat + 18);
+  if (failed != std::string::npos) r.errors = std::atol(out.c_str() + failed + 31);
+  r.p99_ms = -1;
+  return r;
+}
+
+void run_postgresql(const std::string& pg_arg, double seconds) {
+  fs::path dir = fs::path("/var/tmp") / ("mep-bench-pg-" + std::to_string(::getpid()));
+  fs::create_directories(dir);
+  std::string script = g_source + "/scripts/pg-test-cluster.sh";
+  std::string admin = pg_arg;
+  bool own = pg_arg == "auto";
+  if (own) {
+    admin = run_capture("MEP_PG_DURABLE=1 bash '" + script + "' start '" + (dir / "cluster").string() + "'");
+    if (admin.rfind("postgresql://", 0) != 0) {
+      std::fprintf(stderr, "cannot start PostgreSQL: %s\n", admin.c_str());
+      return;
+    }
+  }
+  std::string name = "mep_bench_" + std::to_string(::getpid());
+  psql(admin, "CREATE DATABASE " + name);
+  std::string url = with_db(admin, name);
+  std::string created = run_capture(g_mep + " token create --db '" + url + "' --tenant bench --json");
+  std::string token = field(created, "token"), tenant = field(created, "tenant_id");
+  if (token.rfind("mep_", 0) != 0) {
+    std::fprintf(stderr, "cannot create a token on PostgreSQL: %s\n", created.c_str());
+    return;
+  }
+  std::string settings = psql(url, "SELECT current_setting('server_version') || ', fsync=' || current_setting('fsync') "
+                                   "|| ', synchronous_commit=' || current_setting('synchronous_commit')");
+  // The floor: pgbench calling the same claim function (and release) in one round trip each.
+  psql(url, "INSERT INTO memories(memory_id, tenant_id, fence_counter, created_at) SELECT 'pgb-' || g, '" + tenant +
+                "', 0, 0 FROM generate_series(0, 63) g");
+  std::string claim = "SELECT (result->>'fencing_token') AS tok FROM mep_claim('" + tenant +
+                      "', 'pgb-' || :client_id || '-' || :k, 'fp', 'rid', NULL, 'pgb' || :client_id, "
+                      "'pgb' || :client_id, 'pgb' || :client_id, 'pgb-' || :client_id, 'pgbench', 60, "
+                      "'lease-' || :client_id || '-' || :k, 'u', 'i')";
+  std::string cycle = (dir / "cycle.sql").string(), reclaim = (dir / "reclaim.sql").string();
+  {
+    std::ofstream f(cycle);
+    f << "\\set k random(1, 1000000000000)\n" << claim << " \\gset\n"
+      << "SELECT mep_release('" << tenant << "', 'pgb' || :client_id, 'pgb-' || :client_id, :tok, 'pgbench', 'rid');\n";
+  }
+  {
+    std::ofstream f(reclaim);
+    f << "\\set k random(1, 1000000000000)\n" << claim << ";\n";
+  }
+  std::printf("\nmep server on PostgreSQL %s; pool of 16 connections; %.0f s per cell\n"
+              "(pgbench rows: the same claim function called directly, one round trip each; p50 column = average)\n\n",
+              settings.c_str(), seconds);
+  std::printf("%-34s %8s %12s %10s %10s %8s\n", "workload", "clients", "ops/s", "p50 ms", "p99 ms", "errors");
+  auto row = [](const char* w, int c, const Result& r) {
+    if (r.p99_ms < 0)
+      std::printf("%-34s %8d %12.0f %10.3f %10s %8ld\n", w, c, r.ops_per_s, r.p50_ms, "-", r.errors);
+    else
+      std::printf("%-34s %8d %12.0f %10.3f %10.3f %8ld\n", w, c, r.ops_per_s, r.p50_ms, r.p99_ms, r.errors);
+    std::fflush(stdout);
+  };
+  const int counts[] = {1, 8, 64};
+  Result floor_cycle[3], floor_reclaim[3], http_cycle[3], http_reclaim[3];
+  for (int i = 0; i < 3; ++i) row("pgbench claim+release (floor)", counts[i], floor_cycle[i] = run_pgbench(url, cycle, counts[i], seconds));
+  Server s;
+  start_server(s, url);
+  for (int i = 0; i < 3; ++i) row("HTTP claim+release (cycles)", counts[i], http_cycle[i] = run_http(s.port, token, counts[i], seconds, 0));
+  for (int i = 0; i < 3; ++i) row("pgbench claim (re-claim, floor)", counts[i], floor_reclaim[i] = run_pgbench(url, reclaim, counts[i], seconds));
+  for (int i = 0; i < 3; ++i) row("HTTP claim (same-owner re-claim)", counts[i], http_reclaim[i] = run_http(s.port, token, counts[i], seconds, 2));
+  for (int c : counts) row("HTTP renew", c, run_http(s.port, token, c, seconds, 1));
+  std::printf("\nTarget: claims at >= 50%% of pgbench's rate; distinct claims scale from 1 to 8 clients.\n");
+  for (int i = 0; i < 3; ++i)
+    std::printf("  %2d clients: claim+release %.0f%% of pgbench, re-claim %.0f%% of pgbench\n", counts[i],
+                100 * http_cycle[i].ops_per_s / std::max(1.0, floor_cycle[i].ops_per_s),
+                100 * http_reclaim[i].ops_per_s / std::max(1.0, floor_reclaim[i].ops_per_s));
+  std::printf("  scaling 1 -> 8 clients (claim+release on distinct names): %.2fx\n",
+              http_cycle[1].ops_per_s / std::max(1.0, http_cycle[0].ops_per_s));
+  ::kill(s.pid, SIGTERM);
+  ::waitpid(s.pid, nullptr, 0);
+  s.pid = -1;
+  psql(admin, "DROP DATABASE IF EXISTS " + name + " WITH (FORCE)");
+  if (own) run_capture("bash '" + script + "' stop '" + (dir / "cluster").string() + "'");
+  fs::remove_all(dir);
+}
+
 } // namespace
 
 int main(int argc, char** argv) {
   double seconds = 3;
   int rss_leases = 100000;
+  std::string pg = "auto";
   for (int i = 1; i < argc; ++i) {
     std::string a = argv[i];
     if (a == "--mep" && i + 1 < argc) g_mep = argv[++i];
     else if (a == "--seconds" && i + 1 < argc) seconds = std::atof(argv[++i]);
     else if (a == "--rss-leases" && i + 1 < argc) rss_leases = std::atoi(argv[++i]);
+    else if (a == "--pg" && i + 1 < argc) pg = argv[++i];
     else {
-      std::fprintf(stderr, "usage: bench_server [--mep PATH] [--seconds S] [--rss-leases N]\n");
+      std::fprintf(stderr, "usage: bench_server [--mep PATH] [--seconds S] [--rss-leases N] [--pg auto|off|URL]\n");
       return 2;
     }
   }
@@ -383,5 +500,6 @@ int main(int argc, char** argv) {
   ::waitpid(s.pid, nullptr, 0);
   s.pid = -1;
   fs::remove_all(dir);
+  if (pg != "off") run_postgresql(pg, seconds);
   return 0;
 }

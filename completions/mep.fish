@@ -4,7 +4,7 @@
 function __mep_words
     set -l valued --socket --config --ttl --on-loss --grace --format --profile --db --listen \
         --tls-cert --tls-key --rate-limit --log-level --threads --tenant --limit --scope --input \
-        --from-table --report --batch
+        --from-table --report --batch --isolation --db-pool
     set -l skip 0
     for w in (commandline -opc)[2..-1]
         if test $skip -eq 1
@@ -95,7 +95,7 @@ complete -c mep -n '__mep_using token create' -l admin -d 'Same as --scope admin
 
 # server [audit]
 complete -c mep -n '__mep_needs_sub server' -a audit -d 'List the newest audit rows'
-complete -c mep -n '__mep_using server' -l db -x -d 'Database URL (sqlite:PATH)'
+complete -c mep -n '__mep_using server' -l db -x -d 'Database URL (sqlite:PATH or postgresql://...)'
 complete -c mep -n '__mep_needs_sub server' -l listen -x -d 'HOST:PORT to listen on'
 complete -c mep -n '__mep_needs_sub server' -l tls-cert -r -F -d 'PEM certificate chain'
 complete -c mep -n '__mep_needs_sub server' -l tls-key -r -F -d 'PEM private key'
@@ -103,6 +103,8 @@ complete -c mep -n '__mep_needs_sub server' -l insecure-plaintext -d 'Allow plai
 complete -c mep -n '__mep_needs_sub server' -l rate-limit -x -d 'Requests per second per token'
 complete -c mep -n '__mep_needs_sub server' -l log-level -x -a 'debug info warn error' -d 'Log level'
 complete -c mep -n '__mep_needs_sub server' -l threads -x -d 'I/O threads (1-64)'
+complete -c mep -n '__mep_needs_sub server' -l isolation -x -a 'read-committed serializable' -d 'PostgreSQL transaction isolation'
+complete -c mep -n '__mep_needs_sub server' -l db-pool -x -d 'PostgreSQL connections for lease operations'
 complete -c mep -n '__mep_using server audit' -l tenant -x -d 'Only this tenant'
 complete -c mep -n '__mep_using server audit' -l limit -x -d 'At most this many rows'
 

@@ -44,9 +44,13 @@ case "$cmd" in
       as_owner "$bindir/initdb" -D "$dir/data" -U mep --auth=trust --no-sync -E UTF8 --locale=C.UTF-8 \
         >"$dir/initdb.log" 2>&1 || { cat "$dir/initdb.log" >&2; die "initdb failed"; }
     fi
-    as_owner "$bindir/pg_ctl" -D "$dir/data" -l "$dir/server.log" -w -t 60 \
-      -o "-c listen_addresses=127.0.0.1 -p $port -k $dir -c max_connections=400 -c fsync=off \
-          -c full_page_writes=off -c shared_buffers=128MB" start >/dev/null \
+    # Tests trade durability for speed (fsync off); MEP_PG_DURABLE=1 (the benchmark) keeps
+    # PostgreSQL's defaults: fsync on, synchronous_commit on, full page writes.
+    opts="-c listen_addresses=127.0.0.1 -p $port -k $dir -c max_connections=400 -c shared_buffers=128MB"
+    if [[ "${MEP_PG_DURABLE:-0}" != 1 ]]; then
+      opts="$opts -c fsync=off -c full_page_writes=off"
+    fi
+    as_owner "$bindir/pg_ctl" -D "$dir/data" -l "$dir/server.log" -w -t 60 -o "$opts" start >/dev/null \
       || { cat "$dir/server.log" >&2; die "pg_ctl start failed"; }
     echo "$port" >"$dir/port"
     echo "postgresql://mep@127.0.0.1:$port/postgres"

@@ -4,5 +4,12 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash packaging/install-deps.sh
 bash scripts/build.sh -DMEP_WERROR=ON
+# A throwaway PostgreSQL cluster for the *_pg tests (initdb as an unprivileged user,
+# loopback only), stopped and removed when the tests end.
+root="$(pwd)"
+pgdir="$(mktemp -d /tmp/mep-test-pg.XXXXXX)"
+trap 'bash "$root/scripts/pg-test-cluster.sh" stop "$pgdir"; rm -rf "$pgdir"' EXIT
+MEP_TEST_PG_URL="$(bash "$root/scripts/pg-test-cluster.sh" start "$pgdir")"
+export MEP_TEST_PG_URL
 cd build
-exec ctest -j2 --output-on-failure --timeout 600
+ctest -j2 --output-on-failure --timeout 600

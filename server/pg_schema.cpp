@@ -5,6 +5,10 @@
 // skeleton, memory attachment, grant, history, audit). As a PL/pgSQL function the whole of
 // it runs in one call, rolls back as a whole on any error, and sees each of its own steps.
 //
+// The PL/pgSQL stays inside what CockroachDB's implementation accepts (see the README):
+// scalar variables only (no RECORD), SELECT/RETURNING … INTO and IS NULL tests instead of
+// FOUND, no FOR loops, no PERFORM, no GET DIAGNOSTICS; set work is done in SQL (CTEs).
+//
 // Race-freedom under READ COMMITTED (each statement of a function takes a fresh snapshot):
 // * A claim locks its memory row (SELECT … FOR UPDATE) first: claims of one memory run one
 //   at a time, so the fence counter is read and bumped under a lock and never issued twice.
@@ -19,7 +23,8 @@
 // retries the whole call.
 //
 // Audit hashes are HMAC-SHA256 under the tenant's salt. The salt's inner and outer padded
-// keys are stored with the tenant, so HMAC is two sha256() calls and no XOR in SQL.
+// keys are stored with the tenant, so HMAC is two sha256() calls and no XOR in SQL. Audit
+// rows are written in the same transaction as the operation they record.
 #include <string_view>
 
 namespace mep::server {
@@ -121,16 +126,25 @@ CREATE TABLE IF NOT EXISTS migration_identity_map (
   PRIMARY KEY (tenant_id, legacy_memory_ref)
 );
 
--- The database clock, in Unix milliseconds: the only clock of this backend.
-CREATE OR REPLACE FUNCTION mep_now_ms() RETURNS bigint LANGUAGE sql STABLE AS $$
-  SELECT floor(extract(epoch FROM now()) * 1000)::bigint
+-- The database clock, in Unix milliseconds: the only clock of this backend. It is the
+-- wall clock at the call (clock_timestamp), not the transaction's start (now()): a claim
+-- that waited for a lock must decide expiry, and stamp its grant, at the time it acts, or
+-- the order of server times would not be the order in which grants happened.
+CREATE OR REPLACE FUNCTION mep_now_ms() RETURNS bigint LANGUAGE sql VOLATILE AS $$
+  SELECT floor(extract(epoch FROM clock_timestamp()) * 1000)::bigint
 $$;
 
--- A UUIDv7 (RFC 9562) for the Unix millisecond p_ms.
-CREATE OR REPLACE FUNCTION mep_uuid7(p_ms bigint) RETURNS text LANGUAGE sql VOLATILE AS $$
-  SELECT substr(h, 1, 8) || '-' || substr(h, 9, 4) || '-7' || substr(r, 16, 3) || '-' ||
-         substr(r, 20, 4) || '-' || substr(r, 25, 12)
-  FROM (SELECT lpad(to_hex(p_ms), 12, '0') AS h, gen_random_uuid()::text AS r) s
+-- A UUIDv7 (RFC 9562) for the Unix millisecond p_ms. (Helpers that run statements are
+-- PL/pgSQL, whose plans are cached per session: a non-inlined SQL function is planned again
+-- on every call, which tripled the cost of a claim.)
+CREATE OR REPLACE FUNCTION mep_uuid7(p_ms bigint) RETURNS text LANGUAGE plpgsql VOLATILE AS $$
+DECLARE
+  h text := lpad(to_hex(p_ms), 12, '0');
+  r text := gen_random_uuid()::text;
+BEGIN
+  RETURN substr(h, 1, 8) || '-' || substr(h, 9, 4) || '-7' || substr(r, 16, 3) || '-' ||
+         substr(r, 20, 4) || '-' || substr(r, 25, 12);
+END
 $$;
 
 -- Seconds until p_expires, rounded up, at least 1 (Retry-After).
@@ -139,22 +153,56 @@ LANGUAGE sql IMMUTABLE AS $$
   SELECT greatest(1, (p_expires - p_now + 999) / 1000)
 $$;
 
--- HMAC-SHA256(tenant salt, p_text) in hex; '' for an empty text.
-CREATE OR REPLACE FUNCTION mep_hmac(p_tenant text, p_text text) RETURNS text LANGUAGE sql STABLE AS $$
-  SELECT CASE WHEN p_text IS NULL OR p_text = '' THEN '' ELSE
-    encode(sha256(k.opad || sha256(k.ipad || convert_to(p_text, 'UTF8'))), 'hex') END
-  FROM (SELECT coalesce((SELECT audit_opad FROM tenants WHERE tenant_id = p_tenant),
-                        decode(repeat('5c', 64), 'hex')) AS opad,
-               coalesce((SELECT audit_ipad FROM tenants WHERE tenant_id = p_tenant),
-                        decode(repeat('36', 64), 'hex')) AS ipad) k
+-- HMAC-SHA256 of p_text under the tenant's salt, in hex ('' for no text):
+-- sha256(opad || sha256(ipad || text)) with the padded keys stored with the tenant (a tenant
+-- that does not exist hashes under the empty key).
+CREATE OR REPLACE FUNCTION mep_hash(p_tenant text, p_text text) RETURNS text LANGUAGE plpgsql STABLE AS $$
+DECLARE
+  v_ipad bytea;
+  v_opad bytea;
+BEGIN
+  IF p_text IS NULL OR p_text = '' THEN
+    RETURN '';
+  END IF;
+  SELECT audit_ipad, audit_opad INTO v_ipad, v_opad FROM tenants WHERE tenant_id = p_tenant;
+  IF v_ipad IS NULL THEN
+    v_ipad := decode(repeat('36', 64), 'hex');
+    v_opad := decode(repeat('5c', 64), 'hex');
+  END IF;
+  RETURN encode(sha256(v_opad || sha256(v_ipad || convert_to(p_text, 'UTF8'))), 'hex');
+END
 $$;
 
+-- One audit row (names and memory ids hashed); returns 1.
 CREATE OR REPLACE FUNCTION mep_audit(p_tenant text, p_type text, p_name text, p_memory text,
-                                     p_token bigint, p_now bigint) RETURNS void LANGUAGE sql AS $$
+                                     p_token bigint, p_now bigint) RETURNS integer LANGUAGE plpgsql AS $$
+BEGIN
   INSERT INTO audit_events(event_id, tenant_id, event_type, redacted_name_hash,
                            redacted_memory_hash, fencing_token, created_at)
-  VALUES (mep_uuid7(p_now), p_tenant, p_type, mep_hmac(p_tenant, p_name),
-          mep_hmac(p_tenant, p_memory), p_token, p_now)
+  VALUES (mep_uuid7(p_now), p_tenant, p_type, mep_hash(p_tenant, p_name), mep_hash(p_tenant, p_memory),
+          p_token, p_now);
+  RETURN 1;
+END
+$$;
+
+-- Audit rows for leases given as a JSON array of {tenant, n (name), m (memory), t (token)};
+-- p_tenant, when given, is the tenant of every row. Returns how many.
+CREATE OR REPLACE FUNCTION mep_audit_many(p_rows jsonb, p_type text, p_tenant text, p_now bigint)
+RETURNS integer LANGUAGE plpgsql AS $$
+DECLARE
+  v_n integer;
+BEGIN
+  WITH ins AS (
+    INSERT INTO audit_events(event_id, tenant_id, event_type, redacted_name_hash,
+                             redacted_memory_hash, fencing_token, created_at)
+    SELECT mep_uuid7(p_now), coalesce(p_tenant, e->>'tenant'), p_type,
+           mep_hash(coalesce(p_tenant, e->>'tenant'), e->>'n'),
+           mep_hash(coalesce(p_tenant, e->>'tenant'), e->>'m'), (e->>'t')::bigint, p_now
+      FROM jsonb_array_elements(p_rows) AS e
+    RETURNING 1)
+  SELECT count(*) INTO v_n FROM ins;
+  RETURN v_n;
+END
 $$;
 
 -- A problem as the server renders it: code, detail, instance (the request id).
@@ -163,45 +211,48 @@ LANGUAGE sql IMMUTABLE AS $$
   SELECT jsonb_build_object('code', p_code, 'detail', p_detail, 'instance', p_request_id)
 $$;
 
--- Claims an Idempotency-Key for this call, or answers from it: hit = false means the key
--- is now held by this transaction; hit = true returns the stored outcome (replayed) or a
--- 422 for a different request under the same key (not replayed).
+-- Creating calls answer {status, replayed, result}; `result` is what the body is rendered
+-- from, the first time and on every replay.
+--
+-- mep_idem_begin claims an Idempotency-Key for this call and returns NULL, or answers from
+-- the key: the stored outcome (replayed) or 422 for another request under the same key.
 CREATE OR REPLACE FUNCTION mep_idem_begin(p_tenant text, p_key text, p_fp text, p_now bigint,
-    p_request_id text, OUT hit boolean, OUT replayed boolean, OUT status integer, OUT result jsonb)
-LANGUAGE plpgsql AS $$
+                                          p_request_id text) RETURNS jsonb LANGUAGE plpgsql AS $$
 DECLARE
-  v record;
+  v_claimed text;
+  v_fp text;
+  v_status integer;
+  v_body text;
 BEGIN
-  hit := false;
-  replayed := false;
   INSERT INTO idempotency AS i (tenant_id, idem_key, fingerprint, status, body, created_at, expires_at)
   VALUES (p_tenant, p_key, p_fp, 0, '', p_now, p_now + 86400000)
   ON CONFLICT (tenant_id, idem_key) DO UPDATE
     SET fingerprint = excluded.fingerprint, status = 0, body = '',
         created_at = excluded.created_at, expires_at = excluded.expires_at
-    WHERE i.expires_at <= p_now;
-  IF FOUND THEN
-    RETURN;
+    WHERE i.expires_at <= p_now
+  RETURNING i.idem_key INTO v_claimed;
+  IF v_claimed IS NOT NULL THEN
+    RETURN NULL;
   END IF;
-  SELECT i.fingerprint, i.status, i.body INTO v
+  SELECT i.fingerprint, i.status, i.body INTO v_fp, v_status, v_body
     FROM idempotency i WHERE i.tenant_id = p_tenant AND i.idem_key = p_key;
-  hit := true;
-  IF v.fingerprint <> p_fp THEN
-    status := 422;
-    result := mep_problem('idempotency-key-reused',
-                          'this Idempotency-Key was used with a different request', p_request_id);
-  ELSE
-    replayed := true;
-    status := v.status;
-    result := v.body::jsonb;
+  IF v_fp IS DISTINCT FROM p_fp THEN
+    RETURN jsonb_build_object('status', 422, 'replayed', false, 'result',
+             mep_problem('idempotency-key-reused', 'this Idempotency-Key was used with a different request',
+                         p_request_id));
   END IF;
+  RETURN jsonb_build_object('status', v_status, 'replayed', true, 'result', v_body::jsonb);
 END
 $$;
 
+-- Stores the outcome under the key claimed by mep_idem_begin and returns the answer.
 CREATE OR REPLACE FUNCTION mep_idem_end(p_tenant text, p_key text, p_status integer, p_result jsonb)
-RETURNS void LANGUAGE sql AS $$
+RETURNS jsonb LANGUAGE plpgsql AS $$
+BEGIN
   UPDATE idempotency SET status = p_status, body = p_result::text
-   WHERE tenant_id = p_tenant AND idem_key = p_key
+   WHERE tenant_id = p_tenant AND idem_key = p_key;
+  RETURN jsonb_build_object('status', p_status, 'replayed', false, 'result', p_result);
+END
 $$;
 
 -- What a presented (memory, token) refers to: NULL when the token is the memory's current
@@ -212,24 +263,29 @@ CREATE OR REPLACE FUNCTION mep_classify(p_tenant text, p_memory text, p_token bi
                                         p_not_found text, p_request_id text) RETURNS jsonb
 LANGUAGE plpgsql AS $$
 DECLARE
-  v_mem record;
-  v_lease record;
+  v_tenant text;
+  v_counter bigint;
+  v_token bigint;
+  v_expires bigint;
+  v_n integer;
 BEGIN
-  SELECT tenant_id, fence_counter INTO v_mem FROM memories WHERE memory_id = p_memory;
-  IF NOT FOUND OR v_mem.tenant_id <> p_tenant THEN
+  SELECT tenant_id, fence_counter INTO v_tenant, v_counter FROM memories WHERE memory_id = p_memory;
+  IF v_tenant IS DISTINCT FROM p_tenant THEN
     RETURN mep_problem(p_not_found, 'no such memory for this tenant', p_request_id);
   END IF;
-  IF p_token <> v_mem.fence_counter THEN
-    PERFORM mep_audit(p_tenant, 'STALE_FENCE_REJECTED', NULL, p_memory, p_token, p_now);
-    RETURN mep_problem('stale-fence',
-             CASE WHEN p_token < v_mem.fence_counter
-                  THEN format('fencing token %s was superseded by %s', p_token, v_mem.fence_counter)
-                  ELSE format('fencing token %s was never issued for this memory', p_token) END,
-             p_request_id)
-           || jsonb_build_object('ext', jsonb_build_object('current_fencing_token', v_mem.fence_counter));
+  IF p_token <> v_counter THEN
+    v_n := mep_audit(p_tenant, 'STALE_FENCE_REJECTED', NULL, p_memory, p_token, p_now);
+    IF p_token < v_counter THEN
+      RETURN mep_problem('stale-fence', format('fencing token %s was superseded by %s', p_token, v_counter),
+                         p_request_id)
+             || jsonb_build_object('ext', jsonb_build_object('current_fencing_token', v_counter));
+    END IF;
+    RETURN mep_problem('stale-fence', format('fencing token %s was never issued for this memory', p_token),
+                       p_request_id)
+           || jsonb_build_object('ext', jsonb_build_object('current_fencing_token', v_counter));
   END IF;
-  SELECT fencing_token, expires_at INTO v_lease FROM leases WHERE memory_id = p_memory;
-  IF NOT FOUND OR v_lease.fencing_token <> p_token OR v_lease.expires_at <= p_now THEN
+  SELECT fencing_token, expires_at INTO v_token, v_expires FROM leases WHERE memory_id = p_memory;
+  IF v_token IS NULL OR v_token <> p_token OR v_expires <= p_now THEN
     RETURN mep_problem('lease-expired', format('the lease with fencing token %s has ended', p_token),
                        p_request_id);
   END IF;
@@ -241,98 +297,102 @@ $$;
 -- (invalid name or TTL) that is only recorded under the Idempotency-Key and answered.
 CREATE OR REPLACE FUNCTION mep_claim(p_tenant text, p_key text, p_fp text, p_request_id text,
     p_pre jsonb, p_name text, p_display text, p_skeleton text, p_memory text, p_owner text,
-    p_ttl bigint, p_lease_id text, p_unicode text, p_icu text,
-    OUT status integer, OUT result jsonb, OUT replayed boolean)
+    p_ttl bigint, p_lease_id text, p_unicode text, p_icu text) RETURNS jsonb
 LANGUAGE plpgsql AS $$
 DECLARE
   v_now bigint := mep_now_ms();
-  v_hit record;
-  v_mem record;
-  v_row record;
+  v_hit jsonb;
+  v_mem_tenant text;
+  v_counter bigint;
+  v_expired jsonb;
+  v_all_expired jsonb := '[]'::jsonb;
   v_reclaim_id text;
-  v_held record;
-  v_expired jsonb := '[]'::jsonb;
-  v_e jsonb;
+  v_conflict_name text;
+  v_conflict_expires bigint;
+  v_held_id text;
+  v_held_expires bigint;
+  v_inserted text;
+  v_granted_at bigint;
   v_token bigint;
   v_lease_id text;
   v_attempt integer := 0;
+  v_n integer;
 BEGIN
-  SELECT * INTO v_hit FROM mep_idem_begin(p_tenant, p_key, p_fp, v_now, p_request_id);
-  IF v_hit.hit THEN
-    status := v_hit.status; result := v_hit.result; replayed := v_hit.replayed;
-    RETURN;
+  v_hit := mep_idem_begin(p_tenant, p_key, p_fp, v_now, p_request_id);
+  IF v_hit IS NOT NULL THEN
+    RETURN v_hit;
   END IF;
-  replayed := false;
   IF p_pre IS NOT NULL THEN
-    status := 400; result := p_pre;
-    PERFORM mep_idem_end(p_tenant, p_key, status, result);
-    RETURN;
+    RETURN mep_idem_end(p_tenant, p_key, 400, p_pre);
   END IF;
   -- The memory exists, is the tenant's, and is locked against concurrent claims.
-  SELECT tenant_id, fence_counter INTO v_mem FROM memories WHERE memory_id = p_memory FOR UPDATE;
-  IF NOT FOUND OR v_mem.tenant_id <> p_tenant THEN
-    status := 404;
-    result := mep_problem('memory-not-found', 'no such memory for this tenant', p_request_id);
-    PERFORM mep_idem_end(p_tenant, p_key, status, result);
-    RETURN;
+  SELECT tenant_id, fence_counter INTO v_mem_tenant, v_counter
+    FROM memories WHERE memory_id = p_memory FOR UPDATE;
+  IF v_mem_tenant IS DISTINCT FROM p_tenant THEN
+    RETURN mep_idem_end(p_tenant, p_key, 404,
+                        mep_problem('memory-not-found', 'no such memory for this tenant', p_request_id));
   END IF;
   LOOP
+    -- The time is read after the memory lock (and again after a lost race), so it is later
+    -- than the commit of every grant and release this claim observes.
+    v_now := mep_now_ms();
     -- Takeover: expired leases conflicting on name, skeleton or memory go (SPEC §12.2).
-    FOR v_row IN DELETE FROM leases
-                  WHERE (canonical_name = p_name OR skeleton = p_skeleton OR memory_id = p_memory)
-                    AND expires_at <= v_now
-                 RETURNING tenant_id, canonical_name, memory_id, fencing_token LOOP
-      PERFORM mep_audit(v_row.tenant_id, 'LEASE_EXPIRED', v_row.canonical_name, v_row.memory_id,
-                        v_row.fencing_token, v_now);
-      v_expired := v_expired || jsonb_build_array(jsonb_build_object(
-                     'n', v_row.canonical_name, 'm', v_row.memory_id, 't', v_row.fencing_token));
-    END LOOP;
-    -- A live lease on the name or its skeleton: the caller's own (a re-claim) or a conflict.
-    v_reclaim_id := NULL;
-    FOR v_row IN SELECT lease_id, tenant_id, canonical_name, memory_id, owner_client_id, expires_at
-                   FROM leases WHERE canonical_name = p_name OR skeleton = p_skeleton
-                  ORDER BY (canonical_name = p_name) DESC LOOP
-      IF v_row.canonical_name = p_name AND v_row.tenant_id = p_tenant
-         AND v_row.owner_client_id = p_owner AND v_row.memory_id = p_memory THEN
-        v_reclaim_id := v_row.lease_id;
-        CONTINUE;
+    WITH d AS (
+      DELETE FROM leases
+       WHERE (canonical_name = p_name OR skeleton = p_skeleton OR memory_id = p_memory)
+         AND expires_at <= v_now
+      RETURNING tenant_id, canonical_name, memory_id, fencing_token)
+    SELECT coalesce(jsonb_agg(jsonb_build_object('tenant', tenant_id, 'n', canonical_name,
+                                                 'm', memory_id, 't', fencing_token)), '[]'::jsonb)
+      INTO v_expired FROM d;
+    v_n := mep_audit_many(v_expired, 'LEASE_EXPIRED', NULL, v_now);
+    v_all_expired := v_all_expired || v_expired;
+    -- The caller's own live lease under this name: a re-claim.
+    SELECT lease_id INTO v_reclaim_id FROM leases
+     WHERE canonical_name = p_name AND tenant_id = p_tenant AND owner_client_id = p_owner
+       AND memory_id = p_memory;
+    -- Anyone else's live lease on the name or its skeleton.
+    SELECT canonical_name, expires_at INTO v_conflict_name, v_conflict_expires FROM leases
+     WHERE (canonical_name = p_name OR skeleton = p_skeleton) AND lease_id IS DISTINCT FROM v_reclaim_id
+     ORDER BY (canonical_name = p_name) DESC LIMIT 1;
+    IF v_conflict_name IS NOT NULL THEN
+      v_n := mep_audit(p_tenant, 'NAME_CONFLICT', p_name, p_memory, NULL, v_now);
+      IF v_conflict_name = p_name THEN
+        RETURN mep_idem_end(p_tenant, p_key, 423,
+                 mep_problem('name-held', format('the name "%s" is held by another owner', p_name), p_request_id)
+                 || jsonb_build_object('retry_after', mep_retry_after(v_conflict_expires, v_now)));
       END IF;
-      PERFORM mep_audit(p_tenant, 'NAME_CONFLICT', p_name, p_memory, NULL, v_now);
-      status := 423;
-      IF v_row.canonical_name = p_name THEN
-        result := mep_problem('name-held', format('the name "%s" is held by another owner', p_name),
-                              p_request_id);
-      ELSE
-        result := mep_problem('name-confusable',
-                    format('the name "%s" is confusable with a name that is held', p_name), p_request_id);
-      END IF;
-      result := result || jsonb_build_object('retry_after', mep_retry_after(v_row.expires_at, v_now));
-      PERFORM mep_idem_end(p_tenant, p_key, status, result);
-      RETURN;
-    END LOOP;
+      RETURN mep_idem_end(p_tenant, p_key, 423,
+               mep_problem('name-confusable',
+                           format('the name "%s" is confusable with a name that is held', p_name), p_request_id)
+               || jsonb_build_object('retry_after', mep_retry_after(v_conflict_expires, v_now)));
+    END IF;
     -- A live lease on the memory under another name or owner.
-    SELECT lease_id, expires_at INTO v_held FROM leases WHERE memory_id = p_memory;
-    IF FOUND AND (v_reclaim_id IS NULL OR v_held.lease_id <> v_reclaim_id) THEN
-      status := 423;
-      result := mep_problem('memory-attached', 'this memory is attached to another lease', p_request_id)
-                || jsonb_build_object('retry_after', mep_retry_after(v_held.expires_at, v_now));
-      PERFORM mep_idem_end(p_tenant, p_key, status, result);
-      RETURN;
+    SELECT lease_id, expires_at INTO v_held_id, v_held_expires FROM leases WHERE memory_id = p_memory;
+    IF v_held_id IS NOT NULL AND v_held_id IS DISTINCT FROM v_reclaim_id THEN
+      RETURN mep_idem_end(p_tenant, p_key, 423,
+               mep_problem('memory-attached', 'this memory is attached to another lease', p_request_id)
+               || jsonb_build_object('retry_after', mep_retry_after(v_held_expires, v_now)));
     END IF;
     -- Grant.
-    v_token := v_mem.fence_counter + 1;
+    v_token := v_counter + 1;
     IF v_reclaim_id IS NOT NULL THEN
       v_lease_id := v_reclaim_id;
       DELETE FROM leases WHERE lease_id = v_lease_id;
     ELSE
       v_lease_id := p_lease_id;
     END IF;
+    -- The grant is stamped when its row goes in, not when the checks began: a claim that
+    -- waited (for a lock, or for the CPU) must not report a grant time earlier than the
+    -- release or expiry of the lease it replaced. The expiry counts from the same instant.
     INSERT INTO leases(lease_id, tenant_id, canonical_name, display_name, skeleton, memory_id,
                        fencing_token, owner_client_id, ttl_seconds, expires_at, acquired_at)
-    VALUES (v_lease_id, p_tenant, p_name, p_display, p_skeleton, p_memory, v_token, p_owner, p_ttl,
-            v_now + p_ttl * 1000, v_now)
-    ON CONFLICT DO NOTHING;
-    EXIT WHEN FOUND;
+    SELECT v_lease_id, p_tenant, p_name, p_display, p_skeleton, p_memory, v_token, p_owner, p_ttl,
+           c.t + p_ttl * 1000, c.t
+      FROM (SELECT mep_now_ms() AS t) AS c
+    ON CONFLICT DO NOTHING
+    RETURNING lease_id, acquired_at INTO v_inserted, v_granted_at;
+    EXIT WHEN v_inserted IS NOT NULL;
     -- A concurrent claim took the name or skeleton and committed: look again.
     v_attempt := v_attempt + 1;
     IF v_reclaim_id IS NOT NULL OR v_attempt >= 3 THEN
@@ -342,21 +402,18 @@ BEGIN
   UPDATE memories SET fence_counter = v_token WHERE memory_id = p_memory;
   INSERT INTO agent_names(canonical_name, display_name, skeleton, tenant_id, unicode_version,
                           icu_version, first_claimed_at, last_claimed_at)
-  VALUES (p_name, p_display, p_skeleton, p_tenant, p_unicode, p_icu, v_now, v_now)
+  VALUES (p_name, p_display, p_skeleton, p_tenant, p_unicode, p_icu, v_granted_at, v_granted_at)
   ON CONFLICT (canonical_name) DO UPDATE
     SET display_name = excluded.display_name, skeleton = excluded.skeleton,
         tenant_id = excluded.tenant_id, unicode_version = excluded.unicode_version,
         icu_version = excluded.icu_version, last_claimed_at = excluded.last_claimed_at;
-  FOR v_e IN SELECT * FROM jsonb_array_elements(v_expired) LOOP
-    PERFORM mep_audit(p_tenant, 'LEASE_TAKEOVER', v_e->>'n', v_e->>'m', (v_e->>'t')::bigint, v_now);
-  END LOOP;
-  PERFORM mep_audit(p_tenant, 'LEASE_ACQUIRED', p_name, p_memory, v_token, v_now);
-  status := 201;
-  result := jsonb_build_object('lease_id', v_lease_id, 'canonical_name', p_name,
-              'display_name', p_display, 'memory_instance_id', p_memory, 'fencing_token', v_token,
-              'expires_at', v_now + p_ttl * 1000, 'ttl_seconds', p_ttl, 'server_time', v_now,
-              'outcome', CASE WHEN v_reclaim_id IS NOT NULL THEN 'reclaimed' ELSE 'granted' END);
-  PERFORM mep_idem_end(p_tenant, p_key, status, result);
+  v_n := mep_audit_many(v_all_expired, 'LEASE_TAKEOVER', p_tenant, v_now);
+  v_n := mep_audit(p_tenant, 'LEASE_ACQUIRED', p_name, p_memory, v_token, v_now);
+  RETURN mep_idem_end(p_tenant, p_key, 201,
+           jsonb_build_object('lease_id', v_lease_id, 'canonical_name', p_name,
+             'display_name', p_display, 'memory_instance_id', p_memory, 'fencing_token', v_token,
+             'expires_at', v_granted_at + p_ttl * 1000, 'ttl_seconds', p_ttl, 'server_time', v_granted_at,
+             'outcome', CASE WHEN v_reclaim_id IS NOT NULL THEN 'reclaimed' ELSE 'granted' END));
 END
 $$;
 
@@ -376,7 +433,7 @@ BEGIN
    WHERE memory_id = p_memory AND fencing_token = p_token AND tenant_id = p_tenant
      AND canonical_name = p_name AND owner_client_id = p_owner AND expires_at > p_now
   RETURNING expires_at INTO v_exp;
-  IF FOUND THEN
+  IF v_exp IS NOT NULL THEN
     RETURN jsonb_build_object('expires_at', v_exp, 'ttl_seconds', p_ttl, 'server_time', p_now);
   END IF;
   v_problem := mep_classify(p_tenant, p_memory, p_token, p_now, 'lease-not-found', p_request_id);
@@ -388,8 +445,10 @@ END
 $$;
 
 CREATE OR REPLACE FUNCTION mep_renew(p_tenant text, p_name text, p_memory text, p_token bigint,
-    p_owner text, p_ttl bigint, p_request_id text) RETURNS jsonb LANGUAGE sql AS $$
-  SELECT mep_renew_one(p_tenant, p_name, p_memory, p_token, p_owner, p_ttl, mep_now_ms(), p_request_id)
+    p_owner text, p_ttl bigint, p_request_id text) RETURNS jsonb LANGUAGE plpgsql AS $$
+BEGIN
+  RETURN mep_renew_one(p_tenant, p_name, p_memory, p_token, p_owner, p_ttl, mep_now_ms(), p_request_id);
+END
 $$;
 
 -- Renews many leases in one transaction; the results are in the order of the arrays.
@@ -414,16 +473,17 @@ CREATE OR REPLACE FUNCTION mep_release(p_tenant text, p_name text, p_memory text
     p_owner text, p_request_id text) RETURNS jsonb LANGUAGE plpgsql AS $$
 DECLARE
   v_now bigint := mep_now_ms();
-  v_row record;
+  v_tenant text;
+  v_name text;
   v_problem jsonb;
+  v_n integer;
 BEGIN
   DELETE FROM leases
    WHERE memory_id = p_memory AND fencing_token = p_token AND tenant_id = p_tenant
      AND canonical_name = p_name AND owner_client_id = p_owner AND expires_at > v_now
-  RETURNING tenant_id, canonical_name, memory_id, fencing_token INTO v_row;
-  IF FOUND THEN
-    PERFORM mep_audit(p_tenant, 'LEASE_RELEASED', v_row.canonical_name, v_row.memory_id,
-                      v_row.fencing_token, v_now);
+  RETURNING canonical_name INTO v_name;
+  IF v_name IS NOT NULL THEN
+    v_n := mep_audit(p_tenant, 'LEASE_RELEASED', v_name, p_memory, p_token, v_now);
     RETURN '{"outcome": "released"}'::jsonb;
   END IF;
   v_problem := mep_classify(p_tenant, p_memory, p_token, v_now, 'lease-not-found', p_request_id);
@@ -434,10 +494,9 @@ BEGIN
     RETURN v_problem;
   END IF;
   DELETE FROM leases WHERE memory_id = p_memory AND fencing_token = p_token AND expires_at <= v_now
-  RETURNING tenant_id, canonical_name, memory_id, fencing_token INTO v_row;
-  IF FOUND THEN
-    PERFORM mep_audit(v_row.tenant_id, 'LEASE_EXPIRED', v_row.canonical_name, v_row.memory_id,
-                      v_row.fencing_token, v_now);
+  RETURNING tenant_id, canonical_name INTO v_tenant, v_name;
+  IF v_name IS NOT NULL THEN
+    v_n := mep_audit(v_tenant, 'LEASE_EXPIRED', v_name, p_memory, p_token, v_now);
   END IF;
   RETURN '{"outcome": "released"}'::jsonb;
 END
@@ -448,84 +507,78 @@ RETURNS jsonb LANGUAGE plpgsql AS $$
 DECLARE
   v_now bigint := mep_now_ms();
   v_problem jsonb;
-  v_row record;
+  v_name text;
+  v_token bigint;
+  v_expires bigint;
 BEGIN
   v_problem := mep_classify(p_tenant, p_memory, p_token, v_now, 'memory-not-found', p_request_id);
   IF v_problem IS NOT NULL THEN
     RETURN v_problem;
   END IF;
-  SELECT canonical_name, fencing_token, expires_at INTO v_row FROM leases WHERE memory_id = p_memory;
-  RETURN jsonb_build_object('memory_instance_id', p_memory, 'fencing_token', v_row.fencing_token,
-                            'canonical_name', v_row.canonical_name, 'expires_at', v_row.expires_at,
-                            'server_time', v_now);
+  SELECT canonical_name, fencing_token, expires_at INTO v_name, v_token, v_expires
+    FROM leases WHERE memory_id = p_memory;
+  RETURN jsonb_build_object('memory_instance_id', p_memory, 'fencing_token', v_token,
+                            'canonical_name', v_name, 'expires_at', v_expires, 'server_time', v_now);
 END
 $$;
 
 CREATE OR REPLACE FUNCTION mep_register(p_tenant text, p_key text, p_fp text, p_request_id text,
-    p_memory text, OUT status integer, OUT result jsonb, OUT replayed boolean)
-LANGUAGE plpgsql AS $$
+    p_memory text) RETURNS jsonb LANGUAGE plpgsql AS $$
 DECLARE
   v_now bigint := mep_now_ms();
-  v_hit record;
-  v_mem record;
+  v_hit jsonb;
+  v_inserted text;
+  v_tenant text;
+  v_created bigint;
+  v_n integer;
 BEGIN
-  SELECT * INTO v_hit FROM mep_idem_begin(p_tenant, p_key, p_fp, v_now, p_request_id);
-  IF v_hit.hit THEN
-    status := v_hit.status; result := v_hit.result; replayed := v_hit.replayed;
-    RETURN;
+  v_hit := mep_idem_begin(p_tenant, p_key, p_fp, v_now, p_request_id);
+  IF v_hit IS NOT NULL THEN
+    RETURN v_hit;
   END IF;
-  replayed := false;
   INSERT INTO memories(memory_id, tenant_id, fence_counter, created_at)
-  VALUES (p_memory, p_tenant, 0, v_now) ON CONFLICT (memory_id) DO NOTHING;
-  IF FOUND THEN
-    PERFORM mep_audit(p_tenant, 'MEMORY_REGISTERED', NULL, p_memory, NULL, v_now);
-    status := 201;
-    result := jsonb_build_object('memory_instance_id', p_memory, 'created_at', v_now);
-  ELSE
-    SELECT tenant_id, created_at INTO v_mem FROM memories WHERE memory_id = p_memory;
-    IF v_mem.tenant_id <> p_tenant THEN
-      status := 409;
-      result := mep_problem('memory-id-taken', 'this memory id is taken', p_request_id);
-    ELSE
-      status := 200;
-      result := jsonb_build_object('memory_instance_id', p_memory, 'created_at', v_mem.created_at);
-    END IF;
+  VALUES (p_memory, p_tenant, 0, v_now) ON CONFLICT (memory_id) DO NOTHING
+  RETURNING memory_id INTO v_inserted;
+  IF v_inserted IS NOT NULL THEN
+    v_n := mep_audit(p_tenant, 'MEMORY_REGISTERED', NULL, p_memory, NULL, v_now);
+    RETURN mep_idem_end(p_tenant, p_key, 201,
+                        jsonb_build_object('memory_instance_id', p_memory, 'created_at', v_now));
   END IF;
-  PERFORM mep_idem_end(p_tenant, p_key, status, result);
+  SELECT tenant_id, created_at INTO v_tenant, v_created FROM memories WHERE memory_id = p_memory;
+  IF v_tenant IS DISTINCT FROM p_tenant THEN
+    RETURN mep_idem_end(p_tenant, p_key, 409, mep_problem('memory-id-taken', 'this memory id is taken', p_request_id));
+  END IF;
+  RETURN mep_idem_end(p_tenant, p_key, 200, jsonb_build_object('memory_instance_id', p_memory, 'created_at', v_created));
 END
 $$;
 
 CREATE OR REPLACE FUNCTION mep_branch(p_tenant text, p_key text, p_fp text, p_request_id text,
-    p_parent text, p_token bigint, p_memory text, OUT status integer, OUT result jsonb,
-    OUT replayed boolean)
-LANGUAGE plpgsql AS $$
+    p_parent text, p_token bigint, p_memory text) RETURNS jsonb LANGUAGE plpgsql AS $$
 DECLARE
   v_now bigint := mep_now_ms();
-  v_hit record;
+  v_hit jsonb;
+  v_problem jsonb;
+  v_inserted text;
+  v_n integer;
 BEGIN
-  SELECT * INTO v_hit FROM mep_idem_begin(p_tenant, p_key, p_fp, v_now, p_request_id);
-  IF v_hit.hit THEN
-    status := v_hit.status; result := v_hit.result; replayed := v_hit.replayed;
-    RETURN;
+  v_hit := mep_idem_begin(p_tenant, p_key, p_fp, v_now, p_request_id);
+  IF v_hit IS NOT NULL THEN
+    RETURN v_hit;
   END IF;
-  replayed := false;
-  result := mep_classify(p_tenant, p_parent, p_token, v_now, 'memory-not-found', p_request_id);
-  IF result IS NOT NULL THEN
-    status := 400;
-  ELSE
-    INSERT INTO memories(memory_id, tenant_id, parent_memory_id, branched_at_token, fence_counter, created_at)
-    VALUES (p_memory, p_tenant, p_parent, p_token, 0, v_now) ON CONFLICT (memory_id) DO NOTHING;
-    IF FOUND THEN
-      PERFORM mep_audit(p_tenant, 'MEMORY_BRANCHED', NULL, p_memory, p_token, v_now);
-      status := 201;
-      result := jsonb_build_object('memory_instance_id', p_memory, 'parent_memory_instance_id', p_parent,
-                                   'branched_at_token', p_token, 'outcome', 'branched');
-    ELSE
-      status := 409;
-      result := mep_problem('memory-id-taken', 'this memory id is taken', p_request_id);
-    END IF;
+  v_problem := mep_classify(p_tenant, p_parent, p_token, v_now, 'memory-not-found', p_request_id);
+  IF v_problem IS NOT NULL THEN
+    RETURN mep_idem_end(p_tenant, p_key, 400, v_problem);
   END IF;
-  PERFORM mep_idem_end(p_tenant, p_key, status, result);
+  INSERT INTO memories(memory_id, tenant_id, parent_memory_id, branched_at_token, fence_counter, created_at)
+  VALUES (p_memory, p_tenant, p_parent, p_token, 0, v_now) ON CONFLICT (memory_id) DO NOTHING
+  RETURNING memory_id INTO v_inserted;
+  IF v_inserted IS NULL THEN
+    RETURN mep_idem_end(p_tenant, p_key, 409, mep_problem('memory-id-taken', 'this memory id is taken', p_request_id));
+  END IF;
+  v_n := mep_audit(p_tenant, 'MEMORY_BRANCHED', NULL, p_memory, p_token, v_now);
+  RETURN mep_idem_end(p_tenant, p_key, 201,
+           jsonb_build_object('memory_instance_id', p_memory, 'parent_memory_instance_id', p_parent,
+                              'branched_at_token', p_token, 'outcome', 'branched'));
 END
 $$;
 
@@ -533,15 +586,17 @@ CREATE OR REPLACE FUNCTION mep_revoke(p_tenant text, p_name text, p_request_id t
 LANGUAGE plpgsql AS $$
 DECLARE
   v_now bigint := mep_now_ms();
-  v_row record;
+  v_name text;
+  v_memory text;
+  v_token bigint;
+  v_n integer;
 BEGIN
   DELETE FROM leases WHERE canonical_name = p_name AND tenant_id = p_tenant AND expires_at > v_now
-  RETURNING canonical_name, memory_id, fencing_token INTO v_row;
-  IF NOT FOUND THEN
+  RETURNING canonical_name, memory_id, fencing_token INTO v_name, v_memory, v_token;
+  IF v_name IS NULL THEN
     RETURN mep_problem('lease-not-found', 'no live lease under this name', p_request_id);
   END IF;
-  PERFORM mep_audit(p_tenant, 'LEASE_REVOKED', v_row.canonical_name, v_row.memory_id,
-                    v_row.fencing_token, v_now);
+  v_n := mep_audit(p_tenant, 'LEASE_REVOKED', v_name, v_memory, v_token, v_now);
   RETURN '{"outcome": "revoked"}'::jsonb;
 END
 $$;
@@ -551,22 +606,25 @@ $$;
 CREATE OR REPLACE FUNCTION mep_sweep() RETURNS bigint LANGUAGE plpgsql AS $$
 DECLARE
   v_now bigint := mep_now_ms();
-  v_row record;
-  v_n bigint := 0;
+  v_expired jsonb;
+  v_n integer;
   v_c bigint;
 BEGIN
-  FOR v_row IN DELETE FROM leases WHERE lease_id IN
-                 (SELECT lease_id FROM leases WHERE expires_at <= v_now LIMIT 1000 FOR UPDATE SKIP LOCKED)
-                 AND expires_at <= v_now
-               RETURNING tenant_id, canonical_name, memory_id, fencing_token LOOP
-    PERFORM mep_audit(v_row.tenant_id, 'LEASE_EXPIRED', v_row.canonical_name, v_row.memory_id,
-                      v_row.fencing_token, v_now);
-    v_n := v_n + 1;
-  END LOOP;
-  DELETE FROM idempotency WHERE (tenant_id, idem_key) IN
-    (SELECT tenant_id, idem_key FROM idempotency WHERE expires_at <= v_now LIMIT 5000 FOR UPDATE SKIP LOCKED)
-    AND expires_at <= v_now;
-  GET DIAGNOSTICS v_c = ROW_COUNT;
+  WITH d AS (
+    DELETE FROM leases WHERE lease_id IN
+      (SELECT lease_id FROM leases WHERE expires_at <= v_now LIMIT 1000 FOR UPDATE SKIP LOCKED)
+      AND expires_at <= v_now
+    RETURNING tenant_id, canonical_name, memory_id, fencing_token)
+  SELECT coalesce(jsonb_agg(jsonb_build_object('tenant', tenant_id, 'n', canonical_name,
+                                               'm', memory_id, 't', fencing_token)), '[]'::jsonb)
+    INTO v_expired FROM d;
+  v_n := mep_audit_many(v_expired, 'LEASE_EXPIRED', NULL, v_now);
+  WITH d AS (
+    DELETE FROM idempotency WHERE (tenant_id, idem_key) IN
+      (SELECT tenant_id, idem_key FROM idempotency WHERE expires_at <= v_now LIMIT 5000 FOR UPDATE SKIP LOCKED)
+      AND expires_at <= v_now
+    RETURNING 1)
+  SELECT count(*) INTO v_c FROM d;
   RETURN v_n + v_c;
 END
 $$;

@@ -112,12 +112,13 @@ Reply render_branch(int status, const json::object& r) {
   return json_reply(status, o, str(r, "outcome"));
 }
 
-// The answer of an idempotent function (status, result, replayed), rendered by `success`.
+// The answer of a creating function, {status, replayed, result}, rendered by `success`.
 Reply finish_idempotent(const pg::Result& res, Reply (*success)(int, const json::object&)) {
   auto& metrics = Metrics::global();
-  int status = static_cast<int>(res.int64(0, 0));
-  json::object r = parse_result(res.text(0, 1));
-  bool replayed = res.text(0, 2) == "t";
+  json::object envelope = parse_result(res.text(0, 0));
+  int status = static_cast<int>(i64(envelope.at("status")));
+  bool replayed = envelope.at("replayed").as_bool();
+  const json::object& r = envelope.at("result").as_object();
   bool mismatch = !replayed && is_problem(r) && str(r, "code") == "idempotency-key-reused";
   metrics.inc("mep_idempotency_lookups_total",
               replayed ? "result=\"hit\"" : mismatch ? "result=\"mismatch\"" : "result=\"miss\"");
@@ -138,12 +139,9 @@ Reply finish_idempotent(const pg::Result& res, Reply (*success)(int, const json:
 
 // SQL text of the hot statements, prepared once per connection.
 constexpr const char* k_sql_claim =
-    "SELECT status, result::text, replayed FROM mep_claim($1, $2, $3, $4, $5::jsonb, $6, $7, $8, $9, $10, "
-    "$11::bigint, $12, $13, $14)";
-constexpr const char* k_sql_register =
-    "SELECT status, result::text, replayed FROM mep_register($1, $2, $3, $4, $5)";
-constexpr const char* k_sql_branch =
-    "SELECT status, result::text, replayed FROM mep_branch($1, $2, $3, $4, $5, $6::bigint, $7)";
+    "SELECT mep_claim($1, $2, $3, $4, $5::jsonb, $6, $7, $8, $9, $10, $11::bigint, $12, $13, $14)::text";
+constexpr const char* k_sql_register = "SELECT mep_register($1, $2, $3, $4, $5)::text";
+constexpr const char* k_sql_branch = "SELECT mep_branch($1, $2, $3, $4, $5, $6::bigint, $7)::text";
 constexpr const char* k_sql_renew = "SELECT mep_renew($1, $2, $3, $4::bigint, $5, $6::bigint, $7)::text";
 constexpr const char* k_sql_renew_batch =
     "SELECT mep_renew_batch($1, $2::text[], $3::text[], $4::bigint[], $5::text[], $6::bigint[], $7)::text";
@@ -285,6 +283,18 @@ void PgStore::worker_loop() {
   }
 }
 
+// PostgreSQL text holds neither NUL nor invalid UTF-8 (SQLSTATE 22021); such a value can
+// match nothing stored, and the request is malformed.
+static Problem bad_text() {
+  return Problem(Code::invalid_request, "a text value contains a NUL character or is not valid UTF-8");
+}
+
+Reply PgStore::read_failure(const pg::Error& e, const std::string& request_id) const {
+  if (e.sqlstate() == "22021" || e.sqlstate() == "22P05") return problem_reply(bad_text(), request_id);
+  log::error("read failed: {}", e.what());
+  return unavailable(request_id);
+}
+
 Reply PgStore::unavailable(const std::string& request_id) const {
   Problem p(Code::unavailable, "the database is unavailable; retry later");
   p.retry_after_s = 1;
@@ -336,6 +346,8 @@ Reply PgStore::execute(Slot& slot, Job& job) {
         p.retry_after_s = 1;
         return problem_reply(std::move(p), job.request_id);
       }
+      if (e.sqlstate() == "22021" || e.sqlstate() == "22P05")
+        return problem_reply(bad_text(), job.request_id);
       if (e.sqlstate() == "57014" || e.sqlstate() == "55P03") { // statement or lock timeout
         log::warn("request {}: {}", job.request_id, e.what());
         return unavailable(job.request_id);
@@ -582,8 +594,7 @@ void PgStore::get_lease(const Ctx& ctx, std::string canonical_name, Done done) {
       return json_reply(200, lease_json(l, now));
     });
   } catch (const pg::Error& e) {
-    log::error("read failed: {}", e.what());
-    r = unavailable(ctx.request_id);
+    r = read_failure(e, ctx.request_id);
   }
   done(std::move(r));
 }
@@ -616,8 +627,7 @@ void PgStore::list_leases(const Ctx& ctx, ListLeases req, Done done) {
       return json_reply(200, o);
     });
   } catch (const pg::Error& e) {
-    log::error("read failed: {}", e.what());
-    r = unavailable(ctx.request_id);
+    r = read_failure(e, ctx.request_id);
   }
   done(std::move(r));
 }
@@ -632,8 +642,7 @@ void PgStore::get_memory(const Ctx& ctx, std::string memory_id, Done done) {
       return json_reply(200, memory_json(*m));
     });
   } catch (const pg::Error& e) {
-    log::error("read failed: {}", e.what());
-    r = unavailable(ctx.request_id);
+    r = read_failure(e, ctx.request_id);
   }
   done(std::move(r));
 }
@@ -667,8 +676,7 @@ void PgStore::lineage(const Ctx& ctx, std::string memory_id, Done done) {
       return json_reply(200, o);
     });
   } catch (const pg::Error& e) {
-    log::error("read failed: {}", e.what());
-    r = unavailable(ctx.request_id);
+    r = read_failure(e, ctx.request_id);
   }
   done(std::move(r));
 }
@@ -698,8 +706,7 @@ void PgStore::identity_map(const Ctx& ctx, std::optional<std::string> cursor, st
       return json_reply(200, o);
     });
   } catch (const pg::Error& e) {
-    log::error("read failed: {}", e.what());
-    r = unavailable(ctx.request_id);
+    r = read_failure(e, ctx.request_id);
   }
   done(std::move(r));
 }

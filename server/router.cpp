@@ -9,6 +9,7 @@
 #include "mep/log.hpp"
 #include "mep/metrics.hpp"
 #include "mep/uuid.hpp"
+#include "mep/utf8.hpp"
 #include "mep/wire.hpp"
 
 #include <boost/beast/http.hpp>
@@ -409,7 +410,13 @@ void on_revoke(const CallPtr& c, Store& store) {
   store.revoke(c->ctx, lookup_name(*name), reply_to(c));
 }
 
-void on_get_lease(const CallPtr& c, Store& store) { store.get_lease(c->ctx, lookup_name(c->params[0]), reply_to(c)); }
+void on_get_lease(const CallPtr& c, Store& store) {
+  // Bytes that are not UTF-8 (or hold NUL) name no lease; no store needs to look.
+  const std::string& raw = c->params[0];
+  if (!utf8::decode(raw) || raw.find('\0') != std::string::npos)
+    return fail(c, Problem(Code::lease_not_found, "no live lease of this tenant under this name"));
+  store.get_lease(c->ctx, lookup_name(raw), reply_to(c));
+}
 
 // A `limit` query value: digits only (no sign, no spaces), from 1 to `max`.
 std::optional<std::size_t> page_limit(std::string_view v, std::size_t max) {

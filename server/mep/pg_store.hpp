@@ -88,6 +88,7 @@ private:
   T with_conn(const std::function<T(pg::Conn&)>& fn);
   std::unique_ptr<pg::Conn> connect();
   Reply unavailable(const std::string& request_id) const;
+  Reply read_failure(const pg::Error& e, const std::string& request_id) const;
   void backoff(int attempt) const;
 
   std::string m_url;

@@ -10,7 +10,7 @@ verifies, for the whole history:
   no grant with a larger token was acknowledged before that operation started;
 - S1/S2: two grants to different holders on one name or one memory do not overlap: the
   later one (by server time) comes after the earlier one's last acknowledged expiry, or
-  after a successful release of it had started.
+  after a release of it had started that succeeded or whose outcome is unknown.
 
 Only acknowledged outcomes are trusted; operations without an answer (a killed server)
 are kept as "unknown" and constrain nothing, which is what a client can know.
@@ -84,7 +84,10 @@ class History:
                     bad.append(f"S4: {o['kind']} with token {o['token']} succeeded after grant "
                                f"{g['granted_token']} on memory {o['memory']} was acknowledged")
         # S1/S2
-        releases = [o for o in ops if o["kind"] == "release" and o["status"] == 204]
+        # A release that succeeded, or whose outcome is unknown (no answer, or a 5xx such as
+        # 503 after the database connection broke mid-call), may have ended the grant.
+        releases = [o for o in ops if o["kind"] == "release" and (o["status"] == 204 or o["status"] is None
+                                                                  or o["status"] >= 500)]
 
         def ended_by_release(g, before):
             return any(r["memory"] == g["memory"] and r["token"] == g["granted_token"] and r["start"] <= before
@@ -104,6 +107,34 @@ class History:
                         bad.append(f"S{1 if key == 'name' else 2}: {key} {k} granted to two holders at once "
                                    f"(tokens {a['granted_token']} and {b['granted_token']})")
         return bad
+
+
+def explain(history, violation, margin_s=0.05):
+    """The recorded operations around a violation, oldest first, one line each (for reading a
+    failure): those on the name or memory it names, or on the memories of the grants it names,
+    from just before the first of those grants to just after the last."""
+    words = violation.replace("(", " ").replace(")", " ").replace(",", " ").split()
+    key = words[2] if len(words) > 2 else ""
+    tokens = {int(w) for w in words if w.isdigit()}
+    grants = [o for o in history.ops if o["kind"] == "claim" and o["status"] == 201
+              and (o.get("body") or {}).get("fencing_token") in tokens
+              and key in ((o.get("body") or {}).get("canonical_name"), (o.get("body") or {}).get("memory_instance_id"))]
+    if not grants:
+        return ""
+    lo = min(g["start"] for g in grants) - margin_s
+    hi = max(g["end"] for g in grants) + margin_s
+    memories = {g["body"].get("memory_instance_id") for g in grants}
+    ops = [o for o in history.ops if lo <= o["start"] <= hi
+           and (o.get("name") == key or o.get("memory") == key or o.get("memory") in memories)]
+    ops.sort(key=lambda o: o["start"])
+    lines = []
+    for o in ops:
+        b = o.get("body") or {}
+        lines.append("%.4f-%.4f %s %s name=%s memory=%s owner=%s token=%s -> token=%s server_time=%s expires=%s code=%s"
+                     % (o["start"], o["end"], o["kind"], o["status"], o.get("name"), o.get("memory"), o.get("owner"),
+                        o.get("token"), b.get("fencing_token"), b.get("server_time"), b.get("expires_at"),
+                        b.get("code")))
+    return "\n".join(lines)
 
 
 def _ms(text):

@@ -1,5 +1,6 @@
 """Harness for the control-plane integration tests (SPEC §6): starts the real `mep server`
-on a fresh SQLite file and a free loopback port, creates bearer tokens with
+on a fresh database (a SQLite file, or a PostgreSQL database when $MEP_TEST_BACKEND is
+`postgresql`: see pgfixture.py) and a free loopback port, creates bearer tokens with
 `mep token create`, talks HTTP/1.1 with keep-alive, and reads the database read-only.
 
 Standard library only. Every wait is bounded; every process started here is ended by its
@@ -21,6 +22,8 @@ import time
 import unittest
 import urllib.parse
 import uuid
+
+import pgfixture
 
 HOST = "127.0.0.1"
 PROBLEM_BASE = "https://memoryendpoints.com/problems/"
@@ -103,9 +106,27 @@ def run_mep(args, timeout=COMMAND_TIMEOUT_S, check=True):
     return proc.returncode, out_s, err_s
 
 
+def new_db(workdir, filename="c.db"):
+    """A fresh database for the backend under test: a SQLite path in `workdir`, or a new
+    PostgreSQL database (pgfixture.PgDb; drop() it when done)."""
+    if pgfixture.backend() == "postgresql":
+        return pgfixture.PgDb()
+    return os.path.join(workdir, filename)
+
+
+def db_url(db):
+    """What `--db` takes for a database from new_db()."""
+    return "sqlite:" + db if isinstance(db, str) else db.url
+
+
+def drop_db(db):
+    if not isinstance(db, str):
+        db.drop()
+
+
 def create_token(db_path, tenant, scope="lease"):
     """`mep token create` → the bearer token (creates the database and tenant if needed)."""
-    _, out, _ = run_mep(["token", "create", "--db", "sqlite:" + db_path, "--tenant", tenant,
+    _, out, _ = run_mep(["token", "create", "--db", db_url(db_path), "--tenant", tenant,
                          "--scope", scope])
     token = out.strip()
     assert token and "\n" not in token, "unexpected token output %r" % out
@@ -114,12 +135,12 @@ def create_token(db_path, tenant, scope="lease"):
 
 def token_id_of(db_path, tenant):
     """The ids of a tenant's tokens, oldest first, via `mep token list --json`."""
-    _, out, _ = run_mep(["token", "list", "--db", "sqlite:" + db_path, "--tenant", tenant, "--json"])
+    _, out, _ = run_mep(["token", "list", "--db", db_url(db_path), "--tenant", tenant, "--json"])
     return [t["token_id"] for t in json.loads(out)["tokens"]]
 
 
 def revoke_token(db_path, token_id):
-    run_mep(["token", "revoke", "--db", "sqlite:" + db_path, token_id])
+    run_mep(["token", "revoke", "--db", db_url(db_path), token_id])
 
 
 class MepServer:
@@ -144,7 +165,7 @@ class MepServer:
         return self.proc.pid
 
     def start(self, timeout=READY_TIMEOUT_S):
-        argv = [mep_bin(), "server", "--db", "sqlite:" + self.db_path, "--listen", HOST + ":0",
+        argv = [mep_bin(), "server", "--db", db_url(self.db_path), "--listen", HOST + ":0",
                 *self.extra_args]
         with open(self.log_path, "wb") as err, open(self.out_path, "wb") as out:
             self.proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=out, stderr=err,
@@ -450,6 +471,8 @@ def db_connect_ro(db_path):
 
 
 def db_query(db_path, sql, params=()):
+    if not isinstance(db_path, str):
+        return db_path.query(sql, params)
     conn = db_connect_ro(db_path)
     try:
         return conn.execute(sql, params).fetchall()
@@ -460,6 +483,8 @@ def db_query(db_path, sql, params=()):
 def db_snapshot(db_path, ignore_auth_failures=True):
     """Every row of every table, sorted, as {table: [row, …]} (one read transaction).
     AUTH_FAILED audit rows are left out when asked: a rejected token may be audited."""
+    if not isinstance(db_path, str):
+        return db_path.snapshot(ignore_auth_failures)
     conn = db_connect_ro(db_path)
     try:
         conn.execute("BEGIN")
@@ -495,7 +520,8 @@ class ServerTestCase(unittest.TestCase):
         cls._tmp = tempfile.TemporaryDirectory(prefix="mep-it-")
         cls.addClassCleanup(cls._tmp.cleanup)
         cls.workdir = cls._tmp.name
-        cls.db_path = os.path.join(cls.workdir, "c.db")
+        cls.db_path = new_db(cls.workdir)
+        cls.addClassCleanup(drop_db, cls.db_path)
         cls.token_a = create_token(cls.db_path, "tenant-a", "lease")
         cls.admin_a = create_token(cls.db_path, "tenant-a", "admin")
         cls.token_b = create_token(cls.db_path, "tenant-b", "lease")

@@ -22,18 +22,19 @@ import time
 import unittest
 
 from history import History
-from serverfixture import MepServer, create_token, unique_name
+from serverfixture import MepServer, create_token, db_query, drop_db, new_db, unique_name
 
 
 class ServerKill9Test(unittest.TestCase):
     def setUp(self):
         self.dir = tempfile.mkdtemp(prefix="mep-faults-")
-        self.db = os.path.join(self.dir, "control.db")
+        self.db = new_db(self.dir, "control.db")
         self.token = create_token(self.db, "faults")
         self.server = MepServer(self.dir, self.db, ["--rate-limit", "0"]).start()
 
     def tearDown(self):
         self.server.stop()
+        drop_db(self.db)
         shutil.rmtree(self.dir, ignore_errors=True)
 
     def test_server_kill9_mid_claims_consistent(self):
@@ -81,21 +82,22 @@ class ServerKill9Test(unittest.TestCase):
         self.assertEqual(history.check(), [])
         print(f"{total} grants acknowledged before SIGKILL")
 
-        # The file is consistent and every acknowledged grant survived.
-        con = sqlite3.connect(f"file:{self.db}?mode=ro", uri=True)
-        try:
-            self.assertEqual(con.execute("PRAGMA integrity_check").fetchone()[0], "ok")
-            counters = dict(con.execute("SELECT memory_id, fence_counter FROM memories"))
-            for m, tokens in acked.items():
-                self.assertEqual(len(tokens), len(set(tokens)), f"token issued twice on {m}")
-                self.assertEqual(tokens, sorted(tokens), f"tokens not increasing on {m}")
-                if tokens:
-                    self.assertGreaterEqual(counters[m], max(tokens), f"an acknowledged grant on {m} was lost")
-            # No partial claim: every lease's token is its memory's current counter.
-            for memory, token in con.execute("SELECT memory_id, fencing_token FROM leases"):
-                self.assertEqual(token, counters[memory])
-        finally:
-            con.close()
+        # The database is consistent and every acknowledged grant survived.
+        if isinstance(self.db, str):
+            con = sqlite3.connect(f"file:{self.db}?mode=ro", uri=True)
+            try:
+                self.assertEqual(con.execute("PRAGMA integrity_check").fetchone()[0], "ok")
+            finally:
+                con.close()
+        counters = dict(db_query(self.db, "SELECT memory_id, fence_counter FROM memories"))
+        for m, tokens in acked.items():
+            self.assertEqual(len(tokens), len(set(tokens)), f"token issued twice on {m}")
+            self.assertEqual(tokens, sorted(tokens), f"tokens not increasing on {m}")
+            if tokens:
+                self.assertGreaterEqual(counters[m], max(tokens), f"an acknowledged grant on {m} was lost")
+        # No partial claim: every lease's token is its memory's current counter.
+        for memory, token in db_query(self.db, "SELECT memory_id, fencing_token FROM leases"):
+            self.assertEqual(token, counters[memory])
 
         # Service resumes on the same file; new grants are larger than anything acknowledged.
         self.server = MepServer(self.dir, self.db, ["--rate-limit", "0"]).start()
@@ -134,12 +136,13 @@ print(json.dumps(out), flush=True)
 class ZombieTest(unittest.TestCase):
     def setUp(self):
         self.dir = tempfile.mkdtemp(prefix="mep-zombie-")
-        self.db = os.path.join(self.dir, "control.db")
+        self.db = new_db(self.dir, "control.db")
         self.token = create_token(self.db, "zombies")
         self.server = MepServer(self.dir, self.db).start()
 
     def tearDown(self):
         self.server.stop()
+        drop_db(self.db)
         shutil.rmtree(self.dir, ignore_errors=True)
 
     def test_zombie_sigstop_write_rejected(self):

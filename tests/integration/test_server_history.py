@@ -14,7 +14,7 @@ import unittest
 import os
 
 from history import History
-from serverfixture import MepServer, create_token, uuid7
+from serverfixture import MepServer, create_token, drop_db, new_db, uuid7
 
 
 def grant(start, end, memory, name, owner, token, server_ms, expiry_ms):
@@ -50,6 +50,18 @@ class CheckerSelfTest(unittest.TestCase):
         h.ops = [grant(0, 1, "m", "a", "o1", 1, 1000, 9000), grant(2, 3, "m", "b", "o2", 2, 3000, 4000)]
         self.assertTrue(any(v.startswith("S2") for v in h.check()))
 
+    def test_release_outcomes(self):
+        """A release ends a grant when it succeeded or its outcome is unknown (no answer, 503);
+        a rejected one (409) does not."""
+        def release(status):
+            return {"kind": "release", "start": 1.5, "end": 1.6, "status": status, "name": "a", "memory": "m1",
+                    "owner": "o1", "token": 1, "body": {}}
+        base = [grant(0, 1, "m1", "a", "o1", 1, 1000, 9000), grant(2, 3, "m2", "a", "o2", 1, 3000, 4000)]
+        for status, violation in ((204, False), (None, False), (503, False), (409, True)):
+            h = History()
+            h.ops = base + [release(status)]
+            self.assertEqual(any(v.startswith("S1") for v in h.check()), violation, status)
+
     def test_consistent_history_passes(self):
         h = History()
         h.ops = [grant(0, 1, "m", "a", "o1", 1, 1000, 2000), grant(2, 3, "m", "b", "o2", 2, 3000, 4000)]
@@ -59,12 +71,13 @@ class CheckerSelfTest(unittest.TestCase):
 class ContentionTest(unittest.TestCase):
     def setUp(self):
         self.dir = tempfile.mkdtemp(prefix="mep-history-")
-        self.db = os.path.join(self.dir, "control.db")
+        self.db = new_db(self.dir, "control.db")
         self.token = create_token(self.db, "history")
         self.server = MepServer(self.dir, self.db, ["--rate-limit", "0"]).start()
 
     def tearDown(self):
         self.server.stop()
+        drop_db(self.db)
         shutil.rmtree(self.dir, ignore_errors=True)
 
     def test_contention_history_is_consistent(self):

@@ -1,0 +1,260 @@
+"""mep server on PostgreSQL (SPEC §9, §11): what only a shared database can show.
+
+- several servers starting at once on a fresh database (schema migration races);
+- `two_servers_shared_db_race`: two servers on one database, 200 clients split between
+  them racing on shared names and memories; the history checker finds no moment with two
+  winners (S1–S4), and the database holds at most one lease per name, skeleton and memory;
+- `serializable_retries_converge`: under --isolation serializable and heavy contention no
+  request ends in 500: claims end 201/200/423 or 503 with Retry-After, and retries happen;
+- `db_restart_under_load`: the database stops under load and starts again; requests get
+  503 with Retry-After (never a hang), /readyz says not ready, and service resumes without
+  restarting mep server.
+
+The other control-plane suites run on PostgreSQL too (ctest's *_pg tests).
+"""
+import os
+import random
+import shutil
+import tempfile
+import threading
+import time
+import unittest
+
+import pgfixture
+from history import History, explain
+from serverfixture import ApiClient, MepServer, create_token, db_query, unique_name
+
+REQUEST_BOUND_S = 8  # no request may take longer, also while the database is down
+
+
+def start_servers(workdir, db, n, extra=()):
+    servers = [MepServer(workdir, db, ["--rate-limit", "0", *extra]) for _ in range(n)]
+    errors = []
+
+    def go(s):
+        try:
+            s.start()
+        except Exception as e:  # reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=go, args=(s,)) for s in servers]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    if errors:
+        for s in servers:
+            s.stop()
+        raise errors[0]
+    return servers
+
+
+def metric(port, name):
+    with ApiClient(port) as c:
+        r = c.get("/metrics")
+    total = 0.0
+    for line in r.raw.decode().splitlines():
+        if line.startswith(name):
+            total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+class PgTestCase(unittest.TestCase):
+    def setUp(self):
+        self.dir = tempfile.mkdtemp(prefix="mep-pg-it-")
+        self.servers = []
+        self.db = None
+
+    def tearDown(self):
+        for s in self.servers:
+            s.stop()
+        if self.db is not None:
+            self.db.drop()
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+    def storm(self, clients, names, seconds, history, statuses, token_for, memories_for):
+        """`clients` clients, client i on server i mod n with token_for(i): each claims a
+        random name of `names` for a random memory of memories_for(i) with a short TTL, then
+        renews and/or releases what it got; every answer is recorded."""
+        stop = time.monotonic() + seconds
+
+        def run(i):
+            rnd = random.Random(i)
+            port = self.servers[i % len(self.servers)].port
+            owner = "owner-%d" % i
+            memories = memories_for(i)
+            with ApiClient(port, token_for(i), timeout=REQUEST_BOUND_S) as c:
+                while time.monotonic() < stop:
+                    name, memory = rnd.choice(names), rnd.choice(memories)
+                    t0 = history.begin()
+                    r = c.claim(name, memory, owner, ttl=5)
+                    history.record("claim", t0, r.status, name=name, memory=memory, owner=owner, body=r.json)
+                    statuses.append(("claim", r.status, r.header("Retry-After")))
+                    if r.status != 201:
+                        time.sleep(rnd.uniform(0, 0.02))
+                        continue
+                    token, cname = r.json["fencing_token"], r.json["canonical_name"]
+                    if rnd.random() < 0.5:
+                        t0 = history.begin()
+                        s = c.renew(cname, memory, token, owner, ttl=5)
+                        history.record("renew", t0, s.status, name=cname, memory=memory, owner=owner, token=token,
+                                       body=s.json)
+                        statuses.append(("renew", s.status, s.header("Retry-After")))
+                    t0 = history.begin()
+                    s = c.release(cname, memory, token, owner)
+                    history.record("release", t0, s.status, name=cname, memory=memory, owner=owner, token=token,
+                                   body=s.json)
+                    statuses.append(("release", s.status, s.header("Retry-After")))
+
+        threads = [threading.Thread(target=run, args=(i,), daemon=True) for i in range(clients)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=seconds + 120)
+            self.assertFalse(t.is_alive(), "a client hung")
+
+    def assertConsistent(self, history):
+        violations = history.check()
+        if violations:
+            self.fail("%s\n%s" % (violations, "\n\n".join(explain(history, v) for v in violations[:2])))
+
+    def assertOneLeasePerResource(self):
+        for col in ("canonical_name", "skeleton", "memory_id"):
+            dup = db_query(self.db, "SELECT %s, count(*) FROM leases GROUP BY %s HAVING count(*) > 1" % (col, col))
+            self.assertEqual(dup, [], col)
+
+
+class SharedDatabase(PgTestCase):
+    def test_servers_start_together_on_a_fresh_database(self):
+        self.db = pgfixture.PgDb()
+        self.servers = start_servers(self.dir, self.db, 3)
+        version = db_query(self.db, "SELECT version FROM schema_version")
+        self.assertEqual(version, [(1,)])
+        token = create_token(self.db, "t")
+        for s in self.servers:
+            with s.client(token) as c:
+                self.assertEqual(c.get("/readyz").status, 200)
+                c.new_memory()
+
+    def test_two_servers_shared_db_race(self):
+        self.db = pgfixture.PgDb()
+        token_a = create_token(self.db, "tenant-a")
+        token_b = create_token(self.db, "tenant-b")
+        self.servers = start_servers(self.dir, self.db, 2)
+        names = ["alpha", "bravo", "charlie", "delta", "echo"]
+        with self.servers[0].client(token_a) as c:
+            mem_a = [c.new_memory() for _ in range(5)]
+        with self.servers[1].client(token_b) as c:
+            mem_b = [c.new_memory() for _ in range(3)]
+        history, statuses = History(), []
+        # 200 clients, alternating between the servers: three in four of tenant A on its five
+        # memories, the rest of tenant B on its three; all race for the same five names
+        # (names are global across tenants).
+        def is_a(i):
+            return i % 4 != 0
+
+        self.storm(200, names, 8, history, statuses, lambda i: token_a if is_a(i) else token_b,
+                   lambda i: mem_a if is_a(i) else mem_b)
+        self.assertConsistent(history)
+        codes = {s for _, s, _ in statuses}
+        self.assertTrue(codes <= {201, 204, 200, 409, 410, 423}, codes)
+        grants = sum(1 for k, s, _ in statuses if k == "claim" and s == 201)
+        self.assertGreater(grants, 50)
+        self.assertOneLeasePerResource()
+        print("%d operations from 200 clients on 2 servers, %d grants" % (len(statuses), grants))
+
+
+class Serializable(PgTestCase):
+    def test_serializable_retries_converge(self):
+        self.db = pgfixture.PgDb()
+        token = create_token(self.db, "ser")
+        self.servers = start_servers(self.dir, self.db, 2, ["--isolation", "serializable"])
+        with self.servers[0].client(token) as c:
+            memories = [c.new_memory() for _ in range(2)]
+        history, statuses = History(), []
+        self.storm(48, ["alpha", "bravo"], 8, history, statuses, lambda i: token, lambda i: memories)
+        self.assertConsistent(history)
+        for kind, status, retry_after in statuses:
+            if kind == "claim":
+                self.assertIn(status, (201, 200, 423, 503), (kind, status))
+            self.assertLess(status, 500 if status != 503 else 504, (kind, status))
+            if status == 503:
+                self.assertIsNotNone(retry_after, "503 without Retry-After")
+        retries = sum(metric(s.port, "mep_db_transaction_retries_total") for s in self.servers)
+        grants = sum(1 for k, s, _ in statuses if k == "claim" and s == 201)
+        print("%d operations, %d grants, %d transaction retries, %d answered 503" %
+              (len(statuses), grants, retries, sum(1 for _, s, _ in statuses if s == 503)))
+        self.assertGreater(grants, 20)
+        self.assertGreater(retries, 0, "heavy contention under SERIALIZABLE retried nothing")
+        self.assertOneLeasePerResource()
+
+
+class DatabaseRestart(PgTestCase):
+    def test_db_restart_under_load(self):
+        cluster = pgfixture.PgCluster().start()
+        self.addCleanup(cluster.destroy)
+        self.db = pgfixture.PgDb(cluster.url)
+        token = create_token(self.db, "restart")
+        self.servers = start_servers(self.dir, self.db, 1)
+        server = self.servers[0]
+        with server.client(token) as c:
+            memories = [c.new_memory() for _ in range(8)]
+        history, statuses = History(), []
+        durations = []
+
+        def load():
+            self.storm(8, ["n%d" % i for i in range(8)], 14, history, statuses, lambda i: token, lambda i: memories)
+
+        t = threading.Thread(target=load, daemon=True)
+        t.start()
+        time.sleep(3)
+        cluster.stop()
+        # While it is down: quick 503s with Retry-After, and /readyz not ready.
+        with server.client(token) as c:
+            deadline = time.monotonic() + 10
+            seen_503 = False
+            while time.monotonic() < deadline and not seen_503:
+                t0 = time.monotonic()
+                r = c.claim(unique_name(), memories[0], "probe")
+                durations.append(time.monotonic() - t0)
+                if r.status == 503:
+                    seen_503 = True
+                    self.assertEqual(r.code, "unavailable", r)
+                    self.assertIsNotNone(r.header("Retry-After"), r)
+            self.assertTrue(seen_503, "no 503 while the database was down")
+            ready = c.get("/readyz")
+            self.assertEqual(ready.status, 503, ready)
+        time.sleep(2)
+        cluster.start()
+        # Service resumes by itself.
+        with server.client(token) as c:
+            deadline = time.monotonic() + 30
+            while time.monotonic() < deadline and c.get("/readyz").status != 200:
+                time.sleep(0.2)
+            self.assertEqual(c.get("/readyz").status, 200, "not ready again after the database came back")
+            deadline = time.monotonic() + 30
+            while time.monotonic() < deadline:
+                r = c.claim(unique_name("back"), memories[-1], "after")
+                if r.status in (201, 423):
+                    break
+                time.sleep(0.2)
+            self.assertIn(r.status, (201, 423), r)
+        t.join(timeout=120)
+        self.assertFalse(t.is_alive())
+        self.assertTrue(server.running(), "mep server exited")
+        self.assertLess(max(durations), REQUEST_BOUND_S)
+        codes = {s for _, s, _ in statuses}
+        self.assertNotIn(500, codes)
+        self.assertIn(503, codes)
+        for _, status, retry_after in statuses:
+            if status == 503:
+                self.assertIsNotNone(retry_after)
+        self.assertConsistent(history)
+        grants_after = sum(1 for op in history.ops if op["kind"] == "claim" and op["status"] == 201)
+        print("%d operations, %d grants, %d answered 503 while the database was down" %
+              (len(statuses), grants_after, sum(1 for _, s, _ in statuses if s == 503)))
+        self.assertOneLeasePerResource()
+
+
+if __name__ == "__main__":
+    unittest.main()
