@@ -2,6 +2,8 @@
 
 #include <charconv>
 
+#include <poll.h>
+
 namespace mep::pg {
 namespace {
 
@@ -47,6 +49,16 @@ Conn::Conn(const std::string& url, const std::vector<std::string>& set_commands)
   }
   PQsetNoticeProcessor(m_c, ignore_notice, nullptr);
   for (const auto& s : set_commands) exec(s);
+}
+
+bool Conn::usable() {
+  if (!ok()) return false;
+  pollfd p{PQsocket(m_c), POLLIN, 0};
+  if (p.fd < 0) return false;
+  int n = ::poll(&p, 1, 0);
+  if (n == 0) return true;                          // nothing to read: as we left it
+  if (n < 0 || !PQconsumeInput(m_c)) return false;  // EOF or an error on the socket
+  return false;                                     // unsolicited input on an idle connection
 }
 
 Conn::~Conn() {

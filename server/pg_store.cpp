@@ -8,11 +8,12 @@
 //   authentication and administration borrow spare connections in the calling thread.
 // * Retries: SQLSTATE 40001/40P01 (rolled back, so safe) are retried with capped
 //   exponential backoff and full jitter, at most k_max_attempts times, then 503
-//   transaction-conflict. A lost connection is reopened; a request whose outcome is unknown
-//   is retried once on a fresh connection only when a second execution is harmless (creating
-//   calls replay through their Idempotency-Key; renew, release and verify are idempotent),
-//   otherwise it gets 503 unavailable with Retry-After. Reconnection attempts are spaced
-//   (k_reconnect_gap), so a database that is down costs a request one refused connect.
+//   transaction-conflict. An idle connection is checked before use (Conn::usable) and
+//   reopened when the database went away meanwhile. A call cut off mid-way, its outcome
+//   unknown, is sent once more on a fresh connection only when a second run is harmless
+//   (Job::repeatable); otherwise it gets 503 unavailable with Retry-After. Reconnection
+//   attempts are spaced (k_reconnect_gap): a database that is down costs a request one
+//   refused connect at most.
 // * Idempotent replays are byte-identical because the stored outcome is the structured
 //   result of the function, and the body is rendered from it by one deterministic function
 //   (render_*) both the first time and on every replay.
@@ -259,10 +260,10 @@ void PgStore::migrate() {
   m_spare.push_back(std::move(c));
 }
 
-void PgStore::enqueue(Work work, Done done, std::string request_id) {
+void PgStore::enqueue(Work work, Done done, std::string request_id, bool repeatable) {
   {
     std::lock_guard lock(m_mutex);
-    m_queue.push_back(Job{std::move(work), std::move(done), std::move(request_id)});
+    m_queue.push_back(Job{std::move(work), std::move(done), std::move(request_id), repeatable});
   }
   m_cv.notify_one();
 }
@@ -310,8 +311,9 @@ void PgStore::backoff(int attempt) const {
 }
 
 Reply PgStore::execute(Slot& slot, Job& job) {
-  bool reconnected = false;
+  bool resent = false;
   for (int attempt = 1;; ++attempt) {
+    if (slot.conn && !slot.conn->usable()) slot.conn.reset(); // e.g. the database restarted
     if (!slot.conn) {
       if (Clock::now() < slot.next_attempt) return unavailable(job.request_id);
       try {
@@ -330,8 +332,8 @@ Reply PgStore::execute(Slot& slot, Job& job) {
       if (e.connection_lost()) {
         slot.conn.reset();
         if (m_healthy.exchange(false)) log::warn("database connection lost: {}", e.what());
-        if (!reconnected) { // see the design notes: every queued operation is safe to repeat
-          reconnected = true;
+        if (job.repeatable && !resent) { // see Job::repeatable
+          resent = true;
           continue;
         }
         return unavailable(job.request_id);
@@ -368,15 +370,18 @@ PgStore::Borrowed::~Borrowed() {
 }
 
 template <typename T>
-T PgStore::with_conn(const std::function<T(pg::Conn&)>& fn) {
+T PgStore::with_conn(const std::function<T(pg::Conn&)>& fn, bool repeatable) {
   for (int attempt = 1;; ++attempt) {
     std::unique_ptr<pg::Conn> c;
-    {
-      std::lock_guard lock(m_spare_mutex);
-      if (!m_spare.empty()) {
+    for (;;) { // a spare that went bad while idle (the database restarted) is dropped
+      {
+        std::lock_guard lock(m_spare_mutex);
+        if (m_spare.empty()) break;
         c = std::move(m_spare.back());
         m_spare.pop_back();
       }
+      if (c->usable()) break;
+      c.reset();
     }
     if (!c) {
       auto now = Clock::now().time_since_epoch().count();
@@ -397,7 +402,7 @@ T PgStore::with_conn(const std::function<T(pg::Conn&)>& fn) {
       if (e.connection_lost()) {
         b.discard();
         m_healthy = false;
-        if (attempt == 1) continue;
+        if (repeatable && attempt == 1) continue;
         throw;
       }
       if (e.retryable() && attempt < k_max_attempts) {
@@ -552,7 +557,7 @@ void PgStore::release(const Ctx& ctx, LeaseRef ref, Done done) {
                          ref.owner_client_id, ctx.request_id});
         return finish_simple(r, 204, render_no_content);
       },
-      std::move(done), ctx.request_id);
+      std::move(done), ctx.request_id, false);
 }
 
 void PgStore::verify(const Ctx& ctx, Verify req, Done done) {
@@ -571,7 +576,7 @@ void PgStore::revoke(const Ctx& ctx, std::string canonical_name, Done done) {
         auto r = c.exec("revoke", k_sql_revoke, {ctx.auth.tenant_id, canonical_name, ctx.request_id});
         return finish_simple(r, 204, render_no_content);
       },
-      std::move(done), ctx.request_id);
+      std::move(done), ctx.request_id, false);
 }
 
 // ---- reads ----------------------------------------------------------------------------------
@@ -790,7 +795,7 @@ std::pair<std::string, std::string> PgStore::create_token(const std::string& ten
            "VALUES ($1, $2, $3, $4, mep_now_ms())",
            {uuid_v7().to_string(), tenant_id, sha256_hex(token), scope == Scope::admin ? "lease admin" : "lease"});
     return std::make_pair(tenant_id, token);
-  });
+  }, false);
 }
 
 std::vector<TokenInfo> PgStore::list_tokens(const std::optional<std::string>& tenant_name) {
@@ -812,7 +817,7 @@ bool PgStore::revoke_token(const std::string& token_id) {
     return c.exec({}, "UPDATE tokens SET revoked_at = mep_now_ms() WHERE token_id = $1 AND revoked_at IS NULL",
                   {token_id})
                .affected() > 0;
-  });
+  }, false);
 }
 
 std::vector<AuditRow> PgStore::list_audit(const std::optional<std::string>& tenant_name, std::size_t limit) {

@@ -86,6 +86,10 @@ public:
   Conn& operator=(const Conn&) = delete;
 
   bool ok() const { return PQstatus(m_c) == CONNECTION_OK; }
+  /// For a connection that sat idle: false when it is broken or the server has spoken
+  /// since (an idle connection only hears a goodbye, e.g. FATAL 57P01 on shutdown). Checked
+  /// before sending, so a request never goes out on a connection known to be dead.
+  bool usable();
 
   /// Runs one or more statements without parameters (simple query protocol).
   Result exec(const std::string& sql);

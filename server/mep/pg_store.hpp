@@ -57,6 +57,11 @@ private:
     Work work;
     Done done;
     std::string request_id;
+    /// Whether running it twice is harmless, so that a call cut off with its outcome
+    /// unknown may be sent again on a fresh connection: creating calls (replayed through
+    /// their Idempotency-Key), renew and verify. Not release and revoke, whose second run
+    /// could answer 409/404 for something that was done.
+    bool repeatable = true;
   };
   // A connection slot: the connection (null while disconnected) and when to try again.
   struct Slot {
@@ -79,13 +84,14 @@ private:
   };
 
   void migrate();
-  void enqueue(Work work, Done done, std::string request_id);
+  void enqueue(Work work, Done done, std::string request_id, bool repeatable = true);
   void worker_loop();
   Reply execute(Slot& slot, Job& job);
   /// Runs `fn` on a borrowed connection in the calling thread, with the same retry and
-  /// reconnection rules as the workers. Throws pg::Error when the database is unavailable.
+  /// reconnection rules as the workers (`repeatable` as for Job). Throws pg::Error when the
+  /// database is unavailable.
   template <typename T>
-  T with_conn(const std::function<T(pg::Conn&)>& fn);
+  T with_conn(const std::function<T(pg::Conn&)>& fn, bool repeatable = true);
   std::unique_ptr<pg::Conn> connect();
   Reply unavailable(const std::string& request_id) const;
   Reply read_failure(const pg::Error& e, const std::string& request_id) const;
