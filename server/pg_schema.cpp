@@ -382,10 +382,11 @@ BEGIN
     ELSE
       v_lease_id := p_lease_id;
     END IF;
-    -- The expiry counts from when the row is built (never later than the grant: safe for
-    -- the holder). The answer's server_time is read after the row went in (below): an
-    -- insert may wait for a concurrent claim of the name, which may commit and then be
-    -- released meanwhile, and the grant must not claim a time before that release.
+    -- The grant is stamped when its row goes in. An insert may wait at the unique index for
+    -- a concurrent claim of the name, which may commit and be released meanwhile; a stamp
+    -- taken before that wait would date the grant before that release. So the clock is
+    -- read again after the insert and, if it moved, the row is restamped (below). Either
+    -- stamp is earlier than the commit, so the expiry never outlasts grant + TTL.
     INSERT INTO leases(lease_id, tenant_id, canonical_name, display_name, skeleton, memory_id,
                        fencing_token, owner_client_id, ttl_seconds, expires_at, acquired_at)
     SELECT v_lease_id, p_tenant, p_name, p_display, p_skeleton, p_memory, v_token, p_owner, p_ttl,
@@ -401,6 +402,11 @@ BEGIN
     END IF;
   END LOOP;
   v_now := mep_now_ms();
+  IF v_now <> v_granted_at THEN
+    v_granted_at := v_now;
+    UPDATE leases SET acquired_at = v_granted_at, expires_at = v_granted_at + p_ttl * 1000
+     WHERE lease_id = v_lease_id;
+  END IF;
   UPDATE memories SET fence_counter = v_token WHERE memory_id = p_memory;
   INSERT INTO agent_names(canonical_name, display_name, skeleton, tenant_id, unicode_version,
                           icu_version, first_claimed_at, last_claimed_at)
@@ -414,7 +420,7 @@ BEGIN
   RETURN mep_idem_end(p_tenant, p_key, 201,
            jsonb_build_object('lease_id', v_lease_id, 'canonical_name', p_name,
              'display_name', p_display, 'memory_instance_id', p_memory, 'fencing_token', v_token,
-             'expires_at', v_granted_at + p_ttl * 1000, 'ttl_seconds', p_ttl, 'server_time', v_now,
+             'expires_at', v_granted_at + p_ttl * 1000, 'ttl_seconds', p_ttl, 'server_time', v_granted_at,
              'outcome', CASE WHEN v_reclaim_id IS NOT NULL THEN 'reclaimed' ELSE 'granted' END));
 END
 $$;

@@ -120,15 +120,15 @@ from serverfixture import ApiClient
 port, token, memory, name = sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4]
 c = ApiClient(int(port), token)
 r = c.claim(name, memory, "zombie", ttl=5)
-print(json.dumps({"claimed": r.json["fencing_token"], "canonical_name": r.json["canonical_name"]}), flush=True)
+print(json.dumps({"claimed": r.json["fencing_token"], "canonical_name": r.json["canonical_name"],
+                  "status": r.status, "body": r.json}), flush=True)
 sys.stdin.readline()
 t, n = r.json["fencing_token"], r.json["canonical_name"]
-out = {
-    "renew": c.renew(n, memory, t, "zombie").json,
-    "release": c.release(n, memory, t, "zombie").json,
-    "branch": c.branch(memory, t).json,
-    "verify": c.verify(memory, t).json,
-}
+out = {}
+for op, call in (("renew", lambda: c.renew(n, memory, t, "zombie")), ("release", lambda: c.release(n, memory, t, "zombie")),
+                 ("branch", lambda: c.branch(memory, t)), ("verify", lambda: c.verify(memory, t))):
+    resp = call()
+    out[op] = {"status": resp.status, "body": resp.json}
 print(json.dumps(out), flush=True)
 """
 
@@ -149,24 +149,34 @@ class ZombieTest(unittest.TestCase):
         with self.server.client(self.token) as c:
             memory = c.new_memory()
         name = unique_name("zombie")
+        history = History()
+        t_spawn = history.begin()
         child = subprocess.Popen([sys.executable, "-c", ZOMBIE, str(self.server.port), self.token, memory, name],
                                  stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
                                  cwd=os.path.dirname(os.path.abspath(__file__)))
         try:
             first = json.loads(child.stdout.readline())
+            history.record("claim", t_spawn, first["status"], name=name, memory=memory, owner="zombie",
+                           body=first["body"])
             os.kill(child.pid, signal.SIGSTOP)  # the holder pauses past its TTL
             time.sleep(5.5)
             with self.server.client(self.token) as c:
+                t0 = history.begin()
                 r = c.claim(name, memory, "new-owner")
+                history.record("claim", t0, r.status, name=name, memory=memory, owner="new-owner", body=r.json)
                 self.assertEqual(r.status, 201, r)
                 new_token = r.json["fencing_token"]
             self.assertGreater(new_token, first["claimed"])
             os.kill(child.pid, signal.SIGCONT)
+            t_go = history.begin()
             child.stdin.write("go\n")
             child.stdin.flush()
             results = json.loads(child.stdout.readline())
-            for op, problem in results.items():
-                self.assertEqual(problem.get("code"), "stale-fence", f"{op}: {problem}")
+            for op, res in results.items():
+                history.record(op, t_go, res["status"], name=first["canonical_name"], memory=memory,
+                               owner="zombie", token=first["claimed"], body=res["body"])
+                self.assertEqual(res["body"].get("code"), "stale-fence", f"{op}: {res}")
+            self.assertEqual(history.check(), [])
             with self.server.client(self.token) as c:
                 lease = c.get_lease(first["canonical_name"])
                 self.assertEqual(lease.status, 200)
