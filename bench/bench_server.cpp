@@ -353,7 +353,8 @@ Result run_pgbench(const std::string& url, const std::string& script_path, int c
   return r;
 }
 
-void run_postgresql(const std::string& pg_arg, double seconds) {
+// Returns false when the PostgreSQL run could not be made (the smoke test then fails).
+bool run_postgresql(const std::string& pg_arg, double seconds) {
   fs::path dir = fs::path("/var/tmp") / ("mep-bench-pg-" + std::to_string(::getpid()));
   fs::create_directories(dir);
   std::string script = g_source + "/scripts/pg-test-cluster.sh";
@@ -363,7 +364,7 @@ void run_postgresql(const std::string& pg_arg, double seconds) {
     admin = run_capture("MEP_PG_DURABLE=1 bash '" + script + "' start '" + (dir / "cluster").string() + "'");
     if (admin.rfind("postgresql://", 0) != 0) {
       std::fprintf(stderr, "cannot start PostgreSQL: %s\n", admin.c_str());
-      return;
+      return false;
     }
   }
   std::string name = "mep_bench_" + std::to_string(::getpid());
@@ -373,17 +374,17 @@ void run_postgresql(const std::string& pg_arg, double seconds) {
   std::string token = field(created, "token"), tenant = field(created, "tenant_id");
   if (token.rfind("mep_", 0) != 0) {
     std::fprintf(stderr, "cannot create a token on PostgreSQL: %s\n", created.c_str());
-    return;
+    return false;
   }
   std::string settings = psql(url, "SELECT current_setting('server_version') || ', fsync=' || current_setting('fsync') "
                                    "|| ', synchronous_commit=' || current_setting('synchronous_commit')");
   // The floor: pgbench calling the same claim function (and release) in one round trip each.
   psql(url, "INSERT INTO memories(memory_id, tenant_id, fence_counter, created_at) SELECT 'pgb-' || g, '" + tenant +
                 "', 0, 0 FROM generate_series(0, 63) g");
-  std::string claim = "SELECT (result->>'fencing_token') AS tok FROM mep_claim('" + tenant +
+  std::string claim = "SELECT mep_claim('" + tenant +
                       "', 'pgb-' || :client_id || '-' || :k, 'fp', 'rid', NULL, 'pgb' || :client_id, "
                       "'pgb' || :client_id, 'pgb' || :client_id, 'pgb-' || :client_id, 'pgbench', 60, "
-                      "'lease-' || :client_id || '-' || :k, 'u', 'i')";
+                      "'lease-' || :client_id || '-' || :k, 'u', 'i') -> 'result' ->> 'fencing_token' AS tok";
   std::string cycle = (dir / "cycle.sql").string(), reclaim = (dir / "reclaim.sql").string();
   {
     std::ofstream f(cycle);
@@ -427,6 +428,12 @@ void run_postgresql(const std::string& pg_arg, double seconds) {
   psql(admin, "DROP DATABASE IF EXISTS " + name + " WITH (FORCE)");
   if (own) run_capture("bash '" + script + "' stop '" + (dir / "cluster").string() + "'");
   fs::remove_all(dir);
+  bool ok = true;
+  for (const Result* r : {&floor_cycle[0], &floor_cycle[1], &floor_cycle[2], &floor_reclaim[0], &floor_reclaim[1],
+                          &floor_reclaim[2]})
+    if (r->ops_per_s <= 0) ok = false;
+  if (!ok) std::fprintf(stderr, "pgbench did not run: the PostgreSQL table is incomplete\n");
+  return ok;
 }
 
 } // namespace
@@ -500,6 +507,6 @@ int main(int argc, char** argv) {
   ::waitpid(s.pid, nullptr, 0);
   s.pid = -1;
   fs::remove_all(dir);
-  if (pg != "off") run_postgresql(pg, seconds);
+  if (pg != "off" && !run_postgresql(pg, seconds)) return 1;
   return 0;
 }

@@ -9,6 +9,7 @@
 #include "mep/sqlite_store.hpp"
 
 #include <boost/asio/ip/address.hpp>
+#include <boost/asio/post.hpp>
 #include <boost/asio/signal_set.hpp>
 #include <boost/asio/steady_timer.hpp>
 
@@ -127,6 +128,7 @@ int run_server(const ServerOptions& o) {
   // 3. Bind and start serving.
   std::signal(SIGPIPE, SIG_IGN);
   net::io_context ioc(o.threads);
+  store->set_completion_executor([&ioc](std::function<void()> f) { net::post(ioc, std::move(f)); });
   Router router(*store, o.rate_limit);
   std::unique_ptr<HttpServer> http;
   try {
@@ -165,6 +167,7 @@ int run_server(const ServerOptions& o) {
   for (int i = 1; i < o.threads; ++i) pool.emplace_back([&] { ioc.run(); });
   ioc.run();
   for (auto& t : pool) t.join();
+  store->set_completion_executor({}); // the io_context goes first; nothing may post to it
   log::info("stopped");
   return exit_code::ok;
 }

@@ -341,6 +341,16 @@ void SqliteStore::run_batch(std::vector<Job>& batch) {
     m_healthy = false;
     for (std::size_t i = 0; i < batch.size(); ++i) replies[i] = unavailable(batch[i].request_id);
   }
+  if (m_complete && batch.size() > 1) {
+    // One hand-over for the whole batch (see Store::set_completion_executor).
+    std::vector<std::pair<Done, Reply>> finished;
+    finished.reserve(batch.size());
+    for (std::size_t i = 0; i < batch.size(); ++i) finished.emplace_back(std::move(batch[i].done), std::move(replies[i]));
+    m_complete([finished = std::move(finished)]() mutable {
+      for (auto& [done, reply] : finished) done(std::move(reply));
+    });
+    return;
+  }
   for (std::size_t i = 0; i < batch.size(); ++i) batch[i].done(std::move(replies[i]));
 }
 

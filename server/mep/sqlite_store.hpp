@@ -42,6 +42,7 @@ public:
   std::int64_t active_leases() override;
   std::int64_t sweep() override;
   bool migration_in_progress() override;
+  void set_completion_executor(CompletionExecutor executor) override { m_complete = std::move(executor); }
   void identity_map(const Ctx&, std::optional<std::string> cursor, std::size_t limit, Done) override;
   /// The database file (for tools that work on it directly, such as mep migrate).
   const std::string& path() const { return m_path; }
@@ -113,6 +114,7 @@ private:
   std::atomic<bool> m_healthy{true};
   std::atomic<bool> m_migration_in_progress{false};
   std::thread m_writer;
+  CompletionExecutor m_complete; // set before the first operation, read by the writer
 
   std::mutex m_readers_mutex;
   std::vector<std::unique_ptr<sqlite::Db>> m_readers;

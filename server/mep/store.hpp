@@ -156,6 +156,12 @@ public:
   /// Deletes expired leases and idempotency records (bounded work per call); returns
   /// how many rows were removed.
   virtual std::int64_t sweep() = 0;
+  /// Where to run completion callbacks: given, a store that finishes many operations at
+  /// once (SQLite group commit) hands them over in one call instead of calling each `done`
+  /// on its own thread, so a batch costs the server one cross-thread wake-up, not one per
+  /// request. Set before the first operation.
+  using CompletionExecutor = std::function<void(std::function<void()>)>;
+  virtual void set_completion_executor(CompletionExecutor) {}
   /// Transaction retries so far (PostgreSQL serializable mode; 0 elsewhere).
   virtual std::int64_t transaction_retries() { return 0; }
   /// True between `mep migrate run` and `mep migrate activate` (SPEC §10): lease
