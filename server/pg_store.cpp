@@ -212,8 +212,12 @@ PgStore::~PgStore() {
   {
     std::lock_guard lock(m_mutex);
     m_stopping = true;
+    for (Idle* w : m_idle) {
+      w->woken = true;
+      w->cv.notify_one();
+    }
+    m_idle.clear();
   }
-  m_cv.notify_all();
   for (auto& t : m_workers) t.join();
 }
 
@@ -261,20 +265,30 @@ void PgStore::migrate() {
 }
 
 void PgStore::enqueue(Work work, Done done, std::string request_id, bool repeatable) {
-  {
-    std::lock_guard lock(m_mutex);
-    m_queue.push_back(Job{std::move(work), std::move(done), std::move(request_id), repeatable});
+  std::lock_guard lock(m_mutex);
+  m_queue.push_back(Job{std::move(work), std::move(done), std::move(request_id), repeatable});
+  // Wake the worker that went idle last (LIFO): under light load the same few threads,
+  // connections and database backends do the work, warm in every cache.
+  if (!m_idle.empty()) {
+    Idle* w = m_idle.back();
+    m_idle.pop_back();
+    w->woken = true;
+    w->cv.notify_one();
   }
-  m_cv.notify_one();
 }
 
 void PgStore::worker_loop() {
   Slot slot;
+  Idle self;
   for (;;) {
     Job job;
     {
       std::unique_lock lock(m_mutex);
-      m_cv.wait(lock, [&] { return !m_queue.empty() || m_stopping; });
+      while (m_queue.empty() && !m_stopping) {
+        self.woken = false;
+        m_idle.push_back(&self);
+        self.cv.wait(lock, [&] { return self.woken; });
+      }
       if (m_queue.empty()) return;
       job = std::move(m_queue.front());
       m_queue.pop_front();

@@ -101,9 +101,15 @@ private:
   StoreOptions m_options;
   std::vector<std::string> m_session_setup;
 
+  // An idle worker, waiting to be handed the queue's next job (under m_mutex).
+  struct Idle {
+    std::condition_variable cv;
+    bool woken = false;
+  };
+
   std::mutex m_mutex;
-  std::condition_variable m_cv;
   std::deque<Job> m_queue;
+  std::vector<Idle*> m_idle; // most recently idle last
   bool m_stopping = false;
   std::vector<std::thread> m_workers;
 
