@@ -4,8 +4,9 @@
 // * Every lease operation is one call of a server-side function (pg_schema.cpp): one round
 //   trip, one transaction, committed before the reply (PostgreSQL's own group commit
 //   batches the WAL flushes of concurrent commits). The database clock is the only clock.
-// * Threads: `pool` workers, each owning one connection, take jobs from one queue; reads,
-//   authentication and administration borrow spare connections in the calling thread.
+// * Threads: `pool` workers, each owning one connection, take jobs from one queue, the most
+//   recently idle worker first (warm connection and backend); reads, authentication and
+//   administration borrow spare connections in the calling thread.
 // * Retries: SQLSTATE 40001/40P01 (rolled back, so safe) are retried with capped
 //   exponential backoff and full jitter, at most k_max_attempts times, then 503
 //   transaction-conflict. An idle connection is checked before use (Conn::usable) and
