@@ -2,6 +2,7 @@
 
 #include <charconv>
 
+#include <cerrno>
 #include <poll.h>
 
 namespace mep::pg {
@@ -80,20 +81,61 @@ Result Conn::check(PGresult* r, std::string_view what) {
   throw Error(msg, sqlstate, lost);
 }
 
-Result Conn::exec(const std::string& sql) { return check(PQexec(m_c, sql.c_str()), "query failed"); }
+PGresult* Conn::await(std::string_view what) {
+  auto deadline = std::chrono::steady_clock::now() + m_timeout;
+  PGresult* keep = nullptr; // the first error, else the last result
+  auto give_up = [&](const std::string& why, bool timed_out) -> PGresult* {
+    if (keep) PQclear(keep);
+    m_broken = true; // the protocol state is unknown: this connection is done
+    throw Error(std::string(what) + ": " + why, "", true, timed_out);
+  };
+  for (;;) {
+    while (PQisBusy(m_c)) {
+      auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - std::chrono::steady_clock::now());
+      if (left.count() <= 0)
+        return give_up("no answer from PostgreSQL within " + std::to_string(m_timeout.count()) + " ms", true);
+      pollfd p{PQsocket(m_c), POLLIN, 0};
+      int n = ::poll(&p, 1, static_cast<int>(std::min<long long>(left.count(), 1000)));
+      if (n < 0 && errno != EINTR) return give_up("poll failed", false);
+      if (n > 0 && !PQconsumeInput(m_c)) return give_up(first_line(PQerrorMessage(m_c)), false);
+    }
+    PGresult* r = PQgetResult(m_c);
+    if (!r) break;
+    if (!keep) {
+      keep = r;
+    } else if (PQresultStatus(keep) == PGRES_FATAL_ERROR) {
+      PQclear(r); // the first error is the one to report
+    } else {
+      PQclear(keep);
+      keep = r;
+    }
+  }
+  return keep; // null: the connection broke (check() reports it)
+}
+
+Result Conn::exec(const std::string& sql) {
+  if (!PQsendQuery(m_c, sql.c_str())) return check(nullptr, "query failed");
+  return check(await("query failed"), "query failed");
+}
 
 Result Conn::exec(const std::string& name, const std::string& sql, const std::vector<Param>& params) {
   std::vector<const char*> values;
   values.reserve(params.size());
   for (const auto& p : params) values.push_back(p ? p->c_str() : nullptr);
   int n = static_cast<int>(values.size());
-  if (name.empty())
-    return check(PQexecParams(m_c, sql.c_str(), n, nullptr, values.data(), nullptr, nullptr, 0), "query failed");
+  if (name.empty()) {
+    if (!PQsendQueryParams(m_c, sql.c_str(), n, nullptr, values.data(), nullptr, nullptr, 0))
+      return check(nullptr, "query failed");
+    return check(await("query failed"), "query failed");
+  }
   if (!m_prepared.count(name)) {
-    check(PQprepare(m_c, name.c_str(), sql.c_str(), n, nullptr), "prepare failed");
+    if (!PQsendPrepare(m_c, name.c_str(), sql.c_str(), n, nullptr)) return check(nullptr, "prepare failed");
+    check(await("prepare failed"), "prepare failed");
     m_prepared.insert(name);
   }
-  return check(PQexecPrepared(m_c, name.c_str(), n, values.data(), nullptr, nullptr, 0), "query failed");
+  if (!PQsendQueryPrepared(m_c, name.c_str(), n, values.data(), nullptr, nullptr, 0))
+    return check(nullptr, "query failed");
+  return check(await("query failed"), "query failed");
 }
 
 std::string text_array(const std::vector<std::string>& items) {

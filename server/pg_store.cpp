@@ -48,6 +48,11 @@ using Clock = std::chrono::steady_clock;
 constexpr int k_schema_version = 1;
 constexpr int k_max_attempts = 10;
 constexpr auto k_reconnect_gap = std::chrono::milliseconds(500);
+// How long a call waits for the database's answer before giving the connection up: the
+// workers' covers statement_timeout (10 s, set per session) with a margin; synchronous
+// calls on the I/O threads wait less.
+constexpr auto k_worker_timeout = std::chrono::milliseconds(15000);
+constexpr auto k_sync_timeout = std::chrono::milliseconds(3000);
 
 std::int64_t i64(const json::value& v) {
   if (v.is_int64()) return v.as_int64();
@@ -202,8 +207,8 @@ PgStore::PgStore(const std::string& url, const StoreOptions& options) : m_url(ur
       m_options.isolation == Isolation::serializable
           ? "SET default_transaction_isolation TO 'serializable'"
           : "SET default_transaction_isolation TO 'read committed'",
-      "SET statement_timeout TO '30s'",
-      "SET lock_timeout TO '10s'",
+      "SET statement_timeout TO '10s'",
+      "SET lock_timeout TO '5s'",
   };
   migrate();
   for (int i = 0; i < m_options.pool; ++i) m_workers.emplace_back([this] { worker_loop(); });
@@ -333,6 +338,7 @@ Reply PgStore::execute(Slot& slot, Job& job) {
       if (Clock::now() < slot.next_attempt) return unavailable(job.request_id);
       try {
         slot.conn = connect();
+        slot.conn->set_timeout(k_worker_timeout);
       } catch (const pg::Error& e) {
         slot.next_attempt = Clock::now() + k_reconnect_gap;
         if (m_healthy.exchange(false)) log::warn("{}", e.what());
@@ -347,7 +353,7 @@ Reply PgStore::execute(Slot& slot, Job& job) {
       if (e.connection_lost()) {
         slot.conn.reset();
         if (m_healthy.exchange(false)) log::warn("database connection lost: {}", e.what());
-        if (job.repeatable && !resent) { // see Job::repeatable
+        if (job.repeatable && !resent && !e.timed_out()) { // see Job::repeatable
           resent = true;
           continue;
         }
@@ -410,6 +416,9 @@ T PgStore::with_conn(const std::function<T(pg::Conn&)>& fn, bool repeatable) {
         throw;
       }
     }
+    // Synchronous calls run on the server's I/O threads (authentication, reads, /readyz):
+    // they wait for a silent database less long than the workers do.
+    c->set_timeout(k_sync_timeout);
     Borrowed b(this, std::move(c));
     try {
       return fn(*b);
@@ -417,7 +426,7 @@ T PgStore::with_conn(const std::function<T(pg::Conn&)>& fn, bool repeatable) {
       if (e.connection_lost()) {
         b.discard();
         m_healthy = false;
-        if (repeatable && attempt == 1) continue;
+        if (repeatable && attempt == 1 && !e.timed_out()) continue;
         throw;
       }
       if (e.retryable() && attempt < k_max_attempts) {

@@ -18,17 +18,20 @@ namespace mep::pg {
 /// A failed call. `sqlstate` is empty when the server sent none (connection trouble).
 class Error : public std::runtime_error {
 public:
-  Error(const std::string& what, std::string sqlstate, bool connection_lost)
-      : std::runtime_error(what), m_sqlstate(std::move(sqlstate)), m_lost(connection_lost) {}
+  Error(const std::string& what, std::string sqlstate, bool connection_lost, bool timed_out = false)
+      : std::runtime_error(what), m_sqlstate(std::move(sqlstate)), m_lost(connection_lost), m_timed_out(timed_out) {}
   const std::string& sqlstate() const { return m_sqlstate; }
   /// The connection is unusable; the outcome of the call is unknown.
   bool connection_lost() const { return m_lost; }
   /// 40001 serialization_failure or 40P01 deadlock_detected: rolled back, safe to retry.
   bool retryable() const { return m_sqlstate == "40001" || m_sqlstate == "40P01"; }
+  /// No answer within the connection's timeout (the connection was given up).
+  bool timed_out() const { return m_timed_out; }
 
 private:
   std::string m_sqlstate;
   bool m_lost;
+  bool m_timed_out;
 };
 
 /// A query result (owns the PGresult).
@@ -85,7 +88,12 @@ public:
   Conn(const Conn&) = delete;
   Conn& operator=(const Conn&) = delete;
 
-  bool ok() const { return PQstatus(m_c) == CONNECTION_OK; }
+  bool ok() const { return !m_broken && PQstatus(m_c) == CONNECTION_OK; }
+  /// How long a call may wait for its answer; beyond it the connection is given up and the
+  /// call fails with Error::timed_out(). A database that stops answering (a frozen process,
+  /// a partition that drops packets) then costs a request this long, not forever.
+  void set_timeout(std::chrono::milliseconds t) { m_timeout = t; }
+  std::chrono::milliseconds timeout() const { return m_timeout; }
   /// For a connection that sat idle: false when it is broken or the server has spoken
   /// since (an idle connection only hears a goodbye, e.g. FATAL 57P01 on shutdown). Checked
   /// before sending, so a request never goes out on a connection known to be dead.
@@ -99,8 +107,12 @@ public:
 
 private:
   Result check(PGresult* r, std::string_view what);
+  /// Collects the answer to what was just sent (PQsend*), waiting at most m_timeout.
+  PGresult* await(std::string_view what);
 
   PGconn* m_c = nullptr;
+  bool m_broken = false;
+  std::chrono::milliseconds m_timeout{15000};
   std::set<std::string> m_prepared;
 };
 

@@ -8,12 +8,17 @@
   request ends in 500: claims end 201/200/423 or 503 with Retry-After, and retries happen;
 - `db_restart_under_load`: the database stops under load and starts again; requests get
   503 with Retry-After (never a hang), /readyz says not ready, and service resumes without
-  restarting mep server.
+  restarting mep server;
+- `db_frozen_requests_bounded`: every PostgreSQL process is stopped (SIGSTOP), so
+  connections stay open and silent; requests still end, in 503 with Retry-After within
+  seconds, and service resumes after SIGCONT.
 
 The other control-plane suites run on PostgreSQL too (ctest's *_pg tests).
 """
 import os
 import random
+import signal
+import subprocess
 import shutil
 import tempfile
 import threading
@@ -254,6 +259,65 @@ class DatabaseRestart(PgTestCase):
         print("%d operations, %d grants, %d answered 503 while the database was down" %
               (len(statuses), grants_after, sum(1 for _, s, _ in statuses if s == 503)))
         self.assertOneLeasePerResource()
+
+
+def cluster_pids(cluster):
+    """The postmaster and its children (the whole database server)."""
+    with open(os.path.join(cluster.dir, "data", "postmaster.pid")) as f:
+        postmaster = int(f.readline())
+    out = subprocess.run(["pgrep", "-P", str(postmaster)], capture_output=True, text=True).stdout.split()
+    return [postmaster] + [int(p) for p in out]
+
+
+class DatabaseFrozen(PgTestCase):
+    def test_db_frozen_requests_bounded(self):
+        cluster = pgfixture.PgCluster().start()
+        self.addCleanup(cluster.destroy)
+        self.db = pgfixture.PgDb(cluster.url)
+        token = create_token(self.db, "frozen")
+        self.servers = start_servers(self.dir, self.db, 1)
+        server = self.servers[0]
+        with server.client(token) as c:
+            memory = c.new_memory()
+            r = c.claim(unique_name(), memory, "before", ttl=300)
+            self.assertEqual(r.status, 201, r)
+            held = r.json
+        pids = cluster_pids(cluster)
+        stopped = []
+
+        def thaw():
+            for pid in stopped:
+                try:
+                    os.kill(pid, signal.SIGCONT)
+                except ProcessLookupError:
+                    pass
+
+        self.addCleanup(thaw)
+        for pid in pids:
+            os.kill(pid, signal.SIGSTOP)
+            stopped.append(pid)
+        # Connections stay open; nothing answers. Every request still ends, soon, in a 503.
+        with ApiClient(server.port, token, timeout=60) as c:
+            for call in (lambda: c.claim(unique_name(), memory, "frozen"),
+                         lambda: c.renew(held["canonical_name"], memory, held["fencing_token"], "before"),
+                         lambda: c.get("/readyz"),
+                         lambda: c.get_lease(held["canonical_name"])):
+                t0 = time.monotonic()
+                r = call()
+                took = time.monotonic() - t0
+                self.assertEqual(r.status, 503, r)
+                self.assertIsNotNone(r.header("Retry-After"), r)
+                self.assertLess(took, 20, "a request waited %.1f s for a frozen database" % took)
+        thaw()
+        # Service resumes by itself.
+        with ApiClient(server.port, token, timeout=60) as c:
+            deadline = time.monotonic() + 30
+            while time.monotonic() < deadline and c.get("/readyz").status != 200:
+                time.sleep(0.2)
+            self.assertEqual(c.get("/readyz").status, 200)
+            r = c.renew(held["canonical_name"], memory, held["fencing_token"], "before")
+            self.assertEqual(r.status, 200, r)
+        self.assertTrue(server.running())
 
 
 if __name__ == "__main__":
