@@ -138,7 +138,7 @@ int run_server(const ServerOptions& o) {
     return exit_code::other;
   }
   http->start();
-  Sweeper sweeper(*store);
+  auto sweeper = std::make_unique<Sweeper>(*store);
 
   // 4. SIGTERM/SIGINT: stop accepting, let requests in flight finish (at most 5 s).
   net::signal_set signals(ioc, SIGINT, SIGTERM);
@@ -167,7 +167,10 @@ int run_server(const ServerOptions& o) {
   for (int i = 1; i < o.threads; ++i) pool.emplace_back([&] { ioc.run(); });
   ioc.run();
   for (auto& t : pool) t.join();
-  store->set_completion_executor({}); // the io_context goes first; nothing may post to it
+  // The store finishes what it has queued and stops its threads while the io_context it
+  // posts completions to still exists (stopped: they are dropped, not run).
+  sweeper.reset();
+  store.reset();
   log::info("stopped");
   return exit_code::ok;
 }
