@@ -16,6 +16,7 @@ import threading
 import time
 import unittest
 
+import pgfixture
 from mephelpers import mep_bin
 
 START_TIMEOUT_S = 30
@@ -135,12 +136,15 @@ class Proc:
 
 
 class MepServer:
-    """A real `mep server` on 127.0.0.1 (free port) with its own SQLite database."""
+    """A real `mep server` on 127.0.0.1 (free port) with its own database: a SQLite file, or
+    a fresh PostgreSQL database when $MEP_TEST_BACKEND is `postgresql` (pgfixture.py; it
+    lives as long as the test cluster)."""
 
     def __init__(self, workdir, env, log_level="info"):
         self.workdir = workdir
         self.env = env
-        self.db = "sqlite:" + os.path.join(workdir, "control.db")
+        self.pgdb = pgfixture.PgDb() if pgfixture.backend() == "postgresql" else None
+        self.db = self.pgdb.url if self.pgdb else "sqlite:" + os.path.join(workdir, "control.db")
         self.log_level = log_level
         self.proc = None
         self.port = None
@@ -188,6 +192,19 @@ class MepServer:
 
     def log_text(self):
         return "".join(p.log_text() for p in self.logs)
+
+    def stored_bytes(self):
+        """Everything the database holds, as bytes (for privacy checks): the SQLite file and
+        its WAL, or every row of every PostgreSQL table."""
+        if self.pgdb:
+            return repr(self.pgdb.snapshot(ignore_auth_failures=False)).encode()
+        out = b""
+        for suffix in ("", "-wal"):
+            p = self.db[len("sqlite:"):] + suffix
+            if os.path.exists(p):
+                with open(p, "rb") as f:
+                    out += f.read()
+        return out
 
     def stop(self):
         if self.proc:
@@ -238,6 +255,19 @@ class Mepd:
 
     def log_text(self):
         return "".join(p.log_text() for p in self.logs)
+
+    def stored_bytes(self):
+        """Everything the database holds, as bytes (for privacy checks): the SQLite file and
+        its WAL, or every row of every PostgreSQL table."""
+        if self.pgdb:
+            return repr(self.pgdb.snapshot(ignore_auth_failures=False)).encode()
+        out = b""
+        for suffix in ("", "-wal"):
+            p = self.db[len("sqlite:"):] + suffix
+            if os.path.exists(p):
+                with open(p, "rb") as f:
+                    out += f.read()
+        return out
 
     def stop(self):
         if self.proc:

@@ -743,12 +743,7 @@ class RemoteDaemonTests(DaemonTestCase):
                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=self.env, timeout=60,
                                check=False)
         self.assertEqual(audit.returncode, 0, audit.stderr)
-        db_bytes = b""
-        for suffix in ("", "-wal"):
-            p = self.server.db[len("sqlite:"):] + suffix
-            if os.path.exists(p):
-                with open(p, "rb") as f:
-                    db_bytes += f.read()
+        db_bytes = self.server.stored_bytes()
         haystacks = {
             "bytes sent to the control plane": up,
             "bytes received from the control plane": down,
