@@ -677,29 +677,39 @@ void PgStore::get_memory(const Ctx& ctx, std::string memory_id, Done done) {
 }
 
 void PgStore::lineage(const Ctx& ctx, std::string memory_id, Done done) {
+  // One round trip: the memory, its ancestors (nearest first, within the tenant) and its
+  // children (by id).
+  static constexpr const char* k_sql =
+      "WITH RECURSIVE chain AS ("
+      "  SELECT memory_id, tenant_id, parent_memory_id, branched_at_token, fence_counter, created_at, 0 AS depth"
+      "    FROM memories WHERE memory_id = $1 AND tenant_id = $2"
+      "  UNION ALL"
+      "  SELECT p.memory_id, p.tenant_id, p.parent_memory_id, p.branched_at_token, p.fence_counter, p.created_at,"
+      "         c.depth + 1"
+      "    FROM memories p JOIN chain c ON p.memory_id = c.parent_memory_id"
+      "   WHERE p.tenant_id = $2 AND c.depth < 100000) "
+      "SELECT 0 AS kind, depth AS ord, memory_id, tenant_id, parent_memory_id, branched_at_token, fence_counter,"
+      "       created_at, '' AS k FROM chain "
+      "UNION ALL "
+      "SELECT 1, 0, memory_id, tenant_id, parent_memory_id, branched_at_token, fence_counter, created_at, memory_id"
+      "  FROM memories WHERE parent_memory_id = $1 AND tenant_id = $2"
+      "   AND EXISTS (SELECT 1 FROM memories WHERE memory_id = $1 AND tenant_id = $2) "
+      "ORDER BY kind, ord, k";
   Reply r;
   try {
     r = with_conn<Reply>([&](pg::Conn& c) {
-      auto m = find_memory(c, memory_id);
-      if (!m || m->tenant_id != ctx.auth.tenant_id)
+      auto res = c.exec("lineage", k_sql, {memory_id, ctx.auth.tenant_id});
+      if (res.rows() == 0 || res.int64(0, 0) != 0 || res.int64(0, 1) != 0)
         return problem_reply(Problem(Code::memory_not_found, "no such memory for this tenant"), ctx.request_id);
-      json::array ancestors;
-      auto cur = m;
-      for (int depth = 0; cur->parent_memory_id && depth < 100000; ++depth) {
-        cur = find_memory(c, *cur->parent_memory_id);
-        if (!cur || cur->tenant_id != ctx.auth.tenant_id) break;
-        ancestors.emplace_back(memory_json(*cur));
-      }
-      auto kids = c.exec("lineage_children",
-                         "SELECT memory_id, tenant_id, parent_memory_id, branched_at_token, fence_counter, "
-                         "created_at FROM memories WHERE parent_memory_id = $1 AND tenant_id = $2 ORDER BY memory_id",
-                         {memory_id, ctx.auth.tenant_id});
-      json::array children;
-      for (int i = 0; i < kids.rows(); ++i)
-        children.emplace_back(memory_json(MemoryRow{kids.text(i, 0), kids.text(i, 1), kids.opt_text(i, 2),
-                                                    kids.opt_int64(i, 3), kids.int64(i, 4), kids.int64(i, 5)}));
+      auto row = [&](int i) {
+        return MemoryRow{res.text(i, 2), res.text(i, 3), res.opt_text(i, 4),
+                         res.opt_int64(i, 5), res.int64(i, 6), res.int64(i, 7)};
+      };
+      json::array ancestors, children;
+      for (int i = 1; i < res.rows(); ++i)
+        (res.int64(i, 0) == 0 ? ancestors : children).emplace_back(memory_json(row(i)));
       json::object o{{"memory_instance_id", memory_id},
-                     {"memory", memory_json(*m)},
+                     {"memory", memory_json(row(0))},
                      {"ancestors", std::move(ancestors)},
                      {"children", std::move(children)}};
       return json_reply(200, o);
