@@ -10,9 +10,12 @@ namespace {
 
 void ignore_notice(void*, const char*) {}
 
+// libpq's messages run over several lines (a hint on the second); logs and the CLI keep
+// one line each.
 std::string first_line(const char* msg) {
   std::string s = msg ? msg : "";
-  while (!s.empty() && (s.back() == '\n' || s.back() == ' ')) s.pop_back();
+  s = s.substr(0, s.find('\n'));
+  while (!s.empty() && s.back() == ' ') s.pop_back();
   return s;
 }
 

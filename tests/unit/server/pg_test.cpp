@@ -36,5 +36,6 @@ TEST_CASE("a connection that cannot be made is an Error saying so, not a crash")
     CHECK(e.connection_lost());
     CHECK_FALSE(e.retryable());
     CHECK(std::string(e.what()).find("cannot connect to PostgreSQL") != std::string::npos);
+    CHECK(std::string(e.what()).find('\n') == std::string::npos); // one line for the CLI and logs
   }
 }
