@@ -310,16 +310,23 @@ static Problem bad_text() {
   return Problem(Code::invalid_request, "a text value contains a NUL character or is not valid UTF-8");
 }
 
-Reply PgStore::read_failure(const pg::Error& e, const std::string& request_id) const {
-  if (e.sqlstate() == "22021" || e.sqlstate() == "22P05") return problem_reply(bad_text(), request_id);
-  log::error("read failed: {}", e.what());
-  return unavailable(request_id);
+void PgStore::read(const Ctx& ctx, Done done, const std::function<Reply(pg::Conn&)>& fn) {
+  Reply r;
+  try {
+    r = with_conn<Reply>(fn);
+  } catch (const pg::Error& e) {
+    if (e.sqlstate() == "22021" || e.sqlstate() == "22P05") {
+      r = problem_reply(bad_text(), ctx.request_id);
+    } else {
+      log::error("read failed: {}", e.what());
+      r = unavailable(ctx.request_id);
+    }
+  }
+  done(std::move(r));
 }
 
 Reply PgStore::unavailable(const std::string& request_id) const {
-  Problem p(Code::unavailable, "the database is unavailable; retry later");
-  p.retry_after_s = 1;
-  return problem_reply(std::move(p), request_id);
+  return problem_reply(db_unavailable(), request_id);
 }
 
 void PgStore::backoff(int attempt) const {
@@ -606,12 +613,10 @@ void PgStore::revoke(const Ctx& ctx, std::string canonical_name, Done done) {
 // ---- reads ----------------------------------------------------------------------------------
 
 void PgStore::get_lease(const Ctx& ctx, std::string canonical_name, Done done) {
-  Reply r;
-  try {
-    r = with_conn<Reply>([&](pg::Conn& c) {
-      auto res = c.exec("get_lease",
-                        fmt::format("SELECT {}, mep_now_ms() FROM leases WHERE canonical_name = $1", k_lease_cols),
-                        {canonical_name});
+  read(ctx, std::move(done), [&](pg::Conn& c) {
+      static const std::string sql =
+          fmt::format("SELECT {}, mep_now_ms() FROM leases WHERE canonical_name = $1", k_lease_cols);
+      auto res = c.exec("get_lease", sql, {canonical_name});
       if (res.rows() == 0)
         return problem_reply(Problem(Code::lease_not_found, "no live lease of this tenant under this name"),
                              ctx.request_id);
@@ -621,24 +626,19 @@ void PgStore::get_lease(const Ctx& ctx, std::string canonical_name, Done done) {
         return problem_reply(Problem(Code::lease_not_found, "no live lease of this tenant under this name"),
                              ctx.request_id);
       return json_reply(200, lease_json(l, now));
-    });
-  } catch (const pg::Error& e) {
-    r = read_failure(e, ctx.request_id);
-  }
-  done(std::move(r));
+  });
 }
 
 void PgStore::list_leases(const Ctx& ctx, ListLeases req, Done done) {
-  Reply r;
-  try {
-    r = with_conn<Reply>([&](pg::Conn& c) {
-      auto res = c.exec(
-          "list_leases",
-          fmt::format("SELECT {}, mep_now_ms() FROM leases WHERE tenant_id = $1 AND expires_at > mep_now_ms() "
-                      "AND ($2::text IS NULL OR owner_client_id = $2) AND ($3::text IS NULL OR canonical_name > $3) "
-                      "ORDER BY canonical_name LIMIT $4::bigint",
-                      k_lease_cols),
-          {ctx.auth.tenant_id, req.owner_client_id, req.cursor, to_s(static_cast<std::int64_t>(req.limit + 1))});
+  read(ctx, std::move(done), [&](pg::Conn& c) {
+      static const std::string sql = fmt::format(
+          "SELECT {}, mep_now_ms() FROM leases WHERE tenant_id = $1 AND expires_at > mep_now_ms() "
+          "AND ($2::text IS NULL OR owner_client_id = $2) AND ($3::text IS NULL OR canonical_name > $3) "
+          "ORDER BY canonical_name LIMIT $4::bigint",
+          k_lease_cols);
+      auto res = c.exec("list_leases", sql,
+                        {ctx.auth.tenant_id, req.owner_client_id, req.cursor,
+                         to_s(static_cast<std::int64_t>(req.limit + 1))});
       json::array leases;
       std::string last;
       bool more = false;
@@ -654,26 +654,16 @@ void PgStore::list_leases(const Ctx& ctx, ListLeases req, Done done) {
       json::object o{{"leases", std::move(leases)}};
       o["next_cursor"] = more ? json::value(last) : json::value(nullptr);
       return json_reply(200, o);
-    });
-  } catch (const pg::Error& e) {
-    r = read_failure(e, ctx.request_id);
-  }
-  done(std::move(r));
+  });
 }
 
 void PgStore::get_memory(const Ctx& ctx, std::string memory_id, Done done) {
-  Reply r;
-  try {
-    r = with_conn<Reply>([&](pg::Conn& c) {
+  read(ctx, std::move(done), [&](pg::Conn& c) {
       auto m = find_memory(c, memory_id);
       if (!m || m->tenant_id != ctx.auth.tenant_id)
         return problem_reply(Problem(Code::memory_not_found, "no such memory for this tenant"), ctx.request_id);
       return json_reply(200, memory_json(*m));
-    });
-  } catch (const pg::Error& e) {
-    r = read_failure(e, ctx.request_id);
-  }
-  done(std::move(r));
+  });
 }
 
 void PgStore::lineage(const Ctx& ctx, std::string memory_id, Done done) {
@@ -695,9 +685,7 @@ void PgStore::lineage(const Ctx& ctx, std::string memory_id, Done done) {
       "  FROM memories WHERE parent_memory_id = $1 AND tenant_id = $2"
       "   AND EXISTS (SELECT 1 FROM memories WHERE memory_id = $1 AND tenant_id = $2) "
       "ORDER BY kind, ord, k";
-  Reply r;
-  try {
-    r = with_conn<Reply>([&](pg::Conn& c) {
+  read(ctx, std::move(done), [&](pg::Conn& c) {
       auto res = c.exec("lineage", k_sql, {memory_id, ctx.auth.tenant_id});
       if (res.rows() == 0 || res.int64(0, 0) != 0 || res.int64(0, 1) != 0)
         return problem_reply(Problem(Code::memory_not_found, "no such memory for this tenant"), ctx.request_id);
@@ -713,17 +701,11 @@ void PgStore::lineage(const Ctx& ctx, std::string memory_id, Done done) {
                      {"ancestors", std::move(ancestors)},
                      {"children", std::move(children)}};
       return json_reply(200, o);
-    });
-  } catch (const pg::Error& e) {
-    r = read_failure(e, ctx.request_id);
-  }
-  done(std::move(r));
+  });
 }
 
 void PgStore::identity_map(const Ctx& ctx, std::optional<std::string> cursor, std::size_t limit, Done done) {
-  Reply r;
-  try {
-    r = with_conn<Reply>([&](pg::Conn& c) {
+  read(ctx, std::move(done), [&](pg::Conn& c) {
       auto res = c.exec("identity_map",
                         "SELECT legacy_memory_ref, memory_instance_id FROM migration_identity_map "
                         "WHERE tenant_id = $1 AND ($2::text IS NULL OR legacy_memory_ref > $2) "
@@ -743,11 +725,7 @@ void PgStore::identity_map(const Ctx& ctx, std::optional<std::string> cursor, st
       json::object o{{"entries", std::move(entries)}};
       o["next_cursor"] = more ? json::value(last) : json::value(nullptr);
       return json_reply(200, o);
-    });
-  } catch (const pg::Error& e) {
-    r = read_failure(e, ctx.request_id);
-  }
-  done(std::move(r));
+  });
 }
 
 // ---- authentication, health, maintenance ----------------------------------------------------

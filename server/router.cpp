@@ -189,9 +189,7 @@ bool authenticate(const CallPtr& c, Store& store, RateLimiter& audit_budget) {
     auth = store.authenticate(sha256_hex(v));
   } catch (const std::exception& e) {
     log::error("authentication lookup failed: {}", e.what());
-    Problem p(Code::unavailable, "the database is unavailable; retry later");
-    p.retry_after_s = 1;
-    fail(c, std::move(p));
+    fail(c, db_unavailable());
     return false;
   }
   if (!auth) {
@@ -296,7 +294,7 @@ void on_claim(const CallPtr& c, Store& store) {
   store.claim(c->ctx, std::move(*idem), std::move(req), reply_to(c));
 }
 
-std::optional<LeaseRef> lease_ref(const CallPtr& c, json::ObjectReader& r, bool with_owner, bool with_ttl) {
+std::optional<LeaseRef> lease_ref(json::ObjectReader& r, bool with_owner, bool with_ttl) {
   LeaseRef ref;
   auto name = r.string("canonical_name", Need::required);
   auto memory = r.uuid("memory_instance_id", Need::required);
@@ -305,7 +303,6 @@ std::optional<LeaseRef> lease_ref(const CallPtr& c, json::ObjectReader& r, bool 
   if (with_owner) owner = owner_field(r);
   std::optional<std::int64_t> ttl;
   if (with_ttl) ttl = r.integer("ttl_seconds", Need::optional, -k_any_ttl, k_any_ttl);
-  (void)c;
   if (!name || !memory || !token || (with_owner && !owner)) return std::nullopt;
   ref.canonical_name = *name;
   ref.memory_id = *memory;
@@ -319,7 +316,7 @@ void on_renew(const CallPtr& c, Store& store) {
   auto body = body_object(c, false);
   if (!body) return;
   json::ObjectReader r(*body);
-  auto ref = lease_ref(c, r, true, true);
+  auto ref = lease_ref(r, true, true);
   if (!finish_reader(c, r)) return;
   store.renew(c->ctx, std::move(*ref), reply_to(c));
 }
@@ -341,7 +338,7 @@ void on_renew_batch(const CallPtr& c, Store& store) {
         continue;
       }
       json::ObjectReader ir(v.get_object());
-      auto ref = lease_ref(c, ir, false, true);
+      auto ref = lease_ref(ir, false, true);
       // A daemon renews the leases of several local owners in one call: an item may
       // name its own owner; otherwise the batch's owner applies.
       auto item_owner = ir.string("owner_client_id", Need::optional);
@@ -359,7 +356,7 @@ void on_release(const CallPtr& c, Store& store) {
   auto body = body_object(c, false);
   if (!body) return;
   json::ObjectReader r(*body);
-  auto ref = lease_ref(c, r, true, false);
+  auto ref = lease_ref(r, true, false);
   if (!finish_reader(c, r)) return;
   store.release(c->ctx, std::move(*ref), reply_to(c));
 }

@@ -301,11 +301,7 @@ void SqliteStore::writer_loop() {
 
 void SqliteStore::run_batch(std::vector<Job>& batch) {
   std::vector<Reply> replies(batch.size());
-  auto unavailable = [](const std::string& rid) {
-    Problem p(Code::unavailable, "the database is unavailable; retry later");
-    p.retry_after_s = 1;
-    return problem_reply(std::move(p), rid);
-  };
+  auto unavailable = [](const std::string& rid) { return problem_reply(db_unavailable(), rid); };
   try {
     m_db->exec("BEGIN IMMEDIATE");
   } catch (const sqlite::Error& e) {
@@ -871,9 +867,7 @@ void SqliteStore::lineage(const Ctx& ctx, std::string memory_id, Done done) {
 
 Reply SqliteStore::read_failure(const sqlite::Error& e, const std::string& request_id) {
   log::error("read failed: {}", e.what());
-  Problem p(Code::unavailable, "the database is unavailable; retry later");
-  p.retry_after_s = 1;
-  return problem_reply(std::move(p), request_id);
+  return problem_reply(db_unavailable(), request_id);
 }
 
 std::optional<AuthInfo> SqliteStore::authenticate(const std::string& token_sha256) {

@@ -55,6 +55,12 @@ Reply problem_reply(Problem p, const std::string& request_id, std::string outcom
   return r;
 }
 
+Problem db_unavailable() {
+  Problem p(Code::unavailable, "the database is unavailable; retry later");
+  p.retry_after_s = 1;
+  return p;
+}
+
 Reply no_content(std::string outcome) {
   Reply r;
   r.status = 204;

@@ -94,7 +94,9 @@ private:
   T with_conn(const std::function<T(pg::Conn&)>& fn, bool repeatable = true);
   std::unique_ptr<pg::Conn> connect();
   Reply unavailable(const std::string& request_id) const;
-  Reply read_failure(const pg::Error& e, const std::string& request_id) const;
+  /// Runs a read on a borrowed connection in the calling thread and answers `done`: the
+  /// reply, 400 for text PostgreSQL cannot hold, or 503 when the database is unavailable.
+  void read(const Ctx& ctx, Done done, const std::function<Reply(pg::Conn&)>& fn);
   void backoff(int attempt) const;
 
   std::string m_url;

@@ -54,6 +54,9 @@ Reply problem_reply(Problem p, const std::string& request_id, std::string outcom
 /// 204 No Content.
 Reply no_content(std::string outcome = {});
 
+/// 503 unavailable with Retry-After: 1, for a database that cannot be used right now.
+Problem db_unavailable();
+
 /// Seconds until `expires_at`, rounded up, at least 1 (for Retry-After).
 int retry_after_until(UnixMs expires_at, UnixMs now);
 

@@ -256,19 +256,6 @@ class Mepd:
     def log_text(self):
         return "".join(p.log_text() for p in self.logs)
 
-    def stored_bytes(self):
-        """Everything the database holds, as bytes (for privacy checks): the SQLite file and
-        its WAL, or every row of every PostgreSQL table."""
-        if self.pgdb:
-            return repr(self.pgdb.snapshot(ignore_auth_failures=False)).encode()
-        out = b""
-        for suffix in ("", "-wal"):
-            p = self.db[len("sqlite:"):] + suffix
-            if os.path.exists(p):
-                with open(p, "rb") as f:
-                    out += f.read()
-        return out
-
     def stop(self):
         if self.proc:
             self.proc.stop()

@@ -24,6 +24,7 @@ import urllib.parse
 import uuid
 
 import pgfixture
+from mephelpers import mep_bin
 
 HOST = "127.0.0.1"
 PROBLEM_BASE = "https://memoryendpoints.com/problems/"
@@ -35,14 +36,6 @@ HTTP_TIMEOUT_S = 30       # one request/response on a socket
 UUID_RE = re.compile(r"[0-9a-fA-F]{8}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{12}")
 HEX64_RE = re.compile(r"^[0-9a-f]{64}$")
 RFC3339_MS_RE = re.compile(r"^\d{4}-\d{2}-\d{2}T\d{2}:\d{2}:\d{2}\.\d{3}Z$")
-
-
-def mep_bin():
-    """The mep binary from $MEP_BIN (ctest sets it); skips the test when it is unset."""
-    path = os.environ.get("MEP_BIN")
-    if not path:
-        raise unittest.SkipTest("MEP_BIN is not set (run through ctest)")
-    return path
 
 
 def uuid7():

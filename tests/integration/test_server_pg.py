@@ -118,6 +118,16 @@ class PgTestCase(unittest.TestCase):
             t.join(timeout=seconds + 120)
             self.assertFalse(t.is_alive(), "a client hung")
 
+    def private_server(self, tenant):
+        """One server on a database in a cluster of this test's own, which it may stop,
+        restart or freeze: (cluster, server, token)."""
+        cluster = pgfixture.PgCluster().start()
+        self.addCleanup(cluster.destroy)
+        self.db = pgfixture.PgDb(cluster.url)
+        token = create_token(self.db, tenant)
+        self.servers = start_servers(self.dir, self.db, 1)
+        return cluster, self.servers[0], token
+
     def assertConsistent(self, history):
         violations = history.check()
         if violations:
@@ -196,12 +206,7 @@ class Serializable(PgTestCase):
 
 class DatabaseRestart(PgTestCase):
     def test_db_restart_under_load(self):
-        cluster = pgfixture.PgCluster().start()
-        self.addCleanup(cluster.destroy)
-        self.db = pgfixture.PgDb(cluster.url)
-        token = create_token(self.db, "restart")
-        self.servers = start_servers(self.dir, self.db, 1)
-        server = self.servers[0]
+        cluster, server, token = self.private_server("restart")
         with server.client(token) as c:
             memories = [c.new_memory() for _ in range(8)]
         history, statuses = History(), []
@@ -271,12 +276,7 @@ def cluster_pids(cluster):
 
 class DatabaseFrozen(PgTestCase):
     def test_db_frozen_requests_bounded(self):
-        cluster = pgfixture.PgCluster().start()
-        self.addCleanup(cluster.destroy)
-        self.db = pgfixture.PgDb(cluster.url)
-        token = create_token(self.db, "frozen")
-        self.servers = start_servers(self.dir, self.db, 1)
-        server = self.servers[0]
+        cluster, server, token = self.private_server("frozen")
         with server.client(token) as c:
             memory = c.new_memory()
             r = c.claim(unique_name(), memory, "before", ttl=300)
