@@ -1,13 +1,21 @@
-// SHA-256 and HMAC-SHA256 through OpenSSL's one-shot functions.
+// SHA-256 and HMAC-SHA256 through OpenSSL's EVP digests. The SHA-256 implementation is
+// fetched once: OpenSSL 3's one-shot SHA256() and HMAC() look it up on every call, which
+// costs more than hashing a short message.
 #include "mep/crypto.hpp"
 
 #include <openssl/crypto.h>
 #include <openssl/evp.h>
-#include <openssl/hmac.h>
-#include <openssl/sha.h>
+
+#include <algorithm>
+#include <array>
+#include <cstdio>
+#include <cstdlib>
+#include <memory>
+#include <utility>
 
 namespace mep {
 namespace {
+
 std::string to_hex(const unsigned char* p, std::size_t n) {
   static constexpr char hex[] = "0123456789abcdef";
   std::string out;
@@ -18,19 +26,93 @@ std::string to_hex(const unsigned char* p, std::size_t n) {
   }
   return out;
 }
+
+[[noreturn]] void crypto_failure(const char* what) {
+  std::fprintf(stderr, "mep: fatal: OpenSSL %s failed\n", what);
+  std::abort();
+}
+
+const EVP_MD* sha256() {
+  static EVP_MD* md = [] {
+    EVP_MD* m = EVP_MD_fetch(nullptr, "SHA256", nullptr);
+    if (!m) crypto_failure("SHA-256 fetch");
+    return m;
+  }();
+  return md;
+}
+
+EVP_MD_CTX* new_ctx() {
+  EVP_MD_CTX* c = EVP_MD_CTX_new();
+  if (!c) crypto_failure("EVP_MD_CTX_new");
+  return c;
+}
+
+void check(int ok, const char* what) {
+  if (ok != 1) crypto_failure(what);
+}
+
+constexpr std::size_t k_block = 64; // SHA-256's block size
+constexpr std::size_t k_digest = 32;
+
 } // namespace
 
 std::string sha256_hex(std::string_view data) {
-  unsigned char md[SHA256_DIGEST_LENGTH];
-  SHA256(reinterpret_cast<const unsigned char*>(data.data()), data.size(), md);
-  return to_hex(md, sizeof md);
+  struct Free {
+    void operator()(EVP_MD_CTX* c) const { EVP_MD_CTX_free(c); }
+  };
+  thread_local std::unique_ptr<EVP_MD_CTX, Free> ctx(new_ctx());
+  unsigned char md[k_digest];
+  unsigned int len = 0;
+  check(EVP_DigestInit_ex(ctx.get(), sha256(), nullptr), "digest init");
+  check(EVP_DigestUpdate(ctx.get(), data.data(), data.size()), "digest update");
+  check(EVP_DigestFinal_ex(ctx.get(), md, &len), "digest final");
+  return to_hex(md, len);
 }
 
-std::string hmac_sha256_hex(std::string_view key, std::string_view data) {
-  unsigned char md[EVP_MAX_MD_SIZE];
+std::string hmac_sha256_hex(std::string_view key, std::string_view data) { return HmacSha256(key).hex(data); }
+
+HmacSha256::HmacSha256(std::string_view key) : m_inner(new_ctx()), m_outer(new_ctx()), m_work(new_ctx()) {
+  // RFC 2104: a key longer than the block is replaced by its hash, then zero-padded.
+  std::array<unsigned char, k_block> k{};
+  if (key.size() > k_block) {
+    unsigned int len = 0;
+    check(EVP_DigestInit_ex(m_work, sha256(), nullptr), "digest init");
+    check(EVP_DigestUpdate(m_work, key.data(), key.size()), "digest update");
+    check(EVP_DigestFinal_ex(m_work, k.data(), &len), "digest final");
+  } else {
+    std::copy(key.begin(), key.end(), k.begin());
+  }
+  std::array<unsigned char, k_block> pad{};
+  for (std::size_t i = 0; i < k_block; ++i) pad[i] = k[i] ^ 0x36;
+  check(EVP_DigestInit_ex(m_inner, sha256(), nullptr), "digest init");
+  check(EVP_DigestUpdate(m_inner, pad.data(), pad.size()), "digest update");
+  for (std::size_t i = 0; i < k_block; ++i) pad[i] = k[i] ^ 0x5c;
+  check(EVP_DigestInit_ex(m_outer, sha256(), nullptr), "digest init");
+  check(EVP_DigestUpdate(m_outer, pad.data(), pad.size()), "digest update");
+  OPENSSL_cleanse(k.data(), k.size());
+  OPENSSL_cleanse(pad.data(), pad.size());
+}
+
+HmacSha256::HmacSha256(HmacSha256&& other) noexcept
+    : m_inner(std::exchange(other.m_inner, nullptr)), m_outer(std::exchange(other.m_outer, nullptr)),
+      m_work(std::exchange(other.m_work, nullptr)) {}
+
+HmacSha256::~HmacSha256() {
+  EVP_MD_CTX_free(m_inner);
+  EVP_MD_CTX_free(m_outer);
+  EVP_MD_CTX_free(m_work);
+}
+
+std::string HmacSha256::hex(std::string_view data) const {
+  unsigned char inner[k_digest];
+  unsigned char md[k_digest];
   unsigned int len = 0;
-  HMAC(EVP_sha256(), key.data(), static_cast<int>(key.size()),
-       reinterpret_cast<const unsigned char*>(data.data()), data.size(), md, &len);
+  check(EVP_MD_CTX_copy_ex(m_work, m_inner), "digest copy");
+  check(EVP_DigestUpdate(m_work, data.data(), data.size()), "digest update");
+  check(EVP_DigestFinal_ex(m_work, inner, &len), "digest final");
+  check(EVP_MD_CTX_copy_ex(m_work, m_outer), "digest copy");
+  check(EVP_DigestUpdate(m_work, inner, sizeof inner), "digest update");
+  check(EVP_DigestFinal_ex(m_work, md, &len), "digest final");
   return to_hex(md, len);
 }
 

@@ -93,7 +93,7 @@ Uuid uuid_v7() {
           std::chrono::system_clock::now().time_since_epoch())
           .count());
   std::uint64_t rnd[2];
-  random_bytes(rnd, sizeof rnd);
+  random_bytes_pooled(rnd, sizeof rnd);
 
   std::uint64_t ms, hi, lo;
   {
