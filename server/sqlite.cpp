@@ -108,12 +108,11 @@ void Db::exec(std::string_view sql) {
 }
 
 Stmt& Db::prepare(std::string_view sql) {
-  std::string key(sql);
-  auto it = m_cache.find(key);
+  auto it = m_cache.find(sql);
   if (it != m_cache.end()) return *it->second;
   auto stmt = std::make_unique<Stmt>(m_db, sql);
   auto& ref = *stmt;
-  m_cache.emplace(std::move(key), std::move(stmt));
+  m_cache.emplace(std::string(sql), std::move(stmt));
   return ref;
 }
 

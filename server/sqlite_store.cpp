@@ -31,9 +31,11 @@
 #include <boost/json/array.hpp>
 #include <fmt/format.h>
 
+#include <algorithm>
 #include <cstdio>
 #include <filesystem>
 #include <future>
+#include <pthread.h>
 #include <sys/stat.h>
 
 namespace mep::server {
@@ -42,7 +44,7 @@ namespace {
 using sqlite::Db;
 using sqlite::Use;
 
-constexpr int k_schema_version = 2;
+constexpr int k_schema_version = 3;
 constexpr std::size_t k_max_group = 1024;
 
 constexpr std::string_view k_schema_v1 = R"sql(
@@ -144,6 +146,60 @@ CREATE TABLE IF NOT EXISTS migration_identity_map (
 );
 )sql";
 
+// Version 3: the tables every grant writes become clustered on the key they are found by
+// (WITHOUT ROWID: one B-tree instead of a rowid table plus a unique index), and a lease is
+// keyed by its memory (one live lease per memory; renew, release and verify find it by
+// memory). A grant then touches fewer pages, so a commit writes fewer WAL frames.
+// Rebuilt in place from version 2 (no foreign key refers to these tables).
+constexpr std::string_view k_schema_v3 = R"sql(
+CREATE TABLE memories_v3 (
+  memory_id          TEXT PRIMARY KEY,
+  tenant_id          TEXT NOT NULL,
+  parent_memory_id   TEXT,
+  branched_at_token  INTEGER,
+  fence_counter      INTEGER NOT NULL DEFAULT 0,
+  created_at         INTEGER NOT NULL
+) WITHOUT ROWID;
+INSERT INTO memories_v3 SELECT memory_id, tenant_id, parent_memory_id, branched_at_token,
+  fence_counter, created_at FROM memories;
+DROP TABLE memories;
+ALTER TABLE memories_v3 RENAME TO memories;
+CREATE INDEX memories_parent ON memories(parent_memory_id);
+CREATE TABLE leases_v3 (
+  memory_id        TEXT PRIMARY KEY,
+  lease_id         TEXT NOT NULL,
+  tenant_id        TEXT NOT NULL,
+  canonical_name   TEXT NOT NULL UNIQUE,
+  display_name     TEXT NOT NULL,
+  skeleton         TEXT NOT NULL UNIQUE,
+  fencing_token    INTEGER NOT NULL,
+  owner_client_id  TEXT NOT NULL,
+  ttl_seconds      INTEGER NOT NULL,
+  expires_at       INTEGER NOT NULL,
+  acquired_at      INTEGER NOT NULL
+) WITHOUT ROWID;
+INSERT INTO leases_v3 SELECT memory_id, lease_id, tenant_id, canonical_name, display_name, skeleton,
+  fencing_token, owner_client_id, ttl_seconds, expires_at, acquired_at FROM leases;
+DROP TABLE leases;
+ALTER TABLE leases_v3 RENAME TO leases;
+CREATE INDEX leases_expiry ON leases(expires_at);
+CREATE INDEX leases_owner ON leases(tenant_id, owner_client_id);
+CREATE TABLE agent_names_v3 (
+  canonical_name   TEXT PRIMARY KEY,
+  display_name     TEXT NOT NULL,
+  skeleton         TEXT NOT NULL,
+  tenant_id        TEXT NOT NULL,
+  unicode_version  TEXT NOT NULL,
+  icu_version      TEXT NOT NULL,
+  first_claimed_at INTEGER NOT NULL,
+  last_claimed_at  INTEGER NOT NULL
+) WITHOUT ROWID;
+INSERT INTO agent_names_v3 SELECT canonical_name, display_name, skeleton, tenant_id, unicode_version,
+  icu_version, first_claimed_at, last_claimed_at FROM agent_names;
+DROP TABLE agent_names;
+ALTER TABLE agent_names_v3 RENAME TO agent_names;
+)sql";
+
 constexpr std::string_view k_lease_cols =
     "lease_id, tenant_id, canonical_name, display_name, skeleton, memory_id, fencing_token, "
     "owner_client_id, ttl_seconds, expires_at, acquired_at";
@@ -180,22 +236,24 @@ std::optional<MemoryRow> find_memory(Db& db, const std::string& memory_id) {
 }
 
 std::optional<LeaseRow> lease_by_memory(Db& db, const std::string& memory_id) {
-  Use s(db.prepare(fmt::format("SELECT {} FROM leases WHERE memory_id = ?1", k_lease_cols)));
+  static const std::string sql = fmt::format("SELECT {} FROM leases WHERE memory_id = ?1", k_lease_cols);
+  Use s(db.prepare(sql));
   s->bind(1, memory_id);
   if (!s->step()) return std::nullopt;
   return read_lease(*s);
 }
 
 std::optional<LeaseRow> lease_by_name(Db& db, const std::string& name) {
-  Use s(db.prepare(fmt::format("SELECT {} FROM leases WHERE canonical_name = ?1", k_lease_cols)));
+  static const std::string sql = fmt::format("SELECT {} FROM leases WHERE canonical_name = ?1", k_lease_cols);
+  Use s(db.prepare(sql));
   s->bind(1, name);
   if (!s->step()) return std::nullopt;
   return read_lease(*s);
 }
 
-void delete_lease(Db& db, const std::string& lease_id) {
-  Use s(db.prepare("DELETE FROM leases WHERE lease_id = ?1"));
-  s->bind(1, lease_id).run();
+void delete_lease(Db& db, const std::string& memory_id) {
+  Use s(db.prepare("DELETE FROM leases WHERE memory_id = ?1"));
+  s->bind(1, memory_id).run();
 }
 
 bool ttl_ok(std::int64_t ttl) { return ttl >= k_min_ttl_s && ttl <= k_max_ttl_s; }
@@ -267,6 +325,10 @@ void SqliteStore::migrate() {
       m_db->exec(k_schema_v2);
       m_db->exec("INSERT INTO schema_version(version) VALUES (2)");
     }
+    if (version < 3) {
+      m_db->exec(k_schema_v3);
+      m_db->exec("INSERT INTO schema_version(version) VALUES (3)");
+    }
     m_db->exec("COMMIT");
   } catch (...) {
     m_db->exec("ROLLBACK");
@@ -283,6 +345,7 @@ void SqliteStore::enqueue(Work work, Done done, std::string request_id) {
 }
 
 void SqliteStore::writer_loop() {
+  ::pthread_setname_np(::pthread_self(), "mep-writer");
   std::vector<Job> batch;
   for (;;) {
     {
@@ -337,8 +400,9 @@ void SqliteStore::run_batch(std::vector<Job>& batch) {
     m_healthy = false;
     for (std::size_t i = 0; i < batch.size(); ++i) replies[i] = unavailable(batch[i].request_id);
   }
-  if (m_complete && batch.size() > 1) {
-    // One hand-over for the whole batch (see Store::set_completion_executor).
+  if (m_complete) {
+    // One hand-over for the whole batch (see Store::set_completion_executor): the replies
+    // are rendered and written by the I/O threads, not here.
     std::vector<std::pair<Done, Reply>> finished;
     finished.reserve(batch.size());
     for (std::size_t i = 0; i < batch.size(); ++i) finished.emplace_back(std::move(batch[i].done), std::move(replies[i]));
@@ -390,14 +454,14 @@ SqliteStore::ReaderLease::~ReaderLease() {
 
 // ---- audit ------------------------------------------------------------------------------
 
-const std::string& SqliteStore::salt(Db& db, const std::string& tenant_id) {
-  auto it = m_salts.find(tenant_id);
-  if (it != m_salts.end()) return it->second;
-  std::string s;
+const HmacSha256& SqliteStore::audit_mac(Db& db, const std::string& tenant_id) {
+  auto it = m_audit_macs.find(tenant_id);
+  if (it != m_audit_macs.end()) return it->second;
+  std::string salt;
   Use q(db.prepare("SELECT audit_salt FROM tenants WHERE tenant_id = ?1"));
   q->bind(1, tenant_id);
-  if (q->step()) s = q->text(0);
-  return m_salts.emplace(tenant_id, s).first->second;
+  if (q->step()) salt = q->text(0);
+  return m_audit_macs.emplace(tenant_id, HmacSha256(salt)).first->second;
 }
 
 void SqliteStore::audit(const std::string& tenant_id, std::string_view type, std::string_view name,
@@ -408,15 +472,15 @@ void SqliteStore::audit(const std::string& tenant_id, std::string_view type, std
 
 void SqliteStore::write_pending_audit() {
   for (const auto& a : m_pending_audit) {
-    const std::string& key = salt(*m_db, a.tenant_id);
+    const HmacSha256& mac = audit_mac(*m_db, a.tenant_id);
     Use s(m_db->prepare("INSERT INTO audit_events(event_id, tenant_id, event_type, "
                         "redacted_name_hash, redacted_memory_hash, fencing_token, created_at) "
                         "VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7)"));
     s->bind(1, uuid_v7().to_string())
         .bind(2, a.tenant_id)
         .bind(3, a.type)
-        .bind(4, a.name.empty() ? std::string() : hmac_sha256_hex(key, a.name))
-        .bind(5, a.memory_id.empty() ? std::string() : hmac_sha256_hex(key, a.memory_id))
+        .bind(4, a.name.empty() ? std::string() : mac.hex(a.name))
+        .bind(5, a.memory_id.empty() ? std::string() : mac.hex(a.memory_id))
         .bind(6, a.token)
         .bind(7, now_unix_ms())
         .run();
@@ -542,49 +606,47 @@ Reply SqliteStore::op_claim(Db& db, UnixMs now, const Ctx& ctx, const Claim& req
   if (!mem || mem->tenant_id != ctx.auth.tenant_id)
     return problem_reply(Problem(Code::memory_not_found, "no such memory for this tenant"),
                          ctx.request_id);
-  // 4. Takeover: remove expired leases that conflict on name, skeleton or memory. They
-  // are audited only with the grant (step 7): a claim failing below rolls the removal back.
+  // 4. Every lease that conflicts on name, skeleton or memory, in one lookup (at most one
+  // row per unique column). Takeover: the expired ones are removed; they are audited only
+  // with the grant (step 7), since a claim failing below rolls the removal back.
+  static const std::string conflicts_sql = fmt::format(
+      "SELECT {} FROM leases WHERE canonical_name = ?1 OR skeleton = ?2 OR memory_id = ?3", k_lease_cols);
   std::vector<LeaseRow> expired;
+  std::vector<LeaseRow> live;
   {
-    {
-      Use s(db.prepare(fmt::format("SELECT {} FROM leases WHERE (canonical_name = ?1 OR "
-                                   "skeleton = ?2 OR memory_id = ?3) AND expires_at <= ?4",
-                                   k_lease_cols)));
-      s->bind(1, name.canonical_name).bind(2, name.skeleton).bind(3, req.memory_id).bind(4, now);
-      while (s->step()) expired.push_back(read_lease(*s));
+    Use s(db.prepare(conflicts_sql));
+    s->bind(1, name.canonical_name).bind(2, name.skeleton).bind(3, req.memory_id);
+    while (s->step()) {
+      LeaseRow row = read_lease(*s);
+      (row.expires_at <= now ? expired : live).push_back(std::move(row));
     }
-    for (const auto& e : expired) delete_lease(db, e.lease_id);
   }
-  // 5. A live lease on the name or its skeleton.
+  for (const auto& e : expired) delete_lease(db, e.memory_id);
+  // 5. A live lease on the name or its skeleton (the exact name reported first).
+  std::stable_partition(live.begin(), live.end(),
+                        [&](const LeaseRow& l) { return l.canonical_name == name.canonical_name; });
   std::optional<LeaseRow> reclaim;
-  {
-    std::vector<LeaseRow> live;
-    {
-      Use s(db.prepare(fmt::format(
-          "SELECT {} FROM leases WHERE canonical_name = ?1 OR skeleton = ?2", k_lease_cols)));
-      s->bind(1, name.canonical_name).bind(2, name.skeleton);
-      while (s->step()) live.push_back(read_lease(*s));
+  for (const auto& l : live) {
+    const bool same_name = l.canonical_name == name.canonical_name;
+    if (!same_name && l.skeleton != name.skeleton) continue; // only the memory conflicts: step 6
+    if (same_name && l.tenant_id == ctx.auth.tenant_id && l.owner_client_id == req.owner_client_id &&
+        l.memory_id == req.memory_id) {
+      reclaim = l;
+      continue;
     }
-    for (const auto& l : live) {
-      const bool same_name = l.canonical_name == name.canonical_name;
-      if (same_name && l.tenant_id == ctx.auth.tenant_id && l.owner_client_id == req.owner_client_id &&
-          l.memory_id == req.memory_id) {
-        reclaim = l;
-        continue;
-      }
-      audit(ctx.auth.tenant_id, "NAME_CONFLICT", name.canonical_name, req.memory_id, std::nullopt);
-      Problem p(same_name ? Code::name_held : Code::name_confusable,
-                same_name ? fmt::format("the name \"{}\" is held by another owner", name.canonical_name)
-                          : fmt::format("the name \"{}\" is confusable with a name that is held",
-                                        name.canonical_name));
-      p.retry_after_s = retry_after_until(l.expires_at, now);
-      return problem_reply(std::move(p), ctx.request_id);
-    }
+    audit(ctx.auth.tenant_id, "NAME_CONFLICT", name.canonical_name, req.memory_id, std::nullopt);
+    Problem p(same_name ? Code::name_held : Code::name_confusable,
+              same_name ? fmt::format("the name \"{}\" is held by another owner", name.canonical_name)
+                        : fmt::format("the name \"{}\" is confusable with a name that is held",
+                                      name.canonical_name));
+    p.retry_after_s = retry_after_until(l.expires_at, now);
+    return problem_reply(std::move(p), ctx.request_id);
   }
   // 6. A live lease on the memory under another name or owner.
-  if (auto held = lease_by_memory(db, req.memory_id); held && (!reclaim || held->lease_id != reclaim->lease_id)) {
+  for (const auto& held : live) {
+    if (held.memory_id != req.memory_id || (reclaim && held.memory_id == reclaim->memory_id)) continue;
     Problem p(Code::memory_attached, "this memory is attached to another lease");
-    p.retry_after_s = retry_after_until(held->expires_at, now);
+    p.retry_after_s = retry_after_until(held.expires_at, now);
     return problem_reply(std::move(p), ctx.request_id);
   }
   // 7. Grant: bump the memory's counter, write the lease, the name history and the audit.
@@ -604,10 +666,17 @@ Reply SqliteStore::op_claim(Db& db, UnixMs now, const Ctx& ctx, const Claim& req
     Use s(db.prepare("UPDATE memories SET fence_counter = ?1 WHERE memory_id = ?2"));
     s->bind(1, l.fencing_token).bind(2, l.memory_id).run();
   }
-  if (reclaim) delete_lease(db, reclaim->lease_id);
-  {
-    Use s(db.prepare(fmt::format("INSERT INTO leases({}) VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11)",
-                                 k_lease_cols)));
+  if (reclaim) {
+    // The same row, renewed with the new grant: only the columns that change are written
+    // (the name, skeleton, memory and owner indexes stay untouched).
+    Use s(db.prepare("UPDATE leases SET display_name = ?1, fencing_token = ?2, ttl_seconds = ?3, "
+                     "expires_at = ?4, acquired_at = ?5 WHERE memory_id = ?6"));
+    s->bind(1, l.display_name).bind(2, l.fencing_token).bind(3, l.ttl_s).bind(4, l.expires_at)
+        .bind(5, l.acquired_at).bind(6, l.memory_id).run();
+  } else {
+    static const std::string sql =
+        fmt::format("INSERT INTO leases({}) VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11)", k_lease_cols);
+    Use s(db.prepare(sql));
     s->bind(1, l.lease_id).bind(2, l.tenant_id).bind(3, l.canonical_name).bind(4, l.display_name)
         .bind(5, l.skeleton).bind(6, l.memory_id).bind(7, l.fencing_token).bind(8, l.owner_client_id)
         .bind(9, l.ttl_s).bind(10, l.expires_at).bind(11, l.acquired_at).run();
@@ -652,8 +721,8 @@ Reply SqliteStore::op_renew(Db& db, UnixMs now, const Ctx& ctx, const LeaseRef& 
   if (lease->canonical_name != ref.canonical_name || lease->owner_client_id != ref.owner_client_id)
     return fail(Problem(Code::lease_not_found, "no lease of this owner under this name"));
   UnixMs expires = std::max(lease->expires_at, now + ref.ttl_s * 1000);
-  Use s(db.prepare("UPDATE leases SET expires_at = ?1, ttl_seconds = ?2 WHERE lease_id = ?3"));
-  s->bind(1, expires).bind(2, ref.ttl_s).bind(3, lease->lease_id).run();
+  Use s(db.prepare("UPDATE leases SET expires_at = ?1, ttl_seconds = ?2 WHERE memory_id = ?3"));
+  s->bind(1, expires).bind(2, ref.ttl_s).bind(3, lease->memory_id).run();
   boost::json::object o{{"expires_at", format_rfc3339_ms(expires)},
                         {"ttl_seconds", ref.ttl_s},
                         {"server_time", format_rfc3339_ms(now)}};
@@ -694,7 +763,7 @@ void SqliteStore::release(const Ctx& ctx, LeaseRef ref, Done done) {
           // Already released or expired with the current token: idempotent success; an
           // expired row left for the sweeper goes now.
           if (auto row = lease_by_memory(db, ref.memory_id); row && row->fencing_token == ref.fencing_token) {
-            delete_lease(db, row->lease_id);
+            delete_lease(db, row->memory_id);
             audit(row->tenant_id, "LEASE_EXPIRED", row->canonical_name, row->memory_id, row->fencing_token);
           }
           return no_content("released");
@@ -702,7 +771,7 @@ void SqliteStore::release(const Ctx& ctx, LeaseRef ref, Done done) {
         if (lease->canonical_name != ref.canonical_name || lease->owner_client_id != ref.owner_client_id)
           return problem_reply(Problem(Code::lease_not_found, "no lease of this owner under this name"),
                                ctx.request_id);
-        delete_lease(db, lease->lease_id);
+        delete_lease(db, lease->memory_id);
         audit(ctx.auth.tenant_id, "LEASE_RELEASED", lease->canonical_name, lease->memory_id,
               lease->fencing_token);
         return no_content("released");
@@ -756,7 +825,7 @@ void SqliteStore::revoke(const Ctx& ctx, std::string canonical_name, Done done) 
         if (!lease || lease->tenant_id != ctx.auth.tenant_id || lease->expires_at <= now)
           return problem_reply(Problem(Code::lease_not_found, "no live lease under this name"),
                                ctx.request_id);
-        delete_lease(db, lease->lease_id);
+        delete_lease(db, lease->memory_id);
         audit(ctx.auth.tenant_id, "LEASE_REVOKED", lease->canonical_name, lease->memory_id,
               lease->fencing_token);
         return no_content("revoked");
@@ -968,7 +1037,7 @@ std::int64_t SqliteStore::sweep() {
       while (s->step()) expired.push_back(read_lease(*s));
     }
     for (const auto& e : expired) {
-      delete_lease(db, e.lease_id);
+      delete_lease(db, e.memory_id);
       audit(e.tenant_id, "LEASE_EXPIRED", e.canonical_name, e.memory_id, e.fencing_token);
       ++removed;
     }

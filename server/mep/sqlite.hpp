@@ -3,6 +3,7 @@
 #include <sqlite3.h>
 
 #include <cstdint>
+#include <functional>
 #include <optional>
 #include <stdexcept>
 #include <string>
@@ -93,7 +94,12 @@ public:
 
 private:
   sqlite3* m_db = nullptr;
-  std::unordered_map<std::string, std::unique_ptr<Stmt>> m_cache;
+  // Looked up by the SQL text without copying it (heterogeneous lookup).
+  struct Hash {
+    using is_transparent = void;
+    std::size_t operator()(std::string_view s) const noexcept { return std::hash<std::string_view>{}(s); }
+  };
+  std::unordered_map<std::string, std::unique_ptr<Stmt>, Hash, std::equal_to<>> m_cache;
 };
 
 } // namespace mep::sqlite

@@ -1,5 +1,6 @@
 // The SQLite implementation of Store: embedded, one process, group commit.
 #pragma once
+#include "mep/crypto.hpp"
 #include "mep/sqlite.hpp"
 #include "mep/store.hpp"
 #include "mep/wire.hpp"
@@ -100,12 +101,13 @@ private:
   void audit(const std::string& tenant_id, std::string_view type, std::string_view name,
              std::string_view memory_id, std::optional<std::int64_t> token);
   void write_pending_audit();
-  const std::string& salt(sqlite::Db& db, const std::string& tenant_id);
+  /// The tenant's audit HMAC, keyed by its salt (read once per tenant).
+  const HmacSha256& audit_mac(sqlite::Db& db, const std::string& tenant_id);
 
   std::string m_path;
   std::unique_ptr<sqlite::Db> m_db; // the writer's connection; writer thread only after start
   std::vector<PendingAudit> m_pending_audit;   // writer thread only
-  std::map<std::string, std::string> m_salts;  // writer thread only
+  std::map<std::string, HmacSha256> m_audit_macs;  // writer thread only
 
   std::mutex m_mutex;
   std::condition_variable m_cv;

@@ -12,11 +12,14 @@ import os
 import re
 import signal
 import socket
+import sqlite3
 import struct
 import threading
 import time
 import unittest
 import urllib.parse
+
+import pgfixture
 
 from serverfixture import (HEX64_RE, PROBLEM_BASE, RFC3339_MS_RE, UUID_RE, ApiClient, MepServer,
                            ServerTestCase, create_token, db_query, db_url, new_key, parse_rfc3339_ms,
@@ -1378,6 +1381,80 @@ class Lifecycle(ServerTestCase):
                 t.join(timeout=30)
         self.assertEqual(srv.stop(), 0, srv.stderr_text())
         self.assertEqual(errors, [])
+
+
+SCHEMA_V2_SQL = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "sqlite_schema_v2.sql")
+UPGRADED_TABLES = ("tenants", "tokens", "memories", "leases", "agent_names", "idempotency", "audit_events")
+
+
+@unittest.skipIf(pgfixture.backend() == "postgresql",
+                 "the SQLite schema upgrade; the PostgreSQL schema is versioned on its own")
+class SqliteSchemaUpgrade(ServerTestCase):
+    """A database written at schema version 2 (the frozen schema in data/, filled with the
+    rows a real server wrote) is upgraded in place by a new server: nothing is lost, the
+    fence counters, names, skeletons, lineage and stored idempotent replies still hold."""
+
+    assertGrant = ServerApi.assertGrant
+
+    def test_version_2_database_upgrades_without_losing_state(self):
+        c = self.client()
+        mem, name, who = c.new_memory(), unique_name(), owner()
+        self.assertStatus(c.release(name, mem, self.assertGrant(c.claim(name, mem, who))["fencing_token"], who), 204)
+        key = new_key()
+        first = c.claim(name, mem, who, key=key)
+        grant = self.assertGrant(first)
+        self.assertEqual(grant["fencing_token"], 2)
+        child = c.branch(mem, 2)
+        self.assertStatus(child, 201)
+        child_id = child.json["memory_instance_id"]
+        latin_mem = c.new_memory()
+        self.assertGrant(c.claim("paypa", latin_mem, who))
+        rows = {t: db_query(self.db_path, "SELECT * FROM " + t) for t in UPGRADED_TABLES}
+        cols = {t: [r[1] for r in db_query(self.db_path, "PRAGMA table_info(%s)" % t)] for t in UPGRADED_TABLES}
+
+        # The same rows in a version-2 database.
+        old = os.path.join(self.workdir, "v2.db")
+        conn = sqlite3.connect(old)
+        with open(SCHEMA_V2_SQL, encoding="utf-8") as f:
+            conn.executescript(f.read())
+        for t in UPGRADED_TABLES:
+            for r in rows[t]:
+                conn.execute("INSERT INTO %s(%s) VALUES (%s)" % (t, ", ".join(cols[t]), ", ".join("?" * len(r))), r)
+        conn.commit()
+        conn.close()
+
+        srv = MepServer(self.workdir, old).start()
+        self.addCleanup(srv.stop)
+        self.assertEqual(db_query(old, "SELECT max(version) FROM schema_version")[0][0], 3)
+        for t in ("memories", "leases", "agent_names"):
+            sql = db_query(old, "SELECT sql FROM sqlite_master WHERE type = 'table' AND name = ?", (t,))[0][0]
+            self.assertIn("WITHOUT ROWID", sql, t)
+        indexes = {r[0] for r in db_query(old, "SELECT name FROM sqlite_master WHERE type = 'index'")}
+        self.assertTrue({"leases_expiry", "leases_owner", "memories_parent"} <= indexes, indexes)
+        for t in UPGRADED_TABLES:
+            self.assertEqual(sorted(db_query(old, "SELECT %s FROM %s" % (", ".join(cols[t]), t))), sorted(rows[t]), t)
+
+        with ApiClient(srv.port, self.token_a) as u:
+            got = u.get_lease(name)
+            self.assertStatus(got, 200)
+            self.assertEqual((got.json["memory_instance_id"], got.json["fencing_token"]), (mem, 2))
+            lin = u.get("/v1/memories/%s/lineage" % child_id)
+            self.assertEqual([a["memory_instance_id"] for a in lin.json["ancestors"]], [mem])
+            # The stored reply replays byte for byte.
+            replay = u.claim(name, mem, who, key=key)
+            self.assertStatus(replay, 200)
+            self.assertEqual(replay.header("Idempotent-Replayed"), "true")
+            self.assertEqual(replay.raw, first.raw)
+            # Fencing: the current token renews, the superseded one is refused.
+            self.assertStatus(u.renew(name, mem, 2, who), 200)
+            self.assertProblem(u.renew(name, mem, 1, who), 409, "stale-fence")
+            # The name, its skeleton and the memory are still held.
+            self.assertProblem(u.claim(name, u.new_memory(), owner()), 423, "name-held")
+            self.assertProblem(u.claim("раура", u.new_memory(), owner()), 423, "name-confusable")
+            self.assertProblem(u.claim(unique_name(), mem, owner()), 423, "memory-attached")
+            # Released, the memory's next grant continues its counter.
+            self.assertStatus(u.release(name, mem, 2, who), 204)
+            self.assertEqual(self.assertGrant(u.claim(unique_name(), mem, owner()))["fencing_token"], 3)
 
 
 if __name__ == "__main__":
