@@ -66,9 +66,12 @@ protected:
     }
     ++*m_in_flight;
     auto self_ptr = self().shared_from_this();
+    // The reply may come from a store thread or, for a whole committed batch, from an I/O
+    // thread: dispatch runs it at once when this thread may enter the session's strand,
+    // and queues it otherwise.
     m_router.handle(m_parser->release(), m_peer, [self_ptr](HttpResponse&& res) {
       auto shared = std::make_shared<HttpResponse>(std::move(res));
-      net::post(self_ptr->stream().get_executor(), [self_ptr, shared] {
+      net::dispatch(self_ptr->stream().get_executor(), [self_ptr, shared] {
         --*self_ptr->m_in_flight;
         self_ptr->write(std::move(*shared));
       });
