@@ -16,17 +16,6 @@
 namespace mep {
 namespace {
 
-std::string to_hex(const unsigned char* p, std::size_t n) {
-  static constexpr char hex[] = "0123456789abcdef";
-  std::string out;
-  out.reserve(n * 2);
-  for (std::size_t i = 0; i < n; ++i) {
-    out.push_back(hex[p[i] >> 4]);
-    out.push_back(hex[p[i] & 0xF]);
-  }
-  return out;
-}
-
 [[noreturn]] void crypto_failure(const char* what) {
   std::fprintf(stderr, "mep: fatal: OpenSSL %s failed\n", what);
   std::abort();
@@ -56,6 +45,18 @@ constexpr std::size_t k_digest = 32;
 
 } // namespace
 
+std::string hex_lower(const void* data, std::size_t n) {
+  static constexpr char hex[] = "0123456789abcdef";
+  const auto* p = static_cast<const unsigned char*>(data);
+  std::string out;
+  out.reserve(n * 2);
+  for (std::size_t i = 0; i < n; ++i) {
+    out.push_back(hex[p[i] >> 4]);
+    out.push_back(hex[p[i] & 0xF]);
+  }
+  return out;
+}
+
 std::string sha256_hex(std::string_view data) {
   struct Free {
     void operator()(EVP_MD_CTX* c) const { EVP_MD_CTX_free(c); }
@@ -66,7 +67,7 @@ std::string sha256_hex(std::string_view data) {
   check(EVP_DigestInit_ex(ctx.get(), sha256(), nullptr), "digest init");
   check(EVP_DigestUpdate(ctx.get(), data.data(), data.size()), "digest update");
   check(EVP_DigestFinal_ex(ctx.get(), md, &len), "digest final");
-  return to_hex(md, len);
+  return hex_lower(md, len);
 }
 
 std::string hmac_sha256_hex(std::string_view key, std::string_view data) { return HmacSha256(key).hex(data); }
@@ -113,7 +114,7 @@ std::string HmacSha256::hex(std::string_view data) const {
   check(EVP_MD_CTX_copy_ex(m_work, m_outer), "digest copy");
   check(EVP_DigestUpdate(m_work, inner, sizeof inner), "digest update");
   check(EVP_DigestFinal_ex(m_work, md, &len), "digest final");
-  return to_hex(md, len);
+  return hex_lower(md, len);
 }
 
 bool constant_time_equal(std::string_view a, std::string_view b) {

@@ -1,6 +1,8 @@
 // Random bytes from OpenSSL's CSPRNG.
 #include "mep/random.hpp"
 
+#include "mep/crypto.hpp"
+
 #include <openssl/crypto.h>
 #include <openssl/rand.h>
 #include <pthread.h>
@@ -58,16 +60,9 @@ void random_bytes_pooled(void* out, std::size_t n) {
 }
 
 std::string random_hex(std::size_t bytes) {
-  static constexpr char hex[] = "0123456789abcdef";
   std::vector<unsigned char> buf(bytes);
   random_bytes(buf.data(), bytes);
-  std::string out;
-  out.reserve(bytes * 2);
-  for (auto b : buf) {
-    out.push_back(hex[b >> 4]);
-    out.push_back(hex[b & 0xF]);
-  }
-  return out;
+  return hex_lower(buf.data(), buf.size());
 }
 
 } // namespace mep

@@ -1,6 +1,7 @@
 // File identity primitives: stat, xattr, content hash.
 #include "mep/identity.hpp"
 
+#include "mep/crypto.hpp"
 #include "mep/uuid.hpp"
 
 #include <openssl/evp.h>
@@ -53,13 +54,7 @@ std::optional<std::string> file_sha256(const std::filesystem::path& path) {
   EVP_DigestFinal_ex(ctx, md, &len);
   EVP_MD_CTX_free(ctx);
   if (!ok) return std::nullopt;
-  static constexpr char hex[] = "0123456789abcdef";
-  std::string out;
-  for (unsigned i = 0; i < len; ++i) {
-    out.push_back(hex[md[i] >> 4]);
-    out.push_back(hex[md[i] & 0xF]);
-  }
-  return out;
+  return hex_lower(md, len);
 }
 
 } // namespace mep::daemon

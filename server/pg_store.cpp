@@ -188,13 +188,7 @@ std::string to_s(std::int64_t v) { return std::to_string(v); }
 
 // bytea in text form for a parameter.
 std::string bytea_hex(const std::string& bytes) {
-  static constexpr char k_hex[] = "0123456789abcdef";
-  std::string out = "\\x";
-  for (unsigned char ch : bytes) {
-    out += k_hex[ch >> 4];
-    out += k_hex[ch & 15];
-  }
-  return out;
+  return "\\x" + hex_lower(bytes.data(), bytes.size());
 }
 
 } // namespace

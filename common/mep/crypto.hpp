@@ -1,11 +1,15 @@
 // Hashes for tokens, fingerprints and audit redaction (OpenSSL).
 #pragma once
+#include <cstddef>
 #include <string>
 #include <string_view>
 
 struct evp_md_ctx_st;
 
 namespace mep {
+
+/// `n` bytes as 2n lower-case hex digits.
+std::string hex_lower(const void* data, std::size_t n);
 
 /// SHA-256 of `data` as 64 lower-case hex digits.
 std::string sha256_hex(std::string_view data);

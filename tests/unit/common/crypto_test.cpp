@@ -14,13 +14,7 @@ std::string openssl_hmac_hex(const std::string& key, const std::string& data) {
   unsigned int len = 0;
   HMAC(EVP_sha256(), key.data(), static_cast<int>(key.size()),
        reinterpret_cast<const unsigned char*>(data.data()), data.size(), md, &len);
-  static constexpr char hex[] = "0123456789abcdef";
-  std::string out;
-  for (unsigned i = 0; i < len; ++i) {
-    out.push_back(hex[md[i] >> 4]);
-    out.push_back(hex[md[i] & 0xF]);
-  }
-  return out;
+  return mep::hex_lower(md, len);
 }
 } // namespace
 
@@ -56,4 +50,10 @@ TEST_CASE("HmacSha256 agrees with OpenSSL's HMAC for keys around the block size,
     mep::HmacSha256 moved(std::move(mac));
     CHECK(moved.hex("after a move") == openssl_hmac_hex(key, "after a move"));
   }
+}
+
+TEST_CASE("hex_lower encodes every byte as two lower-case digits") {
+  const unsigned char bytes[] = {0x00, 0x0f, 0xa5, 0xff, 0x10};
+  CHECK(mep::hex_lower(bytes, sizeof bytes) == "000fa5ff10");
+  CHECK(mep::hex_lower(bytes, 0).empty());
 }
