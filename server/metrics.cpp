@@ -25,6 +25,11 @@ constexpr Family k_families[] = {
     {"mep_http_request_duration_seconds", "histogram", "HTTP request duration by route and code"},
     {"mep_db_transaction_retries_total", "counter", "Database transactions retried"},
     {"mep_rate_limited_total", "counter", "Requests refused by the rate limiter"},
+    // SQLite's group commit (zero on PostgreSQL): requests per commit is the ratio of the
+    // two counters; the histogram is the COMMIT's time, its fsync included.
+    {"mep_sqlite_commits_total", "counter", "SQLite group commits"},
+    {"mep_sqlite_committed_requests_total", "counter", "Requests committed by SQLite group commits"},
+    {"mep_sqlite_commit_duration_seconds", "histogram", "Time of one SQLite group COMMIT, fsync included"},
 };
 
 // Shortest text that reads back as the same double ("0.0005", "3", "1e-07").

@@ -32,6 +32,7 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cstdio>
 #include <filesystem>
 #include <future>
@@ -389,7 +390,13 @@ void SqliteStore::run_batch(std::vector<Job>& batch) {
     }
   }
   try {
+    auto started = std::chrono::steady_clock::now();
     m_db->exec("COMMIT");
+    auto& metrics = Metrics::global();
+    metrics.observe("mep_sqlite_commit_duration_seconds", {},
+                    std::chrono::duration<double>(std::chrono::steady_clock::now() - started).count());
+    metrics.inc("mep_sqlite_commits_total");
+    metrics.inc("mep_sqlite_committed_requests_total", {}, static_cast<double>(batch.size()));
     m_healthy = true;
   } catch (const sqlite::Error& e) {
     log::error("commit failed: {}", e.what());

@@ -963,6 +963,18 @@ class ServerApi(ServerTestCase):
             if m.endswith("_total"):
                 self.assertEqual(families[m]["type"], "counter", m)
         # Values reflect what happened.
+        if pgfixture.backend() == "sqlite":
+            # Group commit: at least one commit, never fewer requests than commits, and one
+            # COMMIT timing per commit.
+            commits = sum(v for _, _, v in families["mep_sqlite_commits_total"]["samples"])
+            committed = sum(v for _, _, v in families["mep_sqlite_committed_requests_total"]["samples"])
+            timed = [v for n, _, v in families["mep_sqlite_commit_duration_seconds"]["samples"]
+                     if n == "mep_sqlite_commit_duration_seconds_count"]
+            self.assertGreaterEqual(commits, 4)
+            self.assertGreaterEqual(committed, commits)
+            self.assertEqual(len(timed), 1)
+            # The sweeper may commit between the three updates of one commit.
+            self.assertIn(timed[0] - commits, (0, 1))
         samples = families["mep_fencing_rejections_total"]["samples"]
         self.assertGreaterEqual(sum(v for _, _, v in samples), 1)
         self.assertGreaterEqual(sum(v for _, _, v in families["mep_leases_active"]["samples"]), 1)
