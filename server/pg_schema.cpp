@@ -30,6 +30,7 @@
 namespace mep::server {
 
 extern const std::string_view k_pg_schema_v1;
+extern const std::string_view k_pg_schema_v2;
 
 const std::string_view k_pg_schema_v1 = R"sql(
 CREATE TABLE IF NOT EXISTS tenants (
@@ -636,6 +637,14 @@ BEGIN
   RETURN v_n + v_c;
 END
 $$;
+)sql";
+
+// Version 2: listings page through an index in name order (the (tenant, owner) index made
+// every page sort all of the tenant's leases).
+const std::string_view k_pg_schema_v2 = R"sql(
+DROP INDEX IF EXISTS leases_owner;
+CREATE INDEX IF NOT EXISTS leases_owner_name ON leases(tenant_id, owner_client_id, canonical_name);
+CREATE INDEX IF NOT EXISTS leases_tenant_name ON leases(tenant_id, canonical_name);
 )sql";
 
 } // namespace mep::server

@@ -1437,12 +1437,14 @@ class SqliteSchemaUpgrade(ServerTestCase):
 
         srv = MepServer(self.workdir, old).start()
         self.addCleanup(srv.stop)
-        self.assertEqual(db_query(old, "SELECT max(version) FROM schema_version")[0][0], 3)
+        self.assertEqual(db_query(old, "SELECT max(version) FROM schema_version")[0][0], 4)
         for t in ("memories", "leases", "agent_names"):
             sql = db_query(old, "SELECT sql FROM sqlite_master WHERE type = 'table' AND name = ?", (t,))[0][0]
             self.assertIn("WITHOUT ROWID", sql, t)
         indexes = {r[0] for r in db_query(old, "SELECT name FROM sqlite_master WHERE type = 'index'")}
-        self.assertTrue({"leases_expiry", "leases_owner", "memories_parent"} <= indexes, indexes)
+        self.assertTrue({"leases_expiry", "leases_owner_name", "leases_tenant_name", "memories_parent"} <= indexes,
+                        indexes)
+        self.assertNotIn("leases_owner", indexes)
         for t in UPGRADED_TABLES:
             self.assertEqual(sorted(db_query(old, "SELECT %s FROM %s" % (", ".join(cols[t]), t))), sorted(rows[t]), t)
 
@@ -1467,6 +1469,19 @@ class SqliteSchemaUpgrade(ServerTestCase):
             # Released, the memory's next grant continues its counter.
             self.assertStatus(u.release(name, mem, 2, who), 204)
             self.assertEqual(self.assertGrant(u.claim(unique_name(), mem, owner()))["fencing_token"], 3)
+
+    def test_lease_pages_are_read_from_an_index_in_name_order(self):
+        # A page of GET /v1/leases must not sort all of a tenant's leases (190 ms for a page
+        # of 100 out of 100,000 before schema v4): the tenant's names, and an owner's, are
+        # each an index range in name order.
+        for where, index in (("tenant_id = ?1 AND canonical_name > ?2", "leases_tenant_name"),
+                             ("tenant_id = ?1 AND owner_client_id = ?3 AND canonical_name > ?2",
+                              "leases_owner_name")):
+            plan = db_query(self.db_path, "EXPLAIN QUERY PLAN SELECT * FROM leases WHERE " + where +
+                            " AND expires_at > ?4 ORDER BY canonical_name LIMIT ?5", ("t", "", "o", 0, 100))
+            details = " | ".join(r[3] for r in plan)
+            self.assertIn("USING INDEX " + index, details)
+            self.assertNotIn("TEMP B-TREE", details)
 
 
 if __name__ == "__main__":
