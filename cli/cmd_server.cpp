@@ -22,6 +22,14 @@ std::string resolve_db_url(const std::string& flag, const GlobalOptions& g) {
   return cfg->get("db", std::nullopt, "--db", server::default_db_url()).value;
 }
 
+std::unique_ptr<server::Store> open_store_or_explain(const std::string& url, const server::StoreOptions& options) {
+  try {
+    return server::open_store(url, options);
+  } catch (const std::exception& e) {
+    throw UserError(e.what());
+  }
+}
+
 void register_server(CLI::App& app, GlobalOptions& g, Action& action) {
   auto opt = std::make_shared<server::ServerOptions>();
   auto* cmd = app.add_subcommand("server", "Run the control plane (the HTTP API of SPEC §6)");
@@ -59,7 +67,7 @@ void register_server(CLI::App& app, GlobalOptions& g, Action& action) {
   audit->add_flag("--json", g.json, "Print {\"events\": [...]}");
   audit->callback([=, &g, &action] {
     action = [=, &g] {
-      auto store = server::open_store(resolve_db_url(*audit_db, g));
+      auto store = open_store_or_explain(resolve_db_url(*audit_db, g), {});
       auto rows = store->list_audit(audit_tenant->empty() ? std::nullopt : std::optional(*audit_tenant),
                                     *audit_limit);
       if (g.json) {

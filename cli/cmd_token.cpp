@@ -18,7 +18,7 @@ namespace {
 std::unique_ptr<server::Store> open(const std::string& db, const GlobalOptions& g) {
   server::StoreOptions options;
   options.pool = 1; // one short command: one worker connection is plenty
-  return server::open_store(resolve_db_url(db, g), options);
+  return open_store_or_explain(resolve_db_url(db, g), options);
 }
 } // namespace
 

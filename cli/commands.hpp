@@ -2,7 +2,11 @@
 #pragma once
 #include <CLI/App.hpp>
 
+#include "mep/store.hpp"
+
 #include <functional>
+#include <memory>
+#include <stdexcept>
 #include <string>
 
 namespace mep::cli {
@@ -17,6 +21,15 @@ struct GlobalOptions {
 
 /// A registered command's action; returns the process exit code.
 using Action = std::function<int()>;
+
+/// A failure the user can act on (an unreachable database, a path that cannot be created):
+/// `mep: <message>` on one line and exit code 1, not "internal error".
+struct UserError : std::runtime_error {
+  using std::runtime_error::runtime_error;
+};
+
+/// The control-plane store at `url` (server::open_store), its failures as UserError.
+std::unique_ptr<server::Store> open_store_or_explain(const std::string& url, const server::StoreOptions& options);
 
 /// The control plane's database URL for `mep server`, `mep token` and `mep migrate`:
 /// `flag` (--db, which CLI11 already fills from MEP_DB), else the config file's `db`, else

@@ -1361,6 +1361,22 @@ class Lifecycle(ServerTestCase):
             self.assertEqual(r.json["fencing_token"], 2)
         self.assertEqual(srv2.stop(), 0)
 
+    def test_unusable_database_is_one_line_and_exit_1(self):
+        # An uncreatable SQLite path and a PostgreSQL that refuses connections: each command
+        # that opens the store says so on one line (not "internal error") and exits 1.
+        bad = ["sqlite:/proc/mep-no-such-dir/c.db", "postgresql://mep@127.0.0.1:1/postgres"]
+        for url in bad:
+            for args in (["token", "create", "--db", url, "--tenant", "t"], ["token", "list", "--db", url],
+                         ["server", "audit", "--db", url],
+                         ["server", "--db", url, "--listen", "127.0.0.1:0"]):
+                rc, out, err = run_mep(args, check=False)
+                lines = err.strip().splitlines()
+                self.assertEqual(rc, 1, (args, err))
+                self.assertEqual(out, "", args)
+                self.assertEqual(len(lines), 1, (args, err))
+                self.assertTrue(lines[0].startswith("mep"), (args, err))
+                self.assertNotIn("internal error", err, args)
+
     def test_sigterm_exits_0_with_requests_in_flight(self):
         srv = MepServer(self.workdir, os.path.join(self.workdir, "life2.db")).start()
         self.addCleanup(srv.stop)
