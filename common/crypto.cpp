@@ -6,8 +6,6 @@
 #include <openssl/crypto.h>
 #include <openssl/evp.h>
 
-#include <algorithm>
-#include <array>
 #include <cstdio>
 #include <cstdlib>
 #include <memory>
@@ -70,28 +68,32 @@ std::string sha256_hex(std::string_view data) {
   return hex_lower(md, len);
 }
 
-std::string hmac_sha256_hex(std::string_view key, std::string_view data) { return HmacSha256(key).hex(data); }
+std::pair<std::string, std::string> hmac_sha256_pads(std::string_view key) {
+  std::string k(key);
+  if (k.size() > k_block) {
+    unsigned char md[k_digest];
+    unsigned int len = 0;
+    if (EVP_Digest(k.data(), k.size(), md, &len, sha256(), nullptr) != 1) crypto_failure("digest");
+    k.assign(reinterpret_cast<const char*>(md), len);
+  }
+  k.resize(k_block, '\0');
+  std::string inner(k_block, '\0'), outer(k_block, '\0');
+  for (std::size_t i = 0; i < k_block; ++i) {
+    inner[i] = static_cast<char>(k[i] ^ 0x36);
+    outer[i] = static_cast<char>(k[i] ^ 0x5c);
+  }
+  OPENSSL_cleanse(k.data(), k.size());
+  return {std::move(inner), std::move(outer)};
+}
 
 HmacSha256::HmacSha256(std::string_view key) : m_inner(new_ctx()), m_outer(new_ctx()), m_work(new_ctx()) {
-  // RFC 2104: a key longer than the block is replaced by its hash, then zero-padded.
-  std::array<unsigned char, k_block> k{};
-  if (key.size() > k_block) {
-    unsigned int len = 0;
-    check(EVP_DigestInit_ex(m_work, sha256(), nullptr), "digest init");
-    check(EVP_DigestUpdate(m_work, key.data(), key.size()), "digest update");
-    check(EVP_DigestFinal_ex(m_work, k.data(), &len), "digest final");
-  } else {
-    std::copy(key.begin(), key.end(), k.begin());
-  }
-  std::array<unsigned char, k_block> pad{};
-  for (std::size_t i = 0; i < k_block; ++i) pad[i] = k[i] ^ 0x36;
+  auto [inner, outer] = hmac_sha256_pads(key);
   check(EVP_DigestInit_ex(m_inner, sha256(), nullptr), "digest init");
-  check(EVP_DigestUpdate(m_inner, pad.data(), pad.size()), "digest update");
-  for (std::size_t i = 0; i < k_block; ++i) pad[i] = k[i] ^ 0x5c;
+  check(EVP_DigestUpdate(m_inner, inner.data(), inner.size()), "digest update");
   check(EVP_DigestInit_ex(m_outer, sha256(), nullptr), "digest init");
-  check(EVP_DigestUpdate(m_outer, pad.data(), pad.size()), "digest update");
-  OPENSSL_cleanse(k.data(), k.size());
-  OPENSSL_cleanse(pad.data(), pad.size());
+  check(EVP_DigestUpdate(m_outer, outer.data(), outer.size()), "digest update");
+  OPENSSL_cleanse(inner.data(), inner.size());
+  OPENSSL_cleanse(outer.data(), outer.size());
 }
 
 HmacSha256::HmacSha256(HmacSha256&& other) noexcept

@@ -645,21 +645,10 @@ void PgStore::list_leases(const Ctx& ctx, ListLeases req, Done done) {
                      ? c.exec("list_leases_by_owner", by_owner,
                               {ctx.auth.tenant_id, req.cursor.value_or(""), limit, req.owner_client_id})
                      : c.exec("list_leases", by_tenant, {ctx.auth.tenant_id, req.cursor.value_or(""), limit});
-      json::array leases;
-      std::string last;
-      bool more = false;
-      for (int i = 0; i < res.rows(); ++i) {
-        if (leases.size() == req.limit) {
-          more = true;
-          break;
-        }
-        LeaseRow l = read_lease(res, i);
-        last = l.canonical_name;
-        leases.emplace_back(lease_json(l, res.int64(i, 11)));
+      LeasePage page(req.limit);
+      for (int i = 0; i < res.rows() && page.add(read_lease(res, i), res.int64(i, 11)); ++i) {
       }
-      json::object o{{"leases", std::move(leases)}};
-      o["next_cursor"] = more ? json::value(last) : json::value(nullptr);
-      return json_reply(200, o);
+      return page.reply();
   });
 }
 
@@ -793,11 +782,7 @@ std::int64_t PgStore::sweep() {
 
 std::pair<std::string, std::string> PgStore::create_token(const std::string& tenant_name, Scope scope) {
   std::string salt = random_hex(32);
-  std::string ipad(64, '\x36'), opad(64, '\x5c');
-  for (std::size_t i = 0; i < salt.size() && i < 64; ++i) {
-    ipad[i] = static_cast<char>(ipad[i] ^ salt[i]);
-    opad[i] = static_cast<char>(opad[i] ^ salt[i]);
-  }
+  auto [ipad, opad] = hmac_sha256_pads(salt);
   std::string token = "mep_" + random_hex(32);
   return with_conn<std::pair<std::string, std::string>>([&](pg::Conn& c) {
     auto t = c.exec({},

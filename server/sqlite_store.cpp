@@ -891,21 +891,10 @@ void SqliteStore::list_leases(const Ctx& ctx, ListLeases req, Done done) {
     s->bind(1, ctx.auth.tenant_id).bind(2, now).bind(3, req.cursor.value_or(""))
         .bind(4, static_cast<std::int64_t>(req.limit + 1));
     if (req.owner_client_id) s->bind(5, *req.owner_client_id);
-    boost::json::array leases;
-    std::string last;
-    bool more = false;
-    while (s->step()) {
-      if (leases.size() == req.limit) {
-        more = true;
-        break;
-      }
-      LeaseRow l = read_lease(*s);
-      last = l.canonical_name;
-      leases.emplace_back(lease_json(l, now));
+    LeasePage page(req.limit);
+    while (s->step() && page.add(read_lease(*s), now)) {
     }
-    boost::json::object o{{"leases", std::move(leases)}};
-    o["next_cursor"] = more ? boost::json::value(last) : boost::json::value(nullptr);
-    r = json_reply(200, o);
+    r = page.reply();
   } catch (const sqlite::Error& e) {
     r = read_failure(e, ctx.request_id);
   }

@@ -24,6 +24,22 @@ boost::json::object lease_json(const LeaseRow& l, UnixMs now) {
   return o;
 }
 
+bool LeasePage::add(const LeaseRow& l, UnixMs now) {
+  if (m_leases.size() == m_limit) {
+    m_more = true;
+    return false;
+  }
+  m_last = l.canonical_name;
+  m_leases.emplace_back(lease_json(l, now));
+  return true;
+}
+
+Reply LeasePage::reply() const {
+  boost::json::object o{{"leases", m_leases}};
+  o["next_cursor"] = m_more ? boost::json::value(m_last) : boost::json::value(nullptr);
+  return json_reply(200, o);
+}
+
 boost::json::object memory_json(const MemoryRow& m) {
   boost::json::object o;
   o["memory_instance_id"] = m.memory_id;

@@ -3,6 +3,7 @@
 #include <cstddef>
 #include <string>
 #include <string_view>
+#include <utility>
 
 struct evp_md_ctx_st;
 
@@ -14,8 +15,10 @@ std::string hex_lower(const void* data, std::size_t n);
 /// SHA-256 of `data` as 64 lower-case hex digits.
 std::string sha256_hex(std::string_view data);
 
-/// HMAC-SHA256(key, data) as 64 lower-case hex digits.
-std::string hmac_sha256_hex(std::string_view key, std::string_view data);
+/// The key blocks of HMAC-SHA256 (RFC 2104): the key (hashed first when longer than the
+/// 64-byte block) zero-padded to 64 bytes, XOR 0x36 (inner) and XOR 0x5c (outer). What
+/// HmacSha256 starts from, and what the PostgreSQL store keeps per tenant for SQL.
+std::pair<std::string, std::string> hmac_sha256_pads(std::string_view key);
 
 /// HMAC-SHA256 under one key, for hashing many messages: the key's inner and outer
 /// padded blocks are absorbed once (RFC 2104), so each message costs two SHA-256

@@ -6,6 +6,7 @@
 #include "mep/store.hpp"
 #include "mep/time.hpp"
 
+#include <boost/json/array.hpp>
 #include <boost/json/object.hpp>
 
 #include <cstdint>
@@ -46,6 +47,23 @@ boost::json::object grant_json(const LeaseRow& l, UnixMs now);
 boost::json::object lease_json(const LeaseRow& l, UnixMs now);
 /// GET /v1/memories/{id}.
 boost::json::object memory_json(const MemoryRow& m);
+
+/// GET /v1/leases: one page, from rows read in name order with LIMIT limit + 1 (the extra
+/// row only says that another page follows; next_cursor is then the page's last name).
+class LeasePage {
+public:
+  explicit LeasePage(std::size_t limit) : m_limit(limit) {}
+  /// Adds a row; false when the page was already full (stop reading).
+  bool add(const LeaseRow& l, UnixMs now);
+  /// 200 {"leases": [...], "next_cursor": name or null}.
+  Reply reply() const;
+
+private:
+  std::size_t m_limit;
+  boost::json::array m_leases;
+  std::string m_last;
+  bool m_more = false;
+};
 
 /// A JSON reply with `status`.
 Reply json_reply(int status, const boost::json::object& body, std::string outcome = {});

@@ -27,10 +27,10 @@ TEST_CASE("sha256_hex matches FIPS 180-2 examples") {
 
 TEST_CASE("HMAC-SHA256 matches RFC 4231") {
   // Test case 1: a 20-byte key.
-  CHECK(mep::hmac_sha256_hex(std::string(20, '\x0b'), "Hi There") ==
+  CHECK(mep::HmacSha256(std::string(20, '\x0b')).hex("Hi There") ==
         "b0344c61d8db38535ca8afceaf0bf12b881dc200c9833da726e9376c2e32cff7");
   // Test case 2: a key shorter than the output.
-  CHECK(mep::hmac_sha256_hex("Jefe", "what do ya want for nothing?") ==
+  CHECK(mep::HmacSha256("Jefe").hex("what do ya want for nothing?") ==
         "5bdcc146bf60754e6a042426089575c75a003f089d2739839dec58b964ec3843");
   // Test case 6: a 131-byte key, longer than the block, hashed first.
   mep::HmacSha256 long_key(std::string(131, '\xaa'));
