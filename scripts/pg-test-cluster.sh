@@ -3,7 +3,8 @@
 # unprivileged user (postgres when we are root), listening on 127.0.0.1 and on a Unix
 # socket inside that directory. Nothing outside the directory is touched.
 #
-#   pg-test-cluster.sh start DIR   initdb + start (or start again after stop, same port);
+#   pg-test-cluster.sh start DIR   initdb + start (or start again after stop, same port; a
+#                                  cluster already running there is left as it is);
 #                                  prints the URL (postgresql://…/postgres)
 #   pg-test-cluster.sh stop DIR    fast shutdown (the directory is left for the caller)
 set -euo pipefail
@@ -38,7 +39,11 @@ case "$cmd" in
     fi
     chmod 0700 "$dir"
     if [[ -f "$dir/port" && -d "$dir/data" ]]; then
-      port="$(cat "$dir/port")" # started before and stopped: start it again, same port
+      port="$(cat "$dir/port")" # started before: already running, or start it again, same port
+      if as_owner "$bindir/pg_ctl" -D "$dir/data" status >/dev/null 2>&1; then
+        echo "postgresql://mep@127.0.0.1:$port/postgres"
+        exit 0
+      fi
     else
       port="$(python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')"
       as_owner "$bindir/initdb" -D "$dir/data" -U mep --auth=trust --no-sync -E UTF8 --locale=C.UTF-8 \

@@ -3,6 +3,7 @@
 #include "mep/crypto.hpp"
 #include "mep/sqlite.hpp"
 #include "mep/store.hpp"
+#include "mep/token_cache.hpp"
 #include "mep/wire.hpp"
 
 #include <atomic>
@@ -117,6 +118,8 @@ private:
   std::atomic<bool> m_migration_in_progress{false};
   std::thread m_writer;
   CompletionExecutor m_complete; // set before the first operation, read by the writer
+
+  TokenCache m_tokens; // after m_path
 
   std::mutex m_readers_mutex;
   std::vector<std::unique_ptr<sqlite::Db>> m_readers;

@@ -1,0 +1,106 @@
+// The SQLite store's token cache: a hit only while the revocation epoch is unchanged and
+// the entry is young; an increment by another process (here: a forked child, and a second
+// mapping of the file) drops every entry; without an epoch file nothing is cached.
+#include "mep/token_cache.hpp"
+
+#include <catch2/catch.hpp>
+
+#include <sys/stat.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <cstdlib>
+#include <filesystem>
+#include <string>
+#include <thread>
+
+using mep::server::AuthInfo;
+using mep::server::TokenCache;
+using mep::server::TokenEpoch;
+using namespace std::chrono_literals;
+
+namespace {
+
+struct TempDir {
+  std::filesystem::path path;
+  TempDir() {
+    std::string t = (std::filesystem::temp_directory_path() / "mep-token-cache-XXXXXX").string();
+    REQUIRE(::mkdtemp(t.data()) != nullptr);
+    path = t;
+  }
+  ~TempDir() { std::filesystem::remove_all(path); }
+};
+
+AuthInfo info(std::string tenant) { return AuthInfo{std::move(tenant), "token-1", true, false}; }
+
+} // namespace
+
+TEST_CASE("a cached token is found until the epoch changes") {
+  TempDir dir;
+  std::string epoch_file = (dir.path / "control.db-token-epoch").string();
+  TokenCache cache(epoch_file);
+  CHECK_FALSE(cache.find("h1"));
+  auto e = cache.epoch();
+  REQUIRE(e);
+  cache.put("h1", info("t1"), e);
+  auto hit = cache.find("h1");
+  REQUIRE(hit);
+  CHECK(hit->tenant_id == "t1");
+  CHECK_FALSE(cache.find("h2"));
+
+  // The file is private and holds nothing but the counter.
+  struct stat st {};
+  REQUIRE(::stat(epoch_file.c_str(), &st) == 0);
+  CHECK((st.st_mode & 0777) == 0600);
+  CHECK(st.st_size == 8);
+
+  SECTION("an increment through another mapping of the file, as mep token revoke does") {
+    TokenEpoch other(epoch_file);
+    REQUIRE(other.bump());
+    CHECK_FALSE(cache.find("h1"));
+  }
+  SECTION("an increment by another process") {
+    pid_t pid = ::fork();
+    REQUIRE(pid >= 0);
+    if (pid == 0) {
+      TokenEpoch child(epoch_file);
+      ::_exit(child.bump() ? 0 : 1);
+    }
+    int status = 0;
+    REQUIRE(::waitpid(pid, &status, 0) == pid);
+    REQUIRE(WIFEXITED(status));
+    REQUIRE(WEXITSTATUS(status) == 0);
+    CHECK_FALSE(cache.find("h1"));
+  }
+  SECTION("a lookup that began before a revocation is not cached under the new epoch") {
+    auto before = cache.epoch();
+    REQUIRE(cache.invalidate());   // the revocation commits while the lookup runs
+    cache.put("h3", info("t3"), before);
+    CHECK_FALSE(cache.find("h3"));
+  }
+}
+
+TEST_CASE("a cached token expires after its lifetime") {
+  TempDir dir;
+  TokenCache cache((dir.path / "db-token-epoch").string(), 50ms);
+  cache.put("h1", info("t1"), cache.epoch());
+  CHECK(cache.find("h1"));
+  std::this_thread::sleep_for(80ms);
+  CHECK_FALSE(cache.find("h1"));
+}
+
+TEST_CASE("without a usable epoch file nothing is cached") {
+  TempDir dir;
+  TokenCache cache((dir.path / "no-such-dir" / "db-token-epoch").string());
+  CHECK_FALSE(cache.epoch());
+  CHECK_FALSE(cache.invalidate());
+  cache.put("h1", info("t1"), cache.epoch());
+  CHECK_FALSE(cache.find("h1"));
+  // Nor through a symbolic link someone planted in the file's place.
+  std::filesystem::path target = dir.path / "elsewhere";
+  std::filesystem::path link = dir.path / "db-token-epoch";
+  std::filesystem::create_symlink(target, link);
+  TokenCache linked(link.string());
+  CHECK_FALSE(linked.epoch());
+  CHECK_FALSE(std::filesystem::exists(target));
+}
