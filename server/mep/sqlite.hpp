@@ -90,6 +90,8 @@ public:
   Stmt& prepare(std::string_view sql);
   /// Number of rows changed by the last statement.
   int changes() const { return sqlite3_changes(m_db); }
+  /// Rows changed by every INSERT, UPDATE and DELETE since the connection opened.
+  std::int64_t total_changes() const { return sqlite3_total_changes64(m_db); }
   sqlite3* handle() { return m_db; }
 
 private:

@@ -59,6 +59,7 @@ private:
     Work work;
     Done done;
     std::string request_id;
+    bool careful = false; // its work must not run twice (run_sync): savepoints from the start
   };
   struct PendingAudit {
     std::string tenant_id;
@@ -82,9 +83,15 @@ private:
 
   void migrate();
   void refresh_migration_state(sqlite::Db& db);
-  void enqueue(Work work, Done done, std::string request_id = {});
+  void enqueue(Work work, Done done, std::string request_id = {}, bool careful = false);
   void writer_loop();
   void run_batch(std::vector<Job>& batch);
+  enum class Pass { done, run_carefully, aborted };
+  /// Runs the batch's jobs inside the open transaction. Careful: each job in a SAVEPOINT.
+  /// Optimistic: none, and run_carefully when a job needs its writes undone (it threw, or
+  /// an idempotent operation failed, after writing). aborted: SQLite ended the
+  /// transaction itself (disk full, I/O error), so no job's writes are left.
+  Pass run_jobs(std::vector<Job>& batch, std::vector<Reply>& replies, bool careful);
   template <typename T>
   T run_sync(std::function<T(sqlite::Db&, UnixMs)> fn);
   ReaderLease reader();
@@ -108,6 +115,7 @@ private:
   std::string m_path;
   std::unique_ptr<sqlite::Db> m_db; // the writer's connection; writer thread only after start
   std::vector<PendingAudit> m_pending_audit;   // writer thread only
+  bool m_careful = false;                      // writer thread only: run_jobs' mode
   std::map<std::string, HmacSha256> m_audit_macs;  // writer thread only
 
   std::mutex m_mutex;

@@ -1502,3 +1502,56 @@ class SqliteSchemaUpgrade(ServerTestCase):
 
 if __name__ == "__main__":
     unittest.main()
+
+
+@unittest.skipIf(pgfixture.backend() == "postgresql",
+                 "SQLite's group commit; PostgreSQL runs each request in its own transaction")
+class SqliteGroupCommit(ServerTestCase):
+    """Concurrent requests share one transaction and run without savepoints until one of
+    them fails after writing: then the batch runs again with a savepoint per request. The
+    failing request leaves nothing behind; the others are granted and on disk."""
+
+    server_args = ("--rate-limit", "0")
+    assertGrant = ServerApi.assertGrant
+
+    def test_request_failing_after_writes_is_undone_alone(self):
+        doomed = unique_name("doomed")
+        c = self.client()
+        doomed_mem = c.new_memory()
+        others = [(unique_name("bystander"), c.new_memory(), owner()) for _ in range(40)]
+        # The grant's lease INSERT fails for one name, after the claim has already raised
+        # the memory's fence counter: only undoing the request restores the counter.
+        conn = sqlite3.connect(self.db_path)
+        conn.execute("CREATE TRIGGER test_fail_claim BEFORE INSERT ON leases WHEN NEW.canonical_name = '%s' "
+                     "BEGIN SELECT RAISE(ABORT, 'injected failure'); END" % doomed)
+        conn.commit()
+        conn.close()
+        try:
+            def claim(args):
+                name, mem, who = args
+                with ApiClient(self.port, self.token_a) as cc:
+                    return name, cc.claim(name, mem, who)
+
+            jobs = others[:20] + [(doomed, doomed_mem, owner())] + others[20:]
+            with concurrent.futures.ThreadPoolExecutor(len(jobs)) as pool:
+                results = list(pool.map(claim, jobs))
+        finally:
+            conn = sqlite3.connect(self.db_path)
+            conn.execute("DROP TRIGGER test_fail_claim")
+            conn.commit()
+            conn.close()
+        for name, r in results:
+            if name == doomed:
+                self.assertProblem(r, 503, "unavailable")
+            else:
+                self.assertEqual(self.assertGrant(r)["fencing_token"], 1, name)
+                self.assertEqual(len(lease_rows(self.db_path, "canonical_name = ?", (name,))), 1, name)
+        # Nothing of the failed claim: no lease, no name history, the counter where it was.
+        self.assertEqual(lease_rows(self.db_path, "canonical_name = ?", (doomed,)), [])
+        self.assertEqual(db_query(self.db_path, "SELECT count(*) FROM agent_names WHERE canonical_name = ?",
+                                  (doomed,))[0][0], 0)
+        self.assertEqual(db_query(self.db_path, "SELECT fence_counter FROM memories WHERE memory_id = ?",
+                                  (doomed_mem,))[0][0], 0)
+        # The batches were committed as groups, and the server still grants.
+        self.assertEqual(self.assertGrant(c.claim(doomed, doomed_mem, owner()))["fencing_token"], 1)
+        self.assertStatus(c.get("/readyz"), 200)
