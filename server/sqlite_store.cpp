@@ -1070,10 +1070,13 @@ void SqliteStore::audit_auth_failure(const std::string& tenant_id) {
 
 bool SqliteStore::ready() {
   if (!m_healthy) {
-    // A failed commit marks the store unhealthy until a write succeeds again; probe.
+    // A failed commit marks the store unhealthy until a write succeeds again; probe with
+    // a durable write to the database itself (a full disk fails it; a TEMP table would not).
     try {
-      run_sync<int>([](Db& db, UnixMs) {
-        db.exec("CREATE TEMP TABLE IF NOT EXISTS mep_probe(x)");
+      run_sync<int>([](Db& db, UnixMs now) {
+        Use s(db.prepare("INSERT INTO settings(key, value) VALUES ('readiness_probe', ?1) "
+                         "ON CONFLICT(key) DO UPDATE SET value = excluded.value"));
+        s->bind(1, std::to_string(now)).run();
         return 0;
       });
     } catch (...) {

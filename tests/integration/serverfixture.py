@@ -142,10 +142,11 @@ class MepServer:
     READY_RE = re.compile(rb"^mep server listening on http://127\.0\.0\.1:(\d+)\r?$", re.M)
     _counter = 0
 
-    def __init__(self, workdir, db_path, extra_args=()):
+    def __init__(self, workdir, db_path, extra_args=(), wrap=None):
         self.workdir = workdir
         self.db_path = db_path
         self.extra_args = list(extra_args)
+        self.wrap = wrap  # argv -> argv: a command the server runs under (which must exec it)
         MepServer._counter += 1
         self.log_path = os.path.join(workdir, "server-%d.stderr" % MepServer._counter)
         self.out_path = os.path.join(workdir, "server-%d.stdout" % MepServer._counter)
@@ -160,6 +161,8 @@ class MepServer:
     def start(self, timeout=READY_TIMEOUT_S):
         argv = [mep_bin(), "server", "--db", db_url(self.db_path), "--listen", HOST + ":0",
                 *self.extra_args]
+        if self.wrap:
+            argv = self.wrap(argv)
         with open(self.log_path, "wb") as err, open(self.out_path, "wb") as out:
             self.proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=out, stderr=err,
                                          start_new_session=True)

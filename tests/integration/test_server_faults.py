@@ -8,6 +8,10 @@ against, cannot be simulated here.)
 
 `zombie_sigstop_write_rejected`: a lease holder paused past its TTL, while another owner
 takes over, has every mutation rejected with 409 stale-fence when it resumes (S4).
+
+A full disk under the SQLite store (a small tmpfs in a mount namespace of the test's own):
+requests get 503 problems, the server stays up, and once there is space again it serves,
+with every grant it acknowledged before still there.
 """
 import json
 import os
@@ -21,8 +25,9 @@ import threading
 import time
 import unittest
 
+import pgfixture
 from history import History
-from serverfixture import MepServer, create_token, db_query, drop_db, new_db, unique_name
+from serverfixture import ApiClient, MepServer, create_token, db_query, drop_db, new_db, unique_name
 
 
 class ServerKill9Test(unittest.TestCase):
@@ -194,3 +199,111 @@ class ZombieTest(unittest.TestCase):
 
 if __name__ == "__main__":
     unittest.main()
+
+
+def _mount_namespace_problem():
+    """Why this machine cannot run a server on a tmpfs of its own, or None."""
+    if os.geteuid() != 0:
+        return "mounting a tmpfs in a mount namespace needs root"
+    for tool in ("unshare", "nsenter"):
+        if shutil.which(tool) is None:
+            return tool + " (util-linux) is not installed"
+    r = subprocess.run(["unshare", "--mount", "--propagation", "private", "true"],
+                       capture_output=True, timeout=10)
+    if r.returncode != 0:
+        return "unshare --mount is not permitted here: " + r.stderr.decode("utf-8", "replace").strip()
+    return None
+
+
+# Runs in a new mount namespace: a tmpfs of $SIZE on $1, a token for it into $2, then
+# `exec "$@"` (the server command line, after `shift 2`), so the server is this process.
+DISK_SCRIPT = '''set -e
+mount -t tmpfs -o "size=$SIZE,mode=0700" mep-test-full "$1"
+"$3" token create --db "sqlite:$1/control.db" --tenant full > "$2"
+shift 2
+exec "$@"
+'''
+
+
+@unittest.skipIf(pgfixture.backend() == "postgresql", "the SQLite store's own files; PostgreSQL manages its disk")
+class DiskFullTest(unittest.TestCase):
+    def setUp(self):
+        why = _mount_namespace_problem()
+        if why:
+            self.skipTest(why)
+        self.dir = tempfile.mkdtemp(prefix="mep-diskfull-")
+        self.addCleanup(shutil.rmtree, self.dir, True)
+        self.fs = os.path.join(self.dir, "fs")
+        os.mkdir(self.fs)
+        self.token_file = os.path.join(self.dir, "token")
+
+        def wrap(argv):
+            return ["env", "SIZE=1200k", "unshare", "--mount", "--propagation", "private",
+                    "sh", "-c", DISK_SCRIPT, "sh", self.fs, self.token_file, *argv]
+
+        self.server = MepServer(self.dir, os.path.join(self.fs, "control.db"), ["--rate-limit", "0"], wrap=wrap)
+        self.server.start()
+        self.addCleanup(self.server.stop)
+        with open(self.token_file, encoding="utf-8") as f:
+            self.token = f.read().strip()
+
+    def storm(self, prefix, max_failures, max_attempts):
+        """8 clients register memories and claim names until max_failures requests failed
+        (or max_attempts were made). Returns (acknowledged grants, failed responses)."""
+        acked, failed, lock = [], [], threading.Lock()
+        attempts = [0]
+
+        def client(w):
+            with ApiClient(self.server.port, self.token) as c:
+                i = 0
+                while True:
+                    with lock:
+                        if len(failed) >= max_failures or attempts[0] >= max_attempts:
+                            return
+                        attempts[0] += 1
+                    i += 1
+                    r = c.register()
+                    if r.status != 201:
+                        with lock:
+                            failed.append(r)
+                        continue
+                    name = "%s-%d-%d" % (prefix, w, i)
+                    g = c.claim(name, r.json["memory_instance_id"], "owner-%d" % w, ttl=300)
+                    with lock:
+                        (acked if g.status == 201 else failed).append((name, g.json) if g.status == 201 else g)
+
+        threads = [threading.Thread(target=client, args=(w,)) for w in range(8)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=120)
+        return acked, failed
+
+    def test_disk_full_is_503_and_loses_no_grant(self):
+        acked, failed = self.storm("full", max_failures=60, max_attempts=5000)
+        self.assertGreaterEqual(len(failed), 60, "the 1200 KiB file system never filled up")
+        self.assertGreater(len(acked), 0, "no claim was granted before the disk was full")
+        for r in failed:
+            self.assertEqual(r.status, 503, r)
+            self.assertEqual((r.header("Content-Type") or "").split(";")[0], "application/problem+json", r)
+            self.assertEqual(r.json["code"], "unavailable", r)
+            self.assertTrue(r.header("Retry-After"), r)
+            self.assertNotIn(self.fs, r.raw.decode("utf-8", "replace"))  # no paths in problems
+        with ApiClient(self.server.port, self.token) as c:
+            self.assertEqual(c.get("/healthz").status, 200)
+        self.assertTrue(self.server.running())
+
+        # Room again: the same process serves, and nothing it acknowledged is lost.
+        subprocess.run(["nsenter", "-t", str(self.server.pid), "-m", "mount", "-o", "remount,size=32m", self.fs],
+                       check=True, timeout=10)
+        more, failed2 = self.storm("room", max_failures=1, max_attempts=40)
+        self.assertEqual(failed2, [], [repr(r) for r in failed2[:3]])
+        self.assertEqual(len(more), 40)
+        with ApiClient(self.server.port, self.token) as c:
+            self.assertEqual(c.get("/readyz").status, 200)
+            for name, grant in acked + more:
+                r = c.get("/v1/leases/" + name)
+                self.assertEqual(r.status, 200, (name, r))
+                self.assertEqual(r.json["fencing_token"], grant["fencing_token"], name)
+                self.assertEqual(r.json["memory_instance_id"], grant["memory_instance_id"], name)
+        self.assertEqual(self.server.stop(), 0, self.server.stderr_text()[-2000:])
