@@ -1,8 +1,8 @@
 #include "mep/token_cache.hpp"
 
-#include <atomic>
+#include <chrono>
 #include <fcntl.h>
-#include <sys/mman.h>
+#include <sys/file.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -15,26 +15,41 @@ TokenEpoch::TokenEpoch(const std::string& path) {
   bool ok = ::fstat(fd, &st) == 0 && S_ISREG(st.st_mode) &&
             (st.st_size >= static_cast<off_t>(sizeof(std::uint64_t)) ||
              ::ftruncate(fd, sizeof(std::uint64_t)) == 0);
-  if (ok) {
-    void* p = ::mmap(nullptr, sizeof(std::uint64_t), PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
-    if (p != MAP_FAILED) m_word = static_cast<std::uint64_t*>(p);
+  if (!ok) {
+    ::close(fd);
+    return;
   }
-  ::close(fd);
+  m_fd = fd;
 }
 
 TokenEpoch::~TokenEpoch() {
-  if (m_word) ::munmap(m_word, sizeof(std::uint64_t));
+  if (m_fd >= 0) ::close(m_fd);
 }
 
+namespace {
+std::optional<std::uint64_t> read_word(int fd) {
+  std::uint64_t v = 0;
+  if (::pread(fd, &v, sizeof v, 0) != static_cast<ssize_t>(sizeof v)) return std::nullopt;
+  return v;
+}
+} // namespace
+
 std::optional<std::uint64_t> TokenEpoch::value() const {
-  if (!m_word) return std::nullopt;
-  return std::atomic_ref<std::uint64_t>(*m_word).load(std::memory_order_acquire);
+  if (m_fd < 0) return std::nullopt;
+  return read_word(m_fd);
 }
 
 bool TokenEpoch::bump() {
-  if (!m_word) return false;
-  std::atomic_ref<std::uint64_t>(*m_word).fetch_add(1, std::memory_order_acq_rel);
-  return true;
+  if (m_fd < 0 || ::flock(m_fd, LOCK_EX) != 0) return false;
+  // An unreadable (truncated) counter restarts from the clock, above any value the
+  // counter had, so no entry cached at an earlier value becomes valid again.
+  auto v = read_word(m_fd);
+  std::uint64_t next = v ? *v + 1
+                         : static_cast<std::uint64_t>(std::chrono::duration_cast<std::chrono::nanoseconds>(
+                               std::chrono::system_clock::now().time_since_epoch()).count());
+  bool ok = ::pwrite(m_fd, &next, sizeof next, 0) == static_cast<ssize_t>(sizeof next);
+  ::flock(m_fd, LOCK_UN);
+  return ok;
 }
 
 std::optional<AuthInfo> TokenCache::find(const std::string& token_sha256) {

@@ -4,10 +4,11 @@
 //
 // Revocation by another process (`mep token revoke` writes the database directly) must
 // take effect for the next request, so the cache is keyed to a revocation epoch: a 64-bit
-// counter in a small file beside the database (`<db>-token-epoch`, mode 0600), mapped
-// shared by every process that opens the store. `mep token revoke` increments it after
-// its commit; an entry is used only while the counter still has the value it had before
-// the entry's lookup began. The one-second lifetime bounds what the epoch cannot see: a
+// counter in a small file beside the database (`<db>-token-epoch`, mode 0600), read with
+// pread (not mapped: a file truncated under a mapping would kill the server with SIGBUS).
+// `mep token revoke` increments it after its commit, under flock (so concurrent revokers
+// never write a value the counter had before); an entry is used only while the counter
+// still has the value it had before the entry's lookup began. The one-second lifetime bounds what the epoch cannot see: a
 // revoking process killed between its commit and the increment, a hand-edited database,
 // or an epoch file replaced under a running server.
 #pragma once
@@ -24,7 +25,7 @@ namespace mep::server {
 
 class TokenEpoch {
 public:
-  /// Maps `path` (creating it, 0600). Without a usable file the epoch is unavailable:
+  /// Opens `path` (creating it, 0600). Without a usable file the epoch is unavailable:
   /// value() is empty and nothing may be cached.
   explicit TokenEpoch(const std::string& path);
   ~TokenEpoch();
@@ -32,11 +33,11 @@ public:
   TokenEpoch& operator=(const TokenEpoch&) = delete;
 
   std::optional<std::uint64_t> value() const;
-  /// Increments the counter; false when the file could not be mapped.
+  /// Increments the counter; false when the file is unusable.
   bool bump();
 
 private:
-  std::uint64_t* m_word = nullptr;
+  int m_fd = -1;
 };
 
 class TokenCache {

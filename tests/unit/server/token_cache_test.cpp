@@ -1,6 +1,6 @@
 // The SQLite store's token cache: a hit only while the revocation epoch is unchanged and
 // the entry is young; an increment by another process (here: a forked child, and a second
-// mapping of the file) drops every entry; without an epoch file nothing is cached.
+// opening of the file) drops every entry; without an epoch file nothing is cached.
 #include "mep/token_cache.hpp"
 
 #include <catch2/catch.hpp>
@@ -54,7 +54,7 @@ TEST_CASE("a cached token is found until the epoch changes") {
   CHECK((st.st_mode & 0777) == 0600);
   CHECK(st.st_size == 8);
 
-  SECTION("an increment through another mapping of the file, as mep token revoke does") {
+  SECTION("an increment through another opening of the file, as mep token revoke does") {
     TokenEpoch other(epoch_file);
     REQUIRE(other.bump());
     CHECK_FALSE(cache.find("h1"));
@@ -71,6 +71,17 @@ TEST_CASE("a cached token is found until the epoch changes") {
     REQUIRE(WIFEXITED(status));
     REQUIRE(WEXITSTATUS(status) == 0);
     CHECK_FALSE(cache.find("h1"));
+  }
+  SECTION("an epoch file truncated under a running server: no crash, no caching") {
+    REQUIRE(::truncate(epoch_file.c_str(), 0) == 0);
+    CHECK_FALSE(cache.find("h1"));
+    CHECK_FALSE(cache.epoch());
+    cache.put("h4", info("t4"), cache.epoch());
+    CHECK_FALSE(cache.find("h4"));
+    // A revocation restores a readable counter, above any value it had before.
+    CHECK(cache.invalidate());
+    REQUIRE(cache.epoch());
+    CHECK(*cache.epoch() > 1000000);
   }
   SECTION("a lookup that began before a revocation is not cached under the new epoch") {
     auto before = cache.epoch();
