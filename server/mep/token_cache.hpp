@@ -8,9 +8,9 @@
 // pread (not mapped: a file truncated under a mapping would kill the server with SIGBUS).
 // `mep token revoke` increments it after its commit, under flock (so concurrent revokers
 // never write a value the counter had before); an entry is used only while the counter
-// still has the value it had before the entry's lookup began. The one-second lifetime bounds what the epoch cannot see: a
-// revoking process killed between its commit and the increment, a hand-edited database,
-// or an epoch file replaced under a running server.
+// still has the value it had before the entry's lookup began. The one-second lifetime
+// bounds what the epoch cannot see: a revoking process killed between its commit and the
+// increment, a hand-edited database, or an epoch file replaced under a running server.
 #pragma once
 #include "mep/store.hpp"
 
