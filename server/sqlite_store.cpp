@@ -394,15 +394,17 @@ struct NeedsCarefulRun {};
 void SqliteStore::run_batch(std::vector<Job>& batch) {
   std::vector<Reply> replies(batch.size());
   auto unavailable = [](const std::string& rid) { return problem_reply(db_unavailable(), rid); };
+  auto fail_batch = [&] {
+    m_healthy = false;
+    for (auto& job : batch) job.done(unavailable(job.request_id));
+  };
   bool careful = std::any_of(batch.begin(), batch.end(), [](const Job& j) { return j.careful; });
   for (;;) {
     try {
       m_db->exec("BEGIN IMMEDIATE");
     } catch (const sqlite::Error& e) {
       log::error("database error: {}", e.what());
-      m_healthy = false;
-      for (auto& job : batch) job.done(unavailable(job.request_id));
-      return;
+      return fail_batch();
     }
     Pass pass = run_jobs(batch, replies, careful);
     if (pass == Pass::done) break;
@@ -414,11 +416,7 @@ void SqliteStore::run_batch(std::vector<Job>& batch) {
         pass = Pass::aborted;
       }
     }
-    if (pass == Pass::aborted || careful) {
-      m_healthy = false;
-      for (auto& job : batch) job.done(unavailable(job.request_id));
-      return;
-    }
+    if (pass == Pass::aborted || careful) return fail_batch();
     log::debug("a batch of {} requests runs again, each in a savepoint", batch.size());
     careful = true;
   }
@@ -1042,8 +1040,9 @@ Reply SqliteStore::read_failure(const sqlite::Error& e, const std::string& reque
 }
 
 std::optional<AuthInfo> SqliteStore::authenticate(const std::string& token_sha256) {
-  if (auto hit = m_tokens.find(token_sha256)) return hit;
-  auto epoch = m_tokens.epoch(); // before the lookup: a revocation after it changes the epoch
+  // Read before the lookup: a revocation committed after it changes the epoch.
+  auto epoch = m_tokens.epoch();
+  if (auto hit = m_tokens.find(token_sha256, epoch)) return hit;
   auto rd = reader();
   Use s(rd.db().prepare("SELECT token_id, tenant_id, scopes FROM tokens "
                         "WHERE token_sha256 = ?1 AND revoked_at IS NULL"));

@@ -52,8 +52,7 @@ bool TokenEpoch::bump() {
   return ok;
 }
 
-std::optional<AuthInfo> TokenCache::find(const std::string& token_sha256) {
-  auto epoch = m_epoch.value();
+std::optional<AuthInfo> TokenCache::find(const std::string& token_sha256, std::optional<std::uint64_t> epoch) {
   if (!epoch) return std::nullopt;
   auto now = std::chrono::steady_clock::now();
   std::lock_guard lock(m_mutex);

@@ -48,10 +48,11 @@ public:
   explicit TokenCache(const std::string& epoch_path, std::chrono::milliseconds lifetime = k_lifetime)
       : m_epoch(epoch_path), m_lifetime(lifetime) {}
 
-  /// The token's cached result, or a miss.
-  std::optional<AuthInfo> find(const std::string& token_sha256);
-  /// The epoch to pass to put() for a lookup that starts now (read it *before* the lookup).
+  /// The current epoch: read it before find(), and pass the same value to put() after a
+  /// miss's lookup in the database.
   std::optional<std::uint64_t> epoch() const { return m_epoch.value(); }
+  /// The token's result cached under `epoch` and still young, or a miss.
+  std::optional<AuthInfo> find(const std::string& token_sha256, std::optional<std::uint64_t> epoch);
   void put(const std::string& token_sha256, const AuthInfo& info, std::optional<std::uint64_t> epoch);
   /// Tells every process that has the store open to forget cached tokens.
   bool invalidate() { return m_epoch.bump(); }

@@ -39,14 +39,14 @@ TEST_CASE("a cached token is found until the epoch changes") {
   TempDir dir;
   std::string epoch_file = (dir.path / "control.db-token-epoch").string();
   TokenCache cache(epoch_file);
-  CHECK_FALSE(cache.find("h1"));
+  CHECK_FALSE(cache.find("h1", cache.epoch()));
   auto e = cache.epoch();
   REQUIRE(e);
   cache.put("h1", info("t1"), e);
-  auto hit = cache.find("h1");
+  auto hit = cache.find("h1", cache.epoch());
   REQUIRE(hit);
   CHECK(hit->tenant_id == "t1");
-  CHECK_FALSE(cache.find("h2"));
+  CHECK_FALSE(cache.find("h2", cache.epoch()));
 
   // The file is private and holds nothing but the counter.
   struct stat st {};
@@ -57,7 +57,7 @@ TEST_CASE("a cached token is found until the epoch changes") {
   SECTION("an increment through another opening of the file, as mep token revoke does") {
     TokenEpoch other(epoch_file);
     REQUIRE(other.bump());
-    CHECK_FALSE(cache.find("h1"));
+    CHECK_FALSE(cache.find("h1", cache.epoch()));
   }
   SECTION("an increment by another process") {
     pid_t pid = ::fork();
@@ -70,14 +70,14 @@ TEST_CASE("a cached token is found until the epoch changes") {
     REQUIRE(::waitpid(pid, &status, 0) == pid);
     REQUIRE(WIFEXITED(status));
     REQUIRE(WEXITSTATUS(status) == 0);
-    CHECK_FALSE(cache.find("h1"));
+    CHECK_FALSE(cache.find("h1", cache.epoch()));
   }
   SECTION("an epoch file truncated under a running server: no crash, no caching") {
     REQUIRE(::truncate(epoch_file.c_str(), 0) == 0);
-    CHECK_FALSE(cache.find("h1"));
+    CHECK_FALSE(cache.find("h1", cache.epoch()));
     CHECK_FALSE(cache.epoch());
     cache.put("h4", info("t4"), cache.epoch());
-    CHECK_FALSE(cache.find("h4"));
+    CHECK_FALSE(cache.find("h4", cache.epoch()));
     // A revocation restores a readable counter, above any value it had before.
     CHECK(cache.invalidate());
     REQUIRE(cache.epoch());
@@ -87,7 +87,7 @@ TEST_CASE("a cached token is found until the epoch changes") {
     auto before = cache.epoch();
     REQUIRE(cache.invalidate());   // the revocation commits while the lookup runs
     cache.put("h3", info("t3"), before);
-    CHECK_FALSE(cache.find("h3"));
+    CHECK_FALSE(cache.find("h3", cache.epoch()));
   }
 }
 
@@ -95,9 +95,9 @@ TEST_CASE("a cached token expires after its lifetime") {
   TempDir dir;
   TokenCache cache((dir.path / "db-token-epoch").string(), 50ms);
   cache.put("h1", info("t1"), cache.epoch());
-  CHECK(cache.find("h1"));
+  CHECK(cache.find("h1", cache.epoch()));
   std::this_thread::sleep_for(80ms);
-  CHECK_FALSE(cache.find("h1"));
+  CHECK_FALSE(cache.find("h1", cache.epoch()));
 }
 
 TEST_CASE("without a usable epoch file nothing is cached") {
@@ -106,7 +106,7 @@ TEST_CASE("without a usable epoch file nothing is cached") {
   CHECK_FALSE(cache.epoch());
   CHECK_FALSE(cache.invalidate());
   cache.put("h1", info("t1"), cache.epoch());
-  CHECK_FALSE(cache.find("h1"));
+  CHECK_FALSE(cache.find("h1", cache.epoch()));
   // Nor through a symbolic link someone planted in the file's place.
   std::filesystem::path target = dir.path / "elsewhere";
   std::filesystem::path link = dir.path / "db-token-epoch";
