@@ -280,14 +280,11 @@ std::string db_path_from_url(const std::string& url) {
   return url;
 }
 
-} // namespace
-
-// ---- construction and the writer -------------------------------------------------------
-
-SqliteStore::SqliteStore(const std::string& url)
-    : m_path(db_path_from_url(url)), m_tokens(m_path + "-token-epoch") {
-  if (m_path.empty()) throw std::runtime_error("empty SQLite database path");
-  std::filesystem::path parent = std::filesystem::path(m_path).parent_path();
+// Creates the database's directory (0700) when it is missing, before any file beside
+// the database is opened. Returns `path`.
+std::string with_parent_directory(std::string path) {
+  if (path.empty()) throw std::runtime_error("empty SQLite database path");
+  std::filesystem::path parent = std::filesystem::path(path).parent_path();
   if (!parent.empty()) {
     std::error_code ec;
     if (!std::filesystem::exists(parent, ec)) {
@@ -296,6 +293,15 @@ SqliteStore::SqliteStore(const std::string& url)
       ::chmod(parent.c_str(), 0700);
     }
   }
+  return path;
+}
+
+} // namespace
+
+// ---- construction and the writer -------------------------------------------------------
+
+SqliteStore::SqliteStore(const std::string& url)
+    : m_path(with_parent_directory(db_path_from_url(url))), m_tokens(m_path + "-token-epoch") {
   m_db = std::make_unique<Db>(m_path, sqlite::Mode::read_write_create);
   m_db->exec("PRAGMA journal_mode=WAL");
   m_db->exec("PRAGMA synchronous=FULL");

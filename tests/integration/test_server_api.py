@@ -14,6 +14,7 @@ import signal
 import socket
 import sqlite3
 import struct
+import tempfile
 import threading
 import time
 import unittest
@@ -1555,3 +1556,25 @@ class SqliteGroupCommit(ServerTestCase):
         # The batches were committed as groups, and the server still grants.
         self.assertEqual(self.assertGrant(c.claim(doomed, doomed_mem, owner()))["fencing_token"], 1)
         self.assertStatus(c.get("/readyz"), 200)
+
+
+@unittest.skipIf(pgfixture.backend() == "postgresql", "the SQLite store's files")
+class SqliteFiles(unittest.TestCase):
+    def test_new_directory_gets_private_database_and_token_epoch(self):
+        # A database in a directory that does not exist yet (a first `mep token create`
+        # with the default path): the directory is created 0700, and the database and the
+        # revocation epoch beside it 0600 — the epoch too, so the server started next
+        # caches tokens and still sees a revocation at once.
+        with tempfile.TemporaryDirectory(prefix="mep-files-") as tmp:
+            db = os.path.join(tmp, "state", "mep", "control.db")
+            token = create_token(db, "t", "lease")
+            self.assertEqual(os.stat(os.path.dirname(db)).st_mode & 0o777, 0o700)
+            for path in (db, db + "-token-epoch"):
+                self.assertEqual(os.stat(path).st_mode & 0o777, 0o600, path)
+            srv = MepServer(tmp, db).start()
+            self.addCleanup(srv.stop)
+            with ApiClient(srv.port, token) as c:
+                self.assertEqual(c.get("/v1/leases").status, 200)
+                revoke_token(db, token_id_of(db, "t")[0])
+                self.assertEqual(c.get("/v1/leases").status, 401)
+            self.assertEqual(srv.stop(), 0, srv.stderr_text())
