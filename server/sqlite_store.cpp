@@ -11,8 +11,10 @@
 //   Jobs run one at a time, so concurrent duplicates of one Idempotency-Key serialize.
 // * Transitions of SPEC §4, by function: register (op_register), claim and takeover
 //   (op_claim: expired rows conflicting on name, skeleton or memory are deleted with
-//   the grant, §12.2), renew (op_renew: expiry = max(old, now+ttl)), release (op_release), expiry
-//   (the clock; op_sweep removes the rows later), branch (op_branch), revoke (op_revoke).
+//   the grant, §12.2, or rewritten when they are the claimed memory's row under the same
+//   name), renew (op_renew: expiry = max(old, now+ttl)), release (release: the row stays,
+//   marked released — expires_at = 0, see k_released), expiry (the clock; sweep removes
+//   the rows later), branch (branch), revoke (revoke).
 // * Fencing: the counter lives on the memory row (§12.1) and only grows; classify()
 //   compares a presented token with the lease row *and* that counter, so a superseded
 //   token (409) is told from an expired lease (410) even after the row is gone.
@@ -265,6 +267,35 @@ std::optional<LeaseRow> lease_by_name(Db& db, const std::string& name) {
 void delete_lease(Db& db, const std::string& memory_id) {
   Use s(db.prepare("DELETE FROM leases WHERE memory_id = ?1"));
   s->bind(1, memory_id).run();
+}
+
+// A released lease keeps its row with this expiry until the sweeper or the next claim of
+// its memory or name removes or rewrites it: every reader already treats a row with
+// `expires_at <= now` as no lease (so a released lease is one that has ended, as after a
+// delete), and a release then writes one row and its expiry entry instead of deleting from
+// six B-trees. Zero, not the release time: a clock stepped back must not revive it.
+constexpr UnixMs k_released = 0;
+
+void mark_released(Db& db, const std::string& memory_id) {
+  Use s(db.prepare("UPDATE leases SET expires_at = 0 WHERE memory_id = ?1"));
+  s->bind(1, memory_id).run();
+}
+
+// Rewrites the lease row of `l.memory_id` with a new grant, leaving the name, skeleton and
+// memory as they are, so that only the row and its expiry entry change (plus the owner
+// index when the owner changes).
+void rewrite_lease(Db& db, const LeaseRow& l, bool owner_changed) {
+  static const char* const keep_owner =
+      "UPDATE leases SET lease_id = ?1, display_name = ?2, fencing_token = ?3, ttl_seconds = ?4, "
+      "expires_at = ?5, acquired_at = ?6 WHERE memory_id = ?7";
+  static const char* const new_owner =
+      "UPDATE leases SET lease_id = ?1, display_name = ?2, fencing_token = ?3, ttl_seconds = ?4, "
+      "expires_at = ?5, acquired_at = ?6, owner_client_id = ?8 WHERE memory_id = ?7";
+  Use s(db.prepare(owner_changed ? new_owner : keep_owner));
+  s->bind(1, l.lease_id).bind(2, l.display_name).bind(3, l.fencing_token).bind(4, l.ttl_s)
+      .bind(5, l.expires_at).bind(6, l.acquired_at).bind(7, l.memory_id);
+  if (owner_changed) s->bind(8, l.owner_client_id);
+  s->run();
 }
 
 bool ttl_ok(std::int64_t ttl) { return ttl >= k_min_ttl_s && ttl <= k_max_ttl_s; }
@@ -756,9 +787,16 @@ Reply SqliteStore::op_claim(Db& db, UnixMs now, const Ctx& ctx, const Claim& req
     p.retry_after_s = retry_after_until(held.expires_at, now);
     return problem_reply(std::move(p), ctx.request_id);
   }
-  // 7. Grant: remove the expired conflicts, bump the memory's counter, write the lease,
-  // the name history and the audit.
-  for (const auto& e : expired) delete_lease(db, e.memory_id);
+  // 7. Grant: bump the memory's counter, write the lease, the name history and the audit.
+  // The row of this memory under this name — held by the same owner (re-claim), released
+  // or expired — is rewritten in place; other expired conflicts are removed.
+  std::optional<LeaseRow> in_place = reclaim;
+  for (const auto& e : expired)
+    if (!in_place && e.memory_id == req.memory_id && e.canonical_name == name.canonical_name &&
+        e.skeleton == name.skeleton && e.tenant_id == ctx.auth.tenant_id)
+      in_place = e;
+  for (const auto& e : expired)
+    if (!in_place || e.memory_id != in_place->memory_id) delete_lease(db, e.memory_id);
   LeaseRow l;
   l.lease_id = reclaim ? reclaim->lease_id : uuid_v7().to_string();
   l.tenant_id = ctx.auth.tenant_id;
@@ -775,13 +813,8 @@ Reply SqliteStore::op_claim(Db& db, UnixMs now, const Ctx& ctx, const Claim& req
     Use s(db.prepare("UPDATE memories SET fence_counter = ?1 WHERE memory_id = ?2"));
     s->bind(1, l.fencing_token).bind(2, l.memory_id).run();
   }
-  if (reclaim) {
-    // The same row, renewed with the new grant: only the columns that change are written
-    // (the name, skeleton, memory and owner indexes stay untouched).
-    Use s(db.prepare("UPDATE leases SET display_name = ?1, fencing_token = ?2, ttl_seconds = ?3, "
-                     "expires_at = ?4, acquired_at = ?5 WHERE memory_id = ?6"));
-    s->bind(1, l.display_name).bind(2, l.fencing_token).bind(3, l.ttl_s).bind(4, l.expires_at)
-        .bind(5, l.acquired_at).bind(6, l.memory_id).run();
+  if (in_place) {
+    rewrite_lease(db, l, in_place->owner_client_id != l.owner_client_id);
   } else {
     static const std::string sql =
         fmt::format("INSERT INTO leases({}) VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11)", k_lease_cols);
@@ -800,6 +833,7 @@ Reply SqliteStore::op_claim(Db& db, UnixMs now, const Ctx& ctx, const Claim& req
         .bind(5, unicode_version()).bind(6, icu_version()).bind(7, now).run();
   }
   for (const auto& e : expired) {
+    if (e.expires_at == k_released) continue; // its release was audited
     audit(e.tenant_id, "LEASE_EXPIRED", e.canonical_name, e.memory_id, e.fencing_token);
     audit(ctx.auth.tenant_id, "LEASE_TAKEOVER", e.canonical_name, e.memory_id, e.fencing_token);
   }
@@ -870,9 +904,10 @@ void SqliteStore::release(const Ctx& ctx, LeaseRef ref, Done done) {
           if (lease.error().code != Code::lease_expired)
             return problem_reply(std::move(lease.error()), ctx.request_id);
           // Already released or expired with the current token: idempotent success; an
-          // expired row left for the sweeper goes now.
-          if (auto row = lease_by_memory(db, ref.memory_id); row && row->fencing_token == ref.fencing_token) {
-            delete_lease(db, row->memory_id);
+          // expired row left for the sweeper is released now.
+          if (auto row = lease_by_memory(db, ref.memory_id);
+              row && row->fencing_token == ref.fencing_token && row->expires_at != k_released) {
+            mark_released(db, row->memory_id);
             audit(row->tenant_id, "LEASE_EXPIRED", row->canonical_name, row->memory_id, row->fencing_token);
           }
           return no_content("released");
@@ -880,7 +915,7 @@ void SqliteStore::release(const Ctx& ctx, LeaseRef ref, Done done) {
         if (lease->canonical_name != ref.canonical_name || lease->owner_client_id != ref.owner_client_id)
           return problem_reply(Problem(Code::lease_not_found, "no lease of this owner under this name"),
                                ctx.request_id);
-        delete_lease(db, lease->memory_id);
+        mark_released(db, lease->memory_id);
         audit(ctx.auth.tenant_id, "LEASE_RELEASED", lease->canonical_name, lease->memory_id,
               lease->fencing_token);
         return no_content("released");
@@ -1151,7 +1186,8 @@ std::int64_t SqliteStore::sweep() {
     }
     for (const auto& e : expired) {
       delete_lease(db, e.memory_id);
-      audit(e.tenant_id, "LEASE_EXPIRED", e.canonical_name, e.memory_id, e.fencing_token);
+      if (e.expires_at != k_released)
+        audit(e.tenant_id, "LEASE_EXPIRED", e.canonical_name, e.memory_id, e.fencing_token);
       ++removed;
     }
     Use s(db.prepare("DELETE FROM idempotency WHERE rowid IN "

@@ -559,6 +559,54 @@ class ServerApi(ServerTestCase):
         self.assertStatus(c.renew(name, mem, 2, o2), 200)
         self.assertEqual(lease_rows(self.db_path, "memory_id = ?", (mem,)), [(name, mem, 2, o2)])
 
+    def test_release_frees_name_lookalikes_and_memory_and_audits_once(self):
+        """A released lease blocks nothing (its name, its look-alikes and its memory are free at
+        once), is 410 to its old token, is swept, and is audited once: no LEASE_EXPIRED or
+        LEASE_TAKEOVER for a release, one LEASE_EXPIRED for a lease released after it expired."""
+        _, out, _ = run_mep(["canonicalize", "--json", "xopa", "хора"])
+        self.assertEqual([json.loads(line)["skeleton"] for line in out.splitlines()], ["xopa", "xopa"], out)
+        c = self.client()
+        _, m_exp, o_exp, g_exp = self.lease(c, ttl=SHORT_TTL)
+        mem, who = c.new_memory(), owner()
+        self.assertEqual(self.assertGrant(c.claim("xopa", mem, who))["fencing_token"], 1)
+        self.assertStatus(c.release("xopa", mem, 1, who), 204)
+        # The Cyrillic look-alike, on another memory, right away.
+        m2 = c.new_memory()
+        self.assertEqual(self.assertGrant(c.claim("хора", m2, owner()))["fencing_token"], 1)
+        # The released memory under another name, and released again (twice: idempotent).
+        n2, o2 = unique_name(), owner()
+        self.assertEqual(self.assertGrant(c.claim(n2, mem, o2))["fencing_token"], 2)
+        self.assertStatus(c.release(n2, mem, 2, o2), 204)
+        self.assertStatus(c.release(n2, mem, 2, o2), 204)
+        self.assertProblem(c.renew(n2, mem, 2, o2), 410, "lease-expired")
+        self.assertProblem(c.verify(mem, 2), 410, "lease-expired")
+        self.assertProblem(c.branch(mem, 2), 410, "lease-expired")
+        self.assertProblem(c.get_lease(n2), 404, "lease-not-found")
+        self.assertNotIn(n2, [l["canonical_name"] for l in c.get("/v1/leases?limit=1000").json["leases"]])
+        self.assertProblem(c.claim("xopa", c.new_memory(), owner()), 423, "name-confusable")
+        # The short lease, released by its holder after it expired.
+        sleep_until_expired(g_exp)
+        self.assertStatus(c.release(g_exp["canonical_name"], m_exp, 1, o_exp), 204)
+        # The sweeper removes what is left of both; the counters stay.
+        deadline = time.monotonic() + 10
+        while (lease_rows(self.db_path, "memory_id IN (?, ?)", (mem, m_exp))
+               and time.monotonic() < deadline):
+            time.sleep(0.2)
+        self.assertEqual(lease_rows(self.db_path, "memory_id IN (?, ?)", (mem, m_exp)), [])
+        self.assertEqual((counter_of(self.db_path, mem), counter_of(self.db_path, m_exp)), (2, 1))
+        self.assertEqual(sorted(self.audit_types(mem)),
+                         ["LEASE_ACQUIRED", "LEASE_ACQUIRED", "LEASE_RELEASED", "LEASE_RELEASED",
+                          "MEMORY_REGISTERED"])
+        self.assertEqual(sorted(self.audit_types(m_exp)), ["LEASE_ACQUIRED", "LEASE_EXPIRED", "MEMORY_REGISTERED"])
+
+    def audit_types(self, memory_id):
+        """The event types audited for this memory of tenant-a (matched by its HMAC)."""
+        salt = db_query(self.db_path, "SELECT audit_salt FROM tenants WHERE name = 'tenant-a'")[0][0]
+        salt = salt.encode() if isinstance(salt, str) else bytes(salt)
+        h = hmac.new(salt, memory_id.encode(), hashlib.sha256).hexdigest()
+        return [r[0] for r in db_query(self.db_path, "SELECT event_type FROM audit_events "
+                                                     "WHERE redacted_memory_hash = ?", (h,))]
+
     def test_ttl_bounds_enforced(self):
         c = self.client()
         mem = c.new_memory()
