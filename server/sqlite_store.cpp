@@ -438,7 +438,7 @@ void SqliteStore::run_batch(std::vector<Job>& batch) {
   bool careful = std::any_of(batch.begin(), batch.end(), [](const Job& j) { return j.careful; });
   for (;;) {
     try {
-      m_db->exec("BEGIN IMMEDIATE");
+      Use(m_db->prepare("BEGIN IMMEDIATE"))->run(); // prepared once: no parsing per batch
     } catch (const sqlite::Error& e) {
       log::error("database error: {}", e.what());
       return fail_batch();
@@ -459,7 +459,7 @@ void SqliteStore::run_batch(std::vector<Job>& batch) {
   }
   try {
     auto started = std::chrono::steady_clock::now();
-    m_db->exec("COMMIT");
+    Use(m_db->prepare("COMMIT"))->run();
     auto& metrics = Metrics::global();
     metrics.observe("mep_sqlite_commit_duration_seconds", {},
                     std::chrono::duration<double>(std::chrono::steady_clock::now() - started).count());
