@@ -67,7 +67,9 @@ void register_server(CLI::App& app, GlobalOptions& g, Action& action) {
   audit->add_flag("--json", g.json, "Print {\"events\": [...]}");
   audit->callback([=, &g, &action] {
     action = [=, &g] {
-      auto store = open_store_or_explain(resolve_db_url(*audit_db, g), {});
+      server::StoreOptions options;
+      options.create = false; // a listing makes no database
+      auto store = open_store_or_explain(resolve_db_url(*audit_db, g), options);
       auto rows = store->list_audit(audit_tenant->empty() ? std::nullopt : std::optional(*audit_tenant),
                                     *audit_limit);
       if (g.json) {

@@ -15,9 +15,11 @@
 namespace mep::cli {
 
 namespace {
-std::unique_ptr<server::Store> open(const std::string& db, const GlobalOptions& g) {
+// `create`: whether a missing SQLite database is made (only by `token create`).
+std::unique_ptr<server::Store> open(const std::string& db, const GlobalOptions& g, bool create) {
   server::StoreOptions options;
   options.pool = 1; // one short command: one worker connection is plenty
+  options.create = create;
   return open_store_or_explain(resolve_db_url(db, g), options);
 }
 } // namespace
@@ -40,7 +42,7 @@ void register_token(CLI::App& app, GlobalOptions& g, Action& action) {
   create->add_flag("--json", g.json, "Print {\"tenant_id\", \"token\"}");
   create->callback([c, &g, &action] {
     action = [c, &g] {
-      auto store = open(c->db, g);
+      auto store = open(c->db, g, true);
       auto scope = c->admin || c->scope == "admin" ? server::Scope::admin : server::Scope::lease;
       auto [tenant_id, token] = store->create_token(c->tenant, scope);
       if (g.json)
@@ -59,7 +61,7 @@ void register_token(CLI::App& app, GlobalOptions& g, Action& action) {
   list->add_flag("--json", g.json, "JSON output");
   list->callback([=, &g, &action] {
     action = [=, &g] {
-      auto store = open(*list_db, g);
+      auto store = open(*list_db, g, false);
       auto tokens = store->list_tokens(list_tenant->empty() ? std::nullopt : std::optional(*list_tenant));
       if (g.json) {
         boost::json::array arr;
@@ -88,7 +90,7 @@ void register_token(CLI::App& app, GlobalOptions& g, Action& action) {
   revoke->add_option("token_id", *rv_id, "The token id")->required();
   revoke->callback([=, &g, &action] {
     action = [=, &g] {
-      auto store = open(*rv_db, g);
+      auto store = open(*rv_db, g, false);
       if (!store->revoke_token(*rv_id)) {
         std::fprintf(stderr, "mep: no active token with id %s\n", rv_id->c_str());
         return exit_code::other;

@@ -311,6 +311,14 @@ std::string db_path_from_url(const std::string& url) {
   return url;
 }
 
+// Returns `path`; unless `create`, throws when no file is there.
+std::string existing_unless(bool create, std::string path) {
+  std::error_code ec;
+  if (!create && !path.empty() && !std::filesystem::exists(path, ec))
+    throw std::runtime_error(fmt::format("no database at {} (`mep token create` creates one)", path));
+  return path;
+}
+
 // Creates the database's directory (0700) when it is missing, before any file beside
 // the database is opened. Returns `path`.
 std::string with_parent_directory(std::string path) {
@@ -331,8 +339,9 @@ std::string with_parent_directory(std::string path) {
 
 // ---- construction and the writer -------------------------------------------------------
 
-SqliteStore::SqliteStore(const std::string& url)
-    : m_path(with_parent_directory(db_path_from_url(url))), m_tokens(m_path + "-token-epoch") {
+SqliteStore::SqliteStore(const std::string& url, bool create)
+    : m_path(with_parent_directory(existing_unless(create, db_path_from_url(url)))),
+      m_tokens(m_path + "-token-epoch") {
   m_db = std::make_unique<Db>(m_path, sqlite::Mode::read_write_create);
   m_db->exec("PRAGMA journal_mode=WAL");
   m_db->exec("PRAGMA synchronous=FULL");

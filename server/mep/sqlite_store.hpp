@@ -22,7 +22,8 @@ class SqliteStore final : public Store {
 public:
   /// Opens (creating and migrating) the database at `url` (`sqlite:PATH` or a path) and
   /// starts the writer thread. Throws sqlite::Error or std::runtime_error.
-  explicit SqliteStore(const std::string& url);
+  /// `create`: false refuses a database file that does not exist yet.
+  explicit SqliteStore(const std::string& url, bool create = true);
   /// Finishes every queued job, then stops the writer.
   ~SqliteStore() override;
 

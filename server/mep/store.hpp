@@ -188,6 +188,9 @@ struct StoreOptions {
   Isolation isolation = Isolation::read_committed;
   /// PostgreSQL: connections (one worker thread each) that run lease operations.
   int pool = 16;
+  /// SQLite: create the database when the file is missing. Commands that only read or
+  /// revoke pass false, so that a mistyped path is an error, not a new empty database.
+  bool create = true;
 };
 
 /// Opens the store named by `url`: `sqlite:PATH` (or a bare path) or `postgresql://…`.

@@ -1626,3 +1626,21 @@ class SqliteFiles(unittest.TestCase):
                 revoke_token(db, token_id_of(db, "t")[0])
                 self.assertEqual(c.get("/v1/leases").status, 401)
             self.assertEqual(srv.stop(), 0, srv.stderr_text())
+
+    def test_listing_and_revoking_make_no_database(self):
+        # `token list`, `token revoke` and `server audit` on a path with no database (a
+        # typo, a wrong $MEP_DB) say so in one line and exit 1, creating neither the
+        # database nor its directory; `token create` is what makes one.
+        with tempfile.TemporaryDirectory(prefix="mep-files-") as tmp:
+            db = os.path.join(tmp, "typo", "control.db")
+            for args in (["token", "list"], ["token", "revoke", "0190a1b2-c3d4-7e5f-8a9b-0c1d2e3f4a5b"],
+                         ["server", "audit"]):
+                rc, out, err = run_mep(args + ["--db", db_url(db)], check=False)
+                self.assertEqual(rc, 1, (args, out, err))
+                self.assertEqual(len(err.strip().splitlines()), 1, err)
+                self.assertIn("no database", err)
+                self.assertFalse(os.path.exists(os.path.dirname(db)), args)
+            create_token(db, "t", "lease")
+            rc, out, err = run_mep(["token", "list", "--db", db_url(db)])
+            self.assertEqual(rc, 0, err)
+            self.assertIn(token_id_of(db, "t")[0], out)
