@@ -48,7 +48,7 @@ namespace {
 using sqlite::Db;
 using sqlite::Use;
 
-constexpr int k_schema_version = 4;
+constexpr int k_schema_version = 5;
 constexpr std::size_t k_max_group = 1024;
 
 constexpr std::string_view k_schema_v1 = R"sql(
@@ -213,6 +213,27 @@ CREATE INDEX leases_owner_name ON leases(tenant_id, owner_client_id, canonical_n
 CREATE INDEX leases_tenant_name ON leases(tenant_id, canonical_name);
 )sql";
 
+// Version 5: audit rows are clustered on their UUIDv7 event id (time-ordered, so rows are
+// appended): one B-tree instead of a rowid table plus the event_id index, one page fewer
+// per commit. Rebuilt in place from version 4. (The same for idempotency records wrote
+// more, not less: their keys are not ordered, and full rows split pages more often than
+// index entries do.)
+constexpr std::string_view k_schema_v5 = R"sql(
+CREATE TABLE audit_events_v5 (
+  event_id              TEXT PRIMARY KEY,
+  tenant_id             TEXT NOT NULL,
+  event_type            TEXT NOT NULL,
+  redacted_name_hash    TEXT NOT NULL,
+  redacted_memory_hash  TEXT NOT NULL,
+  fencing_token         INTEGER,
+  created_at            INTEGER NOT NULL
+) WITHOUT ROWID;
+INSERT INTO audit_events_v5 SELECT event_id, tenant_id, event_type, redacted_name_hash,
+  redacted_memory_hash, fencing_token, created_at FROM audit_events;
+DROP TABLE audit_events;
+ALTER TABLE audit_events_v5 RENAME TO audit_events;
+)sql";
+
 constexpr std::string_view k_lease_cols =
     "lease_id, tenant_id, canonical_name, display_name, skeleton, memory_id, fencing_token, "
     "owner_client_id, ttl_seconds, expires_at, acquired_at";
@@ -275,6 +296,9 @@ void delete_lease(Db& db, const std::string& memory_id) {
 // delete), and a release then writes one row and its expiry entry instead of deleting from
 // six B-trees. Zero, not the release time: a clock stepped back must not revive it.
 constexpr UnixMs k_released = 0;
+
+// agent_names.last_claimed_at is kept to within this much (see op_claim).
+constexpr std::int64_t k_name_history_resolution_ms = 60'000;
 
 void mark_released(Db& db, const std::string& memory_id) {
   Use s(db.prepare("UPDATE leases SET expires_at = 0 WHERE memory_id = ?1"));
@@ -390,6 +414,10 @@ void SqliteStore::migrate() {
     if (version < 4) {
       m_db->exec(k_schema_v4);
       m_db->exec("INSERT INTO schema_version(version) VALUES (4)");
+    }
+    if (version < 5) {
+      m_db->exec(k_schema_v5);
+      m_db->exec("INSERT INTO schema_version(version) VALUES (5)");
     }
     m_db->exec("COMMIT");
   } catch (...) {
@@ -837,9 +865,15 @@ Reply SqliteStore::op_claim(Db& db, UnixMs now, const Ctx& ctx, const Claim& req
         "INSERT INTO agent_names(canonical_name, display_name, skeleton, tenant_id, unicode_version, "
         "icu_version, first_claimed_at, last_claimed_at) VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?7) "
         "ON CONFLICT(canonical_name) DO UPDATE SET display_name = ?2, skeleton = ?3, tenant_id = ?4, "
-        "unicode_version = ?5, icu_version = ?6, last_claimed_at = ?7"));
+        "unicode_version = ?5, icu_version = ?6, last_claimed_at = ?7 "
+        "WHERE display_name IS NOT ?2 OR skeleton IS NOT ?3 OR tenant_id IS NOT ?4 "
+        "OR unicode_version IS NOT ?5 OR icu_version IS NOT ?6 OR last_claimed_at <= ?7 - ?8"));
+    // The history row is rewritten when something in it changes, else at most once per
+    // k_name_history_resolution_ms: a name claimed again and again (a re-claim, a
+    // claim after a release) then writes no page of agent_names.
     s->bind(1, l.canonical_name).bind(2, l.display_name).bind(3, l.skeleton).bind(4, l.tenant_id)
-        .bind(5, unicode_version()).bind(6, icu_version()).bind(7, now).run();
+        .bind(5, unicode_version()).bind(6, icu_version()).bind(7, now)
+        .bind(8, k_name_history_resolution_ms).run();
   }
   for (const auto& e : expired) {
     if (e.expires_at == k_released) continue; // its release was audited

@@ -276,6 +276,38 @@ class ServerApi(ServerTestCase):
         self.assertEqual(counter_of(self.db_path, mem), 1)
         self.assertEqual(lease_rows(self.db_path, "canonical_name = ?", (name,)), [(name, mem, 1, who)])
 
+    def test_idempotency_records_retained_24h_then_swept(self):
+        # A record lives 24 h from its request; once past that (moved into the past here,
+        # in the database) the sweeper deletes it, and the key is free for another request
+        # (201, not 422); a live record of the same tenant stays and still replays.
+        c = self.client()
+        key, other = new_key(), new_key()
+        r = c.claim(unique_name(), c.new_memory(), owner(), key=key)
+        self.assertStatus(r, 201)
+        kept_args = (unique_name(), c.new_memory(), owner())
+        kept = c.claim(*kept_args, key=other)
+        self.assertStatus(kept, 201)
+        (created, expires), = db_query(self.db_path, "SELECT created_at, expires_at FROM idempotency "
+                                                     "WHERE idem_key = ?", (key,))
+        self.assertEqual(expires - created, 24 * 3600 * 1000)
+        sql = "UPDATE idempotency SET expires_at = created_at - 1 WHERE idem_key = '%s'" % key
+        if isinstance(self.db_path, str):
+            conn = sqlite3.connect(self.db_path, timeout=10)
+            with conn:
+                conn.execute(sql)
+            conn.close()
+        else:
+            self.db_path.execute(sql)
+        deadline = time.monotonic() + 10
+        while db_query(self.db_path, "SELECT 1 FROM idempotency WHERE idem_key = ?", (key,)) \
+                and time.monotonic() < deadline:
+            time.sleep(0.2)
+        self.assertEqual(db_query(self.db_path, "SELECT 1 FROM idempotency WHERE idem_key = ?", (key,)), [])
+        self.assertStatus(c.claim(unique_name(), c.new_memory(), owner(), key=key), 201)
+        replay = c.claim(*kept_args, key=other)
+        self.assertStatus(replay, 200)
+        self.assertEqual((replay.header("Idempotent-Replayed"), replay.raw), ("true", kept.raw))
+
     def test_idempotency_key_missing_400(self):
         c = self.client()
         name, mem, who, g = self.lease(c)
@@ -606,6 +638,20 @@ class ServerApi(ServerTestCase):
         h = hmac.new(salt, memory_id.encode(), hashlib.sha256).hexdigest()
         return [r[0] for r in db_query(self.db_path, "SELECT event_type FROM audit_events "
                                                      "WHERE redacted_memory_hash = ?", (h,))]
+
+    def test_name_history_follows_the_display_name(self):
+        # agent_names is history: a later claim of the same canonical name under another
+        # display form (here upper case) is recorded; the first claim time stays.
+        c = self.client()
+        base, mem, who = unique_name(), c.new_memory(), owner()
+        g = self.assertGrant(c.claim(base, mem, who))
+        history = "SELECT display_name, first_claimed_at FROM agent_names WHERE canonical_name = ?"
+        (display, first), = db_query(self.db_path, history, (base,))
+        self.assertEqual(display, base)
+        self.assertStatus(c.release(base, mem, g["fencing_token"], who), 204)
+        g2 = self.assertGrant(c.claim(base.upper(), mem, who))
+        self.assertEqual((g2["canonical_name"], g2["display_name"]), (base, base.upper()))
+        self.assertEqual(db_query(self.db_path, history, (base,)), [(base.upper(), first)])
 
     def test_ttl_bounds_enforced(self):
         c = self.client()
@@ -1502,13 +1548,13 @@ class SqliteSchemaUpgrade(ServerTestCase):
 
         srv = MepServer(self.workdir, old).start()
         self.addCleanup(srv.stop)
-        self.assertEqual(db_query(old, "SELECT max(version) FROM schema_version")[0][0], 4)
-        for t in ("memories", "leases", "agent_names"):
+        self.assertEqual(db_query(old, "SELECT max(version) FROM schema_version")[0][0], 5)
+        for t in ("memories", "leases", "agent_names", "audit_events"):
             sql = db_query(old, "SELECT sql FROM sqlite_master WHERE type = 'table' AND name = ?", (t,))[0][0]
             self.assertIn("WITHOUT ROWID", sql, t)
         indexes = {r[0] for r in db_query(old, "SELECT name FROM sqlite_master WHERE type = 'index'")}
-        self.assertTrue({"leases_expiry", "leases_owner_name", "leases_tenant_name", "memories_parent"} <= indexes,
-                        indexes)
+        self.assertTrue({"leases_expiry", "leases_owner_name", "leases_tenant_name", "memories_parent",
+                         "idempotency_expiry"} <= indexes, indexes)
         self.assertNotIn("leases_owner", indexes)
         for t in UPGRADED_TABLES:
             self.assertEqual(sorted(db_query(old, "SELECT %s FROM %s" % (", ".join(cols[t]), t))), sorted(rows[t]), t)
