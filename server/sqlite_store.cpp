@@ -48,7 +48,7 @@ namespace {
 using sqlite::Db;
 using sqlite::Use;
 
-constexpr int k_schema_version = 5;
+constexpr int k_schema_version = 6;
 constexpr std::size_t k_max_group = 1024;
 
 constexpr std::string_view k_schema_v1 = R"sql(
@@ -232,6 +232,13 @@ INSERT INTO audit_events_v5 SELECT event_id, tenant_id, event_type, redacted_nam
   redacted_memory_hash, fencing_token, created_at FROM audit_events;
 DROP TABLE audit_events;
 ALTER TABLE audit_events_v5 RENAME TO audit_events;
+)sql";
+
+// Version 6: no index on idempotency expiry. Every record is kept for the same time from
+// its write, so records expire in rowid order and the sweeper reads them from the first
+// rowid (SqliteStore::sweep); the index cost a page per commit.
+constexpr std::string_view k_schema_v6 = R"sql(
+DROP INDEX IF EXISTS idempotency_expiry;
 )sql";
 
 constexpr std::string_view k_lease_cols =
@@ -418,6 +425,10 @@ void SqliteStore::migrate() {
     if (version < 5) {
       m_db->exec(k_schema_v5);
       m_db->exec("INSERT INTO schema_version(version) VALUES (5)");
+    }
+    if (version < 6) {
+      m_db->exec(k_schema_v6);
+      m_db->exec("INSERT INTO schema_version(version) VALUES (6)");
     }
     m_db->exec("COMMIT");
   } catch (...) {
@@ -1233,10 +1244,19 @@ std::int64_t SqliteStore::sweep() {
         audit(e.tenant_id, "LEASE_EXPIRED", e.canonical_name, e.memory_id, e.fencing_token);
       ++removed;
     }
-    Use s(db.prepare("DELETE FROM idempotency WHERE rowid IN "
-                     "(SELECT rowid FROM idempotency WHERE expires_at <= ?1 LIMIT 5000)"));
-    s->bind(1, now).run();
-    removed += db.changes();
+    // Idempotency records expire in the order they were written (the retention is fixed),
+    // so the expired ones are the oldest rowids: read from the first, stop at a live one.
+    // (A clock stepped back only delays the records written after the step.)
+    std::optional<std::int64_t> last_expired;
+    {
+      Use s(db.prepare("SELECT rowid, expires_at FROM idempotency ORDER BY rowid LIMIT 5000"));
+      while (s->step() && s->int64(1) <= now) last_expired = s->int64(0);
+    }
+    if (last_expired) {
+      Use s(db.prepare("DELETE FROM idempotency WHERE rowid <= ?1 AND expires_at <= ?2"));
+      s->bind(1, *last_expired).bind(2, now).run();
+      removed += db.changes();
+    }
     return removed;
   });
 }
