@@ -1234,7 +1234,9 @@ std::int64_t SqliteStore::sweep() {
     std::int64_t removed = 0;
     std::vector<LeaseRow> expired;
     {
-      Use s(db.prepare(fmt::format("SELECT {} FROM leases WHERE expires_at <= ?1 LIMIT 1000", k_lease_cols)));
+      static const std::string sql =
+          fmt::format("SELECT {} FROM leases WHERE expires_at <= ?1 LIMIT {}", k_lease_cols, k_sweep_batch);
+      Use s(db.prepare(sql));
       s->bind(1, now);
       while (s->step()) expired.push_back(read_lease(*s));
     }

@@ -54,6 +54,9 @@ inline constexpr std::int64_t k_default_ttl_s = 30;
 inline constexpr std::int64_t k_min_ttl_s = 5;
 inline constexpr std::int64_t k_max_ttl_s = 300;
 inline constexpr std::int64_t k_idempotency_retention_ms = 24LL * 3600 * 1000;
+/// Leases one Store::sweep removes at most (pg_schema.cpp's mep_sweep says 1000 too); a
+/// sweep that removed this many rows is followed by the next one after 10 ms, not 1 s.
+inline constexpr std::int64_t k_sweep_batch = 1000;
 inline constexpr std::size_t k_max_batch = 1000;
 
 struct RegisterMemory {
@@ -153,8 +156,8 @@ public:
   virtual bool ready() = 0;
   /// Unexpired leases right now (for the mep_leases_active gauge).
   virtual std::int64_t active_leases() = 0;
-  /// Deletes expired leases and idempotency records (bounded work per call); returns
-  /// how many rows were removed.
+  /// Deletes expired (and, SQLite, released) leases and idempotency records, at most
+  /// k_sweep_batch leases per call; returns how many rows were removed.
   virtual std::int64_t sweep() = 0;
   /// Where to run completion callbacks: given, a store that finishes many operations at
   /// once (SQLite group commit) hands them over in one call instead of calling each `done`
