@@ -308,20 +308,21 @@ constexpr UnixMs k_released = 0;
 constexpr std::int64_t k_name_history_resolution_ms = 60'000;
 
 void mark_released(Db& db, const std::string& memory_id) {
-  Use s(db.prepare("UPDATE leases SET expires_at = 0 WHERE memory_id = ?1"));
-  s->bind(1, memory_id).run();
+  Use s(db.prepare("UPDATE leases SET expires_at = ?2 WHERE memory_id = ?1"));
+  s->bind(1, memory_id).bind(2, k_released).run();
 }
 
 // Rewrites the lease row of `l.memory_id` with a new grant, leaving the name, skeleton and
 // memory as they are, so that only the row and its expiry entry change (plus the owner
 // index when the owner changes).
 void rewrite_lease(Db& db, const LeaseRow& l, bool owner_changed) {
-  static const char* const keep_owner =
-      "UPDATE leases SET lease_id = ?1, display_name = ?2, fencing_token = ?3, ttl_seconds = ?4, "
-      "expires_at = ?5, acquired_at = ?6 WHERE memory_id = ?7";
-  static const char* const new_owner =
-      "UPDATE leases SET lease_id = ?1, display_name = ?2, fencing_token = ?3, ttl_seconds = ?4, "
-      "expires_at = ?5, acquired_at = ?6, owner_client_id = ?8 WHERE memory_id = ?7";
+  // Two statements: SQLite updates every index with a column named in SET, changed or not.
+  static const auto sql = [](std::string_view owner) {
+    return fmt::format("UPDATE leases SET lease_id = ?1, display_name = ?2, fencing_token = ?3, "
+                       "ttl_seconds = ?4, expires_at = ?5, acquired_at = ?6{} WHERE memory_id = ?7",
+                       owner);
+  };
+  static const std::string keep_owner = sql(""), new_owner = sql(", owner_client_id = ?8");
   Use s(db.prepare(owner_changed ? new_owner : keep_owner));
   s->bind(1, l.lease_id).bind(2, l.display_name).bind(3, l.fencing_token).bind(4, l.ttl_s)
       .bind(5, l.expires_at).bind(6, l.acquired_at).bind(7, l.memory_id);
@@ -548,11 +549,11 @@ SqliteStore::Pass SqliteStore::run_jobs(std::vector<Job>& batch, std::vector<Rep
   for (std::size_t i = 0; i < batch.size(); ++i) {
     const std::int64_t before = m_db->total_changes();
     try {
-      if (careful) Use(m_db->prepare("SAVEPOINT job")).operator*().run();
+      if (careful) Use(m_db->prepare("SAVEPOINT job"))->run();
       m_pending_audit.clear();
       replies[i] = batch[i].work(*m_db, now_unix_ms());
       write_pending_audit();
-      if (careful) Use(m_db->prepare("RELEASE job")).operator*().run();
+      if (careful) Use(m_db->prepare("RELEASE job"))->run();
     } catch (const NeedsCarefulRun&) {
       return Pass::run_carefully;
     } catch (const std::exception& e) {
@@ -699,7 +700,7 @@ Reply SqliteStore::run_idempotent(Db& db, UnixMs now, const Ctx& ctx, const Idem
   // the batch to its careful pass, where the SAVEPOINT undoes it.
   Reply reply;
   if (m_careful) {
-    Use(db.prepare("SAVEPOINT op")).operator*().run();
+    Use(db.prepare("SAVEPOINT op"))->run();
     try {
       reply = op();
     } catch (...) {
@@ -707,7 +708,7 @@ Reply SqliteStore::run_idempotent(Db& db, UnixMs now, const Ctx& ctx, const Idem
       throw;
     }
     if (reply.status >= 400) db.exec("ROLLBACK TO op");
-    Use(db.prepare("RELEASE op")).operator*().run();
+    Use(db.prepare("RELEASE op"))->run();
   } else {
     const std::int64_t before = db.total_changes();
     reply = op();
