@@ -48,7 +48,7 @@ namespace {
 using sqlite::Db;
 using sqlite::Use;
 
-constexpr int k_schema_version = 6;
+constexpr int k_schema_version = 7;
 constexpr std::size_t k_max_group = 1024;
 
 constexpr std::string_view k_schema_v1 = R"sql(
@@ -241,6 +241,67 @@ constexpr std::string_view k_schema_v6 = R"sql(
 DROP INDEX IF EXISTS idempotency_expiry;
 )sql";
 
+// Version 7: fewer pages per commit for the two tables every request appends to.
+// - Audit rows go back to a rowid table, now with no index at all. Clustered on the event id
+//   (version 5) every insert went into an index B-tree, whose splits rebalance three
+//   siblings: 3.2 pages per commit for 3.6 rows. A rowid table appends, and nothing looks
+//   an event up by its id (listings read the newest rows first, in rowid order).
+// - Idempotency records are found through a 64-bit hash of (tenant, key) instead of a
+//   unique index on the two strings: entries of ~15 bytes instead of ~85 split a page a
+//   sixth as often (the keys are the clients', so inserts land anywhere in the index).
+//   The lookup compares tenant and key as well, so a collision costs a row read, nothing
+//   else; run_idempotent keeps one record per (tenant, key).
+// Both tables are copied in rowid order: the sweeper relies on idempotency records
+// expiring in that order.
+constexpr std::string_view k_schema_v7 = R"sql(
+CREATE TABLE audit_events_v7 (
+  event_id              TEXT NOT NULL,
+  tenant_id             TEXT NOT NULL,
+  event_type            TEXT NOT NULL,
+  redacted_name_hash    TEXT NOT NULL,
+  redacted_memory_hash  TEXT NOT NULL,
+  fencing_token         INTEGER,
+  created_at            INTEGER NOT NULL
+);
+INSERT INTO audit_events_v7 SELECT event_id, tenant_id, event_type, redacted_name_hash,
+  redacted_memory_hash, fencing_token, created_at FROM audit_events ORDER BY event_id;
+DROP TABLE audit_events;
+ALTER TABLE audit_events_v7 RENAME TO audit_events;
+CREATE TABLE idempotency_v7 (
+  key_hash     INTEGER NOT NULL,
+  tenant_id    TEXT NOT NULL,
+  idem_key     TEXT NOT NULL,
+  fingerprint  TEXT NOT NULL,
+  status       INTEGER NOT NULL,
+  body         TEXT NOT NULL,
+  created_at   INTEGER NOT NULL,
+  expires_at   INTEGER NOT NULL
+);
+INSERT INTO idempotency_v7 SELECT mep_idempotency_hash(tenant_id, idem_key), tenant_id, idem_key,
+  fingerprint, status, body, created_at, expires_at FROM idempotency ORDER BY rowid;
+DROP TABLE idempotency;
+ALTER TABLE idempotency_v7 RENAME TO idempotency;
+CREATE INDEX idempotency_key ON idempotency(key_hash);
+)sql";
+
+// What idempotency.key_hash holds: the first 8 bytes of SHA-256(tenant id, NUL, key).
+std::int64_t idempotency_hash(std::string_view tenant_id, std::string_view key) {
+  std::string data;
+  data.reserve(tenant_id.size() + 1 + key.size());
+  data.append(tenant_id).push_back('\0');
+  data.append(key);
+  return static_cast<std::int64_t>(std::stoull(sha256_hex(data).substr(0, 16), nullptr, 16));
+}
+
+// idempotency_hash as an SQL function, for the version 7 upgrade.
+void sql_idempotency_hash(sqlite3_context* ctx, int, sqlite3_value** argv) {
+  auto text = [](sqlite3_value* v) {
+    const auto* p = reinterpret_cast<const char*>(sqlite3_value_text(v));
+    return std::string_view(p ? p : "", static_cast<std::size_t>(sqlite3_value_bytes(v)));
+  };
+  sqlite3_result_int64(ctx, idempotency_hash(text(argv[0]), text(argv[1])));
+}
+
 constexpr std::string_view k_lease_cols =
     "lease_id, tenant_id, canonical_name, display_name, skeleton, memory_id, fencing_token, "
     "owner_client_id, ttl_seconds, expires_at, acquired_at";
@@ -430,6 +491,14 @@ void SqliteStore::migrate() {
     if (version < 6) {
       m_db->exec(k_schema_v6);
       m_db->exec("INSERT INTO schema_version(version) VALUES (6)");
+    }
+    if (version < 7) {
+      if (sqlite3_create_function_v2(m_db->handle(), "mep_idempotency_hash", 2,
+                                     SQLITE_UTF8 | SQLITE_DETERMINISTIC, nullptr, sql_idempotency_hash,
+                                     nullptr, nullptr, nullptr) != SQLITE_OK)
+        throw std::runtime_error("cannot register mep_idempotency_hash");
+      m_db->exec(k_schema_v7);
+      m_db->exec("INSERT INTO schema_version(version) VALUES (7)");
     }
     m_db->exec("COMMIT");
   } catch (...) {
@@ -672,12 +741,17 @@ void SqliteStore::write_pending_audit() {
 Reply SqliteStore::run_idempotent(Db& db, UnixMs now, const Ctx& ctx, const Idempotency& idem,
                                   const std::function<Reply()>& op) {
   auto& metrics = Metrics::global();
+  const std::int64_t key_hash = idempotency_hash(ctx.auth.tenant_id, idem.key);
+  std::optional<std::int64_t> expired_record;
   {
-    Use s(db.prepare("SELECT fingerprint, status, body FROM idempotency "
-                     "WHERE tenant_id = ?1 AND idem_key = ?2 AND expires_at > ?3"));
-    s->bind(1, ctx.auth.tenant_id).bind(2, idem.key).bind(3, now);
-    if (s->step()) {
-      if (s->text(0) != idem.fingerprint) {
+    Use s(db.prepare("SELECT rowid, expires_at, fingerprint, status, body FROM idempotency "
+                     "WHERE key_hash = ?1 AND tenant_id = ?2 AND idem_key = ?3"));
+    s->bind(1, key_hash).bind(2, ctx.auth.tenant_id).bind(3, idem.key);
+    // At most one record per (tenant, key); an expired one not yet swept is replaced below.
+    const bool found = s->step();
+    if (found && s->int64(1) <= now) expired_record = s->int64(0);
+    if (found && !expired_record) {
+      if (s->text(2) != idem.fingerprint) {
         metrics.inc("mep_idempotency_lookups_total", "result=\"mismatch\"");
         return problem_reply(Problem(Code::idempotency_key_reused,
                                      "this Idempotency-Key was used with a different request"),
@@ -685,9 +759,9 @@ Reply SqliteStore::run_idempotent(Db& db, UnixMs now, const Ctx& ctx, const Idem
       }
       metrics.inc("mep_idempotency_lookups_total", "result=\"hit\"");
       Reply r;
-      r.status = static_cast<int>(s->int64(1));
+      r.status = static_cast<int>(s->int64(3));
       if (r.status == 201) r.status = 200;
-      r.body = s->text(2);
+      r.body = s->text(4);
       r.problem = r.status >= 400;
       r.replayed = true;
       r.outcome = "replayed";
@@ -715,15 +789,20 @@ Reply SqliteStore::run_idempotent(Db& db, UnixMs now, const Ctx& ctx, const Idem
     if (reply.status >= 400 && db.total_changes() != before) throw NeedsCarefulRun{};
   }
   if (reply.status < 500) {
-    Use s(db.prepare("INSERT OR REPLACE INTO idempotency(tenant_id, idem_key, fingerprint, status, "
-                     "body, created_at, expires_at) VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7)"));
-    s->bind(1, ctx.auth.tenant_id)
-        .bind(2, idem.key)
-        .bind(3, idem.fingerprint)
-        .bind(4, static_cast<std::int64_t>(reply.status))
-        .bind(5, reply.body)
-        .bind(6, now)
-        .bind(7, now + k_idempotency_retention_ms)
+    if (expired_record) {
+      Use s(db.prepare("DELETE FROM idempotency WHERE rowid = ?1"));
+      s->bind(1, *expired_record).run();
+    }
+    Use s(db.prepare("INSERT INTO idempotency(key_hash, tenant_id, idem_key, fingerprint, status, "
+                     "body, created_at, expires_at) VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8)"));
+    s->bind(1, key_hash)
+        .bind(2, ctx.auth.tenant_id)
+        .bind(3, idem.key)
+        .bind(4, idem.fingerprint)
+        .bind(5, static_cast<std::int64_t>(reply.status))
+        .bind(6, reply.body)
+        .bind(7, now)
+        .bind(8, now + k_idempotency_retention_ms)
         .run();
   }
   return reply;
@@ -1320,7 +1399,7 @@ std::vector<AuditRow> SqliteStore::list_audit(const std::optional<std::string>& 
   Use s(rd.db().prepare("SELECT a.event_id, a.tenant_id, a.event_type, a.redacted_name_hash, "
                         "a.redacted_memory_hash, a.fencing_token, a.created_at FROM audit_events a "
                         "LEFT JOIN tenants n ON n.tenant_id = a.tenant_id "
-                        "WHERE ?1 IS NULL OR n.name = ?1 ORDER BY a.event_id DESC LIMIT ?2"));
+                        "WHERE ?1 IS NULL OR n.name = ?1 ORDER BY a.rowid DESC LIMIT ?2"));
   s->bind(1, tenant_name).bind(2, static_cast<std::int64_t>(limit));
   std::vector<AuditRow> out;
   while (s->step())
