@@ -1622,6 +1622,29 @@ class SqliteSchemaUpgrade(ServerTestCase):
             self.assertStatus(u.release(name, mem, 2, who), 204)
             self.assertEqual(self.assertGrant(u.claim(unique_name(), mem, owner()))["fencing_token"], 3)
 
+    def test_database_from_a_newer_mep_is_refused_untouched(self):
+        # An older mep must not write to a schema it does not know (a downgrade after an
+        # upgrade): the server and the token commands refuse it with one line, exit 1.
+        db = os.path.join(self.workdir, "newer.db")
+        run_mep(["token", "create", "--db", "sqlite:" + db, "--tenant", "t"])
+        conn = sqlite3.connect(db)
+        with conn:
+            conn.execute("INSERT INTO schema_version(version) VALUES (999)")
+        conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+        conn.close()
+        with open(db, "rb") as f:
+            before = f.read()
+        for args in (["server", "--db", "sqlite:" + db, "--listen", "127.0.0.1:0"],
+                     ["token", "create", "--db", "sqlite:" + db, "--tenant", "t"],
+                     ["token", "list", "--db", "sqlite:" + db]):
+            rc, out, err = run_mep(args, check=False)
+            self.assertEqual(rc, 1, (args, err))
+            self.assertEqual(out, "", args)
+            self.assertEqual(len(err.strip().splitlines()), 1, (args, err))
+            self.assertIn("schema version 999 is newer than this mep", err, args)
+        with open(db, "rb") as f:
+            self.assertEqual(f.read(), before)
+
     def test_lease_pages_are_read_from_an_index_in_name_order(self):
         # A page of GET /v1/leases must not sort all of a tenant's leases (190 ms for a page
         # of 100 out of 100,000 before schema v4): the tenant's names, and an owner's, are
