@@ -476,6 +476,20 @@ def db_query(db_path, sql, params=()):
         conn.close()
 
 
+def db_execute(db_path, sql):
+    """Runs one writing statement (no parameters) behind the server's back: SQLite in its
+    own transaction (waiting up to 10 s for the server's writer), or psql."""
+    if not isinstance(db_path, str):
+        db_path.execute(sql)
+        return
+    conn = sqlite3.connect(db_path, timeout=10)
+    try:
+        with conn:
+            conn.execute(sql)
+    finally:
+        conn.close()
+
+
 def db_snapshot(db_path, ignore_auth_failures=True):
     """Every row of every table, sorted, as {table: [row, …]} (one read transaction).
     AUTH_FAILED audit rows are left out when asked: a rejected token may be audited."""

@@ -23,7 +23,7 @@ import urllib.parse
 import pgfixture
 
 from serverfixture import (HEX64_RE, PROBLEM_BASE, RFC3339_MS_RE, UUID_RE, ApiClient, MepServer,
-                           ServerTestCase, create_token, db_query, db_url, new_key, parse_rfc3339_ms,
+                           ServerTestCase, create_token, db_execute, db_query, db_url, new_key, parse_rfc3339_ms,
                            raw_exchange, revoke_token, run_mep, token_id_of, unique_name, uuid7)
 
 SHORT_TTL = 5
@@ -294,13 +294,7 @@ class ServerApi(ServerTestCase):
         self.assertEqual(expires - created, 24 * 3600 * 1000)
         sql = ("UPDATE idempotency SET expires_at = created_at - 1 WHERE created_at <= "
                "%d" % created)
-        if isinstance(self.db_path, str):
-            conn = sqlite3.connect(self.db_path, timeout=10)
-            with conn:
-                conn.execute(sql)
-            conn.close()
-        else:
-            self.db_path.execute(sql)
+        db_execute(self.db_path, sql)
         deadline = time.monotonic() + 10
         while db_query(self.db_path, "SELECT 1 FROM idempotency WHERE idem_key = ?", (key,)) \
                 and time.monotonic() < deadline:
@@ -320,13 +314,7 @@ class ServerApi(ServerTestCase):
         self.assertStatus(c.claim(unique_name(), c.new_memory(), owner(), key=live), 201)
         self.assertStatus(c.claim(unique_name(), c.new_memory(), owner(), key=key), 201)
         sql = "UPDATE idempotency SET expires_at = created_at - 1 WHERE idem_key = '%s'" % key
-        if isinstance(self.db_path, str):
-            conn = sqlite3.connect(self.db_path, timeout=10)
-            with conn:
-                conn.execute(sql)
-            conn.close()
-        else:
-            self.db_path.execute(sql)
+        db_execute(self.db_path, sql)
         again_args = (unique_name(), c.new_memory(), owner())
         again = c.claim(*again_args, key=key)
         self.assertStatus(again, 201)
