@@ -48,7 +48,7 @@ namespace {
 using sqlite::Db;
 using sqlite::Use;
 
-constexpr int k_schema_version = 7;
+constexpr int k_schema_version = 8;
 constexpr std::size_t k_max_group = 1024;
 
 constexpr std::string_view k_schema_v1 = R"sql(
@@ -246,11 +246,10 @@ DROP INDEX IF EXISTS idempotency_expiry;
 //   (version 5) every insert went into an index B-tree, whose splits rebalance three
 //   siblings: 3.2 pages per commit for 3.6 rows. A rowid table appends, and nothing looks
 //   an event up by its id (listings read the newest rows first, in rowid order).
-// - Idempotency records are found through a 64-bit hash of (tenant, key) instead of a
-//   unique index on the two strings: entries of ~15 bytes instead of ~85 split a page a
-//   sixth as often (the keys are the clients', so inserts land anywhere in the index).
-//   The lookup compares tenant and key as well, so a collision costs a row read, nothing
-//   else; run_idempotent keeps one record per (tenant, key).
+// - Idempotency records are found through an index on the key alone instead of a unique
+//   index on (tenant, key): entries of ~50 bytes instead of ~85, so pages split less often,
+//   and keys that grow with time (mepd sends "claim-" + a UUIDv7) are still appended. The
+//   lookup compares the tenant too; run_idempotent keeps one record per (tenant, key).
 // Both tables are copied in rowid order: the sweeper relies on idempotency records
 // expiring in that order.
 constexpr std::string_view k_schema_v7 = R"sql(
@@ -267,8 +266,15 @@ INSERT INTO audit_events_v7 SELECT event_id, tenant_id, event_type, redacted_nam
   redacted_memory_hash, fencing_token, created_at FROM audit_events ORDER BY event_id;
 DROP TABLE audit_events;
 ALTER TABLE audit_events_v7 RENAME TO audit_events;
+)sql";
+
+// The idempotency table of version 7, rebuilt from any earlier form (the columns are named).
+// Version 8 runs it again on databases that reached version 7 while that version looked
+// records up through a 64-bit hash column (3810793): with time-ordered keys the hash
+// scattered the inserts over the whole index (re-claims at 8 clients 7,258/s against
+// 9,892/s for the key index, p99 5.8 ms against 2.3 ms).
+constexpr std::string_view k_idempotency_v7 = R"sql(
 CREATE TABLE idempotency_v7 (
-  key_hash     INTEGER NOT NULL,
   tenant_id    TEXT NOT NULL,
   idem_key     TEXT NOT NULL,
   fingerprint  TEXT NOT NULL,
@@ -277,30 +283,12 @@ CREATE TABLE idempotency_v7 (
   created_at   INTEGER NOT NULL,
   expires_at   INTEGER NOT NULL
 );
-INSERT INTO idempotency_v7 SELECT mep_idempotency_hash(tenant_id, idem_key), tenant_id, idem_key,
-  fingerprint, status, body, created_at, expires_at FROM idempotency ORDER BY rowid;
+INSERT INTO idempotency_v7 SELECT tenant_id, idem_key, fingerprint, status, body, created_at,
+  expires_at FROM idempotency ORDER BY rowid;
 DROP TABLE idempotency;
 ALTER TABLE idempotency_v7 RENAME TO idempotency;
-CREATE INDEX idempotency_key ON idempotency(key_hash);
+CREATE INDEX idempotency_key ON idempotency(idem_key);
 )sql";
-
-// What idempotency.key_hash holds: the first 8 bytes of SHA-256(tenant id, NUL, key).
-std::int64_t idempotency_hash(std::string_view tenant_id, std::string_view key) {
-  std::string data;
-  data.reserve(tenant_id.size() + 1 + key.size());
-  data.append(tenant_id).push_back('\0');
-  data.append(key);
-  return static_cast<std::int64_t>(std::stoull(sha256_hex(data).substr(0, 16), nullptr, 16));
-}
-
-// idempotency_hash as an SQL function, for the version 7 upgrade.
-void sql_idempotency_hash(sqlite3_context* ctx, int, sqlite3_value** argv) {
-  auto text = [](sqlite3_value* v) {
-    const auto* p = reinterpret_cast<const char*>(sqlite3_value_text(v));
-    return std::string_view(p ? p : "", static_cast<std::size_t>(sqlite3_value_bytes(v)));
-  };
-  sqlite3_result_int64(ctx, idempotency_hash(text(argv[0]), text(argv[1])));
-}
 
 constexpr std::string_view k_lease_cols =
     "lease_id, tenant_id, canonical_name, display_name, skeleton, memory_id, fencing_token, "
@@ -493,12 +481,13 @@ void SqliteStore::migrate() {
       m_db->exec("INSERT INTO schema_version(version) VALUES (6)");
     }
     if (version < 7) {
-      if (sqlite3_create_function_v2(m_db->handle(), "mep_idempotency_hash", 2,
-                                     SQLITE_UTF8 | SQLITE_DETERMINISTIC, nullptr, sql_idempotency_hash,
-                                     nullptr, nullptr, nullptr) != SQLITE_OK)
-        throw std::runtime_error("cannot register mep_idempotency_hash");
       m_db->exec(k_schema_v7);
+      m_db->exec(k_idempotency_v7);
       m_db->exec("INSERT INTO schema_version(version) VALUES (7)");
+    }
+    if (version < 8) {
+      if (version == 7) m_db->exec(k_idempotency_v7); // see k_idempotency_v7
+      m_db->exec("INSERT INTO schema_version(version) VALUES (8)");
     }
     m_db->exec("COMMIT");
   } catch (...) {
@@ -741,12 +730,11 @@ void SqliteStore::write_pending_audit() {
 Reply SqliteStore::run_idempotent(Db& db, UnixMs now, const Ctx& ctx, const Idempotency& idem,
                                   const std::function<Reply()>& op) {
   auto& metrics = Metrics::global();
-  const std::int64_t key_hash = idempotency_hash(ctx.auth.tenant_id, idem.key);
   std::optional<std::int64_t> expired_record;
   {
     Use s(db.prepare("SELECT rowid, expires_at, fingerprint, status, body FROM idempotency "
-                     "WHERE key_hash = ?1 AND tenant_id = ?2 AND idem_key = ?3"));
-    s->bind(1, key_hash).bind(2, ctx.auth.tenant_id).bind(3, idem.key);
+                     "WHERE idem_key = ?1 AND tenant_id = ?2"));
+    s->bind(1, idem.key).bind(2, ctx.auth.tenant_id);
     // At most one record per (tenant, key); an expired one not yet swept is replaced below.
     const bool found = s->step();
     if (found && s->int64(1) <= now) expired_record = s->int64(0);
@@ -793,16 +781,15 @@ Reply SqliteStore::run_idempotent(Db& db, UnixMs now, const Ctx& ctx, const Idem
       Use s(db.prepare("DELETE FROM idempotency WHERE rowid = ?1"));
       s->bind(1, *expired_record).run();
     }
-    Use s(db.prepare("INSERT INTO idempotency(key_hash, tenant_id, idem_key, fingerprint, status, "
-                     "body, created_at, expires_at) VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8)"));
-    s->bind(1, key_hash)
-        .bind(2, ctx.auth.tenant_id)
-        .bind(3, idem.key)
-        .bind(4, idem.fingerprint)
-        .bind(5, static_cast<std::int64_t>(reply.status))
-        .bind(6, reply.body)
-        .bind(7, now)
-        .bind(8, now + k_idempotency_retention_ms)
+    Use s(db.prepare("INSERT INTO idempotency(tenant_id, idem_key, fingerprint, status, "
+                     "body, created_at, expires_at) VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7)"));
+    s->bind(1, ctx.auth.tenant_id)
+        .bind(2, idem.key)
+        .bind(3, idem.fingerprint)
+        .bind(4, static_cast<std::int64_t>(reply.status))
+        .bind(5, reply.body)
+        .bind(6, now)
+        .bind(7, now + k_idempotency_retention_ms)
         .run();
   }
   return reply;

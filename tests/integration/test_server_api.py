@@ -1554,8 +1554,6 @@ class SqliteSchemaUpgrade(ServerTestCase):
         self.assertGrant(c.claim("paypa", latin_mem, who))
         rows = {t: db_query(self.db_path, "SELECT * FROM " + t) for t in UPGRADED_TABLES}
         cols = {t: [r[1] for r in db_query(self.db_path, "PRAGMA table_info(%s)" % t)] for t in UPGRADED_TABLES}
-        # Columns added since version 2, filled in by the upgrade (compared after it).
-        added = {"idempotency": {"key_hash"}}
 
         # The same rows in a version-2 database.
         old = os.path.join(self.workdir, "v2.db")
@@ -1563,16 +1561,14 @@ class SqliteSchemaUpgrade(ServerTestCase):
         with open(SCHEMA_V2_SQL, encoding="utf-8") as f:
             conn.executescript(f.read())
         for t in UPGRADED_TABLES:
-            keep = [i for i, c in enumerate(cols[t]) if c not in added.get(t, ())]
             for r in rows[t]:
-                conn.execute("INSERT INTO %s(%s) VALUES (%s)" % (t, ", ".join(cols[t][i] for i in keep),
-                                                                 ", ".join("?" * len(keep))), [r[i] for i in keep])
+                conn.execute("INSERT INTO %s(%s) VALUES (%s)" % (t, ", ".join(cols[t]), ", ".join("?" * len(r))), r)
         conn.commit()
         conn.close()
 
         srv = MepServer(self.workdir, old).start()
         self.addCleanup(srv.stop)
-        self.assertEqual(db_query(old, "SELECT max(version) FROM schema_version")[0][0], 7)
+        self.assertEqual(db_query(old, "SELECT max(version) FROM schema_version")[0][0], 8)
         for t in ("memories", "leases", "agent_names", "audit_events", "idempotency"):
             sql = db_query(old, "SELECT sql FROM sqlite_master WHERE type = 'table' AND name = ?", (t,))[0][0]
             if t in ("audit_events", "idempotency"):
@@ -1584,7 +1580,6 @@ class SqliteSchemaUpgrade(ServerTestCase):
                          "idempotency_key"} <= indexes, indexes)
         self.assertFalse({"leases_owner", "idempotency_expiry", "sqlite_autoindex_idempotency_1",
                           "sqlite_autoindex_audit_events_1"} & indexes, indexes)
-        # Every row as the new server wrote it, the key hashes the upgrade computed included.
         for t in UPGRADED_TABLES:
             self.assertEqual(sorted(db_query(old, "SELECT %s FROM %s" % (", ".join(cols[t]), t))), sorted(rows[t]), t)
 
@@ -1609,6 +1604,42 @@ class SqliteSchemaUpgrade(ServerTestCase):
             # Released, the memory's next grant continues its counter.
             self.assertStatus(u.release(name, mem, 2, who), 204)
             self.assertEqual(self.assertGrant(u.claim(unique_name(), mem, owner()))["fencing_token"], 3)
+
+    def test_version_7_with_hashed_idempotency_keys_is_rebuilt(self):
+        # Version 7 as 3810793 wrote it found idempotency records through a key_hash column
+        # (NOT NULL, so a newer server inserting without it would fail every claim). Version
+        # 8 rebuilds the table: the column is gone, the index is on the key, records replay.
+        db = os.path.join(self.workdir, "v7hash.db")
+        token = create_token(db, "t")
+        srv = MepServer(self.workdir, db).start()
+        with ApiClient(srv.port, token) as c:
+            key, args = new_key(), (unique_name(), c.new_memory(), owner())
+            first = c.claim(*args, key=key)
+            self.assertGrant(first)
+        self.assertEqual(srv.stop(), 0, srv.stderr_text())
+        conn = sqlite3.connect(db)
+        conn.executescript("""
+            CREATE TABLE idem_h (key_hash INTEGER NOT NULL, tenant_id TEXT NOT NULL,
+              idem_key TEXT NOT NULL, fingerprint TEXT NOT NULL, status INTEGER NOT NULL,
+              body TEXT NOT NULL, created_at INTEGER NOT NULL, expires_at INTEGER NOT NULL);
+            INSERT INTO idem_h SELECT 42, tenant_id, idem_key, fingerprint, status, body, created_at,
+              expires_at FROM idempotency ORDER BY rowid;
+            DROP TABLE idempotency;
+            ALTER TABLE idem_h RENAME TO idempotency;
+            CREATE INDEX idempotency_key ON idempotency(key_hash);
+            DELETE FROM schema_version WHERE version > 7;
+        """)
+        conn.close()
+        srv = MepServer(self.workdir, db).start()
+        self.addCleanup(srv.stop)
+        self.assertEqual(db_query(db, "SELECT max(version) FROM schema_version")[0][0], 8)
+        self.assertNotIn("key_hash", [r[1] for r in db_query(db, "PRAGMA table_info(idempotency)")])
+        self.assertEqual([r[2] for r in db_query(db, "PRAGMA index_info(idempotency_key)")], ["idem_key"])
+        with ApiClient(srv.port, token) as c:
+            replay = c.claim(*args, key=key)
+            self.assertStatus(replay, 200)
+            self.assertEqual(replay.raw, first.raw)
+            self.assertGrant(c.claim(unique_name(), c.new_memory(), owner(), key=new_key()))
 
     def test_database_from_a_newer_mep_is_refused_untouched(self):
         # An older mep must not write to a schema it does not know (a downgrade after an
