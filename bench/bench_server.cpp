@@ -1,7 +1,7 @@
 // bench_server: control-plane throughput and latency over real HTTP (keep-alive), next
 // to the same claim transaction run directly on SQLite at the same durability.
 //
-//   build/bench/bench_server [--mep PATH] [--seconds S] [--repeat N] [--rss-leases N] [--pg auto|off|URL]
+//   build/bench/bench_server [--mep PATH] [--seconds S] [--repeat N] [--rss-leases N] [--pg auto|off|URL] [--keys ordered|random|counter]
 //
 // Starts the real `mep server` on a fresh SQLite file (on disk, synchronous=FULL), runs
 // claim+release cycles and renews at 1, 8 and 64 clients, then fills the server with N
@@ -25,8 +25,10 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <random>
 #include <stdexcept>
 #include <string>
+#include <string_view>
 #include <thread>
 #include <vector>
 
@@ -156,6 +158,31 @@ Result summarize(std::vector<std::vector<double>>& lat, double secs, long errors
   return r;
 }
 
+// Idempotency keys of the measured requests (--keys). Stores index them, so their order
+// matters: `ordered` keys grow with time, as mepd's do ("claim-" + a UUIDv7); `random`
+// ones are spread over the key space (a client that sends UUIDv4s); `counter` is the
+// client's tag and a decimal counter (clustered per client; the default before --keys).
+enum class Keys { ordered, random, counter };
+Keys g_keys = Keys::ordered;
+
+std::string request_key(const char* prefix, const std::string& tag, long k) {
+  char buf[48];
+  if (g_keys == Keys::ordered) {
+    static std::atomic<std::uint32_t> seq{0};
+    auto ns = std::chrono::duration_cast<std::chrono::nanoseconds>(
+                  std::chrono::system_clock::now().time_since_epoch()).count();
+    std::snprintf(buf, sizeof buf, "%016llx%08x", static_cast<unsigned long long>(ns), seq++);
+    return std::string(prefix) + buf;
+  }
+  if (g_keys == Keys::random) {
+    thread_local std::mt19937_64 rng(std::random_device{}());
+    std::snprintf(buf, sizeof buf, "%016llx%016llx", static_cast<unsigned long long>(rng()),
+                  static_cast<unsigned long long>(rng()));
+    return std::string(prefix) + buf;
+  }
+  return prefix + tag + "-" + std::to_string(k);
+}
+
 std::string uid() {
   static std::atomic<long> n{0};
   return std::to_string(::getpid()) + "-" + std::to_string(n++) + "-" +
@@ -197,7 +224,7 @@ Result run_http_once(int port, const std::string& token, int clients, double sec
         while (Clock::now() < *end_time) {
           auto t0 = Clock::now();
           if (mode == 0) {
-            auto [cs, cb] = c.request("POST", "/v1/leases", token, claim_body, "c-" + tag + "-" + std::to_string(k++));
+            auto [cs, cb] = c.request("POST", "/v1/leases", token, claim_body, request_key("c-", tag, k++));
             if (cs != 201) {
               ++errors;
               continue;
@@ -207,7 +234,7 @@ Result run_http_once(int port, const std::string& token, int clients, double sec
             auto [rs, rb] = c.request("POST", "/v1/leases/release", token, rel);
             if (rs != 204) ++errors;
           } else if (mode == 2) {
-            auto [cs, cb] = c.request("POST", "/v1/leases", token, claim_body, "r-" + tag + "-" + std::to_string(k++));
+            auto [cs, cb] = c.request("POST", "/v1/leases", token, claim_body, request_key("r-", tag, k++));
             if (cs != 201) ++errors;
           } else {
             std::string ren = "{\"canonical_name\":\"" + name + "\",\"memory_instance_id\":\"" + mem +
@@ -481,9 +508,12 @@ int main(int argc, char** argv) {
     else if (a == "--rss-leases" && i + 1 < argc) rss_leases = std::atoi(argv[++i]);
     else if (a == "--pg" && i + 1 < argc) pg = argv[++i];
     else if (a == "--repeat" && i + 1 < argc) g_repeat = std::max(1, std::atoi(argv[++i]));
+    else if (a == "--keys" && i + 1 < argc && std::string_view(argv[i + 1]) == "ordered") g_keys = Keys::ordered, ++i;
+    else if (a == "--keys" && i + 1 < argc && std::string_view(argv[i + 1]) == "random") g_keys = Keys::random, ++i;
+    else if (a == "--keys" && i + 1 < argc && std::string_view(argv[i + 1]) == "counter") g_keys = Keys::counter, ++i;
     else {
       std::fprintf(stderr, "usage: bench_server [--mep PATH] [--seconds S] [--repeat N] [--rss-leases N] "
-                           "[--pg auto|off|URL]\n");
+                           "[--pg auto|off|URL] [--keys ordered|random|counter]\n");
       return 2;
     }
   }
