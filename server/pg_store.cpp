@@ -228,8 +228,10 @@ void PgStore::migrate() {
   auto c = connect();
   for (int attempt = 1;; ++attempt) {
     try {
-      // Concurrent CREATE TABLE IF NOT EXISTS may trip over the catalog's unique index
-      // (23505/42P07); the loser retries and finds the table.
+      // Concurrent CREATE TABLE IF NOT EXISTS may trip over the catalog: its unique index
+      // (23505), the relation (42P07) or the row type (42710, "type ... already exists",
+      // when the other creator commits between the check and the type's creation). The
+      // loser retries and finds the table.
       c->exec("CREATE TABLE IF NOT EXISTS schema_version (id INTEGER PRIMARY KEY, version INTEGER NOT NULL)");
       c->exec("INSERT INTO schema_version(id, version) VALUES (1, 0) ON CONFLICT (id) DO NOTHING");
       c->exec("BEGIN");
@@ -258,7 +260,8 @@ void PgStore::migrate() {
       }
       break;
     } catch (const pg::Error& e) {
-      bool race = e.sqlstate() == "23505" || e.sqlstate() == "42P07" || e.retryable();
+      bool race = e.sqlstate() == "23505" || e.sqlstate() == "42P07" || e.sqlstate() == "42710" ||
+                  e.retryable();
       if (!race || attempt >= 5) throw;
       std::this_thread::sleep_for(std::chrono::milliseconds(50 * attempt));
     }
