@@ -543,6 +543,7 @@ void SqliteStore::run_batch(std::vector<Job>& batch) {
     for (auto& job : batch) job.done(unavailable(job.request_id));
   };
   bool careful = std::any_of(batch.begin(), batch.end(), [](const Job& j) { return j.careful; });
+  const auto began = std::chrono::steady_clock::now();
   for (;;) {
     try {
       Use(m_db->prepare("BEGIN IMMEDIATE"))->run(); // prepared once: no parsing per batch
@@ -551,6 +552,12 @@ void SqliteStore::run_batch(std::vector<Job>& batch) {
       return fail_batch();
     }
     Pass pass = run_jobs(batch, replies, careful);
+    // Requests that arrived while the batch ran join it before the COMMIT: one more fsync
+    // shared instead of a batch of their own after this one's.
+    for (std::size_t n; pass == Pass::done && (n = extend_batch(batch, careful, began)) > 0;) {
+      replies.resize(batch.size());
+      pass = run_jobs(batch, replies, careful, batch.size() - n);
+    }
     if (pass == Pass::done) break;
     if (!::sqlite3_get_autocommit(m_db->handle())) {
       try {
@@ -602,9 +609,28 @@ void SqliteStore::run_batch(std::vector<Job>& batch) {
   for (std::size_t i = 0; i < batch.size(); ++i) batch[i].done(std::move(replies[i]));
 }
 
-SqliteStore::Pass SqliteStore::run_jobs(std::vector<Job>& batch, std::vector<Reply>& replies, bool careful) {
+// Takes waiting requests into the batch while it is open: at most k_max_group in all, for
+// at most k_max_extension after the batch began (a steady stream must not hold back the
+// COMMIT of the requests already run), and in an optimistic pass none that must run
+// carefully (they wait for the next batch).
+std::size_t SqliteStore::extend_batch(std::vector<Job>& batch, bool careful,
+                                      std::chrono::steady_clock::time_point began) {
+  constexpr auto k_max_extension = std::chrono::milliseconds(1);
+  if (std::chrono::steady_clock::now() - began > k_max_extension) return 0;
+  std::lock_guard lock(m_mutex);
+  std::size_t n = 0;
+  while (!m_queue.empty() && batch.size() < k_max_group && (careful || !m_queue.front().careful)) {
+    batch.push_back(std::move(m_queue.front()));
+    m_queue.pop_front();
+    ++n;
+  }
+  return n;
+}
+
+SqliteStore::Pass SqliteStore::run_jobs(std::vector<Job>& batch, std::vector<Reply>& replies, bool careful,
+                                        std::size_t from) {
   m_careful = careful;
-  for (std::size_t i = 0; i < batch.size(); ++i) {
+  for (std::size_t i = from; i < batch.size(); ++i) {
     const std::int64_t before = m_db->total_changes();
     try {
       if (careful) Use(m_db->prepare("SAVEPOINT job"))->run();

@@ -7,6 +7,7 @@
 #include "mep/wire.hpp"
 
 #include <atomic>
+#include <chrono>
 #include <condition_variable>
 #include <deque>
 #include <functional>
@@ -92,7 +93,10 @@ private:
   /// Optimistic: none, and run_carefully when a job needs its writes undone (it threw, or
   /// an idempotent operation failed, after writing). aborted: SQLite ended the
   /// transaction itself (disk full, I/O error), so no job's writes are left.
-  Pass run_jobs(std::vector<Job>& batch, std::vector<Reply>& replies, bool careful);
+  /// Jobs from index `from` on.
+  Pass run_jobs(std::vector<Job>& batch, std::vector<Reply>& replies, bool careful, std::size_t from = 0);
+  /// Moves requests that are waiting into the open batch (see run_batch); their count.
+  std::size_t extend_batch(std::vector<Job>& batch, bool careful, std::chrono::steady_clock::time_point began);
   template <typename T>
   T run_sync(std::function<T(sqlite::Db&, UnixMs)> fn);
   ReaderLease reader();
