@@ -615,7 +615,7 @@ void SqliteStore::run_batch(std::vector<Job>& batch) {
 // carefully (they wait for the next batch).
 std::size_t SqliteStore::extend_batch(std::vector<Job>& batch, bool careful,
                                       std::chrono::steady_clock::time_point began) {
-  constexpr auto k_max_extension = std::chrono::milliseconds(1);
+  constexpr auto k_max_extension = std::chrono::microseconds(250);
   if (std::chrono::steady_clock::now() - began > k_max_extension) return 0;
   std::lock_guard lock(m_mutex);
   std::size_t n = 0;
