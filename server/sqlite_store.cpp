@@ -213,33 +213,9 @@ CREATE INDEX leases_owner_name ON leases(tenant_id, owner_client_id, canonical_n
 CREATE INDEX leases_tenant_name ON leases(tenant_id, canonical_name);
 )sql";
 
-// Version 5: audit rows are clustered on their UUIDv7 event id (time-ordered, so rows are
-// appended): one B-tree instead of a rowid table plus the event_id index, one page fewer
-// per commit. Rebuilt in place from version 4. (The same for idempotency records wrote
-// more, not less: their keys are not ordered, and full rows split pages more often than
-// index entries do.)
-constexpr std::string_view k_schema_v5 = R"sql(
-CREATE TABLE audit_events_v5 (
-  event_id              TEXT PRIMARY KEY,
-  tenant_id             TEXT NOT NULL,
-  event_type            TEXT NOT NULL,
-  redacted_name_hash    TEXT NOT NULL,
-  redacted_memory_hash  TEXT NOT NULL,
-  fencing_token         INTEGER,
-  created_at            INTEGER NOT NULL
-) WITHOUT ROWID;
-INSERT INTO audit_events_v5 SELECT event_id, tenant_id, event_type, redacted_name_hash,
-  redacted_memory_hash, fencing_token, created_at FROM audit_events;
-DROP TABLE audit_events;
-ALTER TABLE audit_events_v5 RENAME TO audit_events;
-)sql";
-
-// Version 6: no index on idempotency expiry. Every record is kept for the same time from
-// its write, so records expire in rowid order and the sweeper reads them from the first
-// rowid (SqliteStore::sweep); the index cost a page per commit.
-constexpr std::string_view k_schema_v6 = R"sql(
-DROP INDEX IF EXISTS idempotency_expiry;
-)sql";
+// Versions 5 (audit rows clustered on their event id) and 6 (no index on idempotency
+// expiry) changed the two tables that version 7 rebuilds from any earlier form, so a
+// database below version 7 goes straight to it; 5 and 6 are only recorded.
 
 // Version 7: fewer pages per commit for the two tables every request appends to.
 // - Audit rows go back to a rowid table, now with no index at all. Clustered on the event id
@@ -472,14 +448,8 @@ void SqliteStore::migrate() {
       m_db->exec(k_schema_v4);
       m_db->exec("INSERT INTO schema_version(version) VALUES (4)");
     }
-    if (version < 5) {
-      m_db->exec(k_schema_v5);
-      m_db->exec("INSERT INTO schema_version(version) VALUES (5)");
-    }
-    if (version < 6) {
-      m_db->exec(k_schema_v6);
-      m_db->exec("INSERT INTO schema_version(version) VALUES (6)");
-    }
+    if (version < 5) m_db->exec("INSERT INTO schema_version(version) VALUES (5)"); // see k_schema_v7
+    if (version < 6) m_db->exec("INSERT INTO schema_version(version) VALUES (6)");
     if (version < 7) {
       m_db->exec(k_schema_v7);
       m_db->exec(k_idempotency_v7);
