@@ -498,7 +498,7 @@ void on_metrics(const CallPtr& c, Store& store) {
 void on_health(const CallPtr& c, Store& store, bool readiness) {
   bool ok = !readiness || store.ready();
   if (ok) return finish(c, json_reply(200, boost::json::object{{"status", "ok"}}));
-  Problem p(Code::unavailable, "the database is not reachable");
+  Problem p(Code::unavailable, "the database cannot be read or written (unreachable, full or failing)");
   p.retry_after_s = 1;
   fail(c, std::move(p));
 }
