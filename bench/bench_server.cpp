@@ -165,6 +165,15 @@ Result summarize(std::vector<std::vector<double>>& lat, double secs, long errors
 enum class Keys { ordered, random, counter };
 Keys g_keys = Keys::ordered;
 
+// --keys VALUE; false for a value it does not know.
+bool parse_keys(std::string_view v) {
+  if (v == "ordered") g_keys = Keys::ordered;
+  else if (v == "random") g_keys = Keys::random;
+  else if (v == "counter") g_keys = Keys::counter;
+  else return false;
+  return true;
+}
+
 std::string request_key(const char* prefix, const std::string& tag, long k) {
   char buf[48];
   if (g_keys == Keys::ordered) {
@@ -508,9 +517,7 @@ int main(int argc, char** argv) {
     else if (a == "--rss-leases" && i + 1 < argc) rss_leases = std::atoi(argv[++i]);
     else if (a == "--pg" && i + 1 < argc) pg = argv[++i];
     else if (a == "--repeat" && i + 1 < argc) g_repeat = std::max(1, std::atoi(argv[++i]));
-    else if (a == "--keys" && i + 1 < argc && std::string_view(argv[i + 1]) == "ordered") g_keys = Keys::ordered, ++i;
-    else if (a == "--keys" && i + 1 < argc && std::string_view(argv[i + 1]) == "random") g_keys = Keys::random, ++i;
-    else if (a == "--keys" && i + 1 < argc && std::string_view(argv[i + 1]) == "counter") g_keys = Keys::counter, ++i;
+    else if (a == "--keys" && i + 1 < argc && parse_keys(argv[i + 1])) ++i;
     else {
       std::fprintf(stderr, "usage: bench_server [--mep PATH] [--seconds S] [--repeat N] [--rss-leases N] "
                            "[--pg auto|off|URL] [--keys ordered|random|counter]\n");
