@@ -1,7 +1,7 @@
 // bench_server: control-plane throughput and latency over real HTTP (keep-alive), next
 // to the same claim transaction run directly on SQLite at the same durability.
 //
-//   build/bench/bench_server [--mep PATH] [--seconds S] [--repeat N] [--rss-leases N] [--pg auto|off|URL] [--keys ordered|random|counter]
+//   build/bench/bench_server [--mep PATH] [--seconds S] [--repeat N] [--rss-leases N] [--pg auto|off|URL] [--keys ordered|random|counter] [--driver threads|epoll]
 //
 // Starts the real `mep server` on a fresh SQLite file (on disk, synchronous=FULL), runs
 // claim+release cycles and renews at 1, 8 and 64 clients, then fills the server with N
@@ -13,6 +13,7 @@
 
 #include <signal.h>
 #include <sqlite3.h>
+#include <sys/epoll.h>
 #include <sys/socket.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -25,6 +26,7 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <memory>
 #include <random>
 #include <stdexcept>
 #include <string>
@@ -51,6 +53,8 @@ public:
     if (!idem.empty()) headers += "Idempotency-Key: " + idem + "\r\n";
     return m_http.request(method, path, body, headers);
   }
+
+  mep::bench::HttpConn& raw() { return m_http; }
 
 private:
   mep::bench::HttpConn m_http;
@@ -144,6 +148,7 @@ struct Result {
 };
 
 int g_repeat = 1;
+int g_failed_cells = 0; // cells with failed requests: the run exits 1
 
 Result summarize(std::vector<std::vector<double>>& lat, double secs, long errors) {
   std::vector<double> all;
@@ -198,74 +203,205 @@ std::string uid() {
          std::to_string(Clock::now().time_since_epoch().count());
 }
 
-// Each client registers its memory, then runs claim+release cycles (mode 0), holds one
-// lease and renews it (mode 1), or claims again and again as the same owner (mode 2: each
-// request is a whole durable grant with a new fencing token) until the deadline.
-Result run_http_once(int port, const std::string& token, int clients, double seconds, int mode) {
-  static std::atomic<int> runs{0};
-  const int run = runs++; // names differ between runs: a held lease outlives its run
-  std::vector<std::vector<double>> lat(static_cast<std::size_t>(clients));
+// How the clients are driven (--driver). `threads`: a thread per client, blocking on its
+// socket (each response wakes its own thread). `epoll`: two threads share the clients'
+// sockets in epoll loops, as wrk and etcd's benchmark (goroutines on Go's netpoller) do;
+// a wake there can collect several responses.
+enum class Driver { threads, epoll };
+Driver g_driver = Driver::threads;
+
+bool parse_driver(std::string_view v) {
+  if (v == "threads") g_driver = Driver::threads;
+  else if (v == "epoll") g_driver = Driver::epoll;
+  else return false;
+  return true;
+}
+
+// What one client sends: claim+release cycles (mode 0), renews of one held lease (mode 1),
+// or claims again and again as the same owner (mode 2: each request is a whole durable
+// grant with a new fencing token). An operation is one cycle, one renew or one claim.
+class Script {
+public:
+  enum class Step { more, done, failed };
+
+  Script(Conn& c, const std::string& token, int i, int mode, int clients, int run) : m_token(token), m_mode(mode) {
+    m_tag = uid();
+    auto [st, reg] = c.request("POST", "/v1/memories", token, "{}", "reg-" + m_tag);
+    m_mem = field(reg, "memory_instance_id");
+    m_name = "bench" + std::to_string(i) + "x" + std::to_string(mode) + "c" + std::to_string(clients) + "r" +
+             std::to_string(run);
+    m_claim_body = "{\"display_name\":\"" + m_name + "\",\"memory_instance_id\":\"" + m_mem +
+                   "\",\"owner_client_id\":\"bench\",\"ttl_seconds\":60}";
+    if (mode == 1 || mode == 2) {
+      auto [cs, cb] = c.request("POST", "/v1/leases", token, m_claim_body, "hold-" + m_tag);
+      m_held_token = field(cb, "fencing_token");
+      if (cs != 201) throw std::runtime_error("the first claim failed");
+    }
+  }
+
+  // The bytes of the next request.
+  std::string next() {
+    std::string auth = "Authorization: Bearer " + m_token + "\r\n";
+    if (m_mode == 0 && m_releasing) {
+      std::string rel = "{\"canonical_name\":\"" + m_name + "\",\"memory_instance_id\":\"" + m_mem +
+                        "\",\"fencing_token\":" + m_held_token + ",\"owner_client_id\":\"bench\"}";
+      return mep::bench::HttpConn::format("POST", "/v1/leases/release", rel, auth);
+    }
+    if (m_mode == 1) {
+      std::string ren = "{\"canonical_name\":\"" + m_name + "\",\"memory_instance_id\":\"" + m_mem +
+                        "\",\"fencing_token\":" + m_held_token + ",\"owner_client_id\":\"bench\",\"ttl_seconds\":60}";
+      return mep::bench::HttpConn::format("POST", "/v1/leases/renew", ren, auth);
+    }
+    std::string key = request_key(m_mode == 0 ? "c-" : "r-", m_tag, m_k++);
+    return mep::bench::HttpConn::format("POST", "/v1/leases", m_claim_body, auth + "Idempotency-Key: " + key + "\r\n");
+  }
+
+  // Takes the response to next()'s request.
+  Step on_response(int status, const std::string& body) {
+    if (m_mode == 1) return status == 200 ? Step::done : Step::failed;
+    if (m_mode == 2) return status == 201 ? Step::done : Step::failed;
+    if (!m_releasing) {
+      if (status != 201) return Step::failed;
+      m_held_token = field(body, "fencing_token");
+      m_releasing = true;
+      return Step::more;
+    }
+    m_releasing = false;
+    return status == 204 ? Step::done : Step::failed;
+  }
+
+private:
+  std::string m_token, m_tag, m_mem, m_name, m_claim_body, m_held_token;
+  int m_mode;
+  long m_k = 0;
+  bool m_releasing = false;
+};
+
+struct Shared {
+  std::vector<std::vector<double>> lat;
   std::atomic<long> errors{0};
   std::atomic<int> ready{0};
   std::atomic<bool> go{false};
-  auto end_time = std::make_shared<Clock::time_point>();
-  std::vector<std::thread> threads;
-  for (int i = 0; i < clients; ++i) {
-    threads.emplace_back([&, i] {
-      try {
-        Conn c(port);
-        std::string tag = uid();
-        auto [st, reg] = c.request("POST", "/v1/memories", token, "{}", "reg-" + tag);
-        std::string mem = field(reg, "memory_instance_id");
-        std::string name = "bench" + std::to_string(i) + "x" + std::to_string(mode) + "c" + std::to_string(clients) +
-                           "r" + std::to_string(run);
-        std::string claim_body = "{\"display_name\":\"" + name + "\",\"memory_instance_id\":\"" + mem +
-                                 "\",\"owner_client_id\":\"bench\",\"ttl_seconds\":60}";
-        std::string held_token;
-        if (mode == 1 || mode == 2) {
-          auto [cs, cb] = c.request("POST", "/v1/leases", token, claim_body, "hold-" + tag);
-          held_token = field(cb, "fencing_token");
-          if (cs != 201) ++errors;
-        }
-        ++ready;
-        while (!go) std::this_thread::yield();
-        long k = 0;
-        while (Clock::now() < *end_time) {
-          auto t0 = Clock::now();
-          if (mode == 0) {
-            auto [cs, cb] = c.request("POST", "/v1/leases", token, claim_body, request_key("c-", tag, k++));
-            if (cs != 201) {
-              ++errors;
-              continue;
-            }
-            std::string rel = "{\"canonical_name\":\"" + name + "\",\"memory_instance_id\":\"" + mem +
-                              "\",\"fencing_token\":" + field(cb, "fencing_token") + ",\"owner_client_id\":\"bench\"}";
-            auto [rs, rb] = c.request("POST", "/v1/leases/release", token, rel);
-            if (rs != 204) ++errors;
-          } else if (mode == 2) {
-            auto [cs, cb] = c.request("POST", "/v1/leases", token, claim_body, request_key("r-", tag, k++));
-            if (cs != 201) ++errors;
-          } else {
-            std::string ren = "{\"canonical_name\":\"" + name + "\",\"memory_instance_id\":\"" + mem +
-                              "\",\"fencing_token\":" + held_token + ",\"owner_client_id\":\"bench\",\"ttl_seconds\":60}";
-            auto [rs, rb] = c.request("POST", "/v1/leases/renew", token, ren);
-            if (rs != 200) ++errors;
-          }
-          lat[static_cast<std::size_t>(i)].push_back(std::chrono::duration<double, std::milli>(Clock::now() - t0).count());
-        }
-      } catch (const std::exception&) {
-        ++errors;
-        ++ready;
-      }
-    });
+  Clock::time_point end_time;
+};
+
+// A thread per client, blocking on its socket.
+void drive_one(Shared& sh, int port, const std::string& token, int i, int mode, int clients, int run) {
+  try {
+    Conn c(port);
+    Script script(c, token, i, mode, clients, run);
+    ++sh.ready;
+    while (!sh.go) std::this_thread::yield();
+    auto& lat = sh.lat[static_cast<std::size_t>(i)];
+    while (Clock::now() < sh.end_time) {
+      auto t0 = Clock::now();
+      Script::Step step;
+      do {
+        auto [st, body] = c.raw().request_bytes(script.next());
+        step = script.on_response(st, body);
+      } while (step == Script::Step::more);
+      if (step == Script::Step::failed) ++sh.errors;
+      else lat.push_back(std::chrono::duration<double, std::milli>(Clock::now() - t0).count());
+    }
+  } catch (const std::exception&) {
+    ++sh.errors;
+    ++sh.ready;
   }
-  while (ready < clients) std::this_thread::sleep_for(std::chrono::milliseconds(5));
-  *end_time = Clock::now() + std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(seconds));
+}
+
+// Clients first..last-1 in one epoll loop.
+void drive_many(Shared& sh, int port, const std::string& token, int first, int last, int mode, int clients, int run) {
+  struct Client {
+    Conn conn;
+    Script script;
+    Clock::time_point t0;
+  };
+  std::vector<std::unique_ptr<Client>> cs;
+  int ep = ::epoll_create1(EPOLL_CLOEXEC);
+  try {
+    for (int i = first; i < last; ++i) {
+      Conn c(port);
+      Script script(c, token, i, mode, clients, run);
+      cs.push_back(std::make_unique<Client>(Client{std::move(c), std::move(script), {}}));
+      cs.back()->conn.raw().set_nonblocking();
+      epoll_event ev{};
+      ev.events = EPOLLIN;
+      ev.data.u32 = static_cast<std::uint32_t>(cs.size() - 1);
+      ::epoll_ctl(ep, EPOLL_CTL_ADD, cs.back()->conn.raw().fd(), &ev);
+    }
+  } catch (const std::exception&) {
+    ++sh.errors;
+    sh.ready += last - first;
+    ::close(ep);
+    return;
+  }
+  sh.ready += last - first;
+  while (!sh.go) std::this_thread::yield();
+  for (auto& c : cs) {
+    c->t0 = Clock::now();
+    c->conn.raw().send_all(c->script.next());
+  }
+  std::size_t open = cs.size();
+  epoll_event evs[64];
+  while (open > 0) {
+    int n = ::epoll_wait(ep, evs, 64, 1000);
+    for (int e = 0; e < n; ++e) {
+      auto k = evs[e].data.u32;
+      Client& c = *cs[k];
+      if (!c.conn.raw().receive_available()) {
+        ++sh.errors;
+        ::epoll_ctl(ep, EPOLL_CTL_DEL, c.conn.raw().fd(), nullptr);
+        --open;
+        continue;
+      }
+      std::pair<int, std::string> res;
+      bool stopped = false;
+      while (!stopped && c.conn.raw().take_response(res)) {
+        auto step = c.script.on_response(res.first, res.second);
+        auto now = Clock::now();
+        if (step == Script::Step::failed) ++sh.errors;
+        if (step == Script::Step::done)
+          sh.lat[k + static_cast<std::size_t>(first)].push_back(std::chrono::duration<double, std::milli>(now - c.t0).count());
+        if (step != Script::Step::more) {
+          if (now >= sh.end_time) {
+            ::epoll_ctl(ep, EPOLL_CTL_DEL, c.conn.raw().fd(), nullptr);
+            --open;
+            stopped = true;
+            continue;
+          }
+          c.t0 = now;
+        }
+        c.conn.raw().send_all(c.script.next());
+      }
+    }
+  }
+  ::close(ep);
+}
+
+Result run_http_once(int port, const std::string& token, int clients, double seconds, int mode) {
+  static std::atomic<int> runs{0};
+  const int run = runs++; // names differ between runs: a held lease outlives its run
+  Shared sh;
+  sh.lat.resize(static_cast<std::size_t>(clients));
+  sh.end_time = Clock::time_point::max();
+  std::vector<std::thread> threads;
+  if (g_driver == Driver::threads) {
+    for (int i = 0; i < clients; ++i)
+      threads.emplace_back([&, i] { drive_one(sh, port, token, i, mode, clients, run); });
+  } else {
+    const int loops = std::min(clients, 2);
+    for (int t = 0; t < loops; ++t)
+      threads.emplace_back([&, t] {
+        drive_many(sh, port, token, clients * t / loops, clients * (t + 1) / loops, mode, clients, run);
+      });
+  }
+  while (sh.ready < clients) std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  sh.end_time = Clock::now() + std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(seconds));
   auto start = Clock::now();
-  go = true;
+  sh.go = true;
   for (auto& t : threads) t.join();
   double secs = std::chrono::duration<double>(Clock::now() - start).count();
-  return summarize(lat, secs, errors);
+  return summarize(sh.lat, secs, sh.errors);
 }
 
 // run_http_once --repeat times: the run with the median rate, and the range of rates. This
@@ -370,7 +506,10 @@ long fill_and_measure(const Server& s, const std::string& token, int n) {
       }
     });
   for (auto& t : threads) t.join();
-  if (errors) std::fprintf(stderr, "fill: %ld errors\n", errors.load());
+  if (errors) {
+    std::fprintf(stderr, "fill: %ld errors\n", errors.load());
+    ++g_failed_cells;
+  }
   return rss_kib(s.pid);
 }
 
@@ -471,6 +610,7 @@ bool run_postgresql(const std::string& pg_arg, double seconds) {
       std::printf("%-34s %8d %12.0f %10.3f %10s %8ld", w, c, r.ops_per_s, r.p50_ms, "-", r.errors);
     else
       std::printf("%-34s %8d %12.0f %10.3f %10.3f %8ld", w, c, r.ops_per_s, r.p50_ms, r.p99_ms, r.errors);
+    if (r.errors) ++g_failed_cells;
     if (r.p99_ms >= 0 && g_repeat > 1 && r.max_ops > 0) std::printf("   %.0f..%.0f", r.min_ops, r.max_ops);
     std::printf("\n");
     std::fflush(stdout);
@@ -518,9 +658,10 @@ int main(int argc, char** argv) {
     else if (a == "--pg" && i + 1 < argc) pg = argv[++i];
     else if (a == "--repeat" && i + 1 < argc) g_repeat = std::max(1, std::atoi(argv[++i]));
     else if (a == "--keys" && i + 1 < argc && parse_keys(argv[i + 1])) ++i;
+    else if (a == "--driver" && i + 1 < argc && parse_driver(argv[i + 1])) ++i;
     else {
       std::fprintf(stderr, "usage: bench_server [--mep PATH] [--seconds S] [--repeat N] [--rss-leases N] "
-                           "[--pg auto|off|URL] [--keys ordered|random|counter]\n");
+                           "[--pg auto|off|URL] [--keys ordered|random|counter] [--driver threads|epoll]\n");
       return 2;
     }
   }
@@ -541,6 +682,7 @@ int main(int argc, char** argv) {
   std::printf("%-34s %8s %12s %10s %10s %8s\n", "workload", "clients", "ops/s", "p50 ms", "p99 ms", "errors");
   auto row = [](const char* w, int c, const Result& r) {
     std::printf("%-34s %8d %12.0f %10.3f %10.3f %8ld", w, c, r.ops_per_s, r.p50_ms, r.p99_ms, r.errors);
+    if (r.errors) ++g_failed_cells;
     if (g_repeat > 1 && r.max_ops > 0) std::printf("   %.0f..%.0f", r.min_ops, r.max_ops);
     std::printf("\n");
     std::fflush(stdout);
@@ -584,5 +726,9 @@ int main(int argc, char** argv) {
   s.pid = -1;
   fs::remove_all(dir);
   if (pg != "off" && !run_postgresql(pg, seconds)) return 1;
+  if (g_failed_cells > 0) {
+    std::fprintf(stderr, "bench_server: requests failed in %d cells (see the errors column)\n", g_failed_cells);
+    return 1;
+  }
   return 0;
 }

@@ -1,13 +1,17 @@
-// A minimal blocking HTTP/1.1 client with keep-alive for the benchmarks: one connection
-// (TCP on loopback or a Unix socket), whole requests out, Content-Length responses in.
+// A minimal HTTP/1.1 client with keep-alive for the benchmarks: one connection (TCP on
+// loopback or a Unix socket), whole requests out, Content-Length responses in. Blocking
+// (request) or, for an epoll loop, non-blocking (receive_available, take_response).
 #pragma once
 #include <arpa/inet.h>
+#include <fcntl.h>
 #include <netinet/in.h>
 #include <netinet/tcp.h>
+#include <poll.h>
 #include <sys/socket.h>
 #include <sys/un.h>
 #include <unistd.h>
 
+#include <cerrno>
 #include <cstdlib>
 #include <cstring>
 #include <stdexcept>
@@ -54,28 +58,71 @@ public:
     if (m_fd >= 0) ::close(m_fd);
   }
 
+  /// The bytes of `method target` with a JSON body and `extra_headers` (each ending in \r\n).
+  static std::string format(const std::string& method, const std::string& target, const std::string& body,
+                            const std::string& extra_headers = {}) {
+    return method + " " + target + " HTTP/1.1\r\nHost: bench\r\nContent-Type: application/json\r\n" +
+           "Content-Length: " + std::to_string(body.size()) + "\r\n" + extra_headers + "\r\n" + body;
+  }
+
   /// Sends `method target` with a JSON body and `extra_headers` (each ending in \r\n) and
   /// returns {status, body}. Throws std::runtime_error when the connection fails.
   std::pair<int, std::string> request(const std::string& method, const std::string& target, const std::string& body,
                                       const std::string& extra_headers = {}) {
-    std::string req = method + " " + target + " HTTP/1.1\r\nHost: bench\r\nContent-Type: application/json\r\n" +
-                      "Content-Length: " + std::to_string(body.size()) + "\r\n" + extra_headers + "\r\n" + body;
+    return request_bytes(format(method, target, body, extra_headers));
+  }
+
+  /// Sends the bytes of a whole request and returns {status, body}.
+  std::pair<int, std::string> request_bytes(const std::string& req) {
+    send_all(req);
+    std::pair<int, std::string> out;
+    while (!take_response(out)) fill();
+    return out;
+  }
+
+  /// Writes all of `req` (the socket may be non-blocking: then it waits for room with poll).
+  void send_all(const std::string& req) {
     for (std::size_t off = 0; off < req.size();) {
       ssize_t n = ::send(m_fd, req.data() + off, req.size() - off, MSG_NOSIGNAL);
+      if (n < 0 && errno == EAGAIN) {
+        pollfd p{m_fd, POLLOUT, 0};
+        ::poll(&p, 1, 1000);
+        continue;
+      }
       if (n <= 0) throw std::runtime_error("send");
       off += static_cast<std::size_t>(n);
     }
-    std::size_t head;
-    while ((head = m_buf.find("\r\n\r\n")) == std::string::npos) fill();
-    int status = std::atoi(m_buf.c_str() + 9);
+  }
+
+  /// Moves one whole response out of what was received, if there is one.
+  bool take_response(std::pair<int, std::string>& out) {
+    std::size_t head = m_buf.find("\r\n\r\n");
+    if (head == std::string::npos) return false;
     std::size_t len = 0;
     auto cl = m_buf.find("Content-Length: ");
     if (cl != std::string::npos && cl < head) len = std::strtoul(m_buf.c_str() + cl + 16, nullptr, 10);
-    while (m_buf.size() < head + 4 + len) fill();
-    std::string out = m_buf.substr(head + 4, len);
+    if (m_buf.size() < head + 4 + len) return false;
+    out.first = std::atoi(m_buf.c_str() + 9);
+    out.second = m_buf.substr(head + 4, len);
     m_buf.erase(0, head + 4 + len);
-    return {status, out};
+    return true;
   }
+
+  /// Appends what the (non-blocking) socket has; false when the connection is closed or failed.
+  bool receive_available() {
+    char tmp[16384];
+    for (;;) {
+      ssize_t n = ::recv(m_fd, tmp, sizeof tmp, 0);
+      if (n > 0) {
+        m_buf.append(tmp, static_cast<std::size_t>(n));
+        continue;
+      }
+      return n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK);
+    }
+  }
+
+  int fd() const { return m_fd; }
+  void set_nonblocking() { ::fcntl(m_fd, F_SETFL, ::fcntl(m_fd, F_GETFL) | O_NONBLOCK); }
 
 private:
   explicit HttpConn(int fd) : m_fd(fd) {}
