@@ -337,26 +337,42 @@ void drive_many(Shared& sh, int port, const std::string& token, int first, int l
   }
   sh.ready += last - first;
   while (!sh.go) std::this_thread::yield();
+  std::size_t open = cs.size();
+  auto drop = [&](Client& c) { // a failed connection, or one whose run is over
+    ::epoll_ctl(ep, EPOLL_CTL_DEL, c.conn.raw().fd(), nullptr);
+    --open;
+  };
+  auto send_next = [&](Client& c) {
+    try {
+      c.conn.raw().send_all(c.script.next());
+      return true;
+    } catch (const std::exception&) {
+      ++sh.errors;
+      drop(c);
+      return false;
+    }
+  };
   for (auto& c : cs) {
     c->t0 = Clock::now();
-    c->conn.raw().send_all(c->script.next());
+    send_next(*c);
   }
-  std::size_t open = cs.size();
   epoll_event evs[64];
   while (open > 0) {
     int n = ::epoll_wait(ep, evs, 64, 1000);
+    if (n <= 0 && Clock::now() > sh.end_time + std::chrono::seconds(10)) {
+      sh.errors += static_cast<long>(open); // responses that never came: give up, do not hang
+      break;
+    }
     for (int e = 0; e < n; ++e) {
       auto k = evs[e].data.u32;
       Client& c = *cs[k];
       if (!c.conn.raw().receive_available()) {
         ++sh.errors;
-        ::epoll_ctl(ep, EPOLL_CTL_DEL, c.conn.raw().fd(), nullptr);
-        --open;
+        drop(c);
         continue;
       }
       std::pair<int, std::string> res;
-      bool stopped = false;
-      while (!stopped && c.conn.raw().take_response(res)) {
+      while (c.conn.raw().take_response(res)) {
         auto step = c.script.on_response(res.first, res.second);
         auto now = Clock::now();
         if (step == Script::Step::failed) ++sh.errors;
@@ -364,14 +380,12 @@ void drive_many(Shared& sh, int port, const std::string& token, int first, int l
           sh.lat[k + static_cast<std::size_t>(first)].push_back(std::chrono::duration<double, std::milli>(now - c.t0).count());
         if (step != Script::Step::more) {
           if (now >= sh.end_time) {
-            ::epoll_ctl(ep, EPOLL_CTL_DEL, c.conn.raw().fd(), nullptr);
-            --open;
-            stopped = true;
-            continue;
+            drop(c);
+            break;
           }
           c.t0 = now;
         }
-        c.conn.raw().send_all(c.script.next());
+        if (!send_next(c)) break;
       }
     }
   }
