@@ -553,6 +553,16 @@ void Router::handle(HttpRequest&& req, const Peer& peer, Send send) {
   c->peer = peer;
   c->send = std::move(send);
   c->ctx.request_id = uuid_v7().to_string();
+  // HEAD is GET without the content (RFC 9110 §9.3.2): the same checks, status and headers,
+  // Content-Length included, so that `curl -I` and load-balancer probes work.
+  const bool head = c->req.method() == http::verb::head;
+  const http::verb method = head ? http::verb::get : c->req.method();
+  if (head) {
+    c->send = [send = std::move(c->send)](HttpResponse&& res) {
+      res.body().clear(); // Content-Length was set for the content
+      send(std::move(res));
+    };
+  }
 
   // 1. Route: 404 for unknown paths, 405 (with Allow) for known paths and other methods.
   auto target = boost::urls::parse_origin_form(c->req.target());
@@ -565,13 +575,13 @@ void Router::handle(HttpRequest&& req, const Peer& peer, Send send) {
   for (const auto& r : k_routes) {
     std::vector<std::string> params;
     if (!match(r.pattern, segs, params)) continue;
-    if (r.method == c->req.method()) {
+    if (r.method == method) {
       c->route = &r;
       c->params = std::move(params);
       break;
     }
     if (!allow.empty()) allow += ", ";
-    allow += std::string(http::to_string(r.method));
+    allow += r.method == http::verb::get ? "GET, HEAD" : std::string(http::to_string(r.method));
   }
   if (!c->route) {
     if (allow.empty()) return fail(c, Problem(Code::not_found, "no such endpoint"));

@@ -1313,7 +1313,7 @@ class ServerApi(ServerTestCase):
                 body = self.assertProblem(r, status, code)
                 self.assertEqual(body["type"], PROBLEM_BASE + code)
         allow = cases[14][0].header("Allow")
-        self.assertEqual(sorted(a.strip() for a in allow.split(",")), ["GET", "POST"])
+        self.assertEqual(sorted(a.strip() for a in allow.split(",")), ["GET", "HEAD", "POST"])
         self.assertEqual(cases[5][0].json["code"], "unsupported-media-type")
         unknown = self.assertProblem(c.post("/v1/fence/verify", {"memory_instance_id": mem, "fencing_token": 1,
                                                                  "zzz_extra": 1}), 400, "invalid-request")
@@ -1331,7 +1331,40 @@ class ServerApi(ServerTestCase):
             self.assertTrue(r.header("X-Request-Id"))
             r = c.post(path, {})
             self.assertProblem(r, 405, "method-not-allowed")
-            self.assertEqual(r.header("Allow"), "GET")
+            self.assertEqual(r.header("Allow"), "GET, HEAD")
+
+    def test_head_is_get_without_content(self):
+        # RFC 9110 §9.3.2: the status and headers of GET, Content-Length included, no content.
+        # The keep-alive connection then serves the next request (no stray bytes were sent).
+        c = self.client()
+        name, mem = unique_name(), c.new_memory()
+        self.assertStatus(c.claim(name, mem, "owner-1"), 201)
+        anon = self.client(token=None)
+        for client, path in ((anon, "/healthz"), (anon, "/readyz"), (c, "/v1/leases/" + name),
+                             (c, "/v1/memories/" + mem), (c, "/v1/leases?limit=1")):
+            with self.subTest(path=path):
+                got = client.get(path)
+                self.assertStatus(got, 200)
+                head = client.request("HEAD", path)
+                self.assertStatus(head, 200)
+                self.assertEqual(head.raw, b"")
+                self.assertEqual(head.header("Content-Length"), str(len(got.raw)))
+                self.assertEqual(head.header("Content-Type"), got.header("Content-Type"))
+                again = client.get(path)  # same connection: it must start with a status line
+                self.assertStatus(again, 200)
+                self.assertIsNotNone(again.json)
+        # The checks of GET hold: no token, unknown lease, a POST-only route.
+        r = anon.request("HEAD", "/v1/leases/" + name)
+        self.assertStatus(r, 401)
+        self.assertEqual(r.raw, b"")
+        self.assertTrue(r.header("WWW-Authenticate"))
+        r = c.request("HEAD", "/v1/leases/" + unique_name())
+        self.assertStatus(r, 404)
+        self.assertEqual(r.header("Content-Type"), "application/problem+json")
+        r = c.request("HEAD", "/v1/fence/verify")
+        self.assertStatus(r, 405)
+        self.assertEqual(r.header("Allow"), "POST")
+        self.assertStatus(c.get("/v1/leases/" + name), 200)
 
 
 # ---- the Prometheus text format ---------------------------------------------------------
