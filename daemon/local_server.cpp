@@ -88,6 +88,7 @@ private:
       res.body() = r.body;
     }
     if (r.retry_after_s) res.set(http::field::retry_after, std::to_string(*r.retry_after_s));
+    if (!r.allow.empty()) res.set(http::field::allow, r.allow);
     res.keep_alive(keep_alive);
     res.prepare_payload();
     return res;
@@ -188,14 +189,25 @@ private:
     if (!target) return server::problem_reply(Problem(Code::invalid_request, "malformed target"), rid);
     std::string path(target->path());
     auto method = req.method();
-    auto need = [&](http::verb v) { return method == v; };
-    auto not_allowed = [&] {
-      return server::problem_reply(Problem(Code::method_not_allowed, "this endpoint does not accept that method"), rid);
+    http::verb accepted = http::verb::unknown; // the method of the path last checked
+    auto need = [&](http::verb v) {
+      accepted = v;
+      return method == v;
+    };
+    auto not_allowed = [&] { // RFC 9110 15.5.6: a 405 names what the path accepts
+      auto r = server::problem_reply(Problem(Code::method_not_allowed, "this endpoint does not accept that method"), rid);
+      r.allow = std::string(http::to_string(accepted));
+      return r;
     };
     auto body = [&]() -> expected<boost::json::object, Problem> {
       if (req.body().empty()) return boost::json::object{};
       return json::parse_object(req.body());
     };
+    if (path == "/v1/events") { // a plain GET became the stream before routing
+      if (need(http::verb::get))
+        return server::problem_reply(Problem(Code::invalid_request, "GET /v1/events takes no query"), rid);
+      return not_allowed();
+    }
     if (path == "/healthz") return need(http::verb::get) ? server::json_reply(200, m_keeper.health()) : not_allowed();
     if (path == "/metrics") {
       if (!need(http::verb::get)) return not_allowed();

@@ -118,6 +118,7 @@ HttpResponse make_response(const Call& c, const Reply& r) {
   if (r.retry_after_s) res.set(http::field::retry_after, std::to_string(*r.retry_after_s));
   if (r.replayed) res.set("Idempotent-Replayed", "true");
   if (r.status == 401) res.set(http::field::www_authenticate, "Bearer realm=\"mep\"");
+  if (!r.allow.empty()) res.set(http::field::allow, r.allow);
   res.keep_alive(c.req.keep_alive());
   res.prepare_payload();
   return res;
@@ -587,9 +588,8 @@ void Router::handle(HttpRequest&& req, const Peer& peer, Send send) {
     if (allow.empty()) return fail(c, Problem(Code::not_found, "no such endpoint"));
     Reply r = problem_reply(Problem(Code::method_not_allowed, "this endpoint does not accept that method"),
                             c->ctx.request_id);
-    HttpResponse res = make_response(*c, r);
-    res.set(http::field::allow, allow);
-    return c->send(std::move(res));
+    r.allow = std::move(allow);
+    return c->send(make_response(*c, r));
   }
   c->route_label = std::string(c->route->pattern);
   const RouteSpec& route = *c->route;

@@ -40,6 +40,8 @@ struct Reply {
   bool replayed = false;
   /// The outcome label for metrics (`granted`, `name-held`, …); empty when unused.
   std::string outcome;
+  /// For a 405: the methods the path accepts (the Allow header).
+  std::string allow;
 };
 
 using Done = std::function<void(Reply)>;

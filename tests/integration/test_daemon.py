@@ -533,6 +533,13 @@ class BasicCases:
         ]:
             with self.subTest(label):
                 self.assertProblem(self.client.request(method, target, body), status)
+        # A 405 names the method the path accepts (RFC 9110 15.5.6).
+        for method, target, allow in (("GET", "/v1/attach", "POST"), ("POST", "/v1/leases", "GET"),
+                                      ("POST", "/v1/events", "GET"), ("DELETE", "/healthz", "GET")):
+            with self.subTest(method=method, target=target):
+                r = self.client.request(method, target, {} if method == "POST" else None)
+                self.assertProblem(r, 405, "method-not-allowed")
+                self.assertEqual(r.headers.get("allow"), allow)
         self.assertFalse(os.path.exists(path + ".new"))
 
         # A body over the limit: 413 (the daemon may close before reading it all).
