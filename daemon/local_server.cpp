@@ -121,7 +121,9 @@ private:
       std::string rid = uuid_v7().to_string();
       server::Reply r = self->route(req, rid);
       self->m_close = !req.keep_alive();
-      self->write(response(r, req.version(), req.keep_alive(), rid));
+      server::HttpResponse res = response(r, req.version(), req.keep_alive(), rid);
+      if (req.method() == http::verb::head) res.body().clear(); // GET's headers, no content
+      self->write(std::move(res));
     });
   }
 
@@ -188,7 +190,8 @@ private:
     auto target = boost::urls::parse_origin_form(req.target());
     if (!target) return server::problem_reply(Problem(Code::invalid_request, "malformed target"), rid);
     std::string path(target->path());
-    auto method = req.method();
+    // HEAD is GET without the content (RFC 9110 9.3.2); the caller drops the content.
+    auto method = req.method() == http::verb::head ? http::verb::get : req.method();
     http::verb accepted = http::verb::unknown; // the method of the path last checked
     auto need = [&](http::verb v) {
       accepted = v;
@@ -196,7 +199,7 @@ private:
     };
     auto not_allowed = [&] { // RFC 9110 15.5.6: a 405 names what the path accepts
       auto r = server::problem_reply(Problem(Code::method_not_allowed, "this endpoint does not accept that method"), rid);
-      r.allow = std::string(http::to_string(accepted));
+      r.allow = accepted == http::verb::get && path != "/v1/events" ? "GET, HEAD" : std::string(http::to_string(accepted));
       return r;
     };
     auto body = [&]() -> expected<boost::json::object, Problem> {
@@ -204,7 +207,7 @@ private:
       return json::parse_object(req.body());
     };
     if (path == "/v1/events") { // a plain GET became the stream before routing
-      if (need(http::verb::get))
+      if (need(http::verb::get) && req.method() != http::verb::head)
         return server::problem_reply(Problem(Code::invalid_request, "GET /v1/events takes no query"), rid);
       return not_allowed();
     }

@@ -534,12 +534,17 @@ class BasicCases:
             with self.subTest(label):
                 self.assertProblem(self.client.request(method, target, body), status)
         # A 405 names the method the path accepts (RFC 9110 15.5.6).
-        for method, target, allow in (("GET", "/v1/attach", "POST"), ("POST", "/v1/leases", "GET"),
-                                      ("POST", "/v1/events", "GET"), ("DELETE", "/healthz", "GET")):
+        for method, target, allow in (("GET", "/v1/attach", "POST"), ("POST", "/v1/leases", "GET, HEAD"),
+                                      ("POST", "/v1/events", "GET"), ("DELETE", "/healthz", "GET, HEAD")):
             with self.subTest(method=method, target=target):
                 r = self.client.request(method, target, {} if method == "POST" else None)
                 self.assertProblem(r, 405, "method-not-allowed")
                 self.assertEqual(r.headers.get("allow"), allow)
+        # HEAD is GET without the content (RFC 9110 9.3.2).
+        got, head = self.client.request("GET", "/healthz"), self.client.request("HEAD", "/healthz")
+        self.assertEqual(head.status, 200)
+        self.assertEqual(head.body, b"")
+        self.assertEqual(head.headers.get("content-length"), str(len(got.body)))
         self.assertFalse(os.path.exists(path + ".new"))
 
         # A body over the limit: 413 (the daemon may close before reading it all).
