@@ -9,6 +9,7 @@
 #include <boost/asio/post.hpp>
 #include <boost/asio/ssl/stream.hpp>
 #include <boost/asio/strand.hpp>
+#include <boost/asio/write.hpp>
 #include <boost/beast/core.hpp>
 #include <boost/beast/http.hpp>
 #include <boost/beast/ssl.hpp>
@@ -44,8 +45,31 @@ protected:
     m_parser->body_limit(k_batch_body_limit);
     m_parser->header_limit(k_header_limit);
     beast::get_lowest_layer(self().stream()).expires_after(k_io_timeout);
-    http::async_read(self().stream(), m_buffer, *m_parser,
-                     beast::bind_front_handler(&Session::on_read, self().shared_from_this()));
+    m_continue_sent = false;
+    read_some();
+  }
+
+  // Reads until the request is whole. A client that sent `Expect: 100-continue` waits for
+  // a 100 before it sends the body (RFC 9110 §10.1.1); it gets one once the header is read
+  // and accepted (limits included: too large a body is refused by its Content-Length).
+  void read_some() {
+    http::async_read_some(self().stream(), m_buffer, *m_parser,
+                          beast::bind_front_handler(&Session::on_read_some, self().shared_from_this()));
+  }
+
+  void on_read_some(beast::error_code ec, std::size_t n) {
+    if (ec || m_parser->is_done()) return on_read(ec, n);
+    if (m_parser->is_header_done() && !m_continue_sent &&
+        beast::iequals(m_parser->get()[http::field::expect], "100-continue")) {
+      m_continue_sent = true;
+      static constexpr std::string_view k_continue = "HTTP/1.1 100 Continue\r\n\r\n";
+      return net::async_write(self().stream(), net::buffer(k_continue.data(), k_continue.size()),
+                              [self_ptr = self().shared_from_this()](beast::error_code e, std::size_t) {
+                                if (e) return self_ptr->do_close();
+                                self_ptr->read_some();
+                              });
+    }
+    read_some();
   }
 
   void on_read(beast::error_code ec, std::size_t) {
@@ -98,6 +122,7 @@ protected:
   std::optional<http::request_parser<http::string_body>> m_parser;
   HttpResponse m_response;
   bool m_close = false;
+  bool m_continue_sent = false;
 };
 
 class PlainSession : public Session<PlainSession>, public std::enable_shared_from_this<PlainSession> {

@@ -1333,6 +1333,31 @@ class ServerApi(ServerTestCase):
             self.assertProblem(r, 405, "method-not-allowed")
             self.assertEqual(r.header("Allow"), "GET, HEAD")
 
+    def test_expect_100_continue(self):
+        # A client that sends `Expect: 100-continue` waits for a 100 before it sends the
+        # body (RFC 9110 §10.1.1); without one it stalls (curl for 1 s) or gives up.
+        body = b"{}"
+        head = ("POST /v1/memories HTTP/1.1\r\nHost: mep\r\nAuthorization: Bearer %s\r\n"
+                "Content-Type: application/json\r\nIdempotency-Key: %s\r\nExpect: 100-continue\r\n"
+                "Content-Length: %d\r\n\r\n" % (self.token_a, new_key(), len(body))).encode()
+        with socket.create_connection(("127.0.0.1", self.port), timeout=3) as s:
+            s.sendall(head)
+            interim = b""
+            while b"\r\n\r\n" not in interim:
+                chunk = s.recv(4096)  # a socket.timeout here: no 100 came
+                self.assertTrue(chunk, "connection closed before the 100")
+                interim += chunk
+            self.assertEqual(interim, b"HTTP/1.1 100 Continue\r\n\r\n")
+            s.sendall(body)
+            reply = b""
+            while b"\r\n\r\n" not in reply or not reply.rstrip().endswith(b"}"):
+                chunk = s.recv(4096)
+                if not chunk:
+                    break
+                reply += chunk
+        self.assertTrue(reply.startswith(b"HTTP/1.1 201 "), reply[:200])
+        self.assertIn(b'"memory_instance_id"', reply)
+
     def test_head_is_get_without_content(self):
         # RFC 9110 §9.3.2: the status and headers of GET, Content-Length included, no content.
         # The keep-alive connection then serves the next request (no stray bytes were sent).
