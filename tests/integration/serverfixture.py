@@ -139,7 +139,7 @@ def revoke_token(db_path, token_id):
 class MepServer:
     """One `mep server` process on `--listen 127.0.0.1:0`. stderr is kept in a file."""
 
-    READY_RE = re.compile(rb"^mep server listening on http://127\.0\.0\.1:(\d+)\r?$", re.M)
+    READY_RE = re.compile(rb"^mep server listening on https?://127\.0\.0\.1:(\d+)\r?$", re.M)
     _counter = 0
 
     def __init__(self, workdir, db_path, extra_args=(), wrap=None):
