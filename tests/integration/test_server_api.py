@@ -1366,7 +1366,7 @@ class ServerApi(ServerTestCase):
         self.assertStatus(c.claim(name, mem, "owner-1"), 201)
         anon = self.client(token=None)
         for client, path in ((anon, "/healthz"), (anon, "/readyz"), (c, "/v1/leases/" + name),
-                             (c, "/v1/memories/" + mem), (c, "/v1/leases?limit=1")):
+                             (c, "/v1/memories/" + mem), (c, "/v1/memories/%s/lineage" % mem)):
             with self.subTest(path=path):
                 got = client.get(path)
                 self.assertStatus(got, 200)
