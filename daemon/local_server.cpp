@@ -10,6 +10,7 @@
 
 #include <boost/asio/post.hpp>
 #include <boost/asio/strand.hpp>
+#include <boost/asio/write.hpp>
 #include <boost/beast/core.hpp>
 #include <boost/beast/http.hpp>
 #include <boost/url/parse.hpp>
@@ -75,7 +76,30 @@ private:
     m_parser->body_limit(server::k_body_limit);
     m_parser->header_limit(server::k_header_limit);
     m_stream.expires_after(k_io_timeout);
-    http::async_read(m_stream, m_buffer, *m_parser, beast::bind_front_handler(&Session::on_read, shared_from_this()));
+    m_continue_sent = false;
+    read_some();
+  }
+
+  // Reads until the request is whole; a client that sent `Expect: 100-continue` gets the
+  // 100 once its header is read and accepted (RFC 9110 10.1.1), as from mep server.
+  void read_some() {
+    http::async_read_some(m_stream, m_buffer, *m_parser,
+                          beast::bind_front_handler(&Session::on_read_some, shared_from_this()));
+  }
+
+  void on_read_some(beast::error_code ec, std::size_t n) {
+    if (ec || m_parser->is_done()) return on_read(ec, n);
+    if (m_parser->is_header_done() && !m_continue_sent &&
+        beast::iequals(m_parser->get()[http::field::expect], "100-continue")) {
+      m_continue_sent = true;
+      static constexpr std::string_view k_continue = "HTTP/1.1 100 Continue\r\n\r\n";
+      return net::async_write(m_stream, net::buffer(k_continue.data(), k_continue.size()),
+                              [self = shared_from_this()](beast::error_code e, std::size_t) {
+                                if (e) return self->on_read(e, 0);
+                                self->read_some();
+                              });
+    }
+    read_some();
   }
 
   static server::HttpResponse response(const server::Reply& r, unsigned version, bool keep_alive,
@@ -292,6 +316,7 @@ private:
   PeerCred m_peer;
   beast::flat_buffer m_buffer;
   std::optional<http::request_parser<http::string_body>> m_parser;
+  bool m_continue_sent = false;
   server::HttpResponse m_response;
   bool m_close = false;
   int m_sink_id = 0;

@@ -489,6 +489,31 @@ class BasicCases:
         self.attach_ok("branch-child", child_path)
         self.assertEqual(sorted(self.client.leases()), ["branch-child", "brancher"])
 
+    def test_expect_100_continue(self):
+        # A client that sends `Expect: 100-continue` gets the 100 before it sends the body.
+        body = json.dumps({"name": "nobody-attached"}).encode()
+        head = (b"POST /v1/detach HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n"
+                b"Expect: 100-continue\r\nConnection: close\r\nContent-Length: %d\r\n\r\n" % len(body))
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+            s.settimeout(3)
+            s.connect(self.mepd.socket_path)
+            s.sendall(head)
+            interim = b""
+            while b"\r\n\r\n" not in interim:
+                chunk = s.recv(4096)  # a socket.timeout here: no 100 came
+                self.assertTrue(chunk, "connection closed before the 100")
+                interim += chunk
+            self.assertEqual(interim, b"HTTP/1.1 100 Continue\r\n\r\n")
+            s.sendall(body)
+            reply = b""
+            while True:
+                chunk = s.recv(65536)
+                if not chunk:
+                    break
+                reply += chunk
+        self.assertRegex(reply[:12], rb"^HTTP/1\.1 [24]\d\d")
+        self.assertIn(b"x-request-id:", reply.lower())
+
     def test_bad_input_4xx(self):
         path = self.new_file("bad.uai")
         cases = [
