@@ -2,6 +2,7 @@
 // the route table is small and lives here (decode JSON → Keeper → encode).
 #include "mep/local_server.hpp"
 
+#include "mep/expect_continue.hpp"
 #include "mep/json.hpp"
 #include "mep/log.hpp"
 #include "mep/router.hpp"
@@ -89,11 +90,8 @@ private:
 
   void on_read_some(beast::error_code ec, std::size_t n) {
     if (ec || m_parser->is_done()) return on_read(ec, n);
-    if (m_parser->is_header_done() && !m_continue_sent &&
-        beast::iequals(m_parser->get()[http::field::expect], "100-continue")) {
-      m_continue_sent = true;
-      static constexpr std::string_view k_continue = "HTTP/1.1 100 Continue\r\n\r\n";
-      return net::async_write(m_stream, net::buffer(k_continue.data(), k_continue.size()),
+    if (server::owes_continue(*m_parser, m_continue_sent)) {
+      return net::async_write(m_stream, server::continue_response(),
                               [self = shared_from_this()](beast::error_code e, std::size_t) {
                                 if (e) return self->on_read(e, 0);
                                 self->read_some();

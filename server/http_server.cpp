@@ -3,6 +3,7 @@
 // writes the response, and loops while the client keeps the connection alive.
 #include "mep/http_server.hpp"
 
+#include "mep/expect_continue.hpp"
 #include "mep/log.hpp"
 
 #include <boost/asio/dispatch.hpp>
@@ -59,11 +60,8 @@ protected:
 
   void on_read_some(beast::error_code ec, std::size_t n) {
     if (ec || m_parser->is_done()) return on_read(ec, n);
-    if (m_parser->is_header_done() && !m_continue_sent &&
-        beast::iequals(m_parser->get()[http::field::expect], "100-continue")) {
-      m_continue_sent = true;
-      static constexpr std::string_view k_continue = "HTTP/1.1 100 Continue\r\n\r\n";
-      return net::async_write(self().stream(), net::buffer(k_continue.data(), k_continue.size()),
+    if (owes_continue(*m_parser, m_continue_sent)) {
+      return net::async_write(self().stream(), continue_response(),
                               [self_ptr = self().shared_from_this()](beast::error_code e, std::size_t) {
                                 if (e) return self_ptr->do_close();
                                 self_ptr->read_some();

@@ -22,3 +22,28 @@ def run(argv, stdin=b"", timeout=DEFAULT_TIMEOUT_S, env=None):
     proc = subprocess.run(argv, input=stdin, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                           timeout=timeout, env=env, check=False)
     return proc.returncode, proc.stdout, proc.stderr
+
+
+def send_expecting_continue(sock, head, body):
+    """Sends a request header that carries `Expect: 100-continue`, waits for the interim
+    `HTTP/1.1 100 Continue` (socket.timeout when none comes), then sends the body."""
+    sock.sendall(head)
+    interim = b""
+    while b"\r\n\r\n" not in interim:
+        chunk = sock.recv(4096)
+        if not chunk:
+            raise AssertionError("the connection closed before the 100")
+        interim += chunk
+    if interim != b"HTTP/1.1 100 Continue\r\n\r\n":
+        raise AssertionError("expected only an interim 100, got %r" % interim[:300])
+    sock.sendall(body)
+
+
+def read_to_close(sock):
+    """Everything the peer writes until it closes the connection."""
+    data = b""
+    while True:
+        chunk = sock.recv(65536)
+        if not chunk:
+            return data
+        data += chunk

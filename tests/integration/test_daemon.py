@@ -23,7 +23,7 @@ import uuid
 
 from daemonfixture import (EventStream, MepServer, Mepd, RecordingProxy, clean_env, mepd_bin,
                            parse_time)
-from mephelpers import mep_bin
+from mephelpers import mep_bin, read_to_close, send_expecting_continue
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 PROBLEM_TYPE = "https://memoryendpoints.com/problems/"
@@ -497,20 +497,8 @@ class BasicCases:
         with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
             s.settimeout(3)
             s.connect(self.mepd.socket_path)
-            s.sendall(head)
-            interim = b""
-            while b"\r\n\r\n" not in interim:
-                chunk = s.recv(4096)  # a socket.timeout here: no 100 came
-                self.assertTrue(chunk, "connection closed before the 100")
-                interim += chunk
-            self.assertEqual(interim, b"HTTP/1.1 100 Continue\r\n\r\n")
-            s.sendall(body)
-            reply = b""
-            while True:
-                chunk = s.recv(65536)
-                if not chunk:
-                    break
-                reply += chunk
+            send_expecting_continue(s, head, body)
+            reply = read_to_close(s)
         self.assertRegex(reply[:12], rb"^HTTP/1\.1 [24]\d\d")
         self.assertIn(b"x-request-id:", reply.lower())
 

@@ -22,6 +22,7 @@ import urllib.parse
 
 import pgfixture
 
+from mephelpers import read_to_close, send_expecting_continue
 from serverfixture import (HEX64_RE, PROBLEM_BASE, RFC3339_MS_RE, UUID_RE, ApiClient, MepServer,
                            ServerTestCase, create_token, db_execute, db_query, db_url, new_key, parse_rfc3339_ms,
                            raw_exchange, revoke_token, run_mep, token_id_of, unique_name, uuid7)
@@ -1336,25 +1337,12 @@ class ServerApi(ServerTestCase):
     def test_expect_100_continue(self):
         # A client that sends `Expect: 100-continue` waits for a 100 before it sends the
         # body (RFC 9110 §10.1.1); without one it stalls (curl for 1 s) or gives up.
-        body = b"{}"
         head = ("POST /v1/memories HTTP/1.1\r\nHost: mep\r\nAuthorization: Bearer %s\r\n"
                 "Content-Type: application/json\r\nIdempotency-Key: %s\r\nExpect: 100-continue\r\n"
-                "Content-Length: %d\r\n\r\n" % (self.token_a, new_key(), len(body))).encode()
+                "Connection: close\r\nContent-Length: 2\r\n\r\n" % (self.token_a, new_key())).encode()
         with socket.create_connection(("127.0.0.1", self.port), timeout=3) as s:
-            s.sendall(head)
-            interim = b""
-            while b"\r\n\r\n" not in interim:
-                chunk = s.recv(4096)  # a socket.timeout here: no 100 came
-                self.assertTrue(chunk, "connection closed before the 100")
-                interim += chunk
-            self.assertEqual(interim, b"HTTP/1.1 100 Continue\r\n\r\n")
-            s.sendall(body)
-            reply = b""
-            while b"\r\n\r\n" not in reply or not reply.rstrip().endswith(b"}"):
-                chunk = s.recv(4096)
-                if not chunk:
-                    break
-                reply += chunk
+            send_expecting_continue(s, head, b"{}")
+            reply = read_to_close(s)
         self.assertTrue(reply.startswith(b"HTTP/1.1 201 "), reply[:200])
         self.assertIn(b'"memory_instance_id"', reply)
 

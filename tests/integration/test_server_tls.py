@@ -8,6 +8,7 @@ import subprocess
 import tempfile
 import unittest
 
+from mephelpers import read_to_close, send_expecting_continue
 from serverfixture import MepServer, create_token, db_url, drop_db, mep_bin, new_db, new_key, run_mep
 
 
@@ -42,34 +43,16 @@ class TlsServer(unittest.TestCase):
             ctx.maximum_version = maximum
         return ctx
 
-    def exchange(self, ctx, request, *, expect_continue=False, body=b""):
-        """Sends `request` (bytes) over TLS; returns (negotiated version, reply bytes)."""
+    def exchange(self, ctx, request, *, continue_body=None):
+        """Sends `request` (bytes, with `Connection: close`) over TLS; returns (negotiated
+        version, reply bytes). With `continue_body` the request expects a 100 first."""
         with socket.create_connection(("127.0.0.1", self.server.port), timeout=5) as raw:
             with ctx.wrap_socket(raw, server_hostname="127.0.0.1") as s:
-                s.sendall(request)
-                if expect_continue:
-                    interim = b""
-                    while b"\r\n\r\n" not in interim:
-                        chunk = s.recv(4096)
-                        self.assertTrue(chunk, "connection closed before the 100")
-                        interim += chunk
-                    self.assertEqual(interim, b"HTTP/1.1 100 Continue\r\n\r\n")
-                    s.sendall(body)
-                reply = b""
-                while True:
-                    head, sep, rest = reply.partition(b"\r\n\r\n")
-                    if sep:
-                        length = 0
-                        for line in head.split(b"\r\n")[1:]:
-                            k, _, v = line.partition(b":")
-                            if k.strip().lower() == b"content-length":
-                                length = int(v)
-                        if len(rest) >= length or request.startswith(b"HEAD "):
-                            return s.version(), reply
-                    chunk = s.recv(65536)
-                    if not chunk:
-                        return s.version(), reply
-                    reply += chunk
+                if continue_body is None:
+                    s.sendall(request)
+                else:
+                    send_expecting_continue(s, request, continue_body)
+                return s.version(), read_to_close(s)
 
     def test_ready_line_says_https(self):
         self.assertIn("mep server listening on https://127.0.0.1:%d" % self.server.port, self.server.stderr_text())
@@ -97,27 +80,22 @@ class TlsServer(unittest.TestCase):
         req = (b"POST /v1/memories HTTP/1.1\r\nHost: mep\r\nAuthorization: Bearer " + self.token.encode() +
                b"\r\nContent-Type: application/json\r\nIdempotency-Key: " + new_key().encode() +
                b"\r\nExpect: 100-continue\r\nContent-Length: 2\r\nConnection: close\r\n\r\n")
-        version, reply = self.exchange(ctx, req, expect_continue=True, body=b"{}")
+        version, reply = self.exchange(ctx, req, continue_body=b"{}")
         self.assertTrue(reply.startswith(b"HTTP/1.1 201 "), reply[:200])
 
     def test_tls12_is_refused(self):
         with self.assertRaises((ssl.SSLError, ConnectionResetError, BrokenPipeError)):
             self.exchange(self.context(maximum=ssl.TLSVersion.TLSv1_2),
-                          b"GET /healthz HTTP/1.1\r\nHost: mep\r\n\r\n")
+                          b"GET /healthz HTTP/1.1\r\nHost: mep\r\nConnection: close\r\n\r\n")
         self.assertTrue(self.server.running())
 
     def test_plain_http_on_the_tls_port_gets_no_answer(self):
         with socket.create_connection(("127.0.0.1", self.server.port), timeout=5) as s:
             s.sendall(b"GET /healthz HTTP/1.1\r\nHost: mep\r\n\r\n")
-            data = b""
             try:
-                while True:
-                    chunk = s.recv(4096)
-                    if not chunk:
-                        break
-                    data += chunk
+                data = read_to_close(s)
             except (ConnectionResetError, socket.timeout):
-                pass
+                data = b""
         self.assertNotIn(b"HTTP/1.1 200", data)
         self.assertTrue(self.server.running())
         version, reply = self.exchange(self.context(), b"GET /healthz HTTP/1.1\r\nHost: mep\r\nConnection: close\r\n\r\n")
