@@ -42,6 +42,13 @@ namespace {
 std::string g_mep = MEP_BIN_DEFAULT;
 std::string g_source = MEP_SOURCE_DIR_DEFAULT;
 
+// The headers of an API request: the bearer token and an optional Idempotency-Key.
+std::string api_headers(const std::string& token, const std::string& idem = {}) {
+  std::string headers = "Authorization: Bearer " + token + "\r\n";
+  if (!idem.empty()) headers += "Idempotency-Key: " + idem + "\r\n";
+  return headers;
+}
+
 // Keep-alive HTTP to the server with its bearer token and an optional Idempotency-Key.
 class Conn {
 public:
@@ -49,9 +56,7 @@ public:
   std::pair<int, std::string> request(const std::string& method, const std::string& path,
                                       const std::string& token, const std::string& body,
                                       const std::string& idem = {}) {
-    std::string headers = "Authorization: Bearer " + token + "\r\n";
-    if (!idem.empty()) headers += "Idempotency-Key: " + idem + "\r\n";
-    return m_http.request(method, path, body, headers);
+    return m_http.request(method, path, body, api_headers(token, idem));
   }
 
   mep::bench::HttpConn& raw() { return m_http; }
@@ -165,9 +170,9 @@ std::string cpu_idle_policy() {
   std::string driver = read_line("/sys/devices/system/cpu/cpuidle/current_driver");
   if (driver.empty()) return "cpuidle: unknown";
   std::string out = "cpuidle: " + driver;
+  if (driver != "haltpoll") return out;
   std::string poll = read_line("/sys/module/haltpoll/parameters/guest_halt_poll_ns");
-  if (driver == "haltpoll" && !poll.empty()) out += ", guest_halt_poll_ns=" + poll;
-  return out;
+  return poll.empty() ? out : out + ", guest_halt_poll_ns=" + poll;
 }
 int g_failed_cells = 0; // cells with failed requests: the run exits 1
 
@@ -262,19 +267,18 @@ public:
 
   // The bytes of the next request.
   std::string next() {
-    std::string auth = "Authorization: Bearer " + m_token + "\r\n";
     if (m_mode == 0 && m_releasing) {
       std::string rel = "{\"canonical_name\":\"" + m_name + "\",\"memory_instance_id\":\"" + m_mem +
                         "\",\"fencing_token\":" + m_held_token + ",\"owner_client_id\":\"bench\"}";
-      return mep::bench::HttpConn::format("POST", "/v1/leases/release", rel, auth);
+      return mep::bench::HttpConn::format("POST", "/v1/leases/release", rel, api_headers(m_token));
     }
     if (m_mode == 1) {
       std::string ren = "{\"canonical_name\":\"" + m_name + "\",\"memory_instance_id\":\"" + m_mem +
                         "\",\"fencing_token\":" + m_held_token + ",\"owner_client_id\":\"bench\",\"ttl_seconds\":60}";
-      return mep::bench::HttpConn::format("POST", "/v1/leases/renew", ren, auth);
+      return mep::bench::HttpConn::format("POST", "/v1/leases/renew", ren, api_headers(m_token));
     }
     std::string key = request_key(m_mode == 0 ? "c-" : "r-", m_tag, m_k++);
-    return mep::bench::HttpConn::format("POST", "/v1/leases", m_claim_body, auth + "Idempotency-Key: " + key + "\r\n");
+    return mep::bench::HttpConn::format("POST", "/v1/leases", m_claim_body, api_headers(m_token, key));
   }
 
   // Takes the response to next()'s request.

@@ -221,7 +221,7 @@ private:
     };
     auto not_allowed = [&] { // RFC 9110 15.5.6: a 405 names what the path accepts
       auto r = server::problem_reply(Problem(Code::method_not_allowed, "this endpoint does not accept that method"), rid);
-      r.allow = accepted == http::verb::get && path != "/v1/events" ? "GET, HEAD" : std::string(http::to_string(accepted));
+      r.allow = path == "/v1/events" ? "GET" : server::allow_entry(accepted); // the stream has no HEAD
       return r;
     };
     auto body = [&]() -> expected<boost::json::object, Problem> {

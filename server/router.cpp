@@ -582,7 +582,7 @@ void Router::handle(HttpRequest&& req, const Peer& peer, Send send) {
       break;
     }
     if (!allow.empty()) allow += ", ";
-    allow += r.method == http::verb::get ? "GET, HEAD" : std::string(http::to_string(r.method));
+    allow += allow_entry(r.method);
   }
   if (!c->route) {
     if (allow.empty()) return fail(c, Problem(Code::not_found, "no such endpoint"));

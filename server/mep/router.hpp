@@ -22,6 +22,11 @@ inline constexpr std::size_t k_body_limit = 16 * 1024;
 inline constexpr std::size_t k_batch_body_limit = 512 * 1024;
 inline constexpr std::size_t k_header_limit = 8 * 1024;
 
+/// A route's method as the Allow header of a 405 names it: GET routes answer HEAD too.
+inline std::string allow_entry(boost::beast::http::verb v) {
+  return v == boost::beast::http::verb::get ? "GET, HEAD" : std::string(boost::beast::http::to_string(v));
+}
+
 /// What the router knows about the peer.
 struct Peer {
   bool loopback = false;
