@@ -1,7 +1,8 @@
 // bench_server: control-plane throughput and latency over real HTTP (keep-alive), next
 // to the same claim transaction run directly on SQLite at the same durability.
 //
-//   build/bench/bench_server [--mep PATH] [--seconds S] [--repeat N] [--rss-leases N] [--pg auto|off|URL] [--keys ordered|random|counter] [--driver threads|epoll]
+//   build/bench/bench_server [--mep PATH] [--seconds S] [--repeat N] [--rss-leases N] [--pg auto|off|URL]
+//                            [--keys ordered|random|counter] [--driver threads|epoll] [--only WORKLOAD:CLIENTS]
 //
 // Starts the real `mep server` on a fresh SQLite file (on disk, synchronous=FULL), runs
 // claim+release cycles and renews at 1, 8 and 64 clients, then fills the server with N
@@ -239,6 +240,28 @@ Driver g_driver = Driver::threads;
 bool parse_driver(std::string_view v) {
   if (v == "threads") g_driver = Driver::threads;
   else if (v == "epoll") g_driver = Driver::epoll;
+  else return false;
+  return true;
+}
+
+// --only WORKLOAD:CLIENTS, one HTTP cell alone (for A/B runs of one cell): the workload's
+// mode (see Script) and the number of clients; false for a value it does not know.
+struct Only {
+  int mode = -1; // none: the whole benchmark
+  int clients = 0;
+  const char* title = "";
+};
+Only g_only;
+
+bool parse_only(std::string_view v) {
+  auto colon = v.find(':');
+  if (colon == std::string_view::npos) return false;
+  std::string_view w = v.substr(0, colon);
+  int clients = std::atoi(std::string(v.substr(colon + 1)).c_str());
+  if (clients < 1 || clients > 1024) return false;
+  if (w == "cycles") g_only = {0, clients, "HTTP claim+release (cycles)"};
+  else if (w == "reclaim") g_only = {2, clients, "HTTP claim (same-owner re-claim)"};
+  else if (w == "renew") g_only = {1, clients, "HTTP renew"};
   else return false;
   return true;
 }
@@ -698,9 +721,11 @@ int main(int argc, char** argv) {
     else if (a == "--repeat" && i + 1 < argc) g_repeat = std::max(1, std::atoi(argv[++i]));
     else if (a == "--keys" && i + 1 < argc && parse_keys(argv[i + 1])) ++i;
     else if (a == "--driver" && i + 1 < argc && parse_driver(argv[i + 1])) ++i;
+    else if (a == "--only" && i + 1 < argc && parse_only(argv[i + 1])) ++i;
     else {
       std::fprintf(stderr, "usage: bench_server [--mep PATH] [--seconds S] [--repeat N] [--rss-leases N] "
-                           "[--pg auto|off|URL] [--keys ordered|random|counter] [--driver threads|epoll]\n");
+                           "[--pg auto|off|URL] [--keys ordered|random|counter] [--driver threads|epoll] "
+                           "[--only cycles|reclaim|renew:CLIENTS]\n");
       return 2;
     }
   }
@@ -728,9 +753,19 @@ int main(int argc, char** argv) {
     std::printf("\n");
     std::fflush(stdout);
   };
+  Server s;
+  if (g_only.mode >= 0) {
+    // One cell, nothing else: no floor, no RSS, no PostgreSQL.
+    start_server(s, db);
+    row(g_only.title, g_only.clients, run_http(s.port, token, g_only.clients, seconds, g_only.mode));
+    ::kill(s.pid, SIGTERM);
+    ::waitpid(s.pid, nullptr, 0);
+    s.pid = -1;
+    fs::remove_all(dir);
+    return g_failed_cells > 0 ? 1 : 0;
+  }
   Result floor = run_direct_sqlite((dir / "direct.db").string(), seconds);
   row("direct SQLite claim+release (floor)", 1, floor);
-  Server s;
   start_server(s, db);
   std::vector<std::pair<int, Result>> claims;
   for (int clients : {1, 8, 64}) {
