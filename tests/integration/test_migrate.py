@@ -48,7 +48,8 @@ class Server:
     """A real `mep server` on a database, stopped by PID."""
 
     def __init__(self, db):
-        self.log = tempfile.NamedTemporaryFile(prefix="mep-server-", suffix=".log", delete=False)
+        # Beside the database, in the test's directory, which tearDown removes.
+        self.log = open(os.path.join(os.path.dirname(db), "mep-server.log"), "w+b")
         self.proc = subprocess.Popen([MEP, "server", "--db", f"sqlite:{db}", "--listen", "127.0.0.1:0"],
                                      stderr=self.log, stdout=subprocess.DEVNULL)
         deadline = time.monotonic() + 20
@@ -85,6 +86,7 @@ class Server:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait(timeout=10)
+        self.log.close()
 
 
 class MigrateTest(unittest.TestCase):
