@@ -27,9 +27,11 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <iterator>
 #include <memory>
 #include <random>
 #include <stdexcept>
+#include <sstream>
 #include <string>
 #include <string_view>
 #include <thread>
@@ -76,6 +78,18 @@ std::string field(const std::string& json, const std::string& key) {
 
 // ---- the server process ------------------------------------------------------------------------
 
+// A directory removed with what is in it when the run ends, failed or not.
+struct ScratchDir {
+  fs::path path;
+  explicit ScratchDir(fs::path p) : path(std::move(p)) { fs::create_directories(path); }
+  ~ScratchDir() {
+    std::error_code ec;
+    fs::remove_all(path, ec);
+  }
+  ScratchDir(const ScratchDir&) = delete;
+  ScratchDir& operator=(const ScratchDir&) = delete;
+};
+
 struct Server {
   pid_t pid = -1;
   int port = 0;
@@ -109,7 +123,7 @@ void start_server(Server& s, const std::string& db) {
     _exit(127);
   }
   ::close(pipefd[1]);
-  std::string line;
+  std::string line, before; // before: what the server said before it was ready
   char c;
   auto deadline = Clock::now() + std::chrono::seconds(20);
   while (Clock::now() < deadline && ::read(pipefd[0], &c, 1) == 1) {
@@ -122,6 +136,7 @@ void start_server(Server& s, const std::string& db) {
       s.port = std::atoi(line.c_str() + at + 30);
       break;
     }
+    before += line + "\n";
     line.clear();
   }
   // Keep draining stderr in the background so the server never blocks on it.
@@ -131,7 +146,29 @@ void start_server(Server& s, const std::string& db) {
     }
     ::close(fd);
   }).detach();
-  if (!s.port) throw std::runtime_error("mep server did not become ready");
+  if (!s.port) throw std::runtime_error("mep server did not become ready:\n" + before + line);
+}
+
+// The nice value of the server's commit thread (`mep server --writer-nice`, best effort),
+// as a line under a table: tables from runs that differ in it do not compare.
+std::string writer_nice_line(pid_t pid) {
+  std::error_code ec;
+  for (const auto& t : fs::directory_iterator("/proc/" + std::to_string(pid) + "/task", ec)) {
+    std::ifstream comm(t.path() / "comm");
+    std::string name;
+    std::getline(comm, name);
+    if (name != "mep-writer") continue;
+    std::ifstream stat(t.path() / "stat");
+    std::string all((std::istreambuf_iterator<char>(stat)), std::istreambuf_iterator<char>());
+    auto close = all.rfind(')');
+    if (close == std::string::npos) break;
+    std::istringstream fields(all.substr(close + 2)); // from field 3, the state
+    std::string f;
+    for (int i = 3; i <= 19 && fields >> f; ++i) {
+    }
+    return "server's commit thread (mep-writer): nice " + f;
+  }
+  return "server's commit thread (mep-writer): not found";
 }
 
 long rss_kib(pid_t pid) {
@@ -708,7 +745,7 @@ bool run_postgresql(const std::string& pg_arg, double seconds) {
 
 } // namespace
 
-int main(int argc, char** argv) {
+static int run(int argc, char** argv) {
   double seconds = 3;
   int rss_leases = 100000;
   std::string pg = "auto";
@@ -730,8 +767,8 @@ int main(int argc, char** argv) {
     }
   }
   ::signal(SIGPIPE, SIG_IGN);
-  fs::path dir = fs::path("/var/tmp") / ("mep-bench-" + std::to_string(::getpid()));
-  fs::create_directories(dir);
+  ScratchDir scratch(fs::path("/var/tmp") / ("mep-bench-" + std::to_string(::getpid())));
+  const fs::path& dir = scratch.path;
   std::string db = "sqlite:" + (dir / "control.db").string();
   std::string token = run_capture(g_mep + " token create --db " + db + " --tenant bench");
   if (token.rfind("mep_", 0) != 0) {
@@ -758,10 +795,10 @@ int main(int argc, char** argv) {
     // One cell, nothing else: no floor, no RSS, no PostgreSQL.
     start_server(s, db);
     row(g_only.title, g_only.clients, run_http(s.port, token, g_only.clients, seconds, g_only.mode));
+    std::printf("%s\n", writer_nice_line(s.pid).c_str());
     ::kill(s.pid, SIGTERM);
     ::waitpid(s.pid, nullptr, 0);
     s.pid = -1;
-    fs::remove_all(dir);
     return g_failed_cells > 0 ? 1 : 0;
   }
   Result floor = run_direct_sqlite((dir / "direct.db").string(), seconds);
@@ -780,6 +817,7 @@ int main(int argc, char** argv) {
     row("HTTP claim (same-owner re-claim)", clients, r);
   }
   for (int clients : {1, 8, 64}) row("HTTP renew", clients, run_http(s.port, token, clients, seconds, 1));
+  std::printf("%s\n", writer_nice_line(s.pid).c_str());
 
   std::printf("\nReference, not measured here (from the issue, same kind of machine): etcd 3.4 lease grant + put\n"
               "675/s at 1 client, 1,707/s at 8, 2,745/s at 64. Target: claims >= 3x etcd at 8 and 64 clients.\n");
@@ -800,11 +838,19 @@ int main(int argc, char** argv) {
   ::kill(s.pid, SIGTERM);
   ::waitpid(s.pid, nullptr, 0);
   s.pid = -1;
-  fs::remove_all(dir);
   if (pg != "off" && !run_postgresql(pg, seconds)) return 1;
   if (g_failed_cells > 0) {
     std::fprintf(stderr, "bench_server: requests failed in %d cells (see the errors column)\n", g_failed_cells);
     return 1;
   }
   return 0;
+}
+
+int main(int argc, char** argv) {
+  try {
+    return run(argc, argv);
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "bench_server: %s\n", e.what());
+    return 1;
+  }
 }
