@@ -56,6 +56,11 @@ void register_server(CLI::App& app, GlobalOptions& g, Action& action) {
       ->capture_default_str();
   cmd->add_option("--log-level", opt->log_level, "debug, info, warn or error")->capture_default_str();
   cmd->add_option("--threads", opt->threads, "I/O threads")->capture_default_str()->check(CLI::Range(1, 64));
+  cmd->add_option("--writer-nice", opt->store.writer_nice,
+                  "SQLite: nice value of the thread that commits, best effort (below 0 it needs "
+                  "CAP_SYS_NICE or RLIMIT_NICE); 0 leaves it")
+      ->capture_default_str()
+      ->check(CLI::Range(-20, 19));
 
   auto audit_db = std::make_shared<std::string>();
   auto audit_tenant = std::make_shared<std::string>();

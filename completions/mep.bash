@@ -5,7 +5,7 @@
 # Options of mep that take a value (the value is the next word, or follows '=').
 _mep_valued=" --socket --config --ttl --on-loss --grace --format --profile --db --listen
  --tls-cert --tls-key --rate-limit --log-level --threads --tenant --limit --scope --input
- --from-table --report --batch --isolation --db-pool "
+ --from-table --report --batch --isolation --db-pool --writer-nice "
 
 # Completes the value of option $1 (the previous word), with $2 the current word.
 # Returns 1 when $1 takes no value.
@@ -22,7 +22,7 @@ _mep_option_value() {
         --scope)     compgen -W "lease admin" -- "$2" ;;
         --isolation) compgen -W "read-committed serializable" -- "$2" ;;
         --ttl | --grace | --db | --listen | --rate-limit | --threads | --tenant | --limit | \
-        --from-table | --batch | --control-plane | --db-pool)
+        --from-table | --batch | --control-plane | --db-pool | --writer-nice)
             ;; # free-form: nothing to offer
         *) return 1 ;;
     esac
@@ -101,7 +101,7 @@ _mep() {
         claim/*)        opts="--ttl" ;;
         run/*)          opts="--ttl --on-loss --grace" ;;
         lineage/*)      opts="--format" ;;
-        server/)        opts="--db --listen --tls-cert --tls-key --insecure-plaintext --rate-limit --log-level --threads --isolation --db-pool" ;;
+        server/)        opts="--db --listen --tls-cert --tls-key --insecure-plaintext --rate-limit --log-level --threads --writer-nice --isolation --db-pool" ;;
         server/audit)   opts="--db --tenant --limit --json" ;;
         token/create)   opts="--db --tenant --scope --admin --json" ;;
         token/list)     opts="--db --tenant --json" ;;

@@ -103,6 +103,7 @@ complete -c mep -n '__mep_needs_sub server' -l insecure-plaintext -d 'Allow plai
 complete -c mep -n '__mep_needs_sub server' -l rate-limit -x -d 'Requests per second per token'
 complete -c mep -n '__mep_needs_sub server' -l log-level -x -a 'debug info warn error' -d 'Log level'
 complete -c mep -n '__mep_needs_sub server' -l threads -x -d 'I/O threads (1-64)'
+complete -c mep -n '__mep_needs_sub server' -l writer-nice -x -d 'Nice value of the SQLite commit thread (-20-19)'
 complete -c mep -n '__mep_needs_sub server' -l isolation -x -a 'read-committed serializable' -d 'PostgreSQL transaction isolation'
 complete -c mep -n '__mep_needs_sub server' -l db-pool -x -d 'PostgreSQL connections for lease operations'
 complete -c mep -n '__mep_using server audit' -l tenant -x -d 'Only this tenant'

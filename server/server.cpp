@@ -28,7 +28,7 @@ std::unique_ptr<Store> open_store(const std::string& url, const StoreOptions& op
   if (pg::is_pg_url(url)) return std::make_unique<PgStore>(url, options);
   if (url.find("://") != std::string::npos && url.rfind("sqlite://", 0) != 0)
     throw std::runtime_error("unsupported database URL scheme (use sqlite:PATH or postgresql://...)");
-  return std::make_unique<SqliteStore>(url, options.create);
+  return std::make_unique<SqliteStore>(url, options.create, options.writer_nice);
 }
 
 namespace {

@@ -8,6 +8,9 @@ namespace mep::server {
 
 inline constexpr const char* k_default_listen = "127.0.0.1:7878";
 inline constexpr double k_default_rate_limit = 1000;
+/// The commit thread's nice value (see StoreOptions::writer_nice): below the I/O threads'
+/// and the clients' 0, when the process may.
+inline constexpr int k_default_writer_nice = -10;
 
 struct ServerOptions {
   std::string db_url;                       ///< empty: default_db_url()
@@ -18,7 +21,7 @@ struct ServerOptions {
   double rate_limit = k_default_rate_limit; ///< requests/s per token; 0 = off
   std::string log_level = "info";
   int threads = 2;
-  StoreOptions store;                       ///< isolation and pool size (PostgreSQL)
+  StoreOptions store{.writer_nice = k_default_writer_nice}; ///< isolation, pool size, writer priority
 };
 
 /// Runs the server until SIGTERM/SIGINT; returns the process exit code (0 after a clean

@@ -24,7 +24,8 @@ public:
   /// Opens (creating and migrating) the database at `url` (`sqlite:PATH` or a path) and
   /// starts the writer thread. Throws sqlite::Error or std::runtime_error.
   /// `create`: false refuses a database file that does not exist yet.
-  explicit SqliteStore(const std::string& url, bool create = true);
+  /// `writer_nice`: see StoreOptions::writer_nice.
+  explicit SqliteStore(const std::string& url, bool create = true, int writer_nice = 0);
   /// Finishes every queued job, then stops the writer.
   ~SqliteStore() override;
 
@@ -130,6 +131,7 @@ private:
   std::atomic<bool> m_healthy{true};
   std::atomic<bool> m_migration_in_progress{false};
   std::thread m_writer;
+  int m_writer_nice = 0;
   CompletionExecutor m_complete; // set before the first operation, read by the writer
 
   TokenCache m_tokens; // after m_path

@@ -196,6 +196,10 @@ struct StoreOptions {
   /// SQLite: create the database when the file is missing. Commands that only read or
   /// revoke pass false, so that a mistyped path is an error, not a new empty database.
   bool create = true;
+  /// SQLite: the nice value the thread that commits asks for (setpriority(2)), best
+  /// effort: below 0 it needs CAP_SYS_NICE or RLIMIT_NICE, and without them it keeps the
+  /// process's. 0 leaves it alone. See `mep server --writer-nice`.
+  int writer_nice = 0;
 };
 
 /// Opens the store named by `url`: `sqlite:PATH` (or a bare path) or `postgresql://…`.
