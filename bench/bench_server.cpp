@@ -15,6 +15,7 @@
 #include <signal.h>
 #include <sqlite3.h>
 #include <sys/epoll.h>
+#include <sys/resource.h>
 #include <sys/socket.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -22,16 +23,15 @@
 #include <algorithm>
 #include <atomic>
 #include <chrono>
+#include <cerrno>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
-#include <iterator>
 #include <memory>
 #include <random>
 #include <stdexcept>
-#include <sstream>
 #include <string>
 #include <string_view>
 #include <thread>
@@ -158,15 +158,10 @@ std::string writer_nice_line(pid_t pid) {
     std::string name;
     std::getline(comm, name);
     if (name != "mep-writer") continue;
-    std::ifstream stat(t.path() / "stat");
-    std::string all((std::istreambuf_iterator<char>(stat)), std::istreambuf_iterator<char>());
-    auto close = all.rfind(')');
-    if (close == std::string::npos) break;
-    std::istringstream fields(all.substr(close + 2)); // from field 3, the state
-    std::string f;
-    for (int i = 3; i <= 19 && fields >> f; ++i) {
-    }
-    return "server's commit thread (mep-writer): nice " + f;
+    errno = 0; // getpriority(2) on a thread id: that thread's nice value, which may be -1
+    int nice = ::getpriority(PRIO_PROCESS, static_cast<id_t>(std::stoi(t.path().filename().string())));
+    if (errno != 0) break;
+    return "server's commit thread (mep-writer): nice " + std::to_string(nice);
   }
   return "server's commit thread (mep-writer): not found";
 }
@@ -281,12 +276,15 @@ bool parse_driver(std::string_view v) {
   return true;
 }
 
+// The table's name for each workload (Script's modes 0, 1, 2).
+const char* const k_workload_titles[] = {"HTTP claim+release (cycles)", "HTTP renew",
+                                         "HTTP claim (same-owner re-claim)"};
+
 // --only WORKLOAD:CLIENTS, one HTTP cell alone (for A/B runs of one cell): the workload's
 // mode (see Script) and the number of clients; false for a value it does not know.
 struct Only {
   int mode = -1; // none: the whole benchmark
   int clients = 0;
-  const char* title = "";
 };
 Only g_only;
 
@@ -296,9 +294,9 @@ bool parse_only(std::string_view v) {
   std::string_view w = v.substr(0, colon);
   int clients = std::atoi(std::string(v.substr(colon + 1)).c_str());
   if (clients < 1 || clients > 1024) return false;
-  if (w == "cycles") g_only = {0, clients, "HTTP claim+release (cycles)"};
-  else if (w == "reclaim") g_only = {2, clients, "HTTP claim (same-owner re-claim)"};
-  else if (w == "renew") g_only = {1, clients, "HTTP renew"};
+  if (w == "cycles") g_only = {0, clients};
+  else if (w == "reclaim") g_only = {2, clients};
+  else if (w == "renew") g_only = {1, clients};
   else return false;
   return true;
 }
@@ -794,12 +792,9 @@ static int run(int argc, char** argv) {
   if (g_only.mode >= 0) {
     // One cell, nothing else: no floor, no RSS, no PostgreSQL.
     start_server(s, db);
-    row(g_only.title, g_only.clients, run_http(s.port, token, g_only.clients, seconds, g_only.mode));
+    row(k_workload_titles[g_only.mode], g_only.clients, run_http(s.port, token, g_only.clients, seconds, g_only.mode));
     std::printf("%s\n", writer_nice_line(s.pid).c_str());
-    ::kill(s.pid, SIGTERM);
-    ::waitpid(s.pid, nullptr, 0);
-    s.pid = -1;
-    return g_failed_cells > 0 ? 1 : 0;
+    return g_failed_cells > 0 ? 1 : 0; // ~Server stops the server, then ~ScratchDir
   }
   Result floor = run_direct_sqlite((dir / "direct.db").string(), seconds);
   row("direct SQLite claim+release (floor)", 1, floor);
@@ -808,15 +803,15 @@ static int run(int argc, char** argv) {
   for (int clients : {1, 8, 64}) {
     Result r = run_http(s.port, token, clients, seconds, 0);
     claims.emplace_back(clients, r);
-    row("HTTP claim+release (cycles)", clients, r);
+    row(k_workload_titles[0], clients, r);
   }
   std::vector<std::pair<int, Result>> reclaims;
   for (int clients : {1, 8, 64}) {
     Result r = run_http(s.port, token, clients, seconds, 2);
     reclaims.emplace_back(clients, r);
-    row("HTTP claim (same-owner re-claim)", clients, r);
+    row(k_workload_titles[2], clients, r);
   }
-  for (int clients : {1, 8, 64}) row("HTTP renew", clients, run_http(s.port, token, clients, seconds, 1));
+  for (int clients : {1, 8, 64}) row(k_workload_titles[1], clients, run_http(s.port, token, clients, seconds, 1));
   std::printf("%s\n", writer_nice_line(s.pid).c_str());
 
   std::printf("\nReference, not measured here (from the issue, same kind of machine): etcd 3.4 lease grant + put\n"

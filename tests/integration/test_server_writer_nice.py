@@ -13,19 +13,15 @@ from serverfixture import MepServer, create_token, mep_bin, run_mep
 
 
 def thread_nices(pid):
-    """{tid: (name, nice)} for every thread of process `pid` (/proc/PID/task/TID/stat)."""
+    """{tid: (name, nice)} for every thread of process `pid` (getpriority on a thread id
+    gives that thread's nice value)."""
     out = {}
     for tid in os.listdir("/proc/%d/task" % pid):
-        base = "/proc/%d/task/%s/" % (pid, tid)
         try:
-            with open(base + "comm") as f:
-                name = f.read().strip()
-            with open(base + "stat") as f:
-                stat = f.read()
-        except FileNotFoundError:
+            with open("/proc/%d/task/%s/comm" % (pid, tid)) as f:
+                out[int(tid)] = (f.read().strip(), os.getpriority(os.PRIO_PROCESS, int(tid)))
+        except (FileNotFoundError, ProcessLookupError):
             continue  # the thread ended meanwhile
-        fields = stat[stat.rindex(")") + 2:].split()  # from field 3 (state) on
-        out[int(tid)] = (name, int(fields[19 - 3]))
     return out
 
 
