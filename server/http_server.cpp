@@ -52,7 +52,8 @@ protected:
 
   // Reads until the request is whole. A client that sent `Expect: 100-continue` waits for
   // a 100 before it sends the body (RFC 9110 §10.1.1); it gets one once the header is read
-  // and accepted (limits included: too large a body is refused by its Content-Length).
+  // and accepted. One that announces a body over its route's limit gets the 413 instead,
+  // without sending the body (the parser itself only stops bodies over the largest limit).
   void read_some() {
     http::async_read_some(self().stream(), m_buffer, *m_parser,
                           beast::bind_front_handler(&Session::on_read_some, self().shared_from_this()));
@@ -61,6 +62,9 @@ protected:
   void on_read_some(beast::error_code ec, std::size_t n) {
     if (ec || m_parser->is_done()) return on_read(ec, n);
     if (owes_continue(*m_parser, m_continue_sent)) {
+      const auto length = m_parser->content_length();
+      if (length && *length > body_limit_for(m_parser->get().target()))
+        return write(Router::problem_response(Problem(Code::payload_too_large, "the body exceeds 16 KiB"), 11, false));
       return net::async_write(self().stream(), continue_response(),
                               [self_ptr = self().shared_from_this()](beast::error_code e, std::size_t) {
                                 if (e) return self_ptr->do_close();

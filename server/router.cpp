@@ -595,7 +595,7 @@ void Router::handle(HttpRequest&& req, const Peer& peer, Send send) {
   const RouteSpec& route = *c->route;
 
   // 16 KiB bodies, except renew-batch (up to 1000 leases in one call).
-  if (c->req.body().size() > (route.pattern == "/v1/leases/renew-batch" ? k_batch_body_limit : k_body_limit))
+  if (c->req.body().size() > body_limit_for(route.pattern))
     return fail(c, Problem(Code::payload_too_large, "the body exceeds 16 KiB"));
 
   // 2. Authentication and scope (metrics are open on loopback only).

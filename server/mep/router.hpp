@@ -9,6 +9,7 @@
 
 #include <functional>
 #include <string>
+#include <string_view>
 
 namespace mep::server {
 
@@ -21,6 +22,11 @@ inline constexpr std::size_t k_body_limit = 16 * 1024;
 /// the parser admits this much, and the router holds every other route to k_body_limit.
 inline constexpr std::size_t k_batch_body_limit = 512 * 1024;
 inline constexpr std::size_t k_header_limit = 8 * 1024;
+
+/// The largest body a request to `target` (a path, maybe with a query) may carry.
+inline std::size_t body_limit_for(std::string_view target) {
+  return target.substr(0, target.find('?')) == "/v1/leases/renew-batch" ? k_batch_body_limit : k_body_limit;
+}
 
 /// A route's method as the Allow header of a 405 names it: GET routes answer HEAD too.
 inline std::string allow_entry(boost::beast::http::verb v) {

@@ -1346,6 +1346,30 @@ class ServerApi(ServerTestCase):
         self.assertTrue(reply.startswith(b"HTTP/1.1 201 "), reply[:200])
         self.assertIn(b'"memory_instance_id"', reply)
 
+    def test_expect_100_continue_over_the_limit(self):
+        # A body announced over the route's limit is refused with the 413 in place of the
+        # 100: the client never sends it. At the limit itself the 100 comes.
+        def head(length, path="/v1/memories"):
+            return ("POST %s HTTP/1.1\r\nHost: mep\r\nAuthorization: Bearer %s\r\n"
+                    "Content-Type: application/json\r\nIdempotency-Key: %s\r\nExpect: 100-continue\r\n"
+                    "Connection: close\r\nContent-Length: %d\r\n\r\n" % (path, self.token_a, new_key(), length)).encode()
+        for path in ("/v1/memories", "/v1/leases", "/v1/leases/renew", "/v1/fence/verify?x=1"):
+            with self.subTest(path=path), socket.create_connection(("127.0.0.1", self.port), timeout=3) as s:
+                s.sendall(head(16 * 1024 + 1, path))
+                reply = read_to_close(s)
+                self.assertTrue(reply.startswith(b"HTTP/1.1 413 "), reply[:200])
+                self.assertNotIn(b"100 Continue", reply)
+                self.assertIn(b'"code":"payload-too-large"', reply)
+        body = b"{}" + b" " * (16 * 1024 - 2)
+        with socket.create_connection(("127.0.0.1", self.port), timeout=3) as s:
+            send_expecting_continue(s, head(len(body)), body)
+            self.assertTrue(read_to_close(s).startswith(b"HTTP/1.1 201 "))
+        # renew-batch takes up to 512 KiB: the 100 comes, and the body is judged as JSON.
+        body = b"{" + b" " * (16 * 1024) + b"}"
+        with socket.create_connection(("127.0.0.1", self.port), timeout=3) as s:
+            send_expecting_continue(s, head(len(body), "/v1/leases/renew-batch"), body)
+            self.assertTrue(read_to_close(s).startswith(b"HTTP/1.1 400 "))
+
     def test_head_is_get_without_content(self):
         # RFC 9110 §9.3.2: the status and headers of GET, Content-Length included, no content.
         # The keep-alive connection then serves the next request (no stray bytes were sent).
