@@ -698,7 +698,7 @@ bool run_postgresql(const std::string& pg_arg, double seconds) {
     std::ofstream f(reclaim);
     f << "\\set k random(1, 1000000000000)\n" << claim << ";\n";
   }
-  std::printf("\nmep server on PostgreSQL %s; pool of 16 connections; %.0f s per cell\n"
+  std::printf("\nmep server on PostgreSQL %s; pool of 16 connections; %g s per cell\n"
               "(pgbench rows: the same claim function called directly, one round trip each; p50 column = average)\n\n",
               settings.c_str(), seconds);
   std::printf("%-34s %8s %12s %10s %10s %8s\n", "workload", "clients", "ops/s", "p50 ms", "p99 ms", "errors");
@@ -774,7 +774,7 @@ static int run(int argc, char** argv) {
     return 1;
   }
 
-  std::printf("mep server benchmark — SQLite, WAL, synchronous=FULL, keep-alive HTTP on loopback, %.0f s per cell\n", seconds);
+  std::printf("mep server benchmark — SQLite, WAL, synchronous=FULL, keep-alive HTTP on loopback, %g s per cell\n", seconds);
   std::printf("%ld CPUs, %s; clients: --driver %s\n", ::sysconf(_SC_NPROCESSORS_ONLN), cpu_idle_policy().c_str(),
               g_driver == Driver::threads ? "threads" : "epoll");
   if (g_repeat > 1)
