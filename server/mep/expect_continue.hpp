@@ -1,5 +1,6 @@
-// `Expect: 100-continue` (RFC 9110 §10.1.1) for the Beast sessions of mep server and
-// mepd: a client that sends it waits for an interim 100 before it sends the body.
+// Request framing for the Beast sessions of mep server and mepd: `Expect: 100-continue`
+// (RFC 9110 §10.1.1), where a client waits for an interim 100 before it sends the body, and
+// requests whose body length is ambiguous.
 #pragma once
 #include <boost/asio/buffer.hpp>
 #include <boost/beast/core/string.hpp>
@@ -24,6 +25,23 @@ bool owes_continue(const Parser& parser, bool& sent) {
   if (!boost::beast::iequals(parser.get()[boost::beast::http::field::expect], "100-continue")) return false;
   sent = true;
   return true;
+}
+
+/// True when a request's body length is ambiguous (RFC 9112 §6.1, §6.3): a
+/// Transfer-Encoding other than `chunked` alone, sent twice, or beside a Content-Length.
+/// Such a request is refused and its connection closed: the parser framed its body one way,
+/// and a proxy in front may have framed it another, so that what follows it on the
+/// connection (a request smuggled in the body) is never read as a request of its own.
+template <class Fields>
+bool ambiguous_framing(const Fields& fields) {
+  namespace http = boost::beast::http;
+  const auto codings = fields.count(http::field::transfer_encoding);
+  if (codings == 0) return false;
+  if (codings > 1 || fields.count(http::field::content_length) > 0) return true;
+  std::string_view te = fields[http::field::transfer_encoding];
+  while (!te.empty() && (te.front() == ' ' || te.front() == '\t')) te.remove_prefix(1);
+  while (!te.empty() && (te.back() == ' ' || te.back() == '\t')) te.remove_suffix(1);
+  return !boost::beast::iequals(te, "chunked");
 }
 
 } // namespace mep::server

@@ -502,6 +502,19 @@ class BasicCases:
         self.assertRegex(reply[:12], rb"^HTTP/1\.1 [24]\d\d")
         self.assertIn(b"x-request-id:", reply.lower())
 
+    def test_ambiguous_framing_refused_and_closed(self):
+        # As mep server: a body length two parsers could read differently gets a 400 and the
+        # end of the connection, so the request hidden in the body is never served.
+        smuggled = b"GET /healthz HTTP/1.1\r\nHost: localhost\r\n\r\n"
+        head = b"POST /v1/detach HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n"
+        for label, rest in (("identity", b"Transfer-Encoding: identity\r\nContent-Length: 0\r\n\r\n"),
+                            ("chunked twice", b"Transfer-Encoding: chunked, chunked\r\n\r\n0\r\n\r\n"),
+                            ("gzip", b"Transfer-Encoding: gzip\r\n\r\n")):
+            with self.subTest(case=label):
+                reply = raw_exchange(self.mepd.socket_path, head + rest + smuggled, timeout=5)
+                self.assertTrue(reply.startswith(b"HTTP/1.1 400 "), reply[:200])
+                self.assertEqual(reply.count(b"HTTP/1.1 "), 1, reply)
+
     def test_bad_input_4xx(self):
         path = self.new_file("bad.uai")
         cases = [

@@ -654,6 +654,48 @@ class BadInput(BadInputBase):
         finally:
             s.close()
 
+    def test_ambiguous_framing_refused_and_closed(self):
+        # RFC 9112 §6.1, §6.3: a body length that a proxy in front could read differently is
+        # refused, and the connection closes, so that a request hidden in the body (here a
+        # GET /healthz) is never served.
+        smuggled = b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n"
+        head = (b"POST /v1/fence/verify HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer " + self.token_a.encode() +
+                b"\r\nContent-Type: application/json\r\n")
+        cases = {
+            "identity": b"Transfer-Encoding: identity\r\nContent-Length: 0\r\n\r\n" + smuggled,
+            "identity alone": b"Transfer-Encoding: identity\r\n\r\n" + smuggled,
+            "chunked twice": b"Transfer-Encoding: chunked, chunked\r\n\r\n0\r\n\r\n" + smuggled,
+            "two headers": b"Transfer-Encoding: chunked\r\nTransfer-Encoding: chunked\r\n\r\n0\r\n\r\n" + smuggled,
+            "gzip": b"Transfer-Encoding: gzip\r\nContent-Length: %d\r\n\r\n" % len(smuggled) + smuggled,
+            "with length": b"Transfer-Encoding: chunked\r\nContent-Length: 5\r\n\r\n0\r\n\r\n" + smuggled,
+        }
+        for label, rest in cases.items():
+            with self.subTest(case=label):
+                s = socket.create_connection((HOST, self.port), timeout=CLIENT_TIMEOUT_S)
+                try:
+                    s.sendall(head + rest)
+                    reply = b""
+                    while True:
+                        part = s.recv(65536)
+                        if not part:
+                            break
+                        reply += part
+                finally:
+                    s.close()
+                self.assertTrue(reply.startswith(b"HTTP/1.1 400 "), reply[:200])
+                self.assertEqual(reply.count(b"HTTP/1.1 "), 1, reply)
+                self.count += 1
+        # Chunked alone is served, and the connection goes on.
+        body = json.dumps({"memory_instance_id": uuid7(), "fencing_token": 1}).encode()
+        chunked = b"Transfer-Encoding: chunked\r\n\r\n%x\r\n%s\r\n0\r\n\r\n" % (len(body), body)
+        with socket.create_connection((HOST, self.port), timeout=CLIENT_TIMEOUT_S) as s:
+            s.sendall(head + chunked + smuggled)
+            first = _read_response(s)
+            second = _read_response(s)
+        self.assertIn(first[0], (404, 410), first[1])
+        self.assertEqual(second[0], 200, second[1])
+        self.count += 2
+
 
 def _read_response(sock, timeout=CLIENT_TIMEOUT_S):
     """Reads one response (status, head, body) from a socket, bounded in time."""
