@@ -18,6 +18,7 @@
 #include <cstring>
 #include <filesystem>
 #include <mutex>
+#include <sys/prctl.h>
 #include <sys/socket.h>
 #include <sys/wait.h>
 #include <thread>
@@ -36,8 +37,24 @@ struct RunOptions {
 
 volatile sig_atomic_t g_child_pgid = 0;
 
+// Signals that would end `mep run` and leave its command running unfenced: they go to the
+// command's group instead.
+constexpr int k_forwarded[] = {SIGINT, SIGTERM, SIGHUP, SIGQUIT, SIGUSR1, SIGUSR2, SIGALRM};
+
+// The SIGKILL at the end of --grace lands this long before the lease's expiry as this
+// process estimates it (the renewal it heard of was made a little before it heard of it).
+constexpr auto k_kill_margin = std::chrono::milliseconds(250);
+
 void forward_signal(int sig) {
   if (g_child_pgid > 0) ::kill(-g_child_pgid, sig);
+}
+
+// The command's group owns the terminal while it runs, so it can read from it and gets
+// ^C and ^Z from it (a background group that reads from its terminal is stopped). Each
+// hand-over happens only while the giver's group is the terminal's foreground group:
+// `mep run … &` leaves the terminal to the shell.
+void hand_terminal(int tty, pid_t from_pgrp, pid_t to_pgrp) {
+  if (tty >= 0 && ::tcgetpgrp(tty) == from_pgrp) ::tcsetpgrp(tty, to_pgrp);
 }
 
 // What the event thread learned about our lease.
@@ -153,20 +170,46 @@ int run(const RunOptions& o, const GlobalOptions& g) {
   std::vector<char*> argv;
   for (const auto& a : o.command) argv.push_back(const_cast<char*>(a.c_str()));
   argv.push_back(nullptr);
+  const int tty = ::isatty(STDIN_FILENO) ? STDIN_FILENO : -1;
+  const pid_t own_pgrp = ::getpgrp(), parent = ::getpid();
+  std::signal(SIGTTOU, SIG_IGN); // tcsetpgrp from a background group, and stderr under `stty tostop`
+  // Signals to forward wait until the handler knows where to: one that arrives as the
+  // command starts is forwarded, not taken by this process's default action.
+  sigset_t forwarded, unblocked;
+  sigemptyset(&forwarded);
+  for (int s : k_forwarded) sigaddset(&forwarded, s);
+  ::sigprocmask(SIG_BLOCK, &forwarded, &unblocked);
   pid_t child = ::fork();
   if (child == 0) {
     ::setpgid(0, 0);
-    for (int s : {SIGINT, SIGTERM, SIGHUP}) std::signal(s, SIG_DFL);
+    hand_terminal(tty, own_pgrp, ::getpid()); // here and in the parent: whichever runs first
+    for (int s : k_forwarded) std::signal(s, SIG_DFL);
+    std::signal(SIGTTOU, SIG_DFL);
+    ::sigprocmask(SIG_SETMASK, &unblocked, nullptr);
+    // If `mep run` is killed outright the daemon releases the lease: the command must not
+    // run on without it.
+    ::prctl(PR_SET_PDEATHSIG, SIGKILL);
+    if (::getppid() != parent) _exit(137);
     ::execvp(argv[0], argv.data());
     std::fprintf(stderr, "mep: cannot run %s: %s\n", argv[0], std::strerror(errno));
     _exit(127);
   }
+  if (child < 0) {
+    const int err = errno;
+    ::sigprocmask(SIG_SETMASK, &unblocked, nullptr);
+    std::fprintf(stderr, "mep: cannot start %s: %s\n", argv[0], std::strerror(err));
+    daemon_request(socket, "POST", "/v1/detach", json::dump(boost::json::object{{"name", field("canonical_name")}}));
+    stop_events();
+    return exit_code::other;
+  }
   ::setpgid(child, child);
+  hand_terminal(tty, own_pgrp, child);
   g_child_pgid = child;
   struct sigaction sa {};
   sa.sa_handler = forward_signal;
   sigemptyset(&sa.sa_mask);
-  for (int s : {SIGINT, SIGTERM, SIGHUP}) ::sigaction(s, &sa, nullptr);
+  for (int s : k_forwarded) ::sigaction(s, &sa, nullptr);
+  ::sigprocmask(SIG_SETMASK, &unblocked, nullptr);
 
   // 4. Wait for the child; act on loss.
   int status = 0;
@@ -174,7 +217,19 @@ int run(const RunOptions& o, const GlobalOptions& g) {
   bool kill_pending = false;
   Clock::time_point kill_at = Clock::now();
   for (;;) {
-    pid_t w = ::waitpid(child, &status, WNOHANG);
+    pid_t w = ::waitpid(child, &status, WNOHANG | WUNTRACED);
+    if (w == child && WIFSTOPPED(status)) {
+      // ^Z (or a read from the terminal in the background): stop with the command, so
+      // the shell sees the job stopped, and carry on where the shell's fg or bg puts us.
+      int sig = WSTOPSIG(status);
+      if (sig == SIGTSTP || sig == SIGTTIN || sig == SIGTTOU) {
+        hand_terminal(tty, child, own_pgrp);
+        ::kill(::getpid(), SIGSTOP);
+        hand_terminal(tty, own_pgrp, child);
+        ::kill(-child, SIGCONT);
+      }
+      continue;
+    }
     if (w == child) break;
     auto now = Clock::now();
     bool deadline_passed;
@@ -191,9 +246,10 @@ int run(const RunOptions& o, const GlobalOptions& g) {
         ::kill(-child, SIGKILL);
       } else if (o.on_loss == "term") {
         ::kill(-child, SIGTERM);
+        ::kill(-child, SIGCONT); // a stopped process acts on SIGTERM only once it runs
         std::lock_guard lock(watch.mutex);
         auto grace = std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(o.grace));
-        kill_at = std::min(now + grace, std::max(now, watch.expiry));
+        kill_at = std::min(now + grace, std::max(now, watch.expiry - k_kill_margin));
         kill_pending = true;
       }
     }
@@ -201,10 +257,15 @@ int run(const RunOptions& o, const GlobalOptions& g) {
       ::kill(-child, SIGKILL);
       kill_pending = false;
     }
-    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    auto nap = std::chrono::duration_cast<Clock::duration>(std::chrono::milliseconds(20));
+    if (kill_pending) nap = std::min(nap, std::max(Clock::duration::zero(), kill_at - now));
+    std::this_thread::sleep_for(nap);
   }
   g_child_pgid = 0;
-  if (lost && o.on_loss != "ignore") ::kill(-child, SIGKILL); // stragglers of the group
+  hand_terminal(tty, child, own_pgrp);
+  // What is left of the group (a process the command started in the background) would
+  // run on without the lease: it ends before the release.
+  if (o.on_loss != "ignore") ::kill(-child, SIGKILL);
 
   // 5. Release (unless lost) and exit with the command's status, or 4 after a loss.
   const bool was_lost = lost || watch.lost; // before our own release emits `released`
@@ -232,7 +293,8 @@ void register_run(CLI::App& app, GlobalOptions& g, Action& action) {
   cmd->add_option("command", o->command, "The command and its arguments (after --)")->required();
   cmd->footer("Exit status: the command's (128+N after signal N), 4 when the lease was lost, else as 'mep --help'.\n"
               "The command sees MEP_CANONICAL_NAME, MEP_MEMORY_INSTANCE_ID, MEP_FENCING_TOKEN, MEP_LEASE_ID,\n"
-              "MEP_LEASE_EXPIRES_AT. SIGINT, SIGTERM and SIGHUP are forwarded to its process group.");
+              "MEP_LEASE_EXPIRES_AT. SIGINT, SIGTERM, SIGHUP, SIGQUIT, SIGUSR1, SIGUSR2 and SIGALRM are\n"
+              "forwarded to its process group; it owns the terminal while it runs.");
   cmd->callback([o, &g, &action] { action = [o, &g] { return run(*o, g); }; });
 }
 

@@ -565,6 +565,114 @@ class Run(CliTestCase):
         self.assertTrue(pid_gone(int(child)))
         self.assertIsNotNone(wait_for(lambda: name not in self.leases()), "the lease was not released")
 
+    def test_what_the_command_left_behind_ends_before_the_release(self):
+        # A background process of the command would run on unfenced: it gets SIGKILL when
+        # the command exits, before the lease is released; with --on-loss ignore it is left.
+        for on_loss, survives in (("term", False), ("ignore", True)):
+            with self.subTest(on_loss=on_loss):
+                path, _ = self.new_memory()
+                pidfile = self.path(unique("bg"))
+                rc, _, err = self.mep("run", "--on-loss", on_loss, unique(), path, "--", "sh", "-c",
+                                      'sleep 60 >/dev/null 2>&1 & echo $! > "$1"; exit 5', "sh", pidfile)
+                self.assertEqual(rc, 5, err)
+                bg = int(read_file(pidfile))
+                try:
+                    if survives:
+                        self.assertFalse(pid_gone(bg))
+                    else:
+                        self.assertTrue(wait_for(lambda: pid_gone(bg)), "the background process runs on")
+                finally:
+                    kill_if_alive(bg)
+
+    def test_other_signals_are_forwarded(self):
+        # SIGUSR1 (like SIGQUIT, SIGUSR2 and SIGALRM) would end mep run and leave the command
+        # running: it goes to the command's group.
+        path, _ = self.new_memory()
+        name = unique()
+        ready = self.path(unique("ready"))
+        p = self.popen_mep("run", name, path, "--", "sh", "-c", 'echo $$ > "$1"; exec sleep 60', "sh", ready)
+        child = wait_for(lambda: (read_file(ready) or "").strip())
+        self.assertTrue(child, "the child never started")
+        os.kill(p.pid, signal.SIGUSR1)
+        rc, _, err = self.communicate(p)
+        self.assertEqual(rc, 128 + signal.SIGUSR1, err)
+        self.assertTrue(pid_gone(int(child)))
+        self.assertIsNotNone(wait_for(lambda: name not in self.leases()), "the lease was not released")
+
+    def test_command_dies_with_mep_run(self):
+        # mep run killed outright: the daemon releases the lease, and the command gets SIGKILL.
+        path, _ = self.new_memory()
+        name = unique()
+        ready = self.path(unique("ready"))
+        p = self.popen_mep("run", name, path, "--", "sh", "-c", 'echo $$ > "$1"; exec sleep 60', "sh", ready)
+        child = wait_for(lambda: (read_file(ready) or "").strip())
+        self.assertTrue(child, "the child never started")
+        try:
+            os.kill(p.pid, signal.SIGKILL)
+            p.wait(timeout=COMMAND_TIMEOUT_S)
+            self.assertTrue(wait_for(lambda: pid_gone(int(child))), "the command outlived mep run")
+            self.assertIsNotNone(wait_for(lambda: name not in self.leases()), "the lease was not released")
+        finally:
+            kill_if_alive(int(child))
+
+    def run_on_terminal(self, script):
+        """Starts `mep run NAME PATH -- sh -c SCRIPT` as the session leader of a new pseudo
+        terminal, as a shell would in the foreground; returns (process, master fd)."""
+        path, _ = self.new_memory()
+        master, slave = pty.openpty()
+        self.addCleanup(os.close, master)
+
+        def controlling_terminal():
+            import fcntl
+            import termios
+            fcntl.ioctl(0, termios.TIOCSCTTY, 0)
+
+        try:
+            p = subprocess.Popen([mep_bin(), "--socket", self.daemon.socket_path, "run", unique(), path, "--",
+                                  "sh", "-c", script], stdin=slave, stdout=slave, stderr=slave, env=self.env,
+                                 cwd=self.work, start_new_session=True, preexec_fn=controlling_terminal)
+        finally:
+            os.close(slave)
+        self.popens.append(p)
+        return p, master
+
+    def read_until(self, master, text, seen=b""):
+        deadline = time.monotonic() + WAIT_S
+        while text not in seen and time.monotonic() < deadline:
+            ready, _, _ = select.select([master], [], [], 0.2)
+            if ready:
+                try:
+                    seen += os.read(master, 4096)
+                except OSError:  # EIO: the terminal's last writer closed it
+                    break
+        self.assertIn(text, seen)
+        return seen
+
+    def test_interactive_command_reads_the_terminal(self):
+        # The command's group is the terminal's foreground group while it runs: it reads
+        # what is typed (a background group would be stopped by SIGTTIN for ever).
+        p, master = self.run_on_terminal('read x; echo "got:$x"')
+        os.write(master, b"hello\n")
+        self.read_until(master, b"got:hello")
+        self.assertEqual(p.wait(timeout=COMMAND_TIMEOUT_S), 0)
+
+    def test_ctrl_z_stops_mep_run_with_the_command(self):
+        # ^Z stops the command and mep run with it (the shell sees its job stopped); SIGCONT
+        # to mep run, as the shell's fg sends, gives the terminal back to the command.
+        p, master = self.run_on_terminal('read x; echo "one:$x"; read y; echo "two:$y"')
+        os.write(master, b"a\n")
+        seen = self.read_until(master, b"one:a")
+        os.write(master, b"\x1a")
+
+        def stopped():
+            with open("/proc/%d/stat" % p.pid) as f:
+                return f.read().rsplit(")", 1)[1].split()[0] == "T"
+        self.assertTrue(wait_for(stopped), "mep run did not stop with its command")
+        os.killpg(p.pid, signal.SIGCONT)
+        os.write(master, b"b\n")
+        self.read_until(master, b"two:b", seen)
+        self.assertEqual(p.wait(timeout=COMMAND_TIMEOUT_S), 0)
+
     def test_held_name_does_not_start_the_command(self):
         a, _ = self.new_memory()
         b, _ = self.new_memory()
