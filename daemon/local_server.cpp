@@ -15,6 +15,7 @@
 #include <boost/beast/core.hpp>
 #include <boost/beast/http.hpp>
 #include <boost/url/parse.hpp>
+#include <fmt/format.h>
 
 #include <deque>
 #include <grp.h>
@@ -344,6 +345,11 @@ LocalServer::LocalServer(net::io_context& ioc, Keeper& keeper, const fs::path& s
     fs::create_directories(dir, ec);
     if (ec) throw std::runtime_error("cannot create " + dir.string() + ": " + ec.message());
     ::chmod(dir.c_str(), 0700);
+  } else if (struct stat st {}; !dir.empty() && ::stat(dir.c_str(), &st) == 0 &&
+             (st.st_mode & (S_IWGRP | S_IWOTH)) != 0 && (st.st_mode & S_ISVTX) == 0) {
+    // Whoever may write there may replace the socket with their own.
+    throw std::runtime_error(fmt::format("the socket's directory {} is writable by others (mode {:04o}); make it 0700",
+                                         dir.string(), st.st_mode & 07777));
   }
   if (fs::exists(socket_path, ec)) {
     // A socket left by a daemon that died: remove it only if nobody answers on it.

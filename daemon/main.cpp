@@ -8,12 +8,17 @@
 #include "mep/problem.hpp"
 
 #include <CLI/CLI.hpp>
+#include <fmt/format.h>
 #include <boost/asio/io_context.hpp>
 #include <boost/asio/signal_set.hpp>
 
+#include <cerrno>
 #include <csignal>
 #include <cstdlib>
+#include <cstring>
+#include <fcntl.h>
 #include <fstream>
+#include <sys/file.h>
 #include <sys/stat.h>
 #include <thread>
 #include <unistd.h>
@@ -25,6 +30,20 @@ namespace {
 std::string default_socket() {
   if (auto rt = mep::xdg_runtime_dir(); !rt.empty()) return (rt / "mep" / "mepd.sock").string();
   return "/run/mep/mepd.sock";
+}
+
+// One daemon per state directory: a second one would re-adopt and renew the first one's
+// leases, and share its databases. The lock lasts as long as the process (the descriptor
+// stays open; the kernel drops the lock however the process ends).
+void lock_state_dir(const fs::path& state) {
+  const fs::path lock = state / "mepd.lock";
+  int fd = ::open(lock.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0600);
+  if (fd < 0) throw std::runtime_error(fmt::format("cannot open {}: {}", lock.string(), std::strerror(errno)));
+  if (::flock(fd, LOCK_EX | LOCK_NB) != 0) {
+    if (errno == EWOULDBLOCK)
+      throw std::runtime_error(fmt::format("another mepd is running with the state directory {}", state.string()));
+    throw std::runtime_error(fmt::format("cannot lock {}: {}", lock.string(), std::strerror(errno)));
+  }
 }
 
 std::string default_state_dir() {
@@ -87,6 +106,7 @@ int main(int argc, char** argv) {
     std::error_code ec;
     fs::create_directories(state, ec);
     ::chmod(state.c_str(), 0700);
+    lock_state_dir(state);
     std::unique_ptr<mep::daemon::ControlPlane> cp;
     if (cp_url.empty()) {
       cp = mep::daemon::make_embedded_control_plane(state);
@@ -105,10 +125,11 @@ int main(int argc, char** argv) {
 
     // 3. The keeper re-adopts leases and resends claim intents, then the socket opens.
     std::signal(SIGPIPE, SIG_IGN);
+    //    The socket is bound first: a daemon that cannot have it touches no lease.
     mep::daemon::Keeper keeper(state, std::move(cp));
-    keeper.start();
     boost::asio::io_context ioc;
     mep::daemon::LocalServer server(ioc, keeper, sock, inherited_socket());
+    keeper.start();
     server.start();
 
     // 4. SIGTERM/SIGINT: stop serving and exit 0 without releasing (a quick restart

@@ -502,6 +502,45 @@ class BasicCases:
         self.assertRegex(reply[:12], rb"^HTTP/1\.1 [24]\d\d")
         self.assertIn(b"x-request-id:", reply.lower())
 
+    def run_second_mepd(self, socket_path, state_dir):
+        """Runs another mepd (same control plane) to its end; returns (exit code, stderr)."""
+        argv = [mepd_bin(), "--socket", socket_path, "--state-dir", state_dir]
+        if self.mepd.control_plane:
+            argv += ["--control-plane", self.mepd.control_plane, "--token-file", self.mepd.token_file]
+        p = subprocess.run(argv, env=self.env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                           stderr=subprocess.PIPE, timeout=20, check=False)
+        return p.returncode, p.stderr.decode()
+
+    def test_one_daemon_per_state_directory(self):
+        # A second mepd on the same state directory (here with a socket of its own) would
+        # re-adopt and renew the first one's leases: it stops before it touches any.
+        path = self.new_file("first.uai")
+        r = self.client.attach("State-Owner", path, ttl_seconds=30)
+        self.assertEqual(r.status, 201, r)
+        rc, err = self.run_second_mepd(os.path.join(self.tmp, "second.sock"), self.mepd.state_dir)
+        self.assertEqual(rc, 1, err)
+        self.assertIn("another mepd is running with the state directory", err)
+        self.assertNotIn("re-adopted", err)
+        self.assertFalse(os.path.exists(os.path.join(self.tmp, "second.sock")))
+        # Nor does one on the same socket with another state directory get that far.
+        rc, err = self.run_second_mepd(self.mepd.socket_path, os.path.join(self.tmp, "second-state"))
+        self.assertEqual(rc, 1, err)
+        self.assertIn("another mepd is already listening", err)
+        # The first daemon still serves, with the lease as it was.
+        lease = self.client.request("GET", "/v1/leases/state-owner")
+        self.assertEqual(lease.status, 200, lease)
+        self.assertEqual(lease.json["fencing_token"], r.json["fencing_token"])
+
+    def test_socket_directory_writable_by_others_is_refused(self):
+        # Anyone who may write in the socket's directory could put their own socket there.
+        open_dir = os.path.join(self.tmp, "open")
+        os.makedirs(open_dir)
+        os.chmod(open_dir, 0o777)
+        rc, err = self.run_second_mepd(os.path.join(open_dir, "mepd.sock"), os.path.join(self.tmp, "other-state"))
+        self.assertEqual(rc, 1, err)
+        self.assertIn("is writable by others (mode 0777); make it 0700", err)
+        self.assertFalse(os.path.exists(os.path.join(open_dir, "mepd.sock")))
+
     def test_ambiguous_framing_refused_and_closed(self):
         # As mep server: a body length two parsers could read differently gets a 400 and the
         # end of the connection, so the request hidden in the body is never served.
