@@ -100,15 +100,13 @@ DaemonReply daemon_request(const std::string& socket, const std::string& method,
   int fd = connect_unix(socket, r.error);
   if (fd < 0) return r;
   std::string buf;
-  if (!send_all(fd, request_text(method, target, body))) {
-    r.error = "the daemon closed the connection";
-    ::close(fd);
-    return r;
-  }
+  // A daemon that refuses the peer (403) answers and closes without reading the request:
+  // sending may then fail, and the answer is still there to read.
+  const bool sent = send_all(fd, request_text(method, target, body));
   std::size_t head = std::string::npos;
   bool ok = read_until(fd, buf, [&](const std::string& b) { return (head = b.find("\r\n\r\n")) != std::string::npos; }, 60000);
   if (!ok) {
-    r.error = "no answer from the daemon";
+    r.error = sent ? "no answer from the daemon" : "the daemon closed the connection";
     ::close(fd);
     return r;
   }

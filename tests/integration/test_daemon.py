@@ -705,6 +705,13 @@ class BasicCases:
                 self.assertIn("application/problem+json", head.lower())
                 self.assertIn("x-request-id:", head.lower())
                 self.assertEqual(json.loads(body)["code"], "forbidden")
+        # The CLI says so each time, with the auth status 7: the daemon answers and closes
+        # without reading the request, and the answer is read even when sending failed.
+        for args in (["status"], ["claim", "victim", path]) * 5:
+            p = subprocess.run([mep_bin(), "--socket", self.mepd.socket_path, *args], stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE, preexec_fn=as_nobody, cwd="/",
+                               env={"PATH": os.environ.get("PATH", "/usr/bin:/bin")}, timeout=30, check=False)
+            self.assertEqual(p.returncode, 7, (args, p.stderr))
         self.assertEqual(self.client.leases(), {})
         self.assertEqual(self.client.request("GET", "/healthz").status, 200)
 
