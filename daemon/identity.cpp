@@ -8,16 +8,21 @@
 
 #include <fcntl.h>
 #include <sys/stat.h>
+#include <sys/sysmacros.h>
 #include <sys/xattr.h>
 #include <unistd.h>
 
 namespace mep::daemon {
 
 std::optional<FileStat> stat_file(const std::filesystem::path& path) {
-  struct stat st {};
-  if (::stat(path.c_str(), &st) != 0) return std::nullopt;
-  return FileStat{static_cast<std::uint64_t>(st.st_dev), static_cast<std::uint64_t>(st.st_ino),
-                  static_cast<std::uint64_t>(st.st_size), S_ISREG(st.st_mode)};
+  struct statx st {};
+  if (::statx(AT_FDCWD, path.c_str(), 0, STATX_BASIC_STATS | STATX_BTIME, &st) != 0) return std::nullopt;
+  FileStat f{static_cast<std::uint64_t>(::makedev(st.stx_dev_major, st.stx_dev_minor)),
+             static_cast<std::uint64_t>(st.stx_ino), static_cast<std::uint64_t>(st.stx_size), S_ISREG(st.stx_mode),
+             std::nullopt};
+  if ((st.stx_mask & STATX_BTIME) != 0)
+    f.birth_ns = static_cast<std::int64_t>(st.stx_btime.tv_sec) * 1'000'000'000 + st.stx_btime.tv_nsec;
+  return f;
 }
 
 std::optional<std::string> read_id_xattr(const std::filesystem::path& path) {

@@ -113,6 +113,11 @@ Keeper::Keeper(fs::path state_dir, std::unique_ptr<ControlPlane> cp)
   ::chmod((m_state_dir / "mepd.db").c_str(), 0600);
   m_db->exec(k_schema);
   {
+    // Databases from before birth times were kept get the column; their rows have none.
+    Use q(m_db->prepare("SELECT count(*) FROM pragma_table_info('files') WHERE name = 'btime'"));
+    if (q->step() && q->int64(0) == 0) m_db->exec("ALTER TABLE files ADD COLUMN btime INTEGER");
+  }
+  {
     Use s(m_db->prepare("SELECT value FROM meta WHERE key = 'daemon_id'"));
     if (s->step()) m_daemon_id = s->text(0);
   }
@@ -318,14 +323,19 @@ void Keeper::remember_file(const std::string& memory_id, const fs::path& path, b
   if (!st) return;
   std::optional<std::string> sha;
   if (with_hash && st->size > 0) sha = file_sha256(path);
-  Use s(m_db->prepare("INSERT INTO files(path, memory_id, dev, ino, sha256, updated_at) VALUES (?1, ?2, ?3, ?4, ?5, ?6) "
+  Use s(m_db->prepare("INSERT INTO files(path, memory_id, dev, ino, sha256, updated_at, btime) "
+                      "VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7) "
                       "ON CONFLICT(path) DO UPDATE SET memory_id = ?2, dev = ?3, ino = ?4, "
-                      "sha256 = coalesce(?5, CASE WHEN files.memory_id = ?2 THEN files.sha256 END), updated_at = ?6"));
+                      "sha256 = coalesce(?5, CASE WHEN files.memory_id = ?2 THEN files.sha256 END), updated_at = ?6, "
+                      "btime = ?7"));
   s->bind(1, path.string()).bind(2, memory_id).bind(3, static_cast<std::int64_t>(st->dev))
-      .bind(4, static_cast<std::int64_t>(st->ino)).bind(5, sha).bind(6, now_unix_ms()).run();
+      .bind(4, static_cast<std::int64_t>(st->ino)).bind(5, sha).bind(6, now_unix_ms()).bind(7, st->birth_ns).run();
 }
 
 // Resolution order (SPEC §7): xattr, then (device, inode), then a unique content match.
+// An inode number names the file it was recorded for only while that file exists: a file
+// created later at the same number (the first one deleted) has another birth time, and is
+// not that memory. Where the filesystem keeps no birth time, the inode number alone counts.
 // Unknown files get a fresh UUIDv7 registered with the control plane when asked to.
 expected<Keeper::Identity, Problem> Keeper::resolve(const fs::path& path, bool register_unknown) {
   auto st = stat_file(path);
@@ -333,8 +343,9 @@ expected<Keeper::Identity, Problem> Keeper::resolve(const fs::path& path, bool r
     return make_unexpected(Problem(Code::invalid_request, "no such regular file: create it with 'mep init PATH'"));
   std::optional<std::string> id = read_id_xattr(path);
   if (!id) {
-    Use s(m_db->prepare("SELECT memory_id FROM files WHERE dev = ?1 AND ino = ?2 LIMIT 1"));
-    s->bind(1, static_cast<std::int64_t>(st->dev)).bind(2, static_cast<std::int64_t>(st->ino));
+    Use s(m_db->prepare("SELECT memory_id FROM files WHERE dev = ?1 AND ino = ?2 "
+                        "AND (btime IS NULL OR ?3 IS NULL OR btime = ?3) LIMIT 1"));
+    s->bind(1, static_cast<std::int64_t>(st->dev)).bind(2, static_cast<std::int64_t>(st->ino)).bind(3, st->birth_ns);
     if (s->step()) id = s->text(0);
   }
   bool hashed = false;

@@ -15,9 +15,12 @@ struct FileStat {
   std::uint64_t ino = 0;
   std::uint64_t size = 0;
   bool regular = false;
+  /// When the file was created (ns since the epoch), where the filesystem records it. An
+  /// inode number is reused once its file is deleted; a birth time tells the new file apart.
+  std::optional<std::int64_t> birth_ns;
 };
 
-/// stat(2) of `path`; nullopt when it does not exist or cannot be read.
+/// statx(2) of `path`; nullopt when it does not exist or cannot be read.
 std::optional<FileStat> stat_file(const std::filesystem::path& path);
 /// The id in the file's xattr, if present and a UUID.
 std::optional<std::string> read_id_xattr(const std::filesystem::path& path);

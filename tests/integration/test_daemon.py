@@ -418,6 +418,33 @@ class BasicCases:
         self.assertNotIn("copier", self.client.leases())
         self.assertEqual(self.client.leases()["mover"]["fencing_token"], again["fencing_token"])
 
+    def test_reused_inode_is_not_the_old_memory(self):
+        # A file deleted frees its inode number; a new file may get it at once. It is a new
+        # file, not the memory the daemon once saw at that number (its birth time differs).
+        src = self.new_file("known.uai")
+        mid = self.attach_ok("inode-owner", src)["memory_instance_id"]
+        self.assertEqual(self.client.detach("inode-owner").status, 204)
+        copy = os.path.join(self.data, "copy-to-delete.uai")
+        shutil.copyfile(src, copy)
+        self.assertEqual(self.client.identify(copy).json["memory_instance_id"], mid)  # by fingerprint
+        freed = os.stat(copy).st_ino
+        os.remove(copy)
+        reused = None
+        for i in range(64):
+            candidate = self.new_file("new-%d.uai" % i)
+            if os.stat(candidate).st_ino == freed:
+                reused = candidate
+                break
+        if reused is None:
+            print("\nskipping test_reused_inode_is_not_the_old_memory: the filesystem did not reuse the inode")
+            self.skipTest("the filesystem did not reuse the inode number")
+        self.assertProblem(self.client.identify(reused), 404, "memory-not-found")
+        with self.assertRaises(OSError):
+            os.getxattr(reused, XATTR)
+        fresh = self.attach_ok("inode-newcomer", reused)
+        self.assertNotEqual(fresh["memory_instance_id"], mid)
+        self.assertEqual(fresh["fencing_token"], 1)
+
     def test_identify_init_branch(self):
         # A file the daemon never saw: 404; a path that does not exist: 4xx.
         unknown = self.new_file("unknown.uai")
