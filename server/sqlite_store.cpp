@@ -52,7 +52,7 @@ namespace {
 using sqlite::Db;
 using sqlite::Use;
 
-constexpr int k_schema_version = 8;
+constexpr int k_schema_version = 9;
 constexpr std::size_t k_max_group = 1024;
 
 constexpr std::string_view k_schema_v1 = R"sql(
@@ -463,6 +463,11 @@ void SqliteStore::migrate() {
       if (version == 7) m_db->exec(k_idempotency_v7); // see k_idempotency_v7
       m_db->exec("INSERT INTO schema_version(version) VALUES (8)");
     }
+    if (version < 9) {
+      // Version 9: a stored 423 or 429 keeps its Retry-After for its replays, as on PostgreSQL.
+      m_db->exec("ALTER TABLE idempotency ADD COLUMN retry_after INTEGER");
+      m_db->exec("INSERT INTO schema_version(version) VALUES (9)");
+    }
     m_db->exec("COMMIT");
   } catch (...) {
     m_db->exec("ROLLBACK");
@@ -741,7 +746,7 @@ Reply SqliteStore::run_idempotent(Db& db, UnixMs now, const Ctx& ctx, const Idem
   auto& metrics = Metrics::global();
   std::optional<std::int64_t> expired_record;
   {
-    Use s(db.prepare("SELECT rowid, expires_at, fingerprint, status, body FROM idempotency "
+    Use s(db.prepare("SELECT rowid, expires_at, fingerprint, status, body, retry_after FROM idempotency "
                      "WHERE idem_key = ?1 AND tenant_id = ?2"));
     s->bind(1, idem.key).bind(2, ctx.auth.tenant_id);
     // At most one record per (tenant, key); an expired one not yet swept is replaced below.
@@ -759,6 +764,7 @@ Reply SqliteStore::run_idempotent(Db& db, UnixMs now, const Ctx& ctx, const Idem
       r.status = static_cast<int>(s->int64(3));
       if (r.status == 201) r.status = 200;
       r.body = s->text(4);
+      if (auto ra = s->opt_int64(5)) r.retry_after_s = static_cast<int>(*ra);
       r.problem = r.status >= 400;
       r.replayed = true;
       r.outcome = "replayed";
@@ -791,7 +797,7 @@ Reply SqliteStore::run_idempotent(Db& db, UnixMs now, const Ctx& ctx, const Idem
       s->bind(1, *expired_record).run();
     }
     Use s(db.prepare("INSERT INTO idempotency(tenant_id, idem_key, fingerprint, status, "
-                     "body, created_at, expires_at) VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7)"));
+                     "body, created_at, expires_at, retry_after) VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8)"));
     s->bind(1, ctx.auth.tenant_id)
         .bind(2, idem.key)
         .bind(3, idem.fingerprint)
@@ -799,6 +805,7 @@ Reply SqliteStore::run_idempotent(Db& db, UnixMs now, const Ctx& ctx, const Idem
         .bind(5, reply.body)
         .bind(6, now)
         .bind(7, now + k_idempotency_retention_ms)
+        .bind(8, reply.retry_after_s ? std::optional<std::int64_t>(*reply.retry_after_s) : std::nullopt)
         .run();
   }
   return reply;

@@ -140,9 +140,15 @@ class ServerApi(ServerTestCase):
         c = self.client()
         name, mem, who, g = self.lease(c)
         other_mem = c.new_memory()
-        r = c.claim(name, other_mem, owner())
+        key, other = new_key(), owner()
+        r = c.claim(name, other_mem, other, key=key)
         self.assertProblem(r, 423, "name-held")
         self.assertRetryAfter(r, 30)
+        # Its replay is the stored answer, Retry-After included.
+        again = c.claim(name, other_mem, other, key=key)
+        self.assertEqual((again.status, again.header("Idempotent-Replayed")), (423, "true"))
+        self.assertEqual(again.raw, r.raw)
+        self.assertEqual(again.header("Retry-After"), r.header("Retry-After"))
         # The same owner with another memory is not a re-claim either.
         r = c.claim(name, other_mem, who)
         self.assertProblem(r, 423, "name-held")
@@ -1622,8 +1628,10 @@ class SqliteSchemaUpgrade(ServerTestCase):
         child_id = child.json["memory_instance_id"]
         latin_mem = c.new_memory()
         self.assertGrant(c.claim("paypa", latin_mem, who))
-        rows = {t: db_query(self.db_path, "SELECT * FROM " + t) for t in UPGRADED_TABLES}
-        cols = {t: [r[1] for r in db_query(self.db_path, "PRAGMA table_info(%s)" % t)] for t in UPGRADED_TABLES}
+        # Columns that version 2 had (idempotency.retry_after came with version 9).
+        cols = {t: [r[1] for r in db_query(self.db_path, "PRAGMA table_info(%s)" % t) if r[1] != "retry_after"]
+                for t in UPGRADED_TABLES}
+        rows = {t: db_query(self.db_path, "SELECT %s FROM %s" % (", ".join(cols[t]), t)) for t in UPGRADED_TABLES}
 
         # The same rows in a version-2 database.
         old = os.path.join(self.workdir, "v2.db")
@@ -1638,7 +1646,7 @@ class SqliteSchemaUpgrade(ServerTestCase):
 
         srv = MepServer(self.workdir, old).start()
         self.addCleanup(srv.stop)
-        self.assertEqual(db_query(old, "SELECT max(version) FROM schema_version")[0][0], 8)
+        self.assertEqual(db_query(old, "SELECT max(version) FROM schema_version")[0][0], 9)
         for t in ("memories", "leases", "agent_names", "audit_events", "idempotency"):
             sql = db_query(old, "SELECT sql FROM sqlite_master WHERE type = 'table' AND name = ?", (t,))[0][0]
             if t in ("audit_events", "idempotency"):
@@ -1702,7 +1710,7 @@ class SqliteSchemaUpgrade(ServerTestCase):
         conn.close()
         srv = MepServer(self.workdir, db).start()
         self.addCleanup(srv.stop)
-        self.assertEqual(db_query(db, "SELECT max(version) FROM schema_version")[0][0], 8)
+        self.assertEqual(db_query(db, "SELECT max(version) FROM schema_version")[0][0], 9)
         self.assertNotIn("key_hash", [r[1] for r in db_query(db, "PRAGMA table_info(idempotency)")])
         self.assertEqual([r[2] for r in db_query(db, "PRAGMA index_info(idempotency_key)")], ["idem_key"])
         with ApiClient(srv.port, token) as c:
