@@ -25,6 +25,7 @@ constexpr Family k_families[] = {
     {"mep_http_request_duration_seconds", "histogram", "HTTP request duration by route and code"},
     {"mep_db_transaction_retries_total", "counter", "Database transactions retried"},
     {"mep_rate_limited_total", "counter", "Requests refused by the rate limiter"},
+    {"mep_auth_failures_total", "counter", "Requests refused for a missing, malformed, unknown or revoked token"},
     // SQLite's group commit (zero on PostgreSQL): requests per commit is the ratio of the
     // two counters; the histogram is the COMMIT's time, its fsync included.
     {"mep_sqlite_commits_total", "counter", "SQLite group commits"},

@@ -1069,6 +1069,7 @@ class ServerApi(ServerTestCase):
         m2 = c.new_memory()
         c.claim(unique_name(), m2, owner(), key=key)
         c.claim(unique_name(), m2, owner(), key=key)  # mismatch
+        self.assertProblem(c.get("/v1/leases", token=None), 401, "unauthenticated")
         r = c.get("/metrics", token=None)
         self.assertStatus(r, 200)
         self.assertTrue((r.header("Content-Type") or "").startswith("text/plain"), r.header("Content-Type"))
@@ -1099,6 +1100,8 @@ class ServerApi(ServerTestCase):
             self.assertIn(timed[0] - commits, (0, 1))
         samples = families["mep_fencing_rejections_total"]["samples"]
         self.assertGreaterEqual(sum(v for _, _, v in samples), 1)
+        self.assertEqual(families["mep_auth_failures_total"]["type"], "counter")
+        self.assertGreaterEqual(sum(v for _, _, v in families["mep_auth_failures_total"]["samples"]), 1)
         self.assertGreaterEqual(sum(v for _, _, v in families["mep_leases_active"]["samples"]), 1)
         results = {lab.get("result") for _, lab, _ in families["mep_idempotency_lookups_total"]["samples"]} - {None}
         self.assertTrue(results <= {"hit", "miss", "mismatch"}, results)
