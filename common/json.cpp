@@ -145,8 +145,11 @@ std::optional<std::int64_t> ObjectReader::integer(std::string_view key, Need nee
     value = std::nullopt; // larger than any int64 range we accept
   } else if (v->is_double()) {
     double d = v->get_double();
-    if (std::isfinite(d) && std::floor(d) == d && d >= -9.0e18 && d <= 9.0e18)
-      value = static_cast<std::int64_t>(d);
+    if (std::isfinite(d) && std::floor(d) != d) {
+      m_errors.push_back("field \"" + std::string(key) + "\" must be an integer");
+      return std::nullopt;
+    }
+    if (std::isfinite(d) && d >= -9.0e18 && d <= 9.0e18) value = static_cast<std::int64_t>(d);
   } else {
     m_errors.push_back("field \"" + std::string(key) + "\" must be an integer");
     return std::nullopt;

@@ -48,6 +48,17 @@ TEST_CASE("object_reader_names_every_problem", "[json]") {
   REQUIRE(res.error().extensions.at("unknown_fields").as_array().size() == 2);
 }
 
+TEST_CASE("object_reader_fraction_is_not_an_integer", "[json]") {
+  // Not "between MIN and MAX": the bounds of a field checked later (a TTL) are internal.
+  auto o = *mep::json::parse_object(R"({"ttl":5.5})");
+  mep::json::ObjectReader r(o);
+  REQUIRE_FALSE(r.integer("ttl", Need::required, -1099511627776, 1099511627776));
+  auto res = r.finish();
+  REQUIRE_FALSE(res);
+  CHECK(res.error().detail.find("\"ttl\" must be an integer") != std::string::npos);
+  CHECK(res.error().detail.find("between") == std::string::npos);
+}
+
 TEST_CASE("integer_rejects_fractions_negative_and_huge", "[json]") {
   for (const char* body : {R"({"n":1.5})", R"({"n":-1})", R"({"n":18446744073709551615})",
                            R"({"n":"5"})", R"({"n":true})"}) {
