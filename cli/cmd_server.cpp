@@ -16,9 +16,9 @@
 namespace mep::cli {
 
 std::string resolve_db_url(const std::string& flag, const GlobalOptions& g) {
-  if (!flag.empty()) return flag;
   auto cfg = Config::load(g.config_file);
-  if (!cfg) return server::default_db_url();
+  if (!cfg) throw ConfigError(cfg.error());
+  if (!flag.empty()) return flag;
   return cfg->get("db", std::nullopt, "--db", server::default_db_url()).value;
 }
 

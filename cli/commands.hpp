@@ -28,13 +28,18 @@ struct UserError : std::runtime_error {
   using std::runtime_error::runtime_error;
 };
 
+/// A config file that cannot be read or parsed: `mep: <message>` and the usage status 2.
+struct ConfigError : UserError {
+  using UserError::UserError;
+};
+
 /// The control-plane store at `url` (server::open_store), its failures as UserError.
 std::unique_ptr<server::Store> open_store_or_explain(const std::string& url, const server::StoreOptions& options);
 
 /// The control plane's database URL for `mep server`, `mep token` and `mep migrate`:
 /// `flag` (--db, which CLI11 already fills from MEP_DB), else the config file's `db`, else
 /// sqlite:$XDG_STATE_HOME/mep/control.db — the order `mep config` reports. A config file
-/// that cannot be read is ignored here (`mep config` reports it).
+/// that cannot be read throws ConfigError, with or without the flag.
 std::string resolve_db_url(const std::string& flag, const GlobalOptions& g);
 
 /// Each register_* adds its subcommand to `app` and sets `action` when it is chosen.

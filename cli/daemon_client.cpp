@@ -1,5 +1,6 @@
 // A small blocking HTTP/1.1 client over a Unix socket.
 #include "daemon_client.hpp"
+#include "commands.hpp"
 
 #include "mep/config.hpp"
 #include "mep/json.hpp"
@@ -22,7 +23,7 @@ std::string resolve_socket(const std::string& flag, const std::string& config_fi
   std::string fallback = !xdg_runtime_dir().empty() ? (xdg_runtime_dir() / "mep" / "mepd.sock").string()
                                                     : std::string("/run/mep/mepd.sock");
   std::optional<std::string> f = flag.empty() ? std::nullopt : std::optional(flag);
-  if (!cfg) return f.value_or(fallback);
+  if (!cfg) throw ConfigError(cfg.error());
   return cfg->get("socket", f, "--socket", fallback).value;
 }
 

@@ -52,6 +52,9 @@ int main(int argc, char** argv) {
   // 3. Run the chosen command; anything unexpected is a bug reported on one line.
   try {
     return action ? action() : mep::exit_code::usage;
+  } catch (const mep::cli::ConfigError& e) {
+    std::fprintf(stderr, "mep: %s\n", e.what());
+    return mep::exit_code::usage;
   } catch (const mep::cli::UserError& e) {
     std::fprintf(stderr, "mep: %s\n", e.what());
     return mep::exit_code::other;

@@ -43,6 +43,8 @@ expected<Config, std::string> Config::load(const std::filesystem::path& file) {
     if (explicit_file) return make_unexpected("config file " + path.string() + " does not exist");
     return cfg;
   }
+  if (!std::filesystem::is_regular_file(path, ec))
+    return make_unexpected("config file " + path.string() + " is not a regular file");
   toml::parse_result result = toml::parse_file(path.string());
   if (!result) {
     const auto& err = result.error();

@@ -420,6 +420,25 @@ class Commands(CliTestCase):
         rc, out, err = self.mep("--json", "config", "--config", bad)
         self.assertEqual((rc, err), (EXIT_USAGE, ""))
         self.assertIn("bad.toml:1", self.assertProblem(out, 400, "invalid-request")["detail"])
+        # Every command that reads the config file says so, rather than going on without it:
+        # a file given with --config, a directory given as one, and a broken default file.
+        path, _ = self.new_memory()
+        for config in (bad, self.home):
+            for args in (["status"], ["claim", unique(), path], ["release", "nobody"],
+                         ["run", unique(), path, "--", "true"], ["token", "list"]):
+                with self.subTest(config=config, args=args):
+                    rc, out, err = self.mep("--config", config, *args)
+                    self.assertEqual((rc, out), (EXIT_USAGE, ""), err)
+                    self.assertOneLine(err)
+                    self.assertIn("config file " + config, err)
+        default = os.path.join(self.home, "xdg-config", "mep")
+        os.makedirs(default)
+        with open(os.path.join(default, "config.toml"), "w") as f:
+            f.write("socket = \n")
+        env = dict(self.env, XDG_CONFIG_HOME=os.path.dirname(default))
+        rc, out, err = self.mep("status", env=env)
+        self.assertEqual((rc, out), (EXIT_USAGE, ""), err)
+        self.assertIn("config.toml:1", err)
 
 
 class ErrorClasses(CliTestCase):
