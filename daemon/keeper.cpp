@@ -66,6 +66,7 @@ CREATE TABLE IF NOT EXISTS leases (
   canonical_name TEXT PRIMARY KEY, display_name TEXT NOT NULL, memory_id TEXT NOT NULL,
   lease_id TEXT NOT NULL, owner_client_id TEXT NOT NULL, fencing_token INTEGER NOT NULL,
   ttl_seconds INTEGER NOT NULL, expires_at INTEGER NOT NULL, path TEXT NOT NULL, bind_pid INTEGER NOT NULL);
+CREATE TABLE IF NOT EXISTS registered (memory_id TEXT PRIMARY KEY);
 CREATE TABLE IF NOT EXISTS intents (
   idem_key TEXT PRIMARY KEY, body TEXT NOT NULL, path TEXT NOT NULL, bind_pid INTEGER NOT NULL,
   created_at INTEGER NOT NULL);
@@ -332,6 +333,28 @@ void Keeper::remember_file(const std::string& memory_id, const fs::path& path, b
       .bind(4, static_cast<std::int64_t>(st->ino)).bind(5, sha).bind(6, now_unix_ms()).bind(7, st->birth_ns).run();
 }
 
+// Memory ids this daemon registered with (or had confirmed by) its control plane.
+bool Keeper::knows_memory(const std::string& memory_id) {
+  Use s(m_db->prepare("SELECT 1 FROM registered WHERE memory_id = ?1"));
+  s->bind(1, memory_id);
+  return s->step();
+}
+
+// POST /v1/memories with a client-minted id; the problem when it is not registered.
+std::optional<Problem> Keeper::register_memory(const std::string& memory_id) {
+  m_cp_requests++;
+  CpReply r = m_cp->request("POST", "/v1/memories", json::dump(boost::json::object{{"memory_instance_id", memory_id}}),
+                            "register-" + memory_id);
+  if (r.ok()) {
+    Use s(m_db->prepare("INSERT OR IGNORE INTO registered(memory_id) VALUES (?1)"));
+    s->bind(1, memory_id).run();
+    return std::nullopt;
+  }
+  Problem p = r.status ? Problem::from_json(r.json()) : Problem(Code::unavailable, "the control plane is unreachable");
+  if (!r.status) p.retry_after_s = 1;
+  return p;
+}
+
 // Resolution order (SPEC §7): xattr, then (device, inode), then a unique content match.
 // An inode number names the file it was recorded for only while that file exists: a file
 // created later at the same number (the first one deleted) has another birth time, and is
@@ -359,6 +382,13 @@ expected<Keeper::Identity, Problem> Keeper::resolve(const fs::path& path, bool r
       if (found.size() == 1) id = found.front();
     }
   }
+  if (id && register_unknown && !knows_memory(*id)) {
+    // An id this daemon has not registered, from the file's attribute (a copy made with
+    // `cp -a` or `rsync -X` on another host) or its maps: the control plane may not know
+    // it. Registering is idempotent for the tenant that has it (200) and refused when
+    // another tenant does (409 memory-id-taken); it happens once per id.
+    if (auto p = register_memory(*id); p) return make_unexpected(std::move(*p));
+  }
   if (id) {
     write_id_xattr(path, *id);
     remember_file(*id, path, hashed);
@@ -368,14 +398,7 @@ expected<Keeper::Identity, Problem> Keeper::resolve(const fs::path& path, bool r
     return make_unexpected(Problem(Code::memory_not_found,
                                    "this file has no memory identity yet (attach it, or create one with mep init)"));
   std::string fresh = uuid_v7().to_string();
-  m_cp_requests++;
-  CpReply r = m_cp->request("POST", "/v1/memories", json::dump(boost::json::object{{"memory_instance_id", fresh}}),
-                            "register-" + fresh);
-  if (!r.ok()) {
-    Problem p = r.status ? Problem::from_json(r.json()) : Problem(Code::unavailable, "the control plane is unreachable");
-    if (!r.status) p.retry_after_s = 1;
-    return make_unexpected(std::move(p));
-  }
+  if (auto p = register_memory(fresh); p) return make_unexpected(std::move(*p));
   write_id_xattr(path, fresh);
   remember_file(fresh, path, true);
   return Identity{fresh, true};

@@ -85,6 +85,8 @@ private:
   };
   expected<Identity, Problem> resolve(const std::filesystem::path& path, bool register_unknown);
   void remember_file(const std::string& memory_id, const std::filesystem::path& path, bool with_hash);
+  bool knows_memory(const std::string& memory_id);
+  std::optional<Problem> register_memory(const std::string& memory_id);
   boost::json::object lease_json(const Held& h) const;
   void persist(const Held& h);
   void forget(const std::string& canonical_name);

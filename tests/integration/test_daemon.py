@@ -418,6 +418,23 @@ class BasicCases:
         self.assertNotIn("copier", self.client.leases())
         self.assertEqual(self.client.leases()["mover"]["fencing_token"], again["fencing_token"])
 
+    def test_attribute_with_an_id_the_control_plane_never_saw(self):
+        # A file copied with its attributes from another install (cp -a, rsync -X) names a
+        # memory this control plane does not know: attaching registers that id, so the
+        # file keeps its identity and is claimed, instead of failing with 404.
+        from serverfixture import uuid7
+        path = self.new_file("carried.uai")
+        carried = uuid7()
+        os.setxattr(path, XATTR, carried.encode())
+        r = self.client.identify(path)
+        self.assertEqual((r.status, r.json["memory_instance_id"]), (200, carried), r)
+        lease = self.attach_ok("carried-over", path)
+        self.assertEqual(lease["memory_instance_id"], carried)
+        self.assertEqual(lease["fencing_token"], 1)
+        self.assertEqual(self.client.detach("carried-over").status, 204)
+        # Known now: the next attach needs no registration and continues the counter.
+        self.assertEqual(self.attach_ok("carried-again", path)["fencing_token"], 2)
+
     def test_reused_inode_is_not_the_old_memory(self):
         # A file deleted frees its inode number; a new file may get it at once. It is a new
         # file, not the memory the daemon once saw at that number (its birth time differs).
