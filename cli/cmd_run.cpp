@@ -191,8 +191,9 @@ int run(const RunOptions& o, const GlobalOptions& g) {
     ::prctl(PR_SET_PDEATHSIG, SIGKILL);
     if (::getppid() != parent) _exit(137);
     ::execvp(argv[0], argv.data());
-    std::fprintf(stderr, "mep: cannot run %s: %s\n", argv[0], std::strerror(errno));
-    _exit(127);
+    const int err = errno;
+    std::fprintf(stderr, "mep: cannot run %s: %s\n", argv[0], std::strerror(err));
+    _exit(err == ENOENT ? 127 : 126); // as a shell: not found, or found but not runnable
   }
   if (child < 0) {
     const int err = errno;
@@ -289,13 +290,31 @@ void register_run(CLI::App& app, GlobalOptions& g, Action& action) {
   cmd->add_option("--on-loss", o->on_loss, "When the lease is lost: term (SIGTERM, then SIGKILL after --grace), kill, ignore")
       ->check(CLI::IsMember({"term", "kill", "ignore"}))->capture_default_str();
   cmd->add_option("--grace", o->grace, "Seconds between SIGTERM and SIGKILL (never past the lease's expiry)")
-      ->capture_default_str();
-  cmd->add_option("command", o->command, "The command and its arguments (after --)")->required();
-  cmd->footer("Exit status: the command's (128+N after signal N), 4 when the lease was lost, else as 'mep --help'.\n"
+      ->check(CLI::NonNegativeNumber)->capture_default_str();
+  // The command is what follows NAME and PATH: after `--`, or from the first argument that
+  // is not one of run's options (`mep run NAME PATH sh -c 'echo hi'`), like flock(1).
+  // Its own copies of the global options, since an argument run does not know is the
+  // command's and is not handed up to mep.
+  cmd->prefix_command();
+  cmd->fallthrough(false);
+  cmd->add_flag("--json", g.json, "Print one JSON document on stdout, for machines");
+  cmd->add_flag("-v,--verbose", g.verbosity, "More output on stderr (repeat for more)");
+  cmd->add_option("--socket", g.socket, "Path of the mepd socket");
+  cmd->add_option("--config", g.config_file, "Config file");
+  cmd->footer("The command: mep run [OPTIONS] NAME PATH [--] CMD [ARG...]; mep reads no option after CMD.\n"
+              "Exit status: the command's (128+N after signal N), 4 when the lease was lost, else as 'mep --help'.\n"
               "The command sees MEP_CANONICAL_NAME, MEP_MEMORY_INSTANCE_ID, MEP_FENCING_TOKEN, MEP_LEASE_ID,\n"
               "MEP_LEASE_EXPIRES_AT. SIGINT, SIGTERM, SIGHUP, SIGQUIT, SIGUSR1, SIGUSR2 and SIGALRM are\n"
               "forwarded to its process group; it owns the terminal while it runs.");
-  cmd->callback([o, &g, &action] { action = [o, &g] { return run(*o, g); }; });
+  cmd->callback([o, cmd, &g, &action] {
+    o->command = cmd->remaining();
+    if (g.run_dashes) {
+      if (!o->command.empty()) o->command.push_back("--"); // the command's own `--`
+      o->command.insert(o->command.end(), g.run_tail.begin(), g.run_tail.end());
+    }
+    if (o->command.empty()) throw CLI::RequiredError("a command to run (mep run NAME PATH -- CMD [ARG...])");
+    action = [o, &g] { return run(*o, g); };
+  });
 }
 
 } // namespace mep::cli

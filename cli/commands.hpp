@@ -17,6 +17,10 @@ struct GlobalOptions {
   int verbosity = 0;
   std::string socket;
   std::string config_file;
+  /// `mep run … -- CMD…`: main() parses no further than the `--` and keeps CMD… here, so
+  /// that none of the command's own arguments is taken for one of mep's.
+  bool run_dashes = false;
+  std::vector<std::string> run_tail;
 };
 
 /// A registered command's action; returns the process exit code.

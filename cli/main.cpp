@@ -35,9 +35,28 @@ int main(int argc, char** argv) {
   register_run(app, g, action);
   register_migrate(app, g, action);
 
-  // 2. Parse; usage errors exit 2 with one line on stderr.
+  // 2. Parse; usage errors exit 2 with one line on stderr. What follows `mep run`'s `--`
+  //    is the command's, and is not parsed at all.
+  int parsed = argc;
+  int run = 1; // the command: the first argument that is not a global option
+  while (run < argc) {
+    std::string_view a = argv[run];
+    if (a == "--socket" || a == "--config") run += 2;
+    else if (a == "--json" || a == "--verbose" || (a.size() > 1 && a[0] == '-' && a.find_first_not_of('v', 1) == a.npos) ||
+             a.rfind("--socket=", 0) == 0 || a.rfind("--config=", 0) == 0) ++run;
+    else break;
+  }
+  if (run < argc && std::string_view(argv[run]) == "run") {
+    for (int i = run + 1; i < argc; ++i) {
+      if (std::string_view(argv[i]) != "--") continue;
+      g.run_dashes = true;
+      g.run_tail.assign(argv + i + 1, argv + argc);
+      parsed = i;
+      break;
+    }
+  }
   try {
-    app.parse(argc, argv);
+    app.parse(parsed, argv);
   } catch (const CLI::CallForHelp& e) {
     return app.exit(e);
   } catch (const CLI::CallForAllHelp& e) {

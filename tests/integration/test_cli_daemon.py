@@ -567,6 +567,34 @@ class Run(CliTestCase):
         self.assertEqual((rc, out), (127, ""))
         self.assertIn("cannot run /nonexistent/mep-test-command", err)
 
+    def test_the_command_keeps_its_own_arguments(self):
+        # Like flock(1): mep reads its options up to the command, the command gets the rest,
+        # with or without `--` (and a `--` of the command's own is kept).
+        path, _ = self.new_memory()
+        show = 'printf "%s|" "$@"'
+        for args, expected in ((["--ttl", "7", unique(), path, "sh", "-c", show, "sh", "--ttl", "5", "-v"],
+                                "--ttl|5|-v|"),
+                               ([unique(), path, "--", "sh", "-c", show, "sh", "-c", "--json"], "-c|--json|"),
+                               ([unique(), path, "sh", "-c", show, "sh", "a", "--", "b"], "a|--|b|")):
+            with self.subTest(args=args):
+                rc, out, err = self.mep("run", *args)
+                self.assertEqual((rc, out, err), (0, expected, ""))
+        rc, out, err = self.mep("run", unique(), path)
+        self.assertEqual((rc, out), (EXIT_USAGE, ""))
+        self.assertIn("a command to run", err)
+        rc, out, err = self.mep("run", "--grace", "-1", unique(), path, "true")
+        self.assertEqual((rc, out), (EXIT_USAGE, ""), err)
+
+    def test_command_not_runnable_is_126(self):
+        path, _ = self.new_memory()
+        script = self.path(unique("noexec"))
+        with open(script, "w") as f:
+            f.write("#!/bin/sh\necho ran\n")
+        os.chmod(script, 0o644)
+        rc, out, err = self.mep("run", unique(), path, "--", script)
+        self.assertEqual((rc, out), (126, ""))
+        self.assertIn("cannot run", err)
+
     def test_sigterm_is_forwarded_to_the_child(self):
         path, _ = self.new_memory()
         name = unique()
