@@ -579,8 +579,14 @@ server::Reply Keeper::branch(const fs::path& path, const fs::path& new_path, con
     auto ident = resolve(path, false);
     if (!ident) return problem_reply(std::move(ident.error()), rid);
     parent = ident->memory_id;
-    for (const auto& [n, h] : m_leases)
-      if (h.memory_id == parent && h.state != "lost") token = h.fencing_token;
+    bool lost = false;
+    for (const auto& [n, h] : m_leases) {
+      if (h.memory_id != parent) continue;
+      if (h.state == "lost") lost = true;
+      else token = h.fencing_token;
+    }
+    if (!token && lost)
+      return problem(Code::lease_expired, "the lease on the source was lost: attach it again to branch", rid);
     if (!token)
       return problem(Code::lease_not_found, "branching needs a live lease on the source: attach it first", rid);
   }

@@ -932,6 +932,10 @@ class RemoteDaemonTests(DaemonTestCase):
         # After the partition heals the daemon does not resurrect the lease.
         time.sleep(1)
         self.assertEqual(self.client.leases()["partition-me"]["state"], "lost")
+        # Branching needs a live lease: a lost one is an ended lease (410), not none (404).
+        r = self.client.request("POST", "/v1/branch", {"path": path, "new_path": path + ".branch"})
+        self.assertProblem(r, 410, "lease-expired")
+        self.assertFalse(os.path.exists(path + ".branch"))
         # A new attach replaces the lost record with a fresh grant (once the old one expired).
         def reattached():
             r = self.client.attach("partition-me", path, ttl_seconds=6, bind="none")
