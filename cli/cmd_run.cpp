@@ -67,7 +67,6 @@ struct LeaseWatch {
   Clock::time_point deadline;   // local backup deadline
   Clock::time_point expiry;     // local estimate of the server-side expiry
   std::int64_t ttl_s = 30;
-  std::atomic<bool> stream_down{false};
 };
 
 void on_event(LeaseWatch& w, const std::string& line) {
@@ -104,21 +103,29 @@ int run(const RunOptions& o, const GlobalOptions& g) {
   watch.ttl_s = o.ttl;
 
   // 1. Listen for events first, so no `lost` can slip between the grant and the watch.
-  std::atomic<int> events_fd{-1};
-  std::atomic<bool> connected{false};
+  //    When the stream ends while the command runs (mepd restarted: it re-adopts the
+  //    lease), it is opened again; until renewals are heard of again, the local deadline
+  //    stands.
+  std::mutex events_mutex; // events_fd is shut down only while it is open
+  int events_fd = -1;
+  std::atomic<bool> connected{false}, stopping{false};
   std::thread events([&] {
-    bool ok = follow_events(
-        socket,
-        [&](const std::string& line) {
-          on_event(watch, line);
-          return true;
-        },
-        [&](int fd) {
-          events_fd = fd;
-          connected = true;
-        });
-    if (!ok) connected = true;
-    watch.stream_down = true;
+    while (!stopping) {
+      bool ok = follow_events(
+          socket,
+          [&](const std::string& line) {
+            on_event(watch, line);
+            return !stopping.load();
+          },
+          [&](int fd) {
+            std::lock_guard lock(events_mutex);
+            events_fd = fd;
+            if (fd >= 0) connected = true;
+            if (fd >= 0 && stopping) ::shutdown(fd, SHUT_RDWR); // stop_events came first
+          });
+      if (!ok) connected = true;
+      for (int i = 0; i < 10 && !stopping; ++i) std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    }
   });
   for (int i = 0; i < 200 && !connected; ++i) std::this_thread::sleep_for(std::chrono::milliseconds(5));
 
@@ -129,7 +136,11 @@ int run(const RunOptions& o, const GlobalOptions& g) {
   auto sent = Clock::now();
   DaemonReply r = daemon_request(socket, "POST", "/v1/attach", body);
   auto stop_events = [&] {
-    if (int fd = events_fd.load(); fd >= 0) ::shutdown(fd, SHUT_RDWR);
+    {
+      std::lock_guard lock(events_mutex);
+      stopping = true;
+      if (events_fd >= 0) ::shutdown(events_fd, SHUT_RDWR);
+    }
     events.join();
   };
   if (r.status != 201) {

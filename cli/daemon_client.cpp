@@ -150,11 +150,13 @@ bool follow_events(const std::string& socket, const std::function<bool(const std
       std::string line = buf.substr(0, nl);
       buf.erase(0, nl + 1);
       if (!on_line(line)) {
+        on_connected(-1);
         ::close(fd);
         return true;
       }
     }
   }
+  on_connected(-1);
   ::close(fd);
   return true;
 }

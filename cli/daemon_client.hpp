@@ -30,7 +30,8 @@ DaemonReply daemon_request(const std::string& socket, const std::string& method,
                            const std::string& body = {});
 
 /// Opens GET /v1/events and calls `on_line` for each event line until it returns false
-/// or the stream ends. Returns false when the daemon could not be reached.
+/// or the stream ends. Returns false when the daemon could not be reached. `on_connected`
+/// gets the stream's descriptor once it is open, and -1 just before it is closed.
 bool follow_events(const std::string& socket, const std::function<bool(const std::string&)>& on_line,
                    const std::function<void(int fd)>& on_connected);
 

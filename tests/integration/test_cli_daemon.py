@@ -736,6 +736,29 @@ class Run(CliTestCase):
         self.assertFalse(os.path.exists(marker))
 
 
+class RunAcrossDaemonRestart(CliTestCase):
+    """mep run goes on through a restart of mepd: the daemon re-adopts the lease, and mep run
+    opens the event stream again, so renewals keep moving its local deadline."""
+
+    def test_command_outlives_a_daemon_restart(self):
+        path, _ = self.new_memory()
+        name = unique()
+        ready = self.path(unique("ready"))
+        # TTL 15: renewals every 5 s, local deadline 12 s after the last one heard of. The
+        # command ends by itself 20 s after the restart, well past that deadline.
+        p = self.popen_mep("run", "--ttl", "15", name, path, "--", "sh", "-c",
+                           'echo $$ > "$1"; sleep 20; exit 3', "sh", ready)
+        self.assertTrue(wait_for(lambda: (read_file(ready) or "").strip()), "the child never started")
+        token = self.leases()[name]["fencing_token"]
+        self.daemon.proc.kill9()
+        self.daemon.start()
+        rc, out, err = self.communicate(p, timeout=60)
+        self.assertEqual(rc, 3, err)
+        self.assertNotIn("lost", err)
+        self.assertNotIn(name, self.leases())  # released when the command ended
+        self.assertGreaterEqual(token, 1)
+
+
 class RunLeaseLoss(CliTestCase):
     """mepd against a real `mep server`; the server is SIGSTOPped while `mep run --ttl 6` holds a
     lease, so renewals hang and the local deadline passes: the lease is lost, the child's whole
