@@ -10,6 +10,8 @@
 #include "mep/time.hpp"
 
 #include <boost/json.hpp>
+#include <unicode/uchar.h>
+#include <unicode/utf8.h>
 
 #include <cstdio>
 #include <cstdlib>
@@ -40,6 +42,31 @@ std::string url_encode(const std::string& s) {
     }
   }
   return out;
+}
+
+// How many terminal columns `s` (UTF-8) takes: 2 for East Asian wide and fullwidth
+// characters, 0 for combining marks and format characters, else 1.
+int display_width(std::string_view s) {
+  int width = 0;
+  for (std::int32_t i = 0, n = static_cast<std::int32_t>(s.size()); i < n;) {
+    UChar32 c;
+    U8_NEXT(s.data(), i, n, c);
+    if (c < 0) {
+      ++width;
+      continue;
+    }
+    const auto category = u_charType(c);
+    if (category == U_NON_SPACING_MARK || category == U_ENCLOSING_MARK || category == U_FORMAT_CHAR) continue;
+    const auto ea = u_getIntPropertyValue(c, UCHAR_EAST_ASIAN_WIDTH);
+    width += (ea == U_EA_WIDE || ea == U_EA_FULLWIDTH) ? 2 : 1;
+  }
+  return width;
+}
+
+// `s` followed by spaces up to `columns` columns (printf's %-Ns counts bytes).
+std::string padded(std::string s, int columns) {
+  for (int w = display_width(s); w < columns; ++w) s += ' ';
+  return s;
 }
 
 std::string str(const boost::json::object& o, std::string_view k) {
@@ -186,7 +213,7 @@ void register_lease_commands(CLI::App& app, GlobalOptions& g, Action& action) {
         for (const auto& v : leases) {
           const auto& l = v.get_object();
           std::string tok = str(l, "fencing_token");
-          std::printf("%-24s  %-36s  %6s  %-10s  %-8s  %s\n", str(l, "canonical_name").c_str(),
+          std::printf("%s  %-36s  %6s  %-10s  %-8s  %s\n", padded(str(l, "canonical_name"), 24).c_str(),
                       str(l, "memory_instance_id").c_str(), tok.empty() ? "-" : tok.c_str(), expires_in(l).c_str(),
                       str(l, "state").c_str(), str(l, "path").c_str());
         }

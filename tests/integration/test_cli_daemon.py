@@ -232,6 +232,26 @@ class Commands(CliTestCase):
         self.assertEqual(self.ok("release", name), "released %s\n" % name)
         self.assertNotIn(name.lower(), self.leases())
 
+    def test_status_columns_line_up_for_any_script(self):
+        # Padding counts terminal columns, not bytes: ß and ω take one, a Han character two.
+        import unicodedata
+
+        def columns(text):
+            return sum(0 if unicodedata.combining(ch) else 2 if unicodedata.east_asian_width(ch) in "WF" else 1
+                       for ch in text)
+        suffix = str(uuid.uuid4().int % 10**8)
+        names = ["straße" + suffix, "ωμέγα" + suffix, "中文名字" + suffix]
+        for n in names:
+            path, _ = self.new_memory()
+            self.ok("claim", n, path)
+        table = self.ok("status").splitlines()
+        header = columns(table[0][:table[0].index("MEMORY")])
+        for n in names:
+            row = [r for r in table if r.startswith(n + " ")]
+            self.assertEqual(len(row), 1, table)
+            self.assertEqual(columns(re.split(UUID, row[0])[0]), header, row[0])
+            self.ok("release", n)
+
     def test_claim_and_release_json(self):
         path, mem = self.new_memory()
         name = unique()
