@@ -15,6 +15,7 @@
 #include <chrono>
 #include <csignal>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <filesystem>
 #include <mutex>
@@ -301,7 +302,16 @@ void register_run(CLI::App& app, GlobalOptions& g, Action& action) {
   cmd->add_option("--on-loss", o->on_loss, "When the lease is lost: term (SIGTERM, then SIGKILL after --grace), kill, ignore")
       ->check(CLI::IsMember({"term", "kill", "ignore"}))->capture_default_str();
   cmd->add_option("--grace", o->grace, "Seconds between SIGTERM and SIGKILL (never past the lease's expiry)")
-      ->check(CLI::NonNegativeNumber)->capture_default_str();
+      ->check(CLI::Validator(
+          [](std::string& in) -> std::string {
+            char* end = nullptr;
+            const double d = std::strtod(in.c_str(), &end);
+            if (end == in.c_str() || *end != '\0' || !(d >= 0))
+              return "must be a number of seconds, 0 or more (got " + in + ")";
+            return {};
+          },
+          "SECONDS"))
+      ->capture_default_str();
   // The command is what follows NAME and PATH: after `--`, or from the first argument that
   // is not one of run's options (`mep run NAME PATH sh -c 'echo hi'`), like flock(1).
   // Its own copies of the global options, since an argument run does not know is the

@@ -604,6 +604,7 @@ class Run(CliTestCase):
         self.assertIn("a command to run", err)
         rc, out, err = self.mep("run", "--grace", "-1", unique(), path, "true")
         self.assertEqual((rc, out), (EXIT_USAGE, ""), err)
+        self.assertIn("--grace: must be a number of seconds, 0 or more (got -1)", err)
 
     def test_command_not_runnable_is_126(self):
         path, _ = self.new_memory()
