@@ -589,7 +589,7 @@ void Router::handle(HttpRequest&& req, const Peer& peer, Send send) {
     Reply r = problem_reply(Problem(Code::method_not_allowed, "this endpoint does not accept that method"),
                             c->ctx.request_id);
     r.allow = std::move(allow);
-    return c->send(make_response(*c, r));
+    return finish(c, std::move(r));
   }
   c->route_label = std::string(c->route->pattern);
   const RouteSpec& route = *c->route;

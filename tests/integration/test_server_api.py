@@ -1070,6 +1070,7 @@ class ServerApi(ServerTestCase):
         c.claim(unique_name(), m2, owner(), key=key)
         c.claim(unique_name(), m2, owner(), key=key)  # mismatch
         self.assertProblem(c.get("/v1/leases", token=None), 401, "unauthenticated")
+        self.assertProblem(c.request("DELETE", "/v1/leases"), 405, "method-not-allowed")
         r = c.get("/metrics", token=None)
         self.assertStatus(r, 200)
         self.assertTrue((r.header("Content-Type") or "").startswith("text/plain"), r.header("Content-Type"))
@@ -1107,6 +1108,8 @@ class ServerApi(ServerTestCase):
         self.assertTrue(results <= {"hit", "miss", "mismatch"}, results)
         self.assertIn("mismatch", results)
         self.assertTrue(any(lab.get("route") == "/v1/leases/{canonical_name}" and lab.get("code") == "404"
+                            for _, lab, _ in families["mep_http_request_duration_seconds"]["samples"]))
+        self.assertTrue(any(lab.get("route") == "unmatched" and lab.get("code") == "405"
                             for _, lab, _ in families["mep_http_request_duration_seconds"]["samples"]))
         # No names, ids or paths in labels: only known label names, and no value carries one.
         allowed = {"route", "code", "outcome", "result", "le"}
