@@ -652,15 +652,21 @@ class Run(CliTestCase):
                 finally:
                     kill_if_alive(bg)
 
-    def test_other_signals_are_forwarded(self):
-        # SIGUSR1 (like SIGQUIT, SIGUSR2 and SIGALRM) would end mep run and leave the command
-        # running: it goes to the command's group.
+    def run_sleeper(self):
+        """Starts `mep run NAME PATH -- sleep 60` (the shell exec's sleep); returns (name,
+        the mep process, the command's pid as a string) once the command runs."""
         path, _ = self.new_memory()
         name = unique()
         ready = self.path(unique("ready"))
         p = self.popen_mep("run", name, path, "--", "sh", "-c", 'echo $$ > "$1"; exec sleep 60', "sh", ready)
         child = wait_for(lambda: (read_file(ready) or "").strip())
         self.assertTrue(child, "the child never started")
+        return name, p, child
+
+    def test_other_signals_are_forwarded(self):
+        # SIGUSR1 (like SIGQUIT, SIGUSR2 and SIGALRM) would end mep run and leave the command
+        # running: it goes to the command's group.
+        name, p, child = self.run_sleeper()
         os.kill(p.pid, signal.SIGUSR1)
         rc, _, err = self.communicate(p)
         self.assertEqual(rc, 128 + signal.SIGUSR1, err)
@@ -669,12 +675,7 @@ class Run(CliTestCase):
 
     def test_command_dies_with_mep_run(self):
         # mep run killed outright: the daemon releases the lease, and the command gets SIGKILL.
-        path, _ = self.new_memory()
-        name = unique()
-        ready = self.path(unique("ready"))
-        p = self.popen_mep("run", name, path, "--", "sh", "-c", 'echo $$ > "$1"; exec sleep 60', "sh", ready)
-        child = wait_for(lambda: (read_file(ready) or "").strip())
-        self.assertTrue(child, "the child never started")
+        name, p, child = self.run_sleeper()
         try:
             os.kill(p.pid, signal.SIGKILL)
             p.wait(timeout=COMMAND_TIMEOUT_S)

@@ -19,6 +19,7 @@ import sys
 import time
 import unittest
 
+from mephelpers import read_to_close
 from serverfixture import (HOST, PROBLEM_BASE, ApiClient, ServerTestCase, db_snapshot, head_header,
                            new_key, raw_exchange, unique_name, uuid7)
 
@@ -672,17 +673,9 @@ class BadInput(BadInputBase):
         }
         for label, rest in cases.items():
             with self.subTest(case=label):
-                s = socket.create_connection((HOST, self.port), timeout=CLIENT_TIMEOUT_S)
-                try:
+                with socket.create_connection((HOST, self.port), timeout=CLIENT_TIMEOUT_S) as s:
                     s.sendall(head + rest)
-                    reply = b""
-                    while True:
-                        part = s.recv(65536)
-                        if not part:
-                            break
-                        reply += part
-                finally:
-                    s.close()
+                    reply = read_to_close(s)
                 self.assertTrue(reply.startswith(b"HTTP/1.1 400 "), reply[:200])
                 self.assertEqual(reply.count(b"HTTP/1.1 "), 1, reply)
                 self.count += 1
@@ -692,12 +685,7 @@ class BadInput(BadInputBase):
         last = b"GET /healthz HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n"
         with socket.create_connection((HOST, self.port), timeout=CLIENT_TIMEOUT_S) as s:
             s.sendall(head + chunked + last)
-            reply = b""
-            while True:
-                part = s.recv(65536)
-                if not part:
-                    break
-                reply += part
+            reply = read_to_close(s)
         statuses = [int(m) for m in re.findall(rb"HTTP/1\.1 (\d{3}) ", reply)]
         self.assertEqual(len(statuses), 2, reply)
         self.assertIn(statuses[0], (404, 410), reply)
