@@ -341,6 +341,7 @@ bool Keeper::knows_memory(const std::string& memory_id) {
 }
 
 // POST /v1/memories with a client-minted id; the problem when it is not registered.
+// The caller holds m_mutex (the id is recorded in the daemon's database).
 std::optional<Problem> Keeper::register_memory(const std::string& memory_id) {
   m_cp_requests++;
   CpReply r = m_cp->request("POST", "/v1/memories", json::dump(boost::json::object{{"memory_instance_id", memory_id}}),
@@ -636,26 +637,22 @@ server::Reply Keeper::identify(const fs::path& path, const std::string& rid) {
   return json_reply(200, o);
 }
 
-server::Reply Keeper::init(const fs::path& path, const std::string& rid) {
-  int fd = ::open(path.c_str(), O_CREAT | O_EXCL | O_WRONLY | O_CLOEXEC, 0644);
+server::Reply Keeper::init(const fs::path& path, mode_t mode, const std::string& rid) {
+  int fd = ::open(path.c_str(), O_CREAT | O_EXCL | O_WRONLY | O_CLOEXEC, 0600);
   if (fd < 0)
     return problem(Code::invalid_request,
                    errno == EEXIST ? "the file already exists" : std::string("cannot create the file: ") + std::strerror(errno),
                    rid);
+  ::fchmod(fd, mode); // the client's umask, not the daemon's
   ::close(fd);
   std::string id = uuid_v7().to_string();
-  m_cp_requests++;
-  CpReply r = m_cp->request("POST", "/v1/memories", json::dump(boost::json::object{{"memory_instance_id", id}}),
-                            "register-" + id);
-  if (!r.ok()) {
+  std::lock_guard lock(m_mutex);
+  if (auto p = register_memory(id); p) {
     ::unlink(path.c_str());
-    return relay(r, rid);
+    return problem_reply(std::move(*p), rid);
   }
   write_id_xattr(path, id);
-  {
-    std::lock_guard lock(m_mutex);
-    remember_file(id, path, false);
-  }
+  remember_file(id, path, false);
   return json_reply(201, boost::json::object{{"memory_instance_id", id}, {"path", path.string()}});
 }
 

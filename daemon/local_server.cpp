@@ -17,7 +17,9 @@
 #include <boost/url/parse.hpp>
 #include <fmt/format.h>
 
+#include <cstdlib>
 #include <deque>
+#include <fstream>
 #include <grp.h>
 #include <pwd.h>
 #include <sys/socket.h>
@@ -52,6 +54,19 @@ fs::path client_path(const std::string& p, pid_t pid) {
     if (!ec) path = cwd / path;
   }
   return path.lexically_normal();
+}
+
+// The mode a file the client creates itself would get: 0666 less the client's umask, as
+// Linux (4.7 and later) reports it in /proc/PID/status; 0600 when it cannot be read. A
+// memory file mepd creates for `mep init` is then no more open than the user asked for.
+mode_t client_file_mode(pid_t pid) {
+  std::ifstream status("/proc/" + std::to_string(pid) + "/status");
+  for (std::string line; std::getline(status, line);) {
+    if (line.rfind("Umask:", 0) != 0) continue;
+    const unsigned long mask = std::strtoul(line.c_str() + 6, nullptr, 8);
+    return static_cast<mode_t>(0666 & ~mask);
+  }
+  return 0600;
 }
 
 class Session : public std::enable_shared_from_this<Session> {
@@ -294,7 +309,7 @@ private:
       std::optional<std::string> np;
       if (path == "/v1/branch") np = rd.string("new_path", Need::required);
       if (auto ok = rd.finish(); !ok) return server::problem_reply(ok.error(), rid);
-      if (path == "/v1/init") return m_keeper.init(client_path(*p, m_peer.pid), rid);
+      if (path == "/v1/init") return m_keeper.init(client_path(*p, m_peer.pid), client_file_mode(m_peer.pid), rid);
       return m_keeper.branch(client_path(*p, m_peer.pid), client_path(*np, m_peer.pid), rid);
     }
     if (path == "/v1/lineage") {

@@ -66,7 +66,7 @@ public:
   server::Reply get(const std::string& name, const std::string& rid);
   server::Reply branch(const std::filesystem::path& path, const std::filesystem::path& new_path, const std::string& rid);
   server::Reply identify(const std::filesystem::path& path, const std::string& rid);
-  server::Reply init(const std::filesystem::path& path, const std::string& rid);
+  server::Reply init(const std::filesystem::path& path, mode_t mode, const std::string& rid);
   /// The lineage of the memory at `path`, or of the memory id `id` (ancestors and children).
   server::Reply lineage(const std::optional<std::filesystem::path>& path, const std::string& id, const std::string& rid);
   boost::json::object health();

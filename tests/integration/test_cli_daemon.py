@@ -205,6 +205,14 @@ class Commands(CliTestCase):
         self.assertNotEqual(self.new_memory()[1], self.new_memory()[1])
         out = self.ok("init", "relative.uai")
         self.assertIn(" %s  " % self.path("relative.uai"), " " + out)
+        # The new file's mode follows the caller's umask (the daemon creates it).
+        for mask, mode in ((0o077, 0o600), (0o022, 0o644), (0o027, 0o640)):
+            target = self.path()
+            p = subprocess.run([mep_bin(), "--socket", self.daemon.socket_path, "init", target], env=self.env,
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, timeout=COMMAND_TIMEOUT_S,
+                               preexec_fn=lambda m=mask: os.umask(m), check=False)
+            self.assertEqual(p.returncode, 0, p.stderr)
+            self.assertEqual(os.stat(target).st_mode & 0o777, mode, "umask %o" % mask)
 
     def test_claim_status_release(self):
         path, mem = self.new_memory()
