@@ -150,13 +150,10 @@ private:
       m_stream.socket().shutdown(local::socket::shutdown_send, ignored);
       return;
     }
-    if (server::ambiguous_framing(m_parser->get())) {
+    if (const char* why = server::framing_problem(m_parser->get())) {
       std::string rid = uuid_v7().to_string();
       m_close = true;
-      return write(response(server::problem_reply(Problem(Code::invalid_request,
-                                                          "Transfer-Encoding must be chunked alone, without Content-Length"),
-                                                  rid),
-                            11, false, rid));
+      return write(response(server::problem_reply(Problem(Code::invalid_request, why), rid), 11, false, rid));
     }
     server::HttpRequest req = m_parser->release();
     if (req.method() == http::verb::get && req.target() == "/v1/events") return start_events(req);

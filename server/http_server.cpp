@@ -90,10 +90,8 @@ protected:
       if (ec == http::error::partial_message) return self().do_close();
       return write(Router::problem_response(p, 11, false));
     }
-    if (ambiguous_framing(m_parser->get()))
-      return write(Router::problem_response(
-          Problem(Code::invalid_request, "Transfer-Encoding must be chunked alone, without Content-Length"), 11,
-          false));
+    if (const char* why = framing_problem(m_parser->get()))
+      return write(Router::problem_response(Problem(Code::invalid_request, why), 11, false));
     ++*m_in_flight;
     auto self_ptr = self().shared_from_this();
     // The reply may come from a store thread or, for a whole committed batch, from an I/O

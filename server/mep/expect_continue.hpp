@@ -44,4 +44,16 @@ bool ambiguous_framing(const Fields& fields) {
   return !boost::beast::iequals(te, "chunked");
 }
 
+/// Why a whole request header cannot be served, or nullptr: an ambiguous body length
+/// (above), or a Host header missing from an HTTP/1.1 request or sent twice (RFC 9112
+/// §3.2: the server must answer 400). The session answers 400 and closes the connection.
+template <class Header>
+const char* framing_problem(const Header& h) {
+  namespace http = boost::beast::http;
+  if (ambiguous_framing(h)) return "Transfer-Encoding must be chunked alone, without Content-Length";
+  const auto hosts = h.count(http::field::host);
+  if (hosts > 1 || (hosts == 0 && h.version() >= 11)) return "an HTTP/1.1 request needs exactly one Host header";
+  return nullptr;
+}
+
 } // namespace mep::server

@@ -8,6 +8,7 @@ state; every process is stopped by PID at the end, and the daemon and server log
 printed when a test fails."""
 import datetime
 import json
+import re
 import os
 import select
 import shutil
@@ -596,7 +597,11 @@ class BasicCases:
             with self.subTest(case=label):
                 reply = raw_exchange(self.mepd.socket_path, head + rest + smuggled, timeout=5)
                 self.assertTrue(reply.startswith(b"HTTP/1.1 400 "), reply[:200])
-                self.assertEqual(reply.count(b"HTTP/1.1 "), 1, reply)
+                self.assertEqual(len(re.findall(rb"HTTP/1\.1 \d{3} ", reply)), 1, reply)
+        # An HTTP/1.1 request without a Host header (RFC 9112 §3.2).
+        reply = raw_exchange(self.mepd.socket_path, b"GET /healthz HTTP/1.1\r\n\r\n" + smuggled, timeout=5)
+        self.assertTrue(reply.startswith(b"HTTP/1.1 400 "), reply[:200])
+        self.assertEqual(len(re.findall(rb"HTTP/1\.1 \d{3} ", reply)), 1, reply)
 
     def test_bad_input_4xx(self):
         path = self.new_file("bad.uai")

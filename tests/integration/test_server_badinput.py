@@ -677,8 +677,21 @@ class BadInput(BadInputBase):
                     s.sendall(head + rest)
                     reply = read_to_close(s)
                 self.assertTrue(reply.startswith(b"HTTP/1.1 400 "), reply[:200])
-                self.assertEqual(reply.count(b"HTTP/1.1 "), 1, reply)
+                self.assertEqual(len(re.findall(rb"HTTP/1\.1 \d{3} ", reply)), 1, reply)
                 self.count += 1
+        # RFC 9112 §3.2: an HTTP/1.1 request names exactly one Host (HTTP/1.0 may name none).
+        for label, req in (("no Host", b"GET /healthz HTTP/1.1\r\n\r\n"),
+                           ("two Hosts", b"GET /healthz HTTP/1.1\r\nHost: a\r\nHost: b\r\n\r\n")):
+            with self.subTest(case=label), socket.create_connection((HOST, self.port), timeout=CLIENT_TIMEOUT_S) as s:
+                s.sendall(req + smuggled)
+                reply = read_to_close(s)
+                self.assertTrue(reply.startswith(b"HTTP/1.1 400 "), reply[:200])
+                self.assertIn(b"Host header", reply)
+                self.assertEqual(len(re.findall(rb"HTTP/1\.1 \d{3} ", reply)), 1, reply)
+                self.count += 1
+        with socket.create_connection((HOST, self.port), timeout=CLIENT_TIMEOUT_S) as s:
+            s.sendall(b"GET /healthz HTTP/1.0\r\n\r\n")
+            self.assertTrue(read_to_close(s).startswith(b"HTTP/1.0 200 "))
         # Chunked alone is served, and the connection goes on.
         body = json.dumps({"memory_instance_id": uuid7(), "fencing_token": 1}).encode()
         chunked = b"Transfer-Encoding: chunked\r\n\r\n%x\r\n%s\r\n0\r\n\r\n" % (len(body), body)
