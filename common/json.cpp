@@ -3,18 +3,89 @@
 
 #include "mep/uuid.hpp"
 
+#include <boost/json/basic_parser_impl.hpp>
 #include <boost/json/parse.hpp>
 #include <boost/json/serialize.hpp>
 
 #include <algorithm>
+#include <vector>
+#include <string>
+#include <optional>
 #include <cmath>
 
 namespace mep::json {
+namespace {
+
+// Finds a key that one object names twice. RFC 8259 leaves duplicates to the reader and
+// readers disagree (Boost.JSON keeps the last, others the first), so a proxy or log may see
+// another request than the server does: they are refused, as I-JSON (RFC 7493) requires.
+// Keys are compared unescaped ("a" and "\u0061" are one key).
+struct DuplicateKeyFinder {
+  static constexpr std::size_t max_array_size = static_cast<std::size_t>(-1);
+  static constexpr std::size_t max_object_size = static_cast<std::size_t>(-1);
+  static constexpr std::size_t max_string_size = static_cast<std::size_t>(-1);
+  static constexpr std::size_t max_key_size = static_cast<std::size_t>(-1);
+  using ec_t = boost::system::error_code;
+  using sv = boost::json::string_view;
+
+  std::vector<std::vector<std::string>> objects; // the keys of each open object
+  std::string key;                              // the key being read
+  std::optional<std::string> duplicate;
+
+  bool on_document_begin(ec_t&) { return true; }
+  bool on_document_end(ec_t&) { return true; }
+  bool on_array_begin(ec_t&) { return true; }
+  bool on_array_end(std::size_t, ec_t&) { return true; }
+  bool on_object_begin(ec_t&) {
+    objects.emplace_back();
+    return true;
+  }
+  bool on_object_end(std::size_t, ec_t&) {
+    objects.pop_back();
+    return true;
+  }
+  bool on_key_part(sv s, std::size_t, ec_t&) {
+    key.append(s.data(), s.size());
+    return true;
+  }
+  bool on_key(sv s, std::size_t, ec_t& ec) {
+    key.append(s.data(), s.size());
+    auto& keys = objects.back();
+    if (std::find(keys.begin(), keys.end(), key) != keys.end()) {
+      duplicate = std::move(key);
+      ec = boost::json::error::syntax;
+      return false;
+    }
+    keys.push_back(std::move(key));
+    key.clear();
+    return true;
+  }
+  bool on_string_part(sv, std::size_t, ec_t&) { return true; }
+  bool on_string(sv, std::size_t, ec_t&) { return true; }
+  bool on_number_part(sv, ec_t&) { return true; }
+  bool on_int64(std::int64_t, sv, ec_t&) { return true; }
+  bool on_uint64(std::uint64_t, sv, ec_t&) { return true; }
+  bool on_double(double, sv, ec_t&) { return true; }
+  bool on_bool(bool, ec_t&) { return true; }
+  bool on_null(ec_t&) { return true; }
+  bool on_comment_part(sv, ec_t&) { return true; }
+  bool on_comment(sv, ec_t&) { return true; }
+};
+
+} // namespace
 
 expected<boost::json::object, Problem> parse_object(std::string_view text) {
   boost::json::parse_options opts;
   opts.max_depth = 32;
   boost::system::error_code ec;
+  {
+    boost::json::basic_parser<DuplicateKeyFinder> finder(opts);
+    finder.write_some(false, text.data(), text.size(), ec);
+    if (const auto& dup = finder.handler().duplicate)
+      return make_unexpected(
+          Problem(Code::invalid_request, "field \"" + dup->substr(0, 64) + "\" appears twice in one object"));
+    ec.clear(); // any other error is reported by the parse below, in its words
+  }
   boost::json::value v = boost::json::parse(text, ec, {}, opts);
   if (ec) return make_unexpected(Problem(Code::invalid_request, "malformed JSON: " + ec.message()));
   if (!v.is_object())

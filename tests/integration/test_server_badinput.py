@@ -217,6 +217,17 @@ class BadInput(BadInputBase):
                     continue  # an empty registration body means {} (SPEC §6: the id is optional)
                 with self.subTest(endpoint=what, body=raw[:40]):
                     self.expect(self.send(what, raw), 400, "invalid-request", "%s %r" % (what, raw[:40]))
+            # A valid body with one of its fields written twice (readers disagree on which
+            # one counts): refused, naming the field.
+            base = self.bodies()[what][1]
+            if isinstance(base, dict) and base:
+                field = sorted(base)[0]
+                text = json.dumps(base)
+                doubled = (text[:-1] + ", " + json.dumps(field) + ": " + json.dumps(base[field]) + "}").encode()
+                with self.subTest(endpoint=what, doubled=field):
+                    r = self.send(what, doubled)
+                    self.expect(r, 400, "invalid-request", "%s doubled %s" % (what, field))
+                    self.assertIn('field "%s" appears twice' % field, r.json["detail"], r.raw[:300])
 
     def test_invalid_utf8_in_strings(self):
         fields = {"register": "memory_instance_id", "claim": "display_name", "renew": "canonical_name",

@@ -83,3 +83,18 @@ TEST_CASE("append_string_escapes_and_repairs_utf8", "[json]") {
   mep::json::append_string(out, "\xed\xa0\x80"); // an encoded surrogate is not UTF-8
   REQUIRE(out == "\"\xef\xbf\xbd\xef\xbf\xbd\xef\xbf\xbd\"");
 }
+
+TEST_CASE("parse_object_refuses_duplicate_keys", "[json]") {
+  auto detail = [](std::string_view text) {
+    auto r = mep::json::parse_object(text);
+    return r ? std::string() : r.error().detail;
+  };
+  CHECK(detail(R"({"a":1,"a":2})") == "field \"a\" appears twice in one object");
+  CHECK(detail(R"({"x":{"b":1,"c":2,"b":3}})") == "field \"b\" appears twice in one object");
+  CHECK(detail(R"({"leases":[{"k":1},{"k":2,"k":3}]})") == "field \"k\" appears twice in one object");
+  CHECK(detail(R"({"a":1,"\u0061":2})") == "field \"a\" appears twice in one object"); // compared unescaped
+  // The same key in different objects, or as a value, is fine.
+  CHECK(mep::json::parse_object(R"({"a":{"a":1},"b":[{"a":1},{"a":2}],"c":"a"})"));
+  // Other errors keep their own words.
+  CHECK(detail(R"({"a":1,)").rfind("malformed JSON", 0) == 0);
+}
