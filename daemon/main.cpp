@@ -18,6 +18,7 @@
 #include <cstring>
 #include <fcntl.h>
 #include <fstream>
+#include <functional>
 #include <sys/file.h>
 #include <sys/stat.h>
 #include <thread>
@@ -134,13 +135,20 @@ int main(int argc, char** argv) {
 
     // 4. SIGTERM/SIGINT: stop serving and exit 0 without releasing (a quick restart
     //    re-adopts the leases; `mep release` is the way to give one up).
-    boost::asio::signal_set signals(ioc, SIGINT, SIGTERM);
-    signals.async_wait([&](boost::system::error_code e, int sig) {
+    //    SIGHUP (the terminal mepd was started from closed, or a reload) changes nothing:
+    //    there is nothing to reload, and dying would leave the socket behind.
+    boost::asio::signal_set signals(ioc, SIGINT, SIGTERM, SIGHUP);
+    std::function<void(boost::system::error_code, int)> on_signal = [&](boost::system::error_code e, int sig) {
       if (e) return;
+      if (sig == SIGHUP) {
+        mep::log::info("SIGHUP: nothing to reload; still serving");
+        return signals.async_wait(on_signal);
+      }
       mep::log::info("signal {}: stopping (leases stay held until their TTL)", sig);
       server.stop();
       ioc.stop();
-    });
+    };
+    signals.async_wait(on_signal);
     mep::log::info("listening on {} (control plane: {})", sock, describe);
     std::vector<std::thread> pool;
     for (int i = 0; i < 3; ++i) pool.emplace_back([&] { ioc.run(); });

@@ -576,6 +576,18 @@ class BasicCases:
         self.assertEqual(lease.status, 200, lease)
         self.assertEqual(lease.json["fencing_token"], r.json["fencing_token"])
 
+    def test_sighup_keeps_serving(self):
+        # The terminal mepd was started from closes, or someone asks for a reload: it serves on.
+        path = self.new_file("hup.uai")
+        lease = self.attach_ok("hangup", path)
+        self.mepd.proc.signal(signal.SIGHUP)
+        self.assertIsNotNone(self.poll(lambda: "SIGHUP" in self.mepd.log_text(), timeout=5), "no SIGHUP log line")
+        self.assertEqual(self.client.request("GET", "/healthz").status, 200)
+        self.assertEqual(self.client.leases()["hangup"]["fencing_token"], lease["fencing_token"])
+        self.mepd.proc.signal(signal.SIGHUP)  # and again: the handler is set once more each time
+        self.assertIsNotNone(self.poll(lambda: self.mepd.log_text().count("SIGHUP") >= 2, timeout=5))
+        self.assertEqual(self.client.request("GET", "/healthz").status, 200)
+
     def test_socket_directory_writable_by_others_is_refused(self):
         # Anyone who may write in the socket's directory could put their own socket there.
         open_dir = os.path.join(self.tmp, "open")
