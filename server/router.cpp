@@ -427,10 +427,19 @@ std::optional<std::size_t> page_limit(std::string_view v, std::size_t max) {
 
 void on_list_leases(const CallPtr& c, Store& store) {
   ListLeases req;
+  std::vector<std::string> seen;
   for (auto p : c->query) {
+    if (std::find(seen.begin(), seen.end(), p.key) != seen.end())
+      return fail(c, Problem(Code::invalid_request, "query parameter \"" + std::string(p.key) + "\" given twice"));
+    seen.emplace_back(p.key);
     if (p.key == "owner_client_id") {
       req.owner_client_id = std::string(p.value);
     } else if (p.key == "cursor") {
+      // A cursor is the last canonical name of the page before (next_cursor): anything
+      // else was not given out by this server.
+      auto n = canonicalize(p.value);
+      if (!n || n->canonical_name != p.value)
+        return fail(c, Problem(Code::invalid_request, "cursor is not a next_cursor this server returned"));
       req.cursor = std::string(p.value);
     } else if (p.key == "limit") {
       auto n = page_limit(p.value, 1000);

@@ -1263,7 +1263,8 @@ class ServerApi(ServerTestCase):
             if cursor is None:
                 break
         self.assertTrue(set(names) | {other} <= set(all_names))
-        for q in ("limit=0", "limit=1001", "limit=abc", "limit=", "bogus=1"):
+        for q in ("limit=0", "limit=1001", "limit=abc", "limit=", "bogus=1", "limit=3&limit=4",
+                  "cursor=garbage%20name", "cursor=AAAA", "cursor=%00", "cursor=x&cursor=y"):
             with self.subTest(q=q):
                 self.assertProblem(c.get("/v1/leases?" + q), 400, "invalid-request")
 
