@@ -40,13 +40,14 @@ namespace mep::server {
 
 extern const std::string_view k_pg_schema_v1;
 extern const std::string_view k_pg_schema_v2;
+extern const std::string_view k_pg_schema_v3;
 
 namespace {
 
 namespace json = boost::json;
 using Clock = std::chrono::steady_clock;
 
-constexpr int k_schema_version = 2;
+constexpr int k_schema_version = 3;
 constexpr int k_max_attempts = 10;
 constexpr auto k_reconnect_gap = std::chrono::milliseconds(500);
 // How long a call waits for the database's answer before giving the connection up: the
@@ -249,6 +250,10 @@ void PgStore::migrate() {
         if (version < 2) {
           c->exec(std::string(k_pg_schema_v2));
           c->exec("UPDATE schema_version SET version = 2 WHERE id = 1");
+        }
+        if (version < 3) {
+          c->exec(std::string(k_pg_schema_v3));
+          c->exec("UPDATE schema_version SET version = 3 WHERE id = 1");
         }
         c->exec("COMMIT");
       } catch (...) {

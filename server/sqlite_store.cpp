@@ -1079,6 +1079,23 @@ void SqliteStore::branch(const Ctx& ctx, Idempotency idem, Branch req, Done done
   enqueue(
       [this, ctx, idem = std::move(idem), req = std::move(req)](Db& db, UnixMs now) {
         return run_idempotent(db, now, ctx, idem, [&] {
+          auto body = [&](const std::string& id) {
+            return boost::json::object{{"memory_instance_id", id},
+                                       {"parent_memory_instance_id", req.parent_memory_id},
+                                       {"branched_at_token", req.parent_fencing_token}};
+          };
+          // A client-minted id makes a retry naturally idempotent, as for POST /v1/memories:
+          // the same branch again (own tenant, same parent and token) is 200, even under a
+          // new Idempotency-Key and after the parent's lease ended.
+          if (req.memory_id) {
+            if (auto m = find_memory(db, *req.memory_id)) {
+              if (m->tenant_id == ctx.auth.tenant_id && m->parent_memory_id == req.parent_memory_id &&
+                  m->branched_at_token == req.parent_fencing_token) {
+                return json_reply(200, body(*req.memory_id), "branched");
+              }
+              return problem_reply(Problem(Code::memory_id_taken, "this memory id is taken"), ctx.request_id);
+            }
+          }
           auto lease = classify(db, now, ctx, req.parent_memory_id, req.parent_fencing_token,
                                 Code::memory_not_found);
           if (!lease) return problem_reply(std::move(lease.error()), ctx.request_id);
@@ -1090,10 +1107,7 @@ void SqliteStore::branch(const Ctx& ctx, Idempotency idem, Branch req, Done done
           s->bind(1, id).bind(2, ctx.auth.tenant_id).bind(3, req.parent_memory_id)
               .bind(4, req.parent_fencing_token).bind(5, now).run();
           audit(ctx.auth.tenant_id, "MEMORY_BRANCHED", {}, id, req.parent_fencing_token);
-          boost::json::object o{{"memory_instance_id", id},
-                                {"parent_memory_instance_id", req.parent_memory_id},
-                                {"branched_at_token", req.parent_fencing_token}};
-          return json_reply(201, o, "branched");
+          return json_reply(201, body(id), "branched");
         });
       },
       std::move(done), ctx.request_id);

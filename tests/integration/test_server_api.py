@@ -789,6 +789,18 @@ class ServerApi(ServerTestCase):
         r2 = c.branch(root, 1, memory_id=minted)
         self.assertStatus(r2, 201)
         self.assertEqual(r2.json["memory_instance_id"], minted)
+        # The same branch again under a new key (a client retry that lost its key) is 200 with
+        # the same body, as for a memory id registered again; with another parent, token or
+        # tenant that id is taken.
+        again = c.branch(root, 1, memory_id=minted)
+        self.assertStatus(again, 200)
+        self.assertIsNone(again.header("Idempotent-Replayed"))
+        self.assertEqual(again.json, r2.json)
+        self.assertProblem(c.branch(child, 1, memory_id=minted), 409, "memory-id-taken")
+        cb = self.client(self.token_b)
+        nb, mb, wb, _ = self.lease(cb)
+        self.assertProblem(cb.branch(mb, 1, memory_id=minted), 409, "memory-id-taken")
+        self.assertEqual(db_query(self.db_path, "SELECT count(*) FROM memories WHERE memory_id = ?", (minted,))[0][0], 1)
         cname, cwho = unique_name(), owner()
         self.assertEqual(self.assertGrant(c.claim(cname, child, cwho))["fencing_token"], 1)
         r3 = c.branch(child, 1)
