@@ -80,11 +80,13 @@ public:
     net::dispatch(m_stream.get_executor(), [self = shared_from_this()] { self->do_read(); });
   }
 
-  void reject() {
+  void reject() { refuse(Problem(Code::forbidden, "peer is not allowed to use this daemon")); }
+
+  // Answers a request that is not served with `p`, then closes the connection.
+  void refuse(const Problem& p) {
     std::string rid = uuid_v7().to_string();
-    server::Reply r = server::problem_reply(Problem(Code::forbidden, "peer is not allowed to use this daemon"), rid);
     m_close = true;
-    write(response(r, 11, false, rid));
+    write(response(server::problem_reply(p, rid), 11, false, rid));
   }
 
 private:
@@ -134,27 +136,16 @@ private:
 
   void on_read(beast::error_code ec, std::size_t) {
     if (ec) {
-      std::string rid = uuid_v7().to_string();
-      if (ec == http::error::body_limit || ec == http::error::header_limit) {
-        m_close = true;
-        return write(response(server::problem_reply(Problem(Code::payload_too_large, "request too large"), rid), 11,
-                              false, rid));
-      }
+      if (ec == http::error::body_limit || ec == http::error::header_limit)
+        return refuse(Problem(Code::payload_too_large, "request too large"));
       if (ec.category() == beast::error_code(http::error::bad_target).category() && ec != http::error::end_of_stream &&
-          ec != http::error::partial_message) {
-        m_close = true;
-        return write(response(server::problem_reply(Problem(Code::invalid_request, "malformed HTTP request"), rid), 11,
-                              false, rid));
-      }
+          ec != http::error::partial_message)
+        return refuse(Problem(Code::invalid_request, "malformed HTTP request"));
       beast::error_code ignored;
       m_stream.socket().shutdown(local::socket::shutdown_send, ignored);
       return;
     }
-    if (const char* why = server::framing_problem(m_parser->get())) {
-      std::string rid = uuid_v7().to_string();
-      m_close = true;
-      return write(response(server::problem_reply(Problem(Code::invalid_request, why), rid), 11, false, rid));
-    }
+    if (const char* why = server::framing_problem(m_parser->get())) return refuse(Problem(Code::invalid_request, why));
     server::HttpRequest req = m_parser->release();
     if (req.method() == http::verb::get && req.target() == "/v1/events") return start_events(req);
     // Keeper calls may block on the control plane: run them off the I/O threads' strand
