@@ -1100,7 +1100,7 @@ void SqliteStore::branch(const Ctx& ctx, Idempotency idem, Branch req, Done done
                                 Code::memory_not_found);
           if (!lease) return problem_reply(std::move(lease.error()), ctx.request_id);
           std::string id = req.memory_id.value_or(uuid_v7().to_string());
-          if (find_memory(db, id))
+          if (!req.memory_id && find_memory(db, id)) // a client's id was looked up above
             return problem_reply(Problem(Code::memory_id_taken, "this memory id is taken"), ctx.request_id);
           Use s(db.prepare("INSERT INTO memories(memory_id, tenant_id, parent_memory_id, "
                            "branched_at_token, fence_counter, created_at) VALUES (?1, ?2, ?3, ?4, 0, ?5)"));
