@@ -1,6 +1,6 @@
 // Support for the PRECIS / UTS #39 conformance test.
 //
-// Design notes. The shared data is read in place and never copied: each JSON line is
+// Design notes. The data (tests/conformance/data, a byte-for-byte copy) is read in place: each JSON line is
 // parsed by Boost.JSON, lines are split on '\n' only. Mismatches are collected per data
 // file and printed together at the end with the file's counts, in a form that can be
 // pasted into exclusions.json (record, field, expected, got). Values are printed as code
@@ -19,8 +19,8 @@
 #include <sstream>
 #include <stdexcept>
 
-#ifndef MEP_SHARED_DIR
-#error "MEP_SHARED_DIR must be defined"
+#ifndef MEP_CONFORMANCE_DIR
+#error "MEP_CONFORMANCE_DIR must be defined"
 #endif
 #ifndef MEP_CONFORMANCE_EXCLUSIONS
 #error "MEP_CONFORMANCE_EXCLUSIONS must be defined"
@@ -60,7 +60,7 @@ char32_t parse_hex(std::string_view s) {
 }
 
 std::filesystem::path data_dir() {
-  return std::filesystem::path(MEP_SHARED_DIR) / "conformance" / "precis";
+  return std::filesystem::path(MEP_CONFORMANCE_DIR) / "precis";
 }
 
 std::string read_file(const std::filesystem::path& p) {

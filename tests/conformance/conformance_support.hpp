@@ -14,7 +14,7 @@
 
 namespace conformance {
 
-/// `${MEP_SHARED_DIR}/conformance/precis`.
+/// `${MEP_CONFORMANCE_DIR}/precis` (tests/conformance/data/precis by default).
 std::filesystem::path data_dir();
 
 /// The whole file; throws when it cannot be read.

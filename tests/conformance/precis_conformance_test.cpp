@@ -1,4 +1,4 @@
-// Conformance of mep's name canonicalizer with shared/conformance/precis (see its
+// Conformance of mep's name canonicalizer with tests/conformance/data/precis (see its
 // README.md): PRECIS derived properties, the UsernameCaseMapped profile and the string
 // classes, and UTS #39 skeletons and restriction checks. One test case per data file.
 //

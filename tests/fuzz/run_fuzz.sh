@@ -44,7 +44,7 @@ if [[ "$mode" == build ]]; then
   # 2. Configure the nested build (clang, MEP_FUZZ=ON) and build only the fuzz target.
   cmake_exe="${CMAKE:-cmake}"
   extra=()
-  if [[ -n "${MEP_SHARED_DIR:-}" ]]; then extra+=("-DMEP_SHARED_DIR=$MEP_SHARED_DIR"); fi
+  if [[ -n "${MEP_CONFORMANCE_DIR:-}" ]]; then extra+=("-DMEP_CONFORMANCE_DIR=$MEP_CONFORMANCE_DIR"); fi
   export CCACHE_DIR="${CCACHE_DIR:-$HOME/.cache/ccache}"
   echo "== configuring $work/build with $cxx"
   CC="$cc" CXX="$cxx" "$cmake_exe" -S "$target" -B "$work/build" -G Ninja \
