@@ -2,7 +2,7 @@
 // the route table is small and lives here (decode JSON → Keeper → encode).
 #include "mep/local_server.hpp"
 
-#include "mep/expect_continue.hpp"
+#include "mep/http/edge.hpp"
 #include "mep/json.hpp"
 #include "mep/log.hpp"
 #include "mep/router.hpp"
@@ -11,14 +11,13 @@
 
 #include <boost/asio/post.hpp>
 #include <boost/asio/strand.hpp>
-#include <boost/asio/write.hpp>
+#include <boost/asio/thread_pool.hpp>
 #include <boost/beast/core.hpp>
 #include <boost/beast/http.hpp>
 #include <boost/url/parse.hpp>
 #include <fmt/format.h>
 
 #include <cstdlib>
-#include <deque>
 #include <fstream>
 #include <grp.h>
 #include <pwd.h>
@@ -29,7 +28,7 @@
 namespace mep::daemon {
 namespace net = boost::asio;
 namespace beast = boost::beast;
-namespace http = beast::http;
+namespace bhttp = beast::http;
 using local = net::local::stream_protocol;
 using json::Need;
 namespace fs = std::filesystem;
@@ -37,12 +36,6 @@ namespace fs = std::filesystem;
 namespace {
 
 constexpr auto k_io_timeout = std::chrono::seconds(60);
-
-struct PeerCred {
-  pid_t pid = 0;
-  uid_t uid = 0;
-  gid_t gid = 0;
-};
 
 // Resolves a path given by a local client: relative paths are taken from the client's
 // working directory, so `curl` and the CLI behave like any other local tool.
@@ -69,171 +62,85 @@ mode_t client_file_mode(pid_t pid) {
   return 0600;
 }
 
-class Session : public std::enable_shared_from_this<Session> {
+} // namespace
+
+// The daemon's side of the HTTP edge: who may connect, the body limit, and the routes.
+class DaemonHandler final : public http::Handler {
 public:
-  Session(local::socket&& s, Keeper& k, PeerCred peer) : m_stream(std::move(s)), m_keeper(k), m_peer(peer) {}
-  ~Session() {
-    if (m_sink_id) m_keeper.unsubscribe(m_sink_id);
+  DaemonHandler(Keeper& keeper, std::function<bool(const http::Peer&)> allowed)
+      : m_keeper(keeper), m_allowed(std::move(allowed)) {}
+
+  std::optional<Problem> admit(const http::Peer& peer) override {
+    if (peer.cred_known && m_allowed(peer)) return std::nullopt;
+    log::warn("refused a client with uid {}", peer.cred_known ? static_cast<long>(peer.uid) : -1L);
+    return Problem(Code::forbidden, "peer is not allowed to use this daemon");
   }
 
-  void run() {
-    net::dispatch(m_stream.get_executor(), [self = shared_from_this()] { self->do_read(); });
+  http::BodyPlan plan(const http::RequestHeader&, const http::Peer&) override {
+    http::BodyPlan plan;
+    plan.limit = server::k_body_limit;
+    return plan;
   }
 
-  void reject() { refuse(Problem(Code::forbidden, "peer is not allowed to use this daemon")); }
-
-  // Answers a request that is not served with `p`, then closes the connection.
-  void refuse(const Problem& p) {
-    std::string rid = uuid_v7().to_string();
-    m_close = true;
-    write(response(server::problem_reply(p, rid), 11, false, rid));
+  void handle(http::Request&& req, const http::Peer& peer, std::shared_ptr<http::BodySink>,
+              http::Responder responder) override {
+    if (req.method() == bhttp::verb::get && req.target() == "/v1/events") return start_events(responder);
+    // Keeper calls may block on the control plane: they run on the worker pool, so the
+    // I/O threads keep serving event streams and other clients.
+    net::post(m_work, [this, req = std::move(req), peer, responder]() mutable {
+      std::string rid = uuid_v7().to_string();
+      server::Reply r;
+      try {
+        r = route(req, peer, rid);
+      } catch (const std::exception& e) {
+        log::error("request {} {} failed: {}", rid, std::string(req.target()), e.what());
+        r = server::problem_reply(Problem(Code::internal, "internal error"), rid);
+      }
+      responder.send(response(r, req.version(), req.keep_alive(), rid));
+    });
   }
+
+  void stop() { m_work.stop(); }
+  void join() { m_work.join(); }
 
 private:
-  void do_read() {
-    m_parser.emplace();
-    m_parser->body_limit(server::k_body_limit);
-    m_parser->header_limit(server::k_header_limit);
-    m_stream.expires_after(k_io_timeout);
-    m_continue_sent = false;
-    read_some();
-  }
-
-  // Reads until the request is whole; a client that sent `Expect: 100-continue` gets the
-  // 100 once its header is read and accepted (RFC 9110 10.1.1), as from mep server.
-  void read_some() {
-    http::async_read_some(m_stream, m_buffer, *m_parser,
-                          beast::bind_front_handler(&Session::on_read_some, shared_from_this()));
-  }
-
-  void on_read_some(beast::error_code ec, std::size_t n) {
-    if (ec || m_parser->is_done()) return on_read(ec, n);
-    if (server::owes_continue(*m_parser, m_continue_sent)) {
-      return net::async_write(m_stream, server::continue_response(),
-                              [self = shared_from_this()](beast::error_code e, std::size_t) {
-                                if (e) return self->on_read(e, 0);
-                                self->read_some();
-                              });
-    }
-    read_some();
-  }
-
-  static server::HttpResponse response(const server::Reply& r, unsigned version, bool keep_alive,
-                                       const std::string& rid = {}) {
-    server::HttpResponse res{static_cast<http::status>(r.status), version};
-    res.set(http::field::server, "mepd");
+  static http::Response response(const server::Reply& r, unsigned version, bool keep_alive, const std::string& rid) {
+    http::Response res{static_cast<bhttp::status>(r.status), version};
+    res.set(bhttp::field::server, "mepd");
     if (!rid.empty()) res.set("X-Request-Id", rid);
     if (!r.body.empty() || r.status != 204) {
-      res.set(http::field::content_type, r.problem ? "application/problem+json" : "application/json");
+      res.set(bhttp::field::content_type, r.problem ? "application/problem+json" : "application/json");
       res.body() = r.body;
     }
-    if (r.retry_after_s) res.set(http::field::retry_after, std::to_string(*r.retry_after_s));
-    if (!r.allow.empty()) res.set(http::field::allow, r.allow);
+    if (r.retry_after_s) res.set(bhttp::field::retry_after, std::to_string(*r.retry_after_s));
+    if (!r.allow.empty()) res.set(bhttp::field::allow, r.allow);
     res.keep_alive(keep_alive);
     res.prepare_payload();
     return res;
   }
 
-  void on_read(beast::error_code ec, std::size_t) {
-    if (ec) {
-      if (ec == http::error::body_limit || ec == http::error::header_limit)
-        return refuse(Problem(Code::payload_too_large, "request too large"));
-      if (ec.category() == beast::error_code(http::error::bad_target).category() && ec != http::error::end_of_stream &&
-          ec != http::error::partial_message)
-        return refuse(Problem(Code::invalid_request, "malformed HTTP request"));
-      beast::error_code ignored;
-      m_stream.socket().shutdown(local::socket::shutdown_send, ignored);
-      return;
-    }
-    if (const char* why = server::framing_problem(m_parser->get())) return refuse(Problem(Code::invalid_request, why));
-    server::HttpRequest req = m_parser->release();
-    if (req.method() == http::verb::get && req.target() == "/v1/events") return start_events(req);
-    // Keeper calls may block on the control plane: run them off the I/O threads' strand
-    // order but on the pool, then post the answer back.
-    auto self = shared_from_this();
-    net::post(m_stream.get_executor(), [self, req = std::move(req)]() mutable {
-      std::string rid = uuid_v7().to_string();
-      server::Reply r = self->route(req, rid);
-      self->m_close = !req.keep_alive();
-      server::HttpResponse res = response(r, req.version(), req.keep_alive(), rid);
-      if (req.method() == http::verb::head) res.body().clear(); // GET's headers, no content
-      self->write(std::move(res));
-    });
-  }
-
-  void write(server::HttpResponse&& res) {
-    m_response = std::move(res);
-    m_stream.expires_after(k_io_timeout);
-    http::async_write(m_stream, m_response, beast::bind_front_handler(&Session::on_write, shared_from_this()));
-  }
-
-  void on_write(beast::error_code ec, std::size_t) {
-    if (ec || m_close) {
-      beast::error_code ignored;
-      m_stream.socket().shutdown(local::socket::shutdown_send, ignored);
-      return;
-    }
-    do_read();
-  }
-
-  // ---- the event stream: headers, then one JSON line per event until the client goes ----
-  void start_events(const server::HttpRequest& req) {
-    m_stream.expires_never();
-    std::string head = "HTTP/1.1 200 OK\r\nServer: mepd\r\nContent-Type: application/x-ndjson\r\n"
-                       "Cache-Control: no-store\r\nConnection: close\r\n\r\n";
-    (void)req;
-    std::weak_ptr<Session> weak = shared_from_this();
-    auto exec = m_stream.get_executor();
-    m_sink_id = m_keeper.subscribe([weak, exec](const std::string& line) {
-      net::post(exec, [weak, line] {
-        if (auto s = weak.lock()) s->queue_line(line);
-      });
-    });
-    queue_line(head);
-    // Notice the client closing: a read that completes (EOF) ends the stream.
-    m_stream.socket().async_wait(local::socket::wait_error,
-                                 [self = shared_from_this()](beast::error_code) { self->end_events(); });
-  }
-
-  void queue_line(const std::string& line) {
-    if (m_events_done) return;
-    m_lines.push_back(line);
-    if (m_lines.size() == 1) write_line();
-  }
-
-  void write_line() {
-    net::async_write(m_stream.socket(), net::buffer(m_lines.front()),
-                     [self = shared_from_this()](beast::error_code ec, std::size_t) {
-                       if (ec) return self->end_events();
-                       self->m_lines.pop_front();
-                       if (!self->m_lines.empty()) self->write_line();
-                     });
-  }
-
-  void end_events() {
-    if (m_events_done) return;
-    m_events_done = true;
-    if (m_sink_id) m_keeper.unsubscribe(m_sink_id);
-    m_sink_id = 0;
-    beast::error_code ignored;
-    m_stream.socket().close(ignored);
+  // The event stream: one JSON line per event until the client goes.
+  void start_events(const http::Responder& responder) {
+    auto stream = responder.stream("application/x-ndjson");
+    int id = m_keeper.subscribe([stream](const std::string& line) { stream->push(line); });
+    stream->on_close([this, id] { m_keeper.unsubscribe(id); });
   }
 
   // ---- routes ----
-  server::Reply route(const server::HttpRequest& req, const std::string& rid) {
+  server::Reply route(const http::Request& req, const http::Peer& m_peer, const std::string& rid) {
     auto target = boost::urls::parse_origin_form(req.target());
     if (!target) return server::problem_reply(Problem(Code::invalid_request, "malformed target"), rid);
     std::string path(target->path());
     // HEAD is GET without the content (RFC 9110 9.3.2); the caller drops the content.
-    auto method = req.method() == http::verb::head ? http::verb::get : req.method();
-    http::verb accepted = http::verb::unknown; // the method of the path last checked
-    auto need = [&](http::verb v) {
+    auto method = req.method() == bhttp::verb::head ? bhttp::verb::get : req.method();
+    bhttp::verb accepted = bhttp::verb::unknown; // the method of the path last checked
+    auto need = [&](bhttp::verb v) {
       accepted = v;
       return method == v;
     };
     auto not_allowed = [&] { // RFC 9110 15.5.6: a 405 names what the path accepts
       auto r = server::problem_reply(Problem(Code::method_not_allowed, "this endpoint does not accept that method"), rid);
-      r.allow = path == "/v1/events" ? "GET" : server::allow_entry(accepted); // the stream has no HEAD
+      r.allow = path == "/v1/events" ? "GET" : http::allow_entry(accepted); // the stream has no HEAD
       return r;
     };
     auto body = [&]() -> expected<boost::json::object, Problem> {
@@ -241,20 +148,20 @@ private:
       return json::parse_object(req.body());
     };
     if (path == "/v1/events") { // a plain GET became the stream before routing
-      if (need(http::verb::get) && req.method() != http::verb::head)
+      if (need(bhttp::verb::get) && req.method() != bhttp::verb::head)
         return server::problem_reply(Problem(Code::invalid_request, "GET /v1/events takes no query"), rid);
       return not_allowed();
     }
-    if (path == "/healthz") return need(http::verb::get) ? server::json_reply(200, m_keeper.health()) : not_allowed();
+    if (path == "/healthz") return need(bhttp::verb::get) ? server::json_reply(200, m_keeper.health()) : not_allowed();
     if (path == "/metrics") {
-      if (!need(http::verb::get)) return not_allowed();
+      if (!need(bhttp::verb::get)) return not_allowed();
       server::Reply r;
       r.status = 200;
       r.body = m_keeper.metrics();
       return r;
     }
     if (path == "/v1/attach") {
-      if (!need(http::verb::post)) return not_allowed();
+      if (!need(bhttp::verb::post)) return not_allowed();
       auto o = body();
       if (!o) return server::problem_reply(o.error(), rid);
       json::ObjectReader rd(*o);
@@ -273,7 +180,7 @@ private:
       return m_keeper.attach(a, rid);
     }
     if (path == "/v1/detach") {
-      if (!need(http::verb::post)) return not_allowed();
+      if (!need(bhttp::verb::post)) return not_allowed();
       auto o = body();
       if (!o) return server::problem_reply(o.error(), rid);
       json::ObjectReader rd(*o);
@@ -281,15 +188,15 @@ private:
       if (auto ok = rd.finish(); !ok) return server::problem_reply(ok.error(), rid);
       return m_keeper.detach(*name, rid);
     }
-    if (path == "/v1/leases") return need(http::verb::get) ? m_keeper.list(rid) : not_allowed();
+    if (path == "/v1/leases") return need(bhttp::verb::get) ? m_keeper.list(rid) : not_allowed();
     if (path.rfind("/v1/leases/", 0) == 0 && path.size() > 11) {
-      if (!need(http::verb::get)) return not_allowed();
+      if (!need(bhttp::verb::get)) return not_allowed();
       std::string name;
       for (auto seg : target->segments()) name = std::string(seg);
       return m_keeper.get(name, rid);
     }
     if (path == "/v1/branch" || path == "/v1/init") {
-      if (!need(http::verb::post)) return not_allowed();
+      if (!need(bhttp::verb::post)) return not_allowed();
       auto o = body();
       if (!o) return server::problem_reply(o.error(), rid);
       json::ObjectReader rd(*o);
@@ -301,7 +208,7 @@ private:
       return m_keeper.branch(client_path(*p, m_peer.pid), client_path(*np, m_peer.pid), rid);
     }
     if (path == "/v1/lineage") {
-      if (!need(http::verb::get)) return not_allowed();
+      if (!need(bhttp::verb::get)) return not_allowed();
       std::optional<std::string> p, id;
       for (auto q : target->params()) {
         if (q.key == "path") p = std::string(q.value);
@@ -311,7 +218,7 @@ private:
       return m_keeper.lineage(p ? std::optional<fs::path>(client_path(*p, m_peer.pid)) : std::nullopt, id.value_or(""), rid);
     }
     if (path == "/v1/identify") {
-      if (!need(http::verb::get)) return not_allowed();
+      if (!need(bhttp::verb::get)) return not_allowed();
       std::optional<std::string> p;
       for (auto q : target->params())
         if (q.key == "path") p = std::string(q.value);
@@ -321,27 +228,27 @@ private:
     return server::problem_reply(Problem(Code::not_found, "no such endpoint"), rid);
   }
 
-  beast::basic_stream<local> m_stream;
   Keeper& m_keeper;
-  PeerCred m_peer;
-  beast::flat_buffer m_buffer;
-  std::optional<http::request_parser<http::string_body>> m_parser;
-  bool m_continue_sent = false;
-  server::HttpResponse m_response;
-  bool m_close = false;
-  int m_sink_id = 0;
-  bool m_events_done = false;
-  std::deque<std::string> m_lines;
+  std::function<bool(const http::Peer&)> m_allowed;
+  net::thread_pool m_work{16};
 };
 
-} // namespace
 
 LocalServer::LocalServer(net::io_context& ioc, Keeper& keeper, const fs::path& socket_path, int inherited_fd)
-    : m_ioc(ioc), m_keeper(keeper), m_path(socket_path), m_acceptor(net::make_strand(ioc)) {
-  if (inherited_fd >= 0) {
-    m_acceptor.assign(local(), inherited_fd);
-    return;
-  }
+    : m_ioc(ioc), m_keeper(keeper), m_path(socket_path) {
+  local::acceptor acceptor(net::make_strand(ioc));
+  if (inherited_fd >= 0) acceptor.assign(local(), inherited_fd);
+  else bind_socket(acceptor);
+  m_handler = std::make_unique<DaemonHandler>(keeper, [this](const http::Peer& p) { return peer_allowed(p.uid, p.gid); });
+  http::EdgeOptions options;
+  options.server_name = "mepd";
+  options.io_timeout = k_io_timeout;
+  m_listener = std::make_unique<http::UnixListener>(ioc, std::move(acceptor), *m_handler, options);
+}
+
+void LocalServer::bind_socket(local::acceptor& acceptor) {
+  const fs::path& socket_path = m_path;
+  net::io_context& ioc = m_ioc;
   std::error_code ec;
   fs::path dir = socket_path.parent_path();
   if (!dir.empty() && !fs::exists(dir, ec)) {
@@ -364,44 +271,41 @@ LocalServer::LocalServer(net::io_context& ioc, Keeper& keeper, const fs::path& s
   }
   mode_t old = ::umask(077);
   beast::error_code bec;
-  m_acceptor.open(local(), bec);
-  if (!bec) m_acceptor.bind(local::endpoint(socket_path.string()), bec);
+  acceptor.open(local(), bec);
+  if (!bec) acceptor.bind(local::endpoint(socket_path.string()), bec);
   ::umask(old);
   if (bec) throw std::runtime_error("cannot bind " + socket_path.string() + ": " + bec.message());
   ::chmod(socket_path.c_str(), 0600);
-  m_acceptor.listen(net::socket_base::max_listen_connections, bec);
+  acceptor.listen(net::socket_base::max_listen_connections, bec);
   if (bec) throw std::runtime_error("cannot listen on " + socket_path.string() + ": " + bec.message());
   m_owns_path = true;
 }
 
 LocalServer::~LocalServer() {
+  m_handler->stop();
+  m_handler->join();
   if (m_owns_path) {
     std::error_code ec;
     fs::remove(m_path, ec);
   }
 }
 
-void LocalServer::start() { do_accept(); }
+void LocalServer::start() { m_listener->start(); }
 
-void LocalServer::stop() {
-  net::post(m_acceptor.get_executor(), [this] {
-    beast::error_code ec;
-    m_acceptor.close(ec);
-  });
-}
+void LocalServer::stop() { m_listener->stop_accepting(); }
 
 // SPEC §7: the daemon's own user; in system mode (a socket the group may use, 0660) also
 // members of the socket's group.
-bool LocalServer::peer_allowed(const PeerCredView& peer) const {
-  if (peer.uid == ::getuid()) return true;
+bool LocalServer::peer_allowed(uid_t uid, gid_t gid) const {
+  if (uid == ::getuid()) return true;
   struct stat st {};
   std::string path = m_path.string();
   if (path.empty() || ::stat(path.c_str(), &st) != 0 || !(st.st_mode & S_IWGRP)) return false;
-  if (peer.gid == st.st_gid) return true;
+  if (gid == st.st_gid) return true;
   passwd pw{};
   passwd* found = nullptr;
   std::vector<char> buf(16384);
-  if (::getpwuid_r(peer.uid, &pw, buf.data(), buf.size(), &found) != 0 || !found) return false;
+  if (::getpwuid_r(uid, &pw, buf.data(), buf.size(), &found) != 0 || !found) return false;
   int n = 64;
   std::vector<gid_t> groups(static_cast<std::size_t>(n));
   if (::getgrouplist(pw.pw_name, pw.pw_gid, groups.data(), &n) < 0) {
@@ -411,27 +315,6 @@ bool LocalServer::peer_allowed(const PeerCredView& peer) const {
   for (int i = 0; i < n; ++i)
     if (groups[static_cast<std::size_t>(i)] == st.st_gid) return true;
   return false;
-}
-
-void LocalServer::do_accept() {
-  m_acceptor.async_accept(net::make_strand(m_ioc), [this](beast::error_code ec, local::socket socket) {
-    if (ec == net::error::operation_aborted || !m_acceptor.is_open()) return;
-    if (!ec) {
-      ucred cred{};
-      socklen_t len = sizeof cred;
-      PeerCred peer;
-      bool known = ::getsockopt(socket.native_handle(), SOL_SOCKET, SO_PEERCRED, &cred, &len) == 0;
-      if (known) peer = PeerCred{cred.pid, cred.uid, cred.gid};
-      auto session = std::make_shared<Session>(std::move(socket), m_keeper, peer);
-      if (!known || !peer_allowed(PeerCredView{peer.uid, peer.gid})) {
-        log::warn("refused a client with uid {}", known ? static_cast<long>(peer.uid) : -1L);
-        session->reject();
-      } else {
-        session->run();
-      }
-    }
-    do_accept();
-  });
 }
 
 } // namespace mep::daemon

@@ -151,8 +151,8 @@ int main(int argc, char** argv) {
     signals.async_wait(on_signal);
     mep::log::info("listening on {} (control plane: {})", sock, describe);
     std::vector<std::thread> pool;
-    for (int i = 0; i < 3; ++i) pool.emplace_back([&] { ioc.run(); });
-    ioc.run();
+    for (int i = 0; i < 3; ++i) pool.emplace_back([&] { mep::http::run_io_thread(ioc); });
+    mep::http::run_io_thread(ioc);
     for (auto& t : pool) t.join();
   } catch (const std::exception& e) {
     mep::log::error("{}", e.what());

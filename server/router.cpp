@@ -19,7 +19,7 @@
 #include <memory>
 
 namespace mep::server {
-namespace http = boost::beast::http;
+namespace bhttp = boost::beast::http;
 using json::Need;
 
 namespace {
@@ -31,7 +31,7 @@ enum class Auth { none, lease, admin, metrics };
 enum class Idem { none, required };
 
 struct RouteSpec {
-  http::verb method;
+  bhttp::verb method;
   std::string_view pattern; // segments; "{x}" matches one segment
   Auth auth;
   Idem idem;
@@ -40,22 +40,22 @@ struct RouteSpec {
 // The route table (SPEC §6). Order matters only for equal paths; the first whose
 // pattern and method match wins.
 constexpr RouteSpec k_routes[] = {
-    {http::verb::get, "/healthz", Auth::none, Idem::none},
-    {http::verb::get, "/readyz", Auth::none, Idem::none},
-    {http::verb::get, "/metrics", Auth::metrics, Idem::none},
-    {http::verb::post, "/v1/memories", Auth::lease, Idem::required},
-    {http::verb::post, "/v1/memories/branch", Auth::lease, Idem::required},
-    {http::verb::get, "/v1/memories/{id}", Auth::lease, Idem::none},
-    {http::verb::get, "/v1/memories/{id}/lineage", Auth::lease, Idem::none},
-    {http::verb::post, "/v1/leases", Auth::lease, Idem::required},
-    {http::verb::get, "/v1/leases", Auth::lease, Idem::none},
-    {http::verb::post, "/v1/leases/renew", Auth::lease, Idem::none},
-    {http::verb::post, "/v1/leases/renew-batch", Auth::lease, Idem::none},
-    {http::verb::post, "/v1/leases/release", Auth::lease, Idem::none},
-    {http::verb::get, "/v1/leases/{canonical_name}", Auth::lease, Idem::none},
-    {http::verb::post, "/v1/fence/verify", Auth::lease, Idem::none},
-    {http::verb::post, "/v1/admin/leases/revoke", Auth::admin, Idem::none},
-    {http::verb::get, "/v1/migration/identity-map", Auth::lease, Idem::none},
+    {bhttp::verb::get, "/healthz", Auth::none, Idem::none},
+    {bhttp::verb::get, "/readyz", Auth::none, Idem::none},
+    {bhttp::verb::get, "/metrics", Auth::metrics, Idem::none},
+    {bhttp::verb::post, "/v1/memories", Auth::lease, Idem::required},
+    {bhttp::verb::post, "/v1/memories/branch", Auth::lease, Idem::required},
+    {bhttp::verb::get, "/v1/memories/{id}", Auth::lease, Idem::none},
+    {bhttp::verb::get, "/v1/memories/{id}/lineage", Auth::lease, Idem::none},
+    {bhttp::verb::post, "/v1/leases", Auth::lease, Idem::required},
+    {bhttp::verb::get, "/v1/leases", Auth::lease, Idem::none},
+    {bhttp::verb::post, "/v1/leases/renew", Auth::lease, Idem::none},
+    {bhttp::verb::post, "/v1/leases/renew-batch", Auth::lease, Idem::none},
+    {bhttp::verb::post, "/v1/leases/release", Auth::lease, Idem::none},
+    {bhttp::verb::get, "/v1/leases/{canonical_name}", Auth::lease, Idem::none},
+    {bhttp::verb::post, "/v1/fence/verify", Auth::lease, Idem::none},
+    {bhttp::verb::post, "/v1/admin/leases/revoke", Auth::admin, Idem::none},
+    {bhttp::verb::get, "/v1/migration/identity-map", Auth::lease, Idem::none},
 };
 
 // Endpoints closed while a legacy migration is in progress (SPEC §10).
@@ -107,18 +107,18 @@ struct Call {
 using CallPtr = std::shared_ptr<Call>;
 
 HttpResponse make_response(const Call& c, const Reply& r) {
-  HttpResponse res{static_cast<http::status>(r.status), c.req.version()};
-  res.set(http::field::server, "mep");
+  HttpResponse res{static_cast<bhttp::status>(r.status), c.req.version()};
+  res.set(bhttp::field::server, "mep");
   res.set("X-Request-Id", c.ctx.request_id);
-  res.set(http::field::cache_control, "no-store");
+  res.set(bhttp::field::cache_control, "no-store");
   if (!r.body.empty() || r.status != 204) {
-    res.set(http::field::content_type, r.problem ? "application/problem+json" : "application/json");
+    res.set(bhttp::field::content_type, r.problem ? "application/problem+json" : "application/json");
     res.body() = r.body;
   }
-  if (r.retry_after_s) res.set(http::field::retry_after, std::to_string(*r.retry_after_s));
+  if (r.retry_after_s) res.set(bhttp::field::retry_after, std::to_string(*r.retry_after_s));
   if (r.replayed) res.set("Idempotent-Replayed", "true");
-  if (r.status == 401) res.set(http::field::www_authenticate, "Bearer realm=\"mep\"");
-  if (!r.allow.empty()) res.set(http::field::allow, r.allow);
+  if (r.status == 401) res.set(bhttp::field::www_authenticate, "Bearer realm=\"mep\"");
+  if (!r.allow.empty()) res.set(bhttp::field::allow, r.allow);
   res.keep_alive(c.req.keep_alive());
   res.prepare_payload();
   return res;
@@ -129,7 +129,7 @@ void finish(const CallPtr& c, Reply r) {
   double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - c->start).count();
   std::string labels = "route=\"" + c->route_label + "\",code=\"" + std::to_string(r.status) + "\"";
   m.observe("mep_http_request_duration_seconds", labels, secs);
-  if (c->route && c->route->pattern == "/v1/leases" && c->route->method == http::verb::post)
+  if (c->route && c->route->pattern == "/v1/leases" && c->route->method == bhttp::verb::post)
     m.inc("mep_claims_total", "outcome=\"" + (r.outcome.empty() ? std::to_string(r.status) : r.outcome) + "\"");
   if (c->route && (c->route->pattern == "/v1/leases/renew" || c->route->pattern == "/v1/leases/renew-batch"))
     m.observe("mep_lease_renewal_latency_seconds", "", secs);
@@ -145,7 +145,7 @@ Done reply_to(CallPtr c) {
   return [c = std::move(c)](Reply r) { finish(c, std::move(r)); };
 }
 
-std::optional<std::string> header_once(const HttpRequest& req, http::field f, bool& doubled) {
+std::optional<std::string> header_once(const HttpRequest& req, bhttp::field f, bool& doubled) {
   auto range = req.equal_range(f);
   std::optional<std::string> value;
   doubled = false;
@@ -170,7 +170,7 @@ std::optional<std::string> header_once(const HttpRequest& req, std::string_view 
 // Authenticates the bearer token (SPEC §6: before anything else).
 bool authenticate(const CallPtr& c, Store& store, RateLimiter& audit_budget) {
   bool doubled = false;
-  auto h = header_once(c->req, http::field::authorization, doubled);
+  auto h = header_once(c->req, bhttp::field::authorization, doubled);
   auto unauth = [&](std::string detail) {
     Metrics::global().inc("mep_auth_failures_total");
     fail(c, Problem(Code::unauthenticated, std::move(detail)));
@@ -205,7 +205,7 @@ bool authenticate(const CallPtr& c, Store& store, RateLimiter& audit_budget) {
 std::optional<boost::json::object> body_object(const CallPtr& c, bool empty_ok) {
   if (empty_ok && c->req.body().empty()) return boost::json::object{};
   bool doubled = false;
-  auto ct = header_once(c->req, http::field::content_type, doubled);
+  auto ct = header_once(c->req, bhttp::field::content_type, doubled);
   if (doubled) {
     fail(c, Problem(Code::invalid_request, "more than one Content-Type header"));
     return std::nullopt;
@@ -501,7 +501,7 @@ void on_metrics(const CallPtr& c, Store& store) {
   r.status = 200;
   r.body = m.render();
   HttpResponse res = make_response(*c, r);
-  res.set(http::field::content_type, "text/plain; version=0.0.4; charset=utf-8");
+  res.set(bhttp::field::content_type, "text/plain; version=0.0.4; charset=utf-8");
   c->send(std::move(res));
 }
 
@@ -542,19 +542,14 @@ std::optional<std::string> parse_idempotency_key(std::string_view v) {
   return out;
 }
 
-HttpResponse Router::problem_response(const Problem& p, unsigned version, bool keep_alive) {
-  Problem q = p;
-  q.instance = uuid_v7().to_string();
-  Reply r = problem_reply(q, q.instance);
-  HttpResponse res{static_cast<http::status>(r.status), version};
-  res.set(http::field::server, "mep");
-  res.set("X-Request-Id", q.instance);
-  res.set(http::field::content_type, "application/problem+json");
-  res.set(http::field::cache_control, "no-store");
-  res.body() = r.body;
-  res.keep_alive(keep_alive);
-  res.prepare_payload();
-  return res;
+http::BodyPlan Router::plan(const http::RequestHeader& header, const Peer&) {
+  http::BodyPlan plan;
+  plan.limit = body_limit_for(header.target());
+  return plan;
+}
+
+void Router::handle(http::Request&& req, const Peer& peer, std::shared_ptr<http::BodySink>, http::Responder responder) {
+  handle(std::move(req), peer, [responder](HttpResponse&& res) { responder.send(std::move(res)); });
 }
 
 void Router::handle(HttpRequest&& req, const Peer& peer, Send send) {
@@ -564,15 +559,10 @@ void Router::handle(HttpRequest&& req, const Peer& peer, Send send) {
   c->send = std::move(send);
   c->ctx.request_id = uuid_v7().to_string();
   // HEAD is GET without the content (RFC 9110 §9.3.2): the same checks, status and headers,
-  // Content-Length included, so that `curl -I` and load-balancer probes work.
-  const bool head = c->req.method() == http::verb::head;
-  const http::verb method = head ? http::verb::get : c->req.method();
-  if (head) {
-    c->send = [send = std::move(c->send)](HttpResponse&& res) {
-      res.body().clear(); // Content-Length was set for the content
-      send(std::move(res));
-    };
-  }
+  // Content-Length included, so that `curl -I` and load-balancer probes work; the edge
+  // sends only the head.
+  const bool head = c->req.method() == bhttp::verb::head;
+  const bhttp::verb method = head ? bhttp::verb::get : c->req.method();
 
   // 1. Route: 404 for unknown paths, 405 (with Allow) for known paths and other methods.
   auto target = boost::urls::parse_origin_form(c->req.target());
@@ -591,7 +581,7 @@ void Router::handle(HttpRequest&& req, const Peer& peer, Send send) {
       break;
     }
     if (!allow.empty()) allow += ", ";
-    allow += allow_entry(r.method);
+    allow += http::allow_entry(r.method);
   }
   if (!c->route) {
     if (allow.empty()) return fail(c, Problem(Code::not_found, "no such endpoint"));
@@ -626,7 +616,7 @@ void Router::handle(HttpRequest&& req, const Peer& peer, Send send) {
 
   // 4. The migration gate, then the handler.
   const auto& p = route.pattern;
-  if (route.method == http::verb::post && gated_by_migration(p) && m_store.migration_in_progress()) {
+  if (route.method == bhttp::verb::post && gated_by_migration(p) && m_store.migration_in_progress()) {
     Problem gate(Code::migration_in_progress, "a legacy migration is in progress; leases resume after 'mep migrate activate'");
     gate.retry_after_s = 5;
     return fail(c, std::move(gate));
@@ -637,7 +627,7 @@ void Router::handle(HttpRequest&& req, const Peer& peer, Send send) {
   if (p == "/v1/memories/branch") return on_branch(c, m_store);
   if (p == "/v1/memories/{id}") return on_get_memory(c, m_store);
   if (p == "/v1/memories/{id}/lineage") return on_lineage(c, m_store);
-  if (p == "/v1/leases") return route.method == http::verb::post ? on_claim(c, m_store) : on_list_leases(c, m_store);
+  if (p == "/v1/leases") return route.method == bhttp::verb::post ? on_claim(c, m_store) : on_list_leases(c, m_store);
   if (p == "/v1/leases/renew") return on_renew(c, m_store);
   if (p == "/v1/leases/renew-batch") return on_renew_batch(c, m_store);
   if (p == "/v1/leases/release") return on_release(c, m_store);

@@ -2,7 +2,8 @@
 #include "mep/server.hpp"
 
 #include "mep/config.hpp"
-#include "mep/http_server.hpp"
+#include "mep/http/edge.hpp"
+#include "mep/router.hpp"
 #include "mep/log.hpp"
 #include "mep/problem.hpp"
 #include "mep/pg_store.hpp"
@@ -124,7 +125,7 @@ int run_server(const ServerOptions& o) {
   std::unique_ptr<net::ssl::context> tls_ctx;
   try {
     store = open_store(o.db_url.empty() ? default_db_url() : o.db_url, o.store);
-    if (tls) tls_ctx = make_tls_context(o.tls_cert, o.tls_key);
+    if (tls) tls_ctx = http::make_tls_context(o.tls_cert, o.tls_key);
   } catch (const std::exception& e) {
     log::error("{}", e.what());
     return exit_code::other;
@@ -135,9 +136,9 @@ int run_server(const ServerOptions& o) {
   net::io_context ioc(o.threads);
   store->set_completion_executor([&ioc](std::function<void()> f) { net::post(ioc, std::move(f)); });
   Router router(*store, o.rate_limit);
-  std::unique_ptr<HttpServer> http;
+  std::unique_ptr<http::TcpListener> http;
   try {
-    http = std::make_unique<HttpServer>(ioc, *endpoint, router, tls_ctx.get());
+    http = std::make_unique<http::TcpListener>(ioc, *endpoint, router, tls_ctx.get(), http::EdgeOptions{});
   } catch (const boost::system::system_error& e) {
     log::error("cannot listen on {}: {}", o.listen, e.code().message());
     return exit_code::other;
@@ -169,8 +170,8 @@ int run_server(const ServerOptions& o) {
   std::fflush(stderr);
 
   std::vector<std::thread> pool;
-  for (int i = 1; i < o.threads; ++i) pool.emplace_back([&] { ioc.run(); });
-  ioc.run();
+  for (int i = 1; i < o.threads; ++i) pool.emplace_back([&] { http::run_io_thread(ioc); });
+  http::run_io_thread(ioc);
   for (auto& t : pool) t.join();
   // The store finishes what it has queued and stops its threads while the io_context it
   // posts completions to still exists (stopped: they are dropped, not run).

@@ -1,6 +1,7 @@
 // mepd's HTTP/1.1 server on a Unix socket (SPEC §7): peers checked with SO_PEERCRED,
 // requests routed to the Keeper, the NDJSON event stream on GET /v1/events.
 #pragma once
+#include "mep/http/edge.hpp"
 #include "mep/keeper.hpp"
 
 #include <boost/asio/io_context.hpp>
@@ -12,6 +13,8 @@
 
 namespace mep::daemon {
 
+class DaemonHandler;
+
 class LocalServer {
 public:
   /// Listens on `socket_path` (the directory is created 0700, the socket is 0600), or on
@@ -20,21 +23,18 @@ public:
               int inherited_fd);
   ~LocalServer();
   void start();
+  /// Stops accepting connections.
   void stop();
 
-  struct PeerCredView {
-    uid_t uid;
-    gid_t gid;
-  };
-
 private:
-  bool peer_allowed(const PeerCredView& peer) const;
-  void do_accept();
+  void bind_socket(boost::asio::local::stream_protocol::acceptor& acceptor);
+  bool peer_allowed(uid_t uid, gid_t gid) const;
   boost::asio::io_context& m_ioc;
   Keeper& m_keeper;
   std::filesystem::path m_path;
   bool m_owns_path = false;
-  boost::asio::local::stream_protocol::acceptor m_acceptor;
+  std::unique_ptr<DaemonHandler> m_handler;
+  std::unique_ptr<http::UnixListener> m_listener;
 };
 
 } // namespace mep::daemon

@@ -1,11 +1,9 @@
 // The control plane's route table and handlers: HTTP request in, Store call, HTTP
 // response out (SPEC §6). Handlers decode and validate; the Store runs the transaction.
 #pragma once
+#include "mep/http/edge.hpp"
 #include "mep/rate_limit.hpp"
 #include "mep/store.hpp"
-
-#include <boost/beast/http/message.hpp>
-#include <boost/beast/http/string_body.hpp>
 
 #include <functional>
 #include <string>
@@ -13,9 +11,10 @@
 
 namespace mep::server {
 
-using HttpRequest = boost::beast::http::request<boost::beast::http::string_body>;
-using HttpResponse = boost::beast::http::response<boost::beast::http::string_body>;
+using HttpRequest = http::Request;
+using HttpResponse = http::Response;
 using Send = std::function<void(HttpResponse&&)>;
+using Peer = http::Peer;
 
 inline constexpr std::size_t k_body_limit = 16 * 1024;
 /// renew-batch carries up to 1000 leases (~250 bytes each), which cannot fit in 16 KiB:
@@ -28,25 +27,17 @@ inline std::size_t body_limit_for(std::string_view target) {
   return target.substr(0, target.find('?')) == "/v1/leases/renew-batch" ? k_batch_body_limit : k_body_limit;
 }
 
-/// A route's method as the Allow header of a 405 names it: GET routes answer HEAD too.
-inline std::string allow_entry(boost::beast::http::verb v) {
-  return v == boost::beast::http::verb::get ? "GET, HEAD" : std::string(boost::beast::http::to_string(v));
-}
-
-/// What the router knows about the peer.
-struct Peer {
-  bool loopback = false;
-};
-
-class Router {
+class Router final : public http::Handler {
 public:
   Router(Store& store, double rate_limit) : m_store(store), m_limiter(rate_limit), m_auth_failures(5) {}
 
   /// Answers `req`; `send` is called exactly once, possibly from another thread.
   void handle(HttpRequest&& req, const Peer& peer, Send send);
 
-  /// A problem response for errors found before routing (parser errors, limits).
-  static HttpResponse problem_response(const Problem& p, unsigned version, bool keep_alive);
+  // http::Handler: the route's body limit, then handle() above.
+  http::BodyPlan plan(const http::RequestHeader& header, const Peer& peer) override;
+  void handle(http::Request&& req, const Peer& peer, std::shared_ptr<http::BodySink> sink,
+              http::Responder responder) override;
 
 private:
   Store& m_store;

@@ -47,3 +47,13 @@ def read_to_close(sock):
         if not chunk:
             return data
         data += chunk
+
+
+def send_all_then_read(sock, request):
+    """Sends the whole request before reading anything (as Python's http.client does with
+    a body and no Expect), then reads the answer until the peer closes. Returns
+    (status line bytes, whole reply); a send or read error (the peer reset the connection
+    while the body was still on its way) propagates to the caller."""
+    sock.sendall(request)
+    reply = read_to_close(sock)
+    return reply.split(b"\r\n", 1)[0], reply

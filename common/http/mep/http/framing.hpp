@@ -1,4 +1,4 @@
-// Request framing for the Beast sessions of mep server and mepd: `Expect: 100-continue`
+// Request framing for the HTTP edge (edge.cpp): `Expect: 100-continue`
 // (RFC 9110 §10.1.1), where a client waits for an interim 100 before it sends the body, and
 // requests whose body length is ambiguous.
 #pragma once
@@ -8,7 +8,7 @@
 
 #include <string_view>
 
-namespace mep::server {
+namespace mep::http {
 
 /// The interim response such a client waits for.
 inline boost::asio::const_buffer continue_response() {
@@ -56,4 +56,4 @@ const char* framing_problem(const Header& h) {
   return nullptr;
 }
 
-} // namespace mep::server
+} // namespace mep::http
