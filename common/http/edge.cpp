@@ -327,6 +327,13 @@ private:
 
   template <class Parser>
   void read_some(Parser& parser) {
+    // Bytes that arrived with the header (usually the whole body of a small request) are
+    // parsed here: no second trip through the scheduler for them.
+    if (!parser.is_done() && m_buffer.size() > 0) {
+      beast::error_code ec;
+      m_buffer.consume(parser.put(m_buffer.data(), ec));
+      if (ec && ec != bhttp::error::need_more) return on_read_error(ec);
+    }
     if (parser.is_done()) return dispatch_request();
     if (m_sinked) lowest().expires_after(m_options.io_timeout); // idle deadline for a streamed body
     bhttp::async_read_some(m_stream, m_buffer, parser, [self = shared()](beast::error_code ec, std::size_t) {
