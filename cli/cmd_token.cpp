@@ -1,15 +1,19 @@
 // `mep token create|list|revoke`: bearer tokens for the control plane. Tokens are shown
-// once, at creation, and stored only as SHA-256.
+// once, at creation, and stored only as SHA-256. `mep token new|hash`: tokens for services
+// that keep a file of accepted hashes (mep store --token-file).
 #include "commands.hpp"
 
+#include "mep/crypto.hpp"
 #include "mep/json.hpp"
 #include "mep/problem.hpp"
+#include "mep/random.hpp"
 #include "mep/store.hpp"
 #include "mep/time.hpp"
 
 #include <boost/json.hpp>
 
 #include <cstdio>
+#include <iostream>
 #include <memory>
 
 namespace mep::cli {
@@ -78,6 +82,39 @@ void register_token(CLI::App& app, GlobalOptions& g, Action& action) {
           std::printf("%-36s  %-20s  %-12s  %-24s  %s\n", t.token_id.c_str(), t.tenant_name.c_str(),
                       t.scopes.c_str(), format_rfc3339_ms(t.created_at).c_str(),
                       t.revoked_at ? format_rfc3339_ms(*t.revoked_at).c_str() : "-");
+      }
+      return exit_code::ok;
+    };
+  });
+
+  auto* fresh = cmd->add_subcommand("new", "Print a new random bearer token (256 bits), stored nowhere");
+  fresh->callback([&action] {
+    action = [] {
+      std::printf("mep_%s\n", random_hex(32).c_str());
+      return exit_code::ok;
+    };
+  });
+
+  auto hash_token = std::make_shared<std::string>();
+  auto* hash = cmd->add_subcommand(
+      "hash", "Print the SHA-256 of a token (or of each line on stdin): the lines of mep store --token-file");
+  hash->add_option("token", *hash_token, "The token (default: read one per line from stdin)");
+  hash->callback([=, &action] {
+    action = [=] {
+      if (!hash_token->empty()) {
+        std::printf("%s\n", sha256_hex(*hash_token).c_str());
+        return exit_code::ok;
+      }
+      int n = 0;
+      for (std::string line; std::getline(std::cin, line);) {
+        while (!line.empty() && (line.back() == '\r' || line.back() == ' ' || line.back() == '\t')) line.pop_back();
+        if (line.empty()) continue;
+        std::printf("%s\n", sha256_hex(line).c_str());
+        ++n;
+      }
+      if (n == 0) {
+        std::fprintf(stderr, "mep: no token on stdin (give one as an argument, or one per line)\n");
+        return exit_code::usage;
       }
       return exit_code::ok;
     };

@@ -49,6 +49,7 @@ std::string resolve_db_url(const std::string& flag, const GlobalOptions& g);
 /// Each register_* adds its subcommand to `app` and sets `action` when it is chosen.
 void register_canonicalize(CLI::App& app, GlobalOptions& g, Action& action);
 void register_server(CLI::App& app, GlobalOptions& g, Action& action);
+void register_store(CLI::App& app, GlobalOptions& g, Action& action);
 void register_token(CLI::App& app, GlobalOptions& g, Action& action);
 void register_lease_commands(CLI::App& app, GlobalOptions& g, Action& action);
 void register_run(CLI::App& app, GlobalOptions& g, Action& action);

@@ -30,6 +30,7 @@ int main(int argc, char** argv) {
   Action action;
   register_canonicalize(app, g, action);
   register_server(app, g, action);
+  register_store(app, g, action);
   register_token(app, g, action);
   register_lease_commands(app, g, action);
   register_run(app, g, action);

@@ -42,6 +42,10 @@ constexpr std::array k_codes = {
     CodeInfo{Code::unavailable, "unavailable", 503, "Service unavailable", ec::unavailable},
     CodeInfo{Code::migration_in_progress, "migration-in-progress", 503, "Migration in progress",
              ec::unavailable},
+    CodeInfo{Code::precondition_failed, "precondition-failed", 412, "Precondition failed", ec::other},
+    CodeInfo{Code::store_unavailable, "store-unavailable", 503, "Data plane unavailable", ec::unavailable},
+    CodeInfo{Code::insufficient_storage, "insufficient-storage", 507, "Insufficient storage", ec::unavailable},
+    CodeInfo{Code::store_not_configured, "store-not-configured", 501, "No data plane configured", ec::other},
 };
 
 static_assert([] {

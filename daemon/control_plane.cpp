@@ -1,13 +1,13 @@
 // Control-plane clients for mepd: embedded (the Router in-process) and remote (libcurl).
 #include "mep/control_plane.hpp"
 
+#include "mep/http/client.hpp"
 #include "mep/json.hpp"
 #include "mep/router.hpp"
 #include "mep/sqlite_store.hpp"
 
 #include <boost/beast/http.hpp>
 #include <boost/json/parse.hpp>
-#include <curl/curl.h>
 
 #include <algorithm>
 #include <chrono>
@@ -18,7 +18,7 @@
 #include <vector>
 
 namespace mep::daemon {
-namespace http = boost::beast::http;
+namespace bhttp = boost::beast::http;
 
 boost::json::object CpReply::json() const {
   boost::system::error_code ec;
@@ -61,9 +61,9 @@ public:
 
   CpReply request(std::string_view method, std::string_view path, const std::string& body,
                   const std::string& idempotency_key, std::chrono::milliseconds timeout) override {
-    server::HttpRequest req{http::string_to_verb(method), path, 11};
-    req.set(http::field::authorization, "Bearer " + m_token);
-    if (!body.empty()) req.set(http::field::content_type, "application/json");
+    server::HttpRequest req{bhttp::string_to_verb(method), path, 11};
+    req.set(bhttp::field::authorization, "Bearer " + m_token);
+    if (!body.empty()) req.set(bhttp::field::content_type, "application/json");
     if (!idempotency_key.empty()) req.set("Idempotency-Key", idempotency_key);
     req.body() = body;
     req.prepare_payload();
@@ -77,7 +77,7 @@ public:
     CpReply r;
     r.status = static_cast<int>(res.result_int());
     r.body = res.body();
-    if (auto it = res.find(http::field::retry_after); it != res.end())
+    if (auto it = res.find(bhttp::field::retry_after); it != res.end())
       r.retry_after_s = std::atoi(std::string(it->value()).c_str());
     return r;
   }
@@ -91,123 +91,39 @@ private:
   std::string m_describe;
 };
 
-// ---- remote (libcurl) ------------------------------------------------------------------------
-
-struct CurlGlobal {
-  CurlGlobal() { curl_global_init(CURL_GLOBAL_DEFAULT); }
-};
-
-size_t on_body(char* p, size_t size, size_t n, void* user) {
-  static_cast<std::string*>(user)->append(p, size * n);
-  return size * n;
-}
-
-size_t on_header(char* p, size_t size, size_t n, void* user) {
-  std::string_view line(p, size * n);
-  constexpr std::string_view k = "retry-after:";
-  if (line.size() > k.size()) {
-    std::string lower(line.substr(0, k.size()));
-    for (auto& ch : lower) ch = static_cast<char>(std::tolower(static_cast<unsigned char>(ch)));
-    if (lower == k) *static_cast<std::optional<int>*>(user) = std::atoi(std::string(line.substr(k.size())).c_str());
-  }
-  return size * n;
-}
-
-bool loopback_host(const std::string& host) {
-  return host == "localhost" || host.rfind("127.", 0) == 0 || host == "[::1]" || host == "::1";
-}
+// ---- remote ---------------------------------------------------------------------------------
 
 class RemoteControlPlane final : public ControlPlane {
 public:
-  RemoteControlPlane(std::string url, std::string token) : m_url(std::move(url)), m_token(std::move(token)) {
-    static CurlGlobal global;
-    while (!m_url.empty() && m_url.back() == '/') m_url.pop_back();
-    bool https = m_url.rfind("https://", 0) == 0;
-    bool plain = m_url.rfind("http://", 0) == 0;
-    if (!https && !plain) throw std::runtime_error("the control-plane URL must start with https:// or http://");
-    if (plain) {
-      std::string rest = m_url.substr(7);
-      std::string host = rest.substr(0, rest.find_first_of("/"));
-      if (host.front() == '[') host = host.substr(0, host.find(']') + 1);
-      else host = host.substr(0, host.find(':'));
-      if (!loopback_host(host))
-        throw std::runtime_error("plain http:// is allowed for a loopback control plane only; use https://");
-    }
+  RemoteControlPlane(std::string url, std::string token)
+      : m_url(http::checked_base_url(std::move(url), "control-plane URL")), m_token(std::move(token)) {
     if (m_token.empty()) throw std::runtime_error("a remote control plane needs a token (--token-file or MEP_TOKEN)");
-  }
-
-  ~RemoteControlPlane() override {
-    for (CURL* c : m_pool) curl_easy_cleanup(c);
   }
 
   CpReply request(std::string_view method, std::string_view path, const std::string& body,
                   const std::string& idempotency_key, std::chrono::milliseconds timeout) override {
-    CURL* c = acquire();
-    long total_ms = timeout.count() > 0 ? static_cast<long>(timeout.count()) : 10000L;
+    http::ClientRequest req;
+    req.method = std::string(method);
+    req.url = m_url + std::string(path);
+    req.headers = {{"Authorization", "Bearer " + m_token}, {"Content-Type", "application/json"}};
+    if (!idempotency_key.empty()) req.headers.emplace_back("Idempotency-Key", idempotency_key);
+    req.body = body;
+    if (timeout.count() > 0) req.timeout = timeout;
+    auto res = m_client.perform(req);
     CpReply r;
-    std::string url = m_url + std::string(path);
-    curl_slist* headers = nullptr;
-    std::string auth = "Authorization: Bearer " + m_token;
-    headers = curl_slist_append(headers, auth.c_str());
-    headers = curl_slist_append(headers, "Content-Type: application/json");
-    std::string idem = "Idempotency-Key: " + idempotency_key;
-    if (!idempotency_key.empty()) headers = curl_slist_append(headers, idem.c_str());
-    std::string m(method);
-    curl_easy_reset(c);
-    curl_easy_setopt(c, CURLOPT_URL, url.c_str());
-    curl_easy_setopt(c, CURLOPT_CUSTOMREQUEST, m.c_str());
-    if (m == "POST") {
-      curl_easy_setopt(c, CURLOPT_POSTFIELDS, body.c_str());
-      curl_easy_setopt(c, CURLOPT_POSTFIELDSIZE, static_cast<long>(body.size()));
-    }
-    curl_easy_setopt(c, CURLOPT_HTTPHEADER, headers);
-    curl_easy_setopt(c, CURLOPT_WRITEFUNCTION, on_body);
-    curl_easy_setopt(c, CURLOPT_WRITEDATA, &r.body);
-    curl_easy_setopt(c, CURLOPT_HEADERFUNCTION, on_header);
-    curl_easy_setopt(c, CURLOPT_HEADERDATA, &r.retry_after_s);
-    curl_easy_setopt(c, CURLOPT_NOSIGNAL, 1L);
-    curl_easy_setopt(c, CURLOPT_CONNECTTIMEOUT_MS, std::min(3000L, total_ms));
-    curl_easy_setopt(c, CURLOPT_TIMEOUT_MS, total_ms);
-    curl_easy_setopt(c, CURLOPT_SSLVERSION, static_cast<long>(CURL_SSLVERSION_TLSv1_3));
-    curl_easy_setopt(c, CURLOPT_PROTOCOLS_STR, "http,https");
-    CURLcode rc = curl_easy_perform(c);
-    if (rc == CURLE_OK) {
-      long code = 0;
-      curl_easy_getinfo(c, CURLINFO_RESPONSE_CODE, &code);
-      r.status = static_cast<int>(code);
-    } else {
-      r.status = 0;
-      r.error = curl_easy_strerror(rc);
-      r.body.clear();
-    }
-    curl_slist_free_all(headers);
-    release(c);
+    r.status = res.status;
+    r.error = std::move(res.error);
+    if (r.status) r.body = std::move(res.body);
+    r.retry_after_s = res.retry_after();
     return r;
   }
 
   std::string describe() const override { return m_url; }
 
 private:
-  CURL* acquire() {
-    {
-      std::lock_guard lock(m_mutex);
-      if (!m_pool.empty()) {
-        CURL* c = m_pool.back();
-        m_pool.pop_back();
-        return c;
-      }
-    }
-    return curl_easy_init();
-  }
-  void release(CURL* c) {
-    std::lock_guard lock(m_mutex);
-    m_pool.push_back(c);
-  }
-
   std::string m_url;
   std::string m_token;
-  std::mutex m_mutex;
-  std::vector<CURL*> m_pool;
+  http::Client m_client;
 };
 
 } // namespace

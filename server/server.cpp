@@ -34,30 +34,6 @@ std::unique_ptr<Store> open_store(const std::string& url, const StoreOptions& op
 
 namespace {
 
-// Parses HOST:PORT ([v6]:PORT too); "localhost" means 127.0.0.1.
-std::optional<tcp::endpoint> parse_listen(const std::string& s) {
-  std::string host, port;
-  if (!s.empty() && s.front() == '[') {
-    auto close = s.find(']');
-    if (close == std::string::npos || close + 1 >= s.size() || s[close + 1] != ':') return std::nullopt;
-    host = s.substr(1, close - 1);
-    port = s.substr(close + 2);
-  } else {
-    auto colon = s.rfind(':');
-    if (colon == std::string::npos) return std::nullopt;
-    host = s.substr(0, colon);
-    port = s.substr(colon + 1);
-  }
-  if (host == "localhost") host = "127.0.0.1";
-  boost::system::error_code ec;
-  auto addr = net::ip::make_address(host, ec);
-  if (ec || port.empty() || port.size() > 5 || port.find_first_not_of("0123456789") != std::string::npos)
-    return std::nullopt;
-  unsigned long p = std::stoul(port);
-  if (p > 65535) return std::nullopt;
-  return tcp::endpoint(addr, static_cast<unsigned short>(p));
-}
-
 // Runs Store::sweep once a second until stopped (L5: storage does not grow with churn);
 // again after 10 ms while sweeps come back full (a backlog: more rows end per second
 // than one sweep removes).
@@ -105,7 +81,7 @@ int run_server(const ServerOptions& o) {
   log::Level level;
   if (!log::parse_level(o.log_level, level)) errors.push_back("--log-level must be debug, info, warn or error");
   else log::set_level(level);
-  auto endpoint = parse_listen(o.listen);
+  auto endpoint = http::parse_listen(o.listen);
   if (!endpoint) errors.push_back("--listen must be HOST:PORT with an IP address (got \"" + o.listen + "\")");
   bool tls = !o.tls_cert.empty() || !o.tls_key.empty();
   if (tls && (o.tls_cert.empty() || o.tls_key.empty()))

@@ -24,6 +24,7 @@
 #include "mep/uuid.hpp"
 
 #include <boost/asio/dispatch.hpp>
+#include <boost/asio/ip/address.hpp>
 #include <boost/asio/post.hpp>
 #include <boost/asio/ssl/stream.hpp>
 #include <boost/asio/strand.hpp>
@@ -39,6 +40,7 @@
 #include <sys/socket.h>
 
 #include <deque>
+#include <limits>
 #include <mutex>
 #include <variant>
 
@@ -67,6 +69,7 @@ Response problem_response(Problem p, unsigned version, bool keep_alive, std::str
   res.set(bhttp::field::content_type, "application/problem+json");
   res.set(bhttp::field::cache_control, "no-store");
   if (p.retry_after_s) res.set(bhttp::field::retry_after, std::to_string(*p.retry_after_s));
+  if (p.code == Code::unauthenticated) res.set(bhttp::field::www_authenticate, "Bearer realm=\"mep\"");
   res.body() = boost::json::serialize(p.to_json());
   res.keep_alive(keep_alive);
   res.prepare_payload();
@@ -270,6 +273,8 @@ private:
   void do_read() {
     m_header.emplace();
     m_header->header_limit(static_cast<std::uint32_t>(m_options.header_limit));
+    // The header parser must not judge the body: plan() gives each request its own limit.
+    m_header->body_limit(std::numeric_limits<std::uint64_t>::max());
     m_string.reset();
     m_sinked.reset();
     m_sink.reset();
@@ -429,6 +434,9 @@ private:
   // Answers with `p` without reading the request's body (maybe never sent, maybe on its
   // way), then closes lingering.
   void refuse(Problem p) {
+    // What the request was going into is let go now, not when the connection ends.
+    m_sinked.reset();
+    m_sink.reset();
     m_head = false;
     answered();
     write(std::make_shared<Response>(problem_response(std::move(p), m_version, false, m_options.server_name)),
@@ -438,6 +446,8 @@ private:
   // ---- closing ----
 
   void close_now() {
+    m_sinked.reset();
+    m_sink.reset();
     beast::error_code ec;
     lowest().socket().shutdown(net::socket_base::shutdown_both, ec);
     lowest().socket().close(ec);
@@ -615,6 +625,30 @@ void UnixListener::do_accept() {
     }
     do_accept();
   });
+}
+
+// Parses HOST:PORT ([v6]:PORT too); "localhost" means 127.0.0.1.
+std::optional<tcp::endpoint> parse_listen(const std::string& s) {
+  std::string host, port;
+  if (!s.empty() && s.front() == '[') {
+    auto close = s.find(']');
+    if (close == std::string::npos || close + 1 >= s.size() || s[close + 1] != ':') return std::nullopt;
+    host = s.substr(1, close - 1);
+    port = s.substr(close + 2);
+  } else {
+    auto colon = s.rfind(':');
+    if (colon == std::string::npos) return std::nullopt;
+    host = s.substr(0, colon);
+    port = s.substr(colon + 1);
+  }
+  if (host == "localhost") host = "127.0.0.1";
+  boost::system::error_code ec;
+  auto addr = net::ip::make_address(host, ec);
+  if (ec || port.empty() || port.size() > 5 || port.find_first_not_of("0123456789") != std::string::npos)
+    return std::nullopt;
+  unsigned long p = std::stoul(port);
+  if (p > 65535) return std::nullopt;
+  return tcp::endpoint(addr, static_cast<unsigned short>(p));
 }
 
 std::unique_ptr<net::ssl::context> make_tls_context(const std::string& cert_file, const std::string& key_file) {

@@ -37,6 +37,10 @@ enum class Code {
   transaction_conflict,
   unavailable,
   migration_in_progress,
+  precondition_failed,  // data plane: If-Match / If-None-Match did not hold
+  store_unavailable,    // the data plane could not be reached (to advance the fence, sync, fetch)
+  insufficient_storage, // the data plane's disk is full
+  store_not_configured, // mepd has no data plane (--store) for sync and fetch
 };
 
 /// CLI exit codes (SPEC §7).

@@ -14,6 +14,17 @@ verifies, for the whole history:
 
 Only acknowledged outcomes are trusted; operations without an answer (a killed server)
 are kept as "unknown" and constrain nothing, which is what a client can know.
+
+Data-plane writes (kind `write`: a PUT to the store with a fencing token; kind `advance`)
+are checked by `check_data(final)` (SPEC §8):
+
+- D1: an accepted write's token is at least every token the store acknowledged (a write or
+  an advance) before that write started: a lower token's bytes never become current after
+  a higher token was accepted;
+- D2: the store's final object for a memory carries the highest token of any accepted
+  write (or of a write with no answer, which may have been applied), and its bytes are the
+  bytes of a write with that token;
+- D3: a write refused as stale named a current token higher than the one it presented.
 """
 import threading
 import time
@@ -32,11 +43,12 @@ class History:
     def begin(self):
         return time.monotonic()
 
-    def record(self, kind, start, status, *, name=None, memory=None, owner=None, token=None, body=None):
-        """kind: claim | renew | release | branch | verify; status: HTTP status or None
-        (no answer); body: the parsed JSON answer (or None)."""
+    def record(self, kind, start, status, *, name=None, memory=None, owner=None, token=None, body=None, data=None):
+        """kind: claim | renew | release | branch | verify | write | advance; status: HTTP
+        status or None (no answer); body: the parsed JSON answer (or None); data: the bytes
+        a write sent."""
         op = {"kind": kind, "start": start, "end": time.monotonic(), "status": status, "name": name,
-              "memory": memory, "owner": owner, "token": token, "body": body or {}}
+              "memory": memory, "owner": owner, "token": token, "body": body or {}, "data": data}
         with self._lock:
             self.ops.append(op)
         return op
@@ -106,6 +118,42 @@ class History:
                     if b["server_ms"] < a["last_expiry_ms"] and not ended_by_release(a, b["end"]):
                         bad.append(f"S{1 if key == 'name' else 2}: {key} {k} granted to two holders at once "
                                    f"(tokens {a['granted_token']} and {b['granted_token']})")
+        return bad
+
+
+    def check_data(self, final):
+        """`final`: memory id -> (token, bytes) of the store's current object, or None.
+        Returns a list of violations of D1–D3 (empty when consistent)."""
+        ops = list(self.ops)
+        bad = []
+        acked = [o for o in ops if o["kind"] in ("write", "advance") and o["status"] is not None and 200 <= o["status"] < 300]
+        for w in (o for o in acked if o["kind"] == "write"):
+            for a in acked:
+                if a["memory"] == w["memory"] and a["end"] < w["start"] and a["token"] > w["token"]:
+                    bad.append(f"D1: write with token {w['token']} accepted on {w['memory']} after token "
+                               f"{a['token']} was acknowledged")
+        for o in ops:
+            if o["kind"] == "write" and o["status"] == 409:
+                cur = (o["body"] or {}).get("current_token")
+                if not isinstance(cur, int) or cur <= o["token"]:
+                    bad.append(f"D3: a write with token {o['token']} was refused as stale with current token {cur}")
+        memories = {o["memory"] for o in ops if o["kind"] == "write"}
+        for m in memories:
+            writes = [o for o in ops if o["kind"] == "write" and o["memory"] == m]
+            possible = [o for o in writes if o["status"] is None or 200 <= o["status"] < 300]
+            accepted = [o for o in writes if o["status"] is not None and 200 <= o["status"] < 300]
+            cur = final.get(m)
+            if not accepted:
+                continue
+            if cur is None:
+                bad.append(f"D2: memory {m} has no object although {len(accepted)} writes were accepted")
+                continue
+            token, data = cur
+            top = max(o["token"] for o in accepted)
+            if token < top:
+                bad.append(f"D2: memory {m} ends at token {token}, below the accepted token {top}")
+            if not any(o["token"] == token and o.get("data") == data for o in possible):
+                bad.append(f"D2: memory {m} ends with bytes that no write with token {token} sent")
         return bad
 
 

@@ -32,6 +32,10 @@ TEST_CASE("problem_codes_map_to_spec_status_and_exit", "[problem]") {
       {Code::transaction_conflict, "transaction-conflict", 503, 5},
       {Code::unavailable, "unavailable", 503, 5},
       {Code::migration_in_progress, "migration-in-progress", 503, 5},
+      {Code::precondition_failed, "precondition-failed", 412, 1},
+      {Code::store_unavailable, "store-unavailable", 503, 5},
+      {Code::insufficient_storage, "insufficient-storage", 507, 5},
+      {Code::store_not_configured, "store-not-configured", 501, 1},
   };
   for (const auto& r : rows) {
     INFO(r.slug);

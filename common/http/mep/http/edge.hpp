@@ -163,6 +163,9 @@ private:
   std::shared_ptr<std::atomic<int>> m_in_flight = std::make_shared<std::atomic<int>>(0);
 };
 
+/// HOST:PORT ([v6]:PORT too; "localhost" is 127.0.0.1) as an endpoint; nullopt when it is not one.
+std::optional<boost::asio::ip::tcp::endpoint> parse_listen(const std::string& listen);
+
 /// Runs `ioc` on the calling thread until it is stopped; an exception that escapes a
 /// handler is logged and the thread goes on running (the exception boundary of I/O threads).
 void run_io_thread(boost::asio::io_context& ioc);

@@ -1,0 +1,191 @@
+// The libcurl client (see client.hpp).
+#include "mep/http/client.hpp"
+
+#include <curl/curl.h>
+
+#include <algorithm>
+#include <cctype>
+#include <cerrno>
+#include <cstring>
+#include <stdexcept>
+#include <unistd.h>
+
+namespace mep::http {
+namespace {
+
+struct CurlGlobal {
+  CurlGlobal() { curl_global_init(CURL_GLOBAL_DEFAULT); }
+};
+
+struct Exchange {
+  CURL* curl = nullptr;
+  const ClientRequest* req = nullptr;
+  ClientResponse* res = nullptr;
+  bool write_failed = false;
+};
+
+size_t on_body(char* p, size_t size, size_t n, void* user) {
+  auto* x = static_cast<Exchange*>(user);
+  const size_t len = size * n;
+  long code = 0;
+  curl_easy_getinfo(x->curl, CURLINFO_RESPONSE_CODE, &code);
+  if (x->req->download_fd >= 0 && code >= 200 && code < 300) {
+    size_t done = 0;
+    while (done < len) {
+      ssize_t w = ::write(x->req->download_fd, p + done, len - done);
+      if (w < 0 && errno == EINTR) continue;
+      if (w <= 0) {
+        x->write_failed = true;
+        return 0; // aborts the transfer: CURLE_WRITE_ERROR
+      }
+      done += static_cast<size_t>(w);
+    }
+    x->res->downloaded += len;
+    return len;
+  }
+  x->res->body.append(p, len);
+  return len;
+}
+
+size_t on_header(char* p, size_t size, size_t n, void* user) {
+  auto* x = static_cast<Exchange*>(user);
+  std::string_view line(p, size * n);
+  if (line.rfind("HTTP/", 0) == 0) {
+    x->res->headers.clear(); // a 100 Continue's head, or a new answer: only the last counts
+    return size * n;
+  }
+  auto colon = line.find(':');
+  if (colon == std::string_view::npos) return size * n;
+  std::string name(line.substr(0, colon));
+  for (auto& ch : name) ch = static_cast<char>(std::tolower(static_cast<unsigned char>(ch)));
+  std::string_view value = line.substr(colon + 1);
+  while (!value.empty() && (value.front() == ' ' || value.front() == '\t')) value.remove_prefix(1);
+  while (!value.empty() && (value.back() == '\r' || value.back() == '\n' || value.back() == ' ')) value.remove_suffix(1);
+  x->res->headers.emplace_back(std::move(name), std::string(value));
+  return size * n;
+}
+
+size_t on_upload(char* p, size_t size, size_t n, void* user) {
+  auto* x = static_cast<Exchange*>(user);
+  for (;;) {
+    ssize_t r = ::read(x->req->upload_fd, p, size * n);
+    if (r >= 0) return static_cast<size_t>(r);
+    if (errno != EINTR) return CURL_READFUNC_ABORT;
+  }
+}
+
+bool loopback_host(const std::string& host) {
+  return host == "localhost" || host.rfind("127.", 0) == 0 || host == "[::1]" || host == "::1";
+}
+
+} // namespace
+
+std::optional<std::string> ClientResponse::header(std::string_view name) const {
+  for (const auto& [k, v] : headers)
+    if (k == name) return v;
+  return std::nullopt;
+}
+
+std::optional<int> ClientResponse::retry_after() const {
+  auto v = header("retry-after");
+  if (!v || v->empty() || v->size() > 9 || v->find_first_not_of("0123456789") != std::string::npos) return std::nullopt;
+  return std::stoi(*v);
+}
+
+Client::Client() { static CurlGlobal global; }
+
+Client::~Client() {
+  for (void* c : m_pool) curl_easy_cleanup(static_cast<CURL*>(c));
+}
+
+void* Client::acquire() {
+  {
+    std::lock_guard lock(m_mutex);
+    if (!m_pool.empty()) {
+      void* c = m_pool.back();
+      m_pool.pop_back();
+      return c;
+    }
+  }
+  return curl_easy_init();
+}
+
+void Client::release(void* c) {
+  std::lock_guard lock(m_mutex);
+  m_pool.push_back(c);
+}
+
+ClientResponse Client::perform(const ClientRequest& req) {
+  ClientResponse res;
+  auto* c = static_cast<CURL*>(acquire());
+  if (!c) {
+    res.error = "cannot create an HTTP client handle";
+    return res;
+  }
+  Exchange x{c, &req, &res};
+  curl_slist* headers = nullptr;
+  std::vector<std::string> lines;
+  lines.reserve(req.headers.size());
+  for (const auto& [k, v] : req.headers) {
+    lines.push_back(k + ": " + v);
+    headers = curl_slist_append(headers, lines.back().c_str());
+  }
+  curl_easy_reset(c);
+  curl_easy_setopt(c, CURLOPT_URL, req.url.c_str());
+  if (req.upload_fd >= 0) {
+    curl_easy_setopt(c, CURLOPT_UPLOAD, 1L);
+    curl_easy_setopt(c, CURLOPT_READFUNCTION, on_upload);
+    curl_easy_setopt(c, CURLOPT_READDATA, &x);
+    curl_easy_setopt(c, CURLOPT_INFILESIZE_LARGE, static_cast<curl_off_t>(req.upload_size));
+    curl_easy_setopt(c, CURLOPT_CUSTOMREQUEST, req.method.c_str());
+  } else if (req.method == "POST" || req.method == "PUT" || !req.body.empty()) {
+    curl_easy_setopt(c, CURLOPT_POSTFIELDS, req.body.c_str());
+    curl_easy_setopt(c, CURLOPT_POSTFIELDSIZE_LARGE, static_cast<curl_off_t>(req.body.size()));
+    curl_easy_setopt(c, CURLOPT_CUSTOMREQUEST, req.method.c_str());
+  } else if (req.method == "HEAD") {
+    curl_easy_setopt(c, CURLOPT_NOBODY, 1L);
+  } else {
+    curl_easy_setopt(c, CURLOPT_CUSTOMREQUEST, req.method.c_str());
+  }
+  curl_easy_setopt(c, CURLOPT_HTTPHEADER, headers);
+  curl_easy_setopt(c, CURLOPT_WRITEFUNCTION, on_body);
+  curl_easy_setopt(c, CURLOPT_WRITEDATA, &x);
+  curl_easy_setopt(c, CURLOPT_HEADERFUNCTION, on_header);
+  curl_easy_setopt(c, CURLOPT_HEADERDATA, &x);
+  curl_easy_setopt(c, CURLOPT_NOSIGNAL, 1L);
+  curl_easy_setopt(c, CURLOPT_CONNECTTIMEOUT_MS, static_cast<long>(std::min(req.connect_timeout, req.timeout).count()));
+  curl_easy_setopt(c, CURLOPT_TIMEOUT_MS, static_cast<long>(req.timeout.count()));
+  curl_easy_setopt(c, CURLOPT_SSLVERSION, static_cast<long>(CURL_SSLVERSION_TLSv1_3));
+  curl_easy_setopt(c, CURLOPT_PROTOCOLS_STR, "http,https");
+  CURLcode rc = curl_easy_perform(c);
+  if (rc == CURLE_OK) {
+    long code = 0;
+    curl_easy_getinfo(c, CURLINFO_RESPONSE_CODE, &code);
+    res.status = static_cast<int>(code);
+  } else {
+    res.status = 0;
+    res.error = x.write_failed ? std::string("cannot write the downloaded bytes: ") + std::strerror(errno)
+                               : curl_easy_strerror(rc);
+  }
+  curl_slist_free_all(headers);
+  release(c);
+  return res;
+}
+
+std::string checked_base_url(std::string url, std::string_view what) {
+  while (!url.empty() && url.back() == '/') url.pop_back();
+  const bool https = url.rfind("https://", 0) == 0;
+  const bool plain = url.rfind("http://", 0) == 0;
+  if (!https && !plain) throw std::runtime_error(std::string(what) + " must start with https:// or http://");
+  if (plain) {
+    std::string rest = url.substr(7);
+    std::string host = rest.substr(0, rest.find('/'));
+    if (!host.empty() && host.front() == '[') host = host.substr(0, host.find(']') + 1);
+    else host = host.substr(0, host.find(':'));
+    if (!loopback_host(host))
+      throw std::runtime_error("plain http:// is allowed for a loopback " + std::string(what) + " only; use https://");
+  }
+  return url;
+}
+
+} // namespace mep::http

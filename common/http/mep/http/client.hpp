@@ -1,0 +1,66 @@
+// A blocking HTTP/1.1 client on libcurl, for mepd (the control plane, the data plane) and
+// mep store (the control plane's fence/verify in --strict mode). TLS 1.3 with certificate
+// verification; plain http:// only to loopback addresses. Bodies may be streamed from and
+// to file descriptors, so an object of any size moves without being held in memory.
+#pragma once
+#include <chrono>
+#include <cstdint>
+#include <mutex>
+#include <optional>
+#include <string>
+#include <string_view>
+#include <utility>
+#include <vector>
+
+namespace mep::http {
+
+struct ClientRequest {
+  std::string method = "GET";
+  std::string url; ///< absolute: scheme, host, port, path and query
+  std::vector<std::pair<std::string, std::string>> headers;
+  std::string body;          ///< sent unless upload_fd is given
+  int upload_fd = -1;        ///< stream the body from here (read from its current offset)…
+  std::uint64_t upload_size = 0; ///< …this many bytes
+  int download_fd = -1;      ///< the body of a 2xx answer is written here instead of into `body`
+  std::chrono::milliseconds timeout{10000};        ///< the whole exchange
+  std::chrono::milliseconds connect_timeout{3000};
+};
+
+struct ClientResponse {
+  int status = 0;    ///< 0: no HTTP answer at all (refused, timed out); `error` says why
+  std::string error;
+  std::string body;  ///< the body, unless it went to download_fd
+  std::vector<std::pair<std::string, std::string>> headers; ///< names in lower case
+  std::uint64_t downloaded = 0; ///< bytes written to download_fd
+
+  bool ok() const { return status >= 200 && status < 300; }
+  /// The first header called `name` (lower case), if any.
+  std::optional<std::string> header(std::string_view name) const;
+  /// Retry-After in seconds, when the answer carries a number there.
+  std::optional<int> retry_after() const;
+};
+
+/// A pool of libcurl handles (kept connections); thread-safe, one call per thread at a time
+/// on each handle.
+class Client {
+public:
+  Client();
+  ~Client();
+  Client(const Client&) = delete;
+  Client& operator=(const Client&) = delete;
+
+  /// Never throws for transport failures (status 0); throws std::bad_alloc only.
+  ClientResponse perform(const ClientRequest& req);
+
+private:
+  void* acquire();
+  void release(void* handle);
+  std::mutex m_mutex;
+  std::vector<void*> m_pool;
+};
+
+/// `url` without trailing slashes when it is https://…, or http://… to a loopback host
+/// (localhost, 127.0.0.0/8, [::1]); else throws std::runtime_error naming `what`.
+std::string checked_base_url(std::string url, std::string_view what);
+
+} // namespace mep::http
