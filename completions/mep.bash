@@ -5,7 +5,8 @@
 # Options of mep that take a value (the value is the next word, or follows '=').
 _mep_valued=" --socket --config --ttl --on-loss --grace --format --profile --db --listen
  --tls-cert --tls-key --rate-limit --log-level --threads --tenant --limit --scope --input
- --from-table --report --batch --isolation --db-pool --writer-nice "
+ --from-table --report --batch --isolation --db-pool --writer-nice --dir --token-file
+ --control-plane --max-object-size "
 
 # Completes the value of option $1 (the previous word), with $2 the current word.
 # Returns 1 when $1 takes no value.
@@ -13,7 +14,7 @@ _mep_option_value() {
     case $1 in
         --socket | --config | --tls-cert | --tls-key | --input | --report | --token-file)
             compgen -f -- "$2" ;;
-        --state-dir)
+        --state-dir | --dir)
             compgen -d -- "$2" ;;
         --on-loss)   compgen -W "term kill ignore" -- "$2" ;;
         --format)    compgen -W "tree dot json" -- "$2" ;;
@@ -22,7 +23,7 @@ _mep_option_value() {
         --scope)     compgen -W "lease admin" -- "$2" ;;
         --isolation) compgen -W "read-committed serializable" -- "$2" ;;
         --ttl | --grace | --db | --listen | --rate-limit | --threads | --tenant | --limit | \
-        --from-table | --batch | --control-plane | --db-pool | --writer-nice)
+        --from-table | --batch | --control-plane | --db-pool | --writer-nice | --max-object-size)
             ;; # free-form: nothing to offer
         *) return 1 ;;
     esac
@@ -51,7 +52,7 @@ _mep_complete_value() {
 _mep() {
     local cur=${COMP_WORDS[COMP_CWORD]}
     local globals="--help -h --version --json -v --verbose --socket --config"
-    local commands="canonicalize server token claim release init branch status identify lineage config run migrate"
+    local commands="canonicalize server store token claim release init branch status identify lineage config run migrate"
     COMPREPLY=()
 
     # Find the command, its subcommand and the number of positionals before the cursor.
@@ -103,6 +104,7 @@ _mep() {
         lineage/*)      opts="--format" ;;
         server/)        opts="--db --listen --tls-cert --tls-key --insecure-plaintext --rate-limit --log-level --threads --writer-nice --isolation --db-pool" ;;
         server/audit)   opts="--db --tenant --limit --json" ;;
+        store/*)        opts="--listen --dir --token-file --strict --control-plane --max-object-size --tls-cert --tls-key --insecure-plaintext --log-level --threads" ;;
         token/create)   opts="--db --tenant --scope --admin --json" ;;
         token/list)     opts="--db --tenant --json" ;;
         token/revoke)   opts="--db" ;;
@@ -118,7 +120,7 @@ _mep() {
     # Commands, subcommands and positionals.
     case $cmd in
         "")      mapfile -t COMPREPLY < <(compgen -W "$commands" -- "$cur") ;;
-        token)   [[ -z $sub ]] && mapfile -t COMPREPLY < <(compgen -W "create list revoke" -- "$cur") ;;
+        token)   [[ -z $sub ]] && mapfile -t COMPREPLY < <(compgen -W "create list revoke new hash" -- "$cur") ;;
         server)  [[ -z $sub ]] && mapfile -t COMPREPLY < <(compgen -W "audit" -- "$cur") ;;
         migrate) [[ -z $sub ]] && mapfile -t COMPREPLY < <(compgen -W "plan run activate status" -- "$cur") ;;
         claim | run)

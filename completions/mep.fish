@@ -4,7 +4,8 @@
 function __mep_words
     set -l valued --socket --config --ttl --on-loss --grace --format --profile --db --listen \
         --tls-cert --tls-key --rate-limit --log-level --threads --tenant --limit --scope --input \
-        --from-table --report --batch --isolation --db-pool
+        --from-table --report --batch --isolation --db-pool --dir --token-file --control-plane \
+        --max-object-size
     set -l skip 0
     for w in (commandline -opc)[2..-1]
         if test $skip -eq 1
@@ -64,6 +65,7 @@ complete -c mep -n __mep_no_command -a config -d 'Show the effective configurati
 complete -c mep -n __mep_no_command -a canonicalize -d 'Print the canonical form and skeleton of names'
 complete -c mep -n __mep_no_command -a token -d 'Create, list and revoke bearer tokens'
 complete -c mep -n __mep_no_command -a server -d 'Run the control plane'
+complete -c mep -n __mep_no_command -a store -d 'Run the data plane (a fenced object store)'
 complete -c mep -n __mep_no_command -a migrate -d 'Bring legacy names and memories under the rules'
 
 # claim, run: NAME (free-form), PATH (a file).
@@ -84,14 +86,29 @@ complete -c mep -n '__mep_using lineage' -l format -x -a 'tree dot json' -d 'Out
 complete -c mep -n '__mep_using canonicalize' -l explain -d 'Show the string after each step'
 complete -c mep -n '__mep_using canonicalize' -l profile -x -a 'agent usernamecasemapped' -d 'Canonicalization profile'
 
-# token create|list|revoke
+# token create|list|revoke|new|hash
 complete -c mep -n '__mep_needs_sub token' -a create -d 'Create a token and print it once'
 complete -c mep -n '__mep_needs_sub token' -a list -d 'List tokens'
 complete -c mep -n '__mep_needs_sub token' -a revoke -d 'Revoke a token by its id'
+complete -c mep -n '__mep_needs_sub token' -a new -d 'Print a new random token (for mep store)'
+complete -c mep -n '__mep_needs_sub token' -a hash -d 'Print the SHA-256 of a token (or of each stdin line)'
 complete -c mep -n '__mep_using token create; or __mep_using token list; or __mep_using token revoke' -l db -x -d 'Database URL (sqlite:PATH)'
 complete -c mep -n '__mep_using token create; or __mep_using token list' -l tenant -x -d 'Tenant name'
 complete -c mep -n '__mep_using token create' -l scope -x -a 'lease admin' -d 'Token scope'
 complete -c mep -n '__mep_using token create' -l admin -d 'Same as --scope admin'
+
+# store
+complete -c mep -n '__mep_using store' -l listen -x -d 'HOST:PORT to listen on'
+complete -c mep -n '__mep_using store' -l dir -x -a '(__fish_complete_directories)' -d 'Data directory'
+complete -c mep -n '__mep_using store' -l token-file -r -F -d 'SHA-256 of each accepted token, one per line'
+complete -c mep -n '__mep_using store' -l strict -d 'Check every request with the control plane'
+complete -c mep -n '__mep_using store' -l control-plane -x -d 'URL of the mep server --strict asks'
+complete -c mep -n '__mep_using store' -l max-object-size -x -d 'Largest object (bytes, 64MiB, 1GiB)'
+complete -c mep -n '__mep_using store' -l tls-cert -r -F -d 'PEM certificate chain'
+complete -c mep -n '__mep_using store' -l tls-key -r -F -d 'PEM private key'
+complete -c mep -n '__mep_using store' -l insecure-plaintext -d 'Allow plain HTTP beyond loopback'
+complete -c mep -n '__mep_using store' -l log-level -x -a 'debug info warn error' -d 'Log level'
+complete -c mep -n '__mep_using store' -l threads -x -d 'I/O threads (1-64)'
 
 # server [audit]
 complete -c mep -n '__mep_needs_sub server' -a audit -d 'List the newest audit rows'

@@ -22,7 +22,7 @@ LINTIAN_TIMEOUT_S = 240
 
 MAN1 = ["mep", "mep-claim", "mep-run", "mep-release", "mep-init", "mep-branch", "mep-status",
         "mep-identify", "mep-lineage", "mep-canonicalize", "mep-config", "mep-token"]
-MAN8 = ["mepd", "mep-server", "mep-migrate"]
+MAN8 = ["mepd", "mep-server", "mep-store", "mep-migrate"]
 
 # Each command path of `mep` (as typed) and the page that documents it.
 COMMAND_PAGES = {
@@ -32,12 +32,13 @@ COMMAND_PAGES = {
     ("identify",): "mep-identify.1", ("lineage",): "mep-lineage.1",
     ("canonicalize",): "mep-canonicalize.1", ("config",): "mep-config.1",
     ("token", "create"): "mep-token.1", ("token", "list"): "mep-token.1",
-    ("token", "revoke"): "mep-token.1",
+    ("token", "revoke"): "mep-token.1", ("token", "new"): "mep-token.1", ("token", "hash"): "mep-token.1",
+    ("store",): "mep-store.8",
     ("server",): "mep-server.8", ("server", "audit"): "mep-server.8",
     ("migrate", "plan"): "mep-migrate.8", ("migrate", "run"): "mep-migrate.8",
     ("migrate", "activate"): "mep-migrate.8", ("migrate", "status"): "mep-migrate.8",
 }
-GROUPS = {"token": ["create", "list", "revoke"], "server": ["audit"],
+GROUPS = {"token": ["create", "list", "new", "hash", "revoke"], "server": ["audit"],
           "migrate": ["plan", "run", "activate", "status"]}
 EXIT_CODES = range(0, 8)
 ENVIRONMENT = ["MEP_SOCKET", "MEP_CONTROL_PLANE", "MEP_TOKEN", "MEP_TOKEN_FILE", "MEP_STATE_DIR",
@@ -215,7 +216,8 @@ class ManPages(unittest.TestCase):
         for path, page in COMMAND_PAGES.items():
             flags = help_flags(help_text([mep_bin(), *path]))
             self.assertTrue(flags or path in (("release",), ("init",), ("branch",), ("status",),
-                                              ("identify",), ("config",)), path)
+                                              ("identify",), ("config",), ("token", "new"),
+                                              ("token", "hash")), path)
             source = page_source(page)
             for flag in flags:
                 self.assertTrue("*%s*" % flag in source, "mep %s %s is not in %s" % (" ".join(path), flag, page))
