@@ -1,5 +1,5 @@
 // The daemon-facing commands: claim, release, init, branch, status, identify, lineage,
-// and `mep config`. Each sends one request to mepd's socket and prints the answer as a
+// sync, fetch, and `mep config`. Each sends one request to mepd's socket and prints the answer as a
 // line or table for people, or the JSON document with --json.
 #include "commands.hpp"
 #include "daemon_client.hpp"
@@ -199,6 +199,36 @@ void register_lease_commands(CLI::App& app, GlobalOptions& g, Action& action) {
     };
   });
 
+  // mep sync NAME
+  auto sync_name = std::make_shared<std::string>();
+  auto* sync = app.add_subcommand("sync", "Upload the memory file of the lease on NAME to the data plane, fenced by its token");
+  sync->add_option("name", *sync_name, "Agent name (a lease mepd holds)")->required();
+  sync->callback([sync_name, &g, &action] {
+    action = [sync_name, &g] {
+      return call(g, "POST", "/v1/sync", json::dump(boost::json::object{{"name", *sync_name}}),
+                  [](const boost::json::object& o) {
+                    std::printf("synced %s  memory=%s  token=%s  size=%s  etag=%s\n", str(o, "canonical_name").c_str(),
+                                str(o, "memory_instance_id").c_str(), str(o, "fencing_token").c_str(),
+                                str(o, "size").c_str(), str(o, "etag").c_str());
+                  });
+    };
+  });
+
+  // mep fetch ID PATH
+  auto fe = std::make_shared<std::pair<std::string, std::string>>();
+  auto* fetch = app.add_subcommand("fetch", "Download the latest object of memory ID from the data plane into the new file PATH");
+  fetch->add_option("id", fe->first, "The memory id (mep identify shows it)")->required();
+  fetch->add_option("path", fe->second, "The new .uai file (must not exist); it gets the memory's identity")->required();
+  fetch->callback([fe, &g, &action] {
+    action = [fe, &g] {
+      std::string body = json::dump(boost::json::object{{"memory_instance_id", fe->first}, {"path", absolute(fe->second)}});
+      return call(g, "POST", "/v1/fetch", body, [](const boost::json::object& o) {
+        std::printf("fetched %s  memory=%s  token=%s  size=%s\n", str(o, "path").c_str(),
+                    str(o, "memory_instance_id").c_str(), str(o, "fencing_token").c_str(), str(o, "size").c_str());
+      });
+    };
+  });
+
   // mep status
   auto* status = app.add_subcommand("status", "List the leases mepd keeps");
   status->callback([&g, &action] {
@@ -276,6 +306,8 @@ void register_lease_commands(CLI::App& app, GlobalOptions& g, Action& action) {
           {"socket", cfg->get("socket", sock_flag, "--socket", rt)},
           {"control_plane", cfg->get("control_plane", std::nullopt, "--control-plane", "")},
           {"token_file", cfg->get("token_file", std::nullopt, "--token-file", "")},
+          {"store", cfg->get("store", std::nullopt, "--store", "")},
+          {"store_token_file", cfg->get("store_token_file", std::nullopt, "--store-token-file", "")},
           {"state_dir", cfg->get("state_dir", std::nullopt, "--state-dir", state)},
           {"db", cfg->get("db", std::nullopt, "--db", "sqlite:" + (xdg_state_home() / "mep" / "control.db").string())},
       };
@@ -286,7 +318,7 @@ void register_lease_commands(CLI::App& app, GlobalOptions& g, Action& action) {
       } else {
         for (auto& [k, s] : rows) {
           const char* none = k == "control_plane" ? "(none: embedded)" : "(none)";
-          std::printf("%-14s %-50s (%s)\n", k.c_str(), s.value.empty() ? none : s.value.c_str(), s.source.c_str());
+          std::printf("%-16s %-50s (%s)\n", k.c_str(), s.value.empty() ? none : s.value.c_str(), s.source.c_str());
         }
       }
       return exit_code::ok;

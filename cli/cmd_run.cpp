@@ -33,6 +33,7 @@ struct RunOptions {
   std::string name, path, on_loss = "term";
   std::int64_t ttl = 30;
   double grace = 5;
+  bool sync_on_exit = false;
   std::vector<std::string> command;
 };
 
@@ -280,13 +281,24 @@ int run(const RunOptions& o, const GlobalOptions& g) {
   // run on without the lease: it ends before the release.
   if (o.on_loss != "ignore") ::kill(-child, SIGKILL);
 
-  // 5. Release (unless lost) and exit with the command's status, or 4 after a loss.
+  // 5. With --sync-on-exit, upload the memory under the lease's token while it is still held.
   const bool was_lost = lost || watch.lost; // before our own release emits `released`
+  int sync_status = exit_code::ok;
+  if (o.sync_on_exit && !was_lost) {
+    DaemonReply synced = daemon_request(socket, "POST", "/v1/sync",
+                                        json::dump(boost::json::object{{"name", field("canonical_name")}}));
+    if (synced.status != 200) {
+      std::fprintf(stderr, "mep: the memory was not synced:\n");
+      sync_status = report_problem(synced, socket, g.json);
+    }
+  }
+  // 6. Release (unless lost) and exit with the command's status (a failed sync's when the
+  //    command succeeded), or 4 after a loss.
   if (!was_lost)
     daemon_request(socket, "POST", "/v1/detach", json::dump(boost::json::object{{"name", field("canonical_name")}}));
   stop_events();
   if (was_lost) return exit_code::lost;
-  if (WIFEXITED(status)) return WEXITSTATUS(status);
+  if (WIFEXITED(status)) return WEXITSTATUS(status) == 0 ? sync_status : WEXITSTATUS(status);
   if (WIFSIGNALED(status)) return 128 + WTERMSIG(status);
   return exit_code::other;
 }
@@ -301,6 +313,8 @@ void register_run(CLI::App& app, GlobalOptions& g, Action& action) {
   cmd->add_option("--ttl", o->ttl, "Lease TTL in seconds (5-300)")->capture_default_str();
   cmd->add_option("--on-loss", o->on_loss, "When the lease is lost: term (SIGTERM, then SIGKILL after --grace), kill, ignore")
       ->check(CLI::IsMember({"term", "kill", "ignore"}))->capture_default_str();
+  cmd->add_flag("--sync-on-exit", o->sync_on_exit,
+                "When the command exits, upload the memory to the data plane (mep sync) before the release");
   cmd->add_option("--grace", o->grace, "Seconds between SIGTERM and SIGKILL (never past the lease's expiry)")
       ->check(CLI::Validator(
           [](std::string& in) -> std::string {

@@ -36,8 +36,10 @@ std::filesystem::path xdg_runtime_dir() { return env_path("XDG_RUNTIME_DIR"); }
 
 expected<Config, std::string> Config::load(const std::filesystem::path& file) {
   Config cfg;
-  bool explicit_file = !file.empty();
-  std::filesystem::path path = explicit_file ? file : xdg_config_home() / "mep" / "config.toml";
+  // --config, else $MEP_CONFIG (both must exist), else the default file (may be missing).
+  std::filesystem::path path = file.empty() ? env_path("MEP_CONFIG") : file;
+  const bool explicit_file = !path.empty();
+  if (!explicit_file) path = xdg_config_home() / "mep" / "config.toml";
   std::error_code ec;
   if (!std::filesystem::exists(path, ec)) {
     if (explicit_file) return make_unexpected("config file " + path.string() + " does not exist");

@@ -12,7 +12,7 @@ _mep_valued=" --socket --config --ttl --on-loss --grace --format --profile --db 
 # Returns 1 when $1 takes no value.
 _mep_option_value() {
     case $1 in
-        --socket | --config | --tls-cert | --tls-key | --input | --report | --token-file)
+        --socket | --config | --tls-cert | --tls-key | --input | --report | --token-file | --store-token-file)
             compgen -f -- "$2" ;;
         --state-dir | --dir)
             compgen -d -- "$2" ;;
@@ -23,7 +23,7 @@ _mep_option_value() {
         --scope)     compgen -W "lease admin" -- "$2" ;;
         --isolation) compgen -W "read-committed serializable" -- "$2" ;;
         --ttl | --grace | --db | --listen | --rate-limit | --threads | --tenant | --limit | \
-        --from-table | --batch | --control-plane | --db-pool | --writer-nice | --max-object-size)
+        --from-table | --batch | --control-plane | --db-pool | --writer-nice | --max-object-size | --store)
             ;; # free-form: nothing to offer
         *) return 1 ;;
     esac
@@ -52,7 +52,7 @@ _mep_complete_value() {
 _mep() {
     local cur=${COMP_WORDS[COMP_CWORD]}
     local globals="--help -h --version --json -v --verbose --socket --config"
-    local commands="canonicalize server store token claim release init branch status identify lineage config run migrate"
+    local commands="canonicalize server store token claim release init branch status identify lineage sync fetch config run migrate"
     COMPREPLY=()
 
     # Find the command, its subcommand and the number of positionals before the cursor.
@@ -100,7 +100,7 @@ _mep() {
     case $cmd/$sub in
         canonicalize/*) opts="--json --explain --profile" ;;
         claim/*)        opts="--ttl" ;;
-        run/*)          opts="--ttl --on-loss --grace" ;;
+        run/*)          opts="--ttl --on-loss --grace --sync-on-exit" ;;
         lineage/*)      opts="--format" ;;
         server/)        opts="--db --listen --tls-cert --tls-key --insecure-plaintext --rate-limit --log-level --threads --writer-nice --isolation --db-pool" ;;
         server/audit)   opts="--db --tenant --limit --json" ;;
@@ -131,7 +131,7 @@ _mep() {
                 COMPREPLY=(--)
             fi
             ;;
-        release)
+        release | sync)
             # The names mepd holds (quietly nothing when it is not running).
             ((npos == 0)) && mapfile -t COMPREPLY < <(compgen -W \
                 "$(command mep status 2>/dev/null | awk 'NR > 1 { print $1 }')" -- "$cur")
@@ -140,6 +140,9 @@ _mep() {
             ((npos == 0)) && mapfile -t COMPREPLY < <(compgen -f -- "$cur") ;;
         branch)
             ((npos < 2)) && mapfile -t COMPREPLY < <(compgen -f -- "$cur") ;;
+        fetch)
+            # ID (free-form), then the new PATH.
+            ((npos == 1)) && mapfile -t COMPREPLY < <(compgen -f -- "$cur") ;;
     esac
     return 0
 }
@@ -147,11 +150,11 @@ _mep() {
 _mepd() {
     local cur=${COMP_WORDS[COMP_CWORD]}
     COMPREPLY=()
-    if _mep_complete_value " --socket --state-dir --control-plane --token-file --config --log-level "; then
+    if _mep_complete_value " --socket --state-dir --control-plane --token-file --store --store-token-file --config --log-level "; then
         return 0
     fi
     mapfile -t COMPREPLY < <(compgen -W "--help -h --socket --state-dir --control-plane --token-file
-        --config --log-level --version" -- "$cur")
+        --store --store-token-file --config --log-level --version" -- "$cur")
     return 0
 }
 

@@ -60,6 +60,8 @@ complete -c mep -n __mep_no_command -a init -d 'Create a new, empty memory file 
 complete -c mep -n __mep_no_command -a branch -d 'Copy a held memory to NEW_PATH as a new identity'
 complete -c mep -n __mep_no_command -a status -d 'List the leases mepd keeps'
 complete -c mep -n __mep_no_command -a identify -d 'Print the memory identity of a file'
+complete -c mep -n __mep_no_command -a sync -d 'Upload the memory of the lease on NAME to the data plane'
+complete -c mep -n __mep_no_command -a fetch -d 'Download a memory into a new file with its identity'
 complete -c mep -n __mep_no_command -a lineage -d "Show a memory's ancestors and branches"
 complete -c mep -n __mep_no_command -a config -d 'Show the effective configuration'
 complete -c mep -n __mep_no_command -a canonicalize -d 'Print the canonical form and skeleton of names'
@@ -73,6 +75,7 @@ complete -c mep -n '__mep_using claim' -l ttl -x -d 'Lease TTL in seconds (5-300
 complete -c mep -n '__mep_using claim' -F
 complete -c mep -n '__mep_using run' -l ttl -x -d 'Lease TTL in seconds (5-300)'
 complete -c mep -n '__mep_using run' -l on-loss -x -a 'term kill ignore' -d 'What to do when the lease is lost'
+complete -c mep -n '__mep_using run' -l sync-on-exit -d 'Sync the memory to the data plane before the release'
 complete -c mep -n '__mep_using run' -l grace -x -d 'Seconds between SIGTERM and SIGKILL'
 complete -c mep -n '__mep_using run' -F
 

@@ -1,44 +1,143 @@
-// Control-plane clients for mepd: embedded (the Router in-process) and remote (libcurl).
+// Control-plane clients for mepd: remote (libcurl) and embedded (the Router in-process).
+// Both speak the HTTP API of SPEC §6 underneath one exchange() each; the typed operations,
+// their wire forms and the problem of a failed answer are written once, in HttpControlPlane.
 #include "mep/control_plane.hpp"
 
 #include "mep/http/client.hpp"
 #include "mep/json.hpp"
+#include "mep/lease/wire.hpp"
 #include "mep/router.hpp"
 #include "mep/sqlite_store.hpp"
 
 #include <boost/beast/http.hpp>
 #include <boost/json/parse.hpp>
 
-#include <algorithm>
-#include <chrono>
+#include <cctype>
 #include <fstream>
 #include <future>
-#include <mutex>
 #include <sys/stat.h>
-#include <vector>
 
 namespace mep::daemon {
 namespace bhttp = boost::beast::http;
+namespace wire = lease::wire;
 
-boost::json::object CpReply::json() const {
-  boost::system::error_code ec;
-  auto v = boost::json::parse(body, ec);
-  if (ec || !v.is_object()) return {};
-  return std::move(v.get_object());
+Problem unreachable(std::string why) {
+  Problem p(Code::unavailable, "the control plane is unreachable: " + why);
+  p.retry_after_s = 1;
+  return p;
 }
 
-std::string CpReply::code() const {
-  if (status == 0) return "unavailable";
-  auto o = json();
-  if (auto* c = o.if_contains("code"); c && c->is_string()) return std::string(c->get_string());
-  return std::to_string(status);
-}
+bool outcome_unknown(const Problem& p) { return p.status() >= 500 || p.code == Code::idempotency_request_in_flight; }
 
 namespace {
 
-// ---- embedded ------------------------------------------------------------------------------
+// One answer as it came: status 0 when there was none.
+struct Raw {
+  int status = 0;
+  std::string body;
+  std::optional<int> retry_after;
+  std::string error;
+};
 
-class EmbeddedControlPlane final : public ControlPlane {
+class HttpControlPlane : public ControlPlane {
+public:
+  expected<lease::Registered, Problem> register_memory(const std::string& memory_id) override {
+    return call<lease::Registered>("POST", "/v1/memories", wire::to_json(lease::RegisterRequest{memory_id}),
+                                   "register-" + memory_id, {}, wire::decode_registered);
+  }
+
+  expected<lease::Grant, Problem> claim(const lease::ClaimRequest& req, const std::string& key) override {
+    return call<lease::Grant>("POST", "/v1/leases", wire::to_json(req), key, {}, wire::decode_grant);
+  }
+
+  expected<lease::RenewBatchResult, Problem> renew_batch(const lease::RenewBatchRequest& req,
+                                                         std::chrono::milliseconds timeout) override {
+    return call<lease::RenewBatchResult>("POST", "/v1/leases/renew-batch", wire::to_json(req), {}, timeout,
+                                         wire::decode_renew_batch_result);
+  }
+
+  expected<void, Problem> release(const lease::LeaseRef& ref) override {
+    Raw r = exchange("POST", "/v1/leases/release", json::dump(wire::to_json(ref, wire::RefForm::release)), {}, {});
+    if (r.status >= 200 && r.status < 300) return {};
+    return make_unexpected(problem_of(r));
+  }
+
+  expected<lease::Branched, Problem> branch(const lease::BranchRequest& req, const std::string& key) override {
+    return call<lease::Branched>("POST", "/v1/memories/branch", wire::to_json(req), key, {}, wire::decode_branched);
+  }
+
+  expected<lease::Memory, Problem> memory(const std::string& memory_id) override {
+    return call<lease::Memory>("GET", "/v1/memories/" + memory_id, std::nullopt, {}, {}, wire::decode_memory);
+  }
+
+  expected<lease::Lineage, Problem> lineage(const std::string& memory_id) override {
+    return call<lease::Lineage>("GET", "/v1/memories/" + memory_id + "/lineage", std::nullopt, {}, {},
+                                wire::decode_lineage);
+  }
+
+  expected<lease::Verified, Problem> verify(const lease::VerifyRequest& req) override {
+    return call<lease::Verified>("POST", "/v1/fence/verify", wire::to_json(req), {}, {}, wire::decode_verified);
+  }
+
+  expected<lease::IdentityMapPage, Problem> identity_map(const std::optional<std::string>& cursor,
+                                                         std::size_t limit) override {
+    std::string target = "/v1/migration/identity-map?limit=" + std::to_string(limit);
+    if (cursor) {
+      static constexpr char hex[] = "0123456789ABCDEF";
+      target += "&cursor=";
+      for (unsigned char ch : *cursor) {
+        if (std::isalnum(ch) || ch == '-' || ch == '_' || ch == '.' || ch == '~') target.push_back(static_cast<char>(ch));
+        else target += {'%', hex[ch >> 4], hex[ch & 0xF]};
+      }
+    }
+    return call<lease::IdentityMapPage>("GET", target, std::nullopt, {}, {}, wire::decode_identity_map_page);
+  }
+
+protected:
+  /// Sends one request; status 0 when there was no answer.
+  virtual Raw exchange(std::string_view method, const std::string& target, const std::string& body,
+                       const std::string& idempotency_key, std::chrono::milliseconds timeout) = 0;
+
+private:
+  template <class T, class Decode>
+  expected<T, Problem> call(std::string_view method, const std::string& target,
+                            const std::optional<boost::json::object>& body, const std::string& key,
+                            std::chrono::milliseconds timeout, Decode decode) {
+    Raw r = exchange(method, target, body ? json::dump(*body) : std::string(), key, timeout);
+    if (r.status < 200 || r.status >= 300) return make_unexpected(problem_of(r));
+    auto o = json::parse_object(r.body);
+    if (!o) return make_unexpected(answer_unreadable(r));
+    auto v = decode(*o);
+    if (!v) return make_unexpected(answer_unreadable(r));
+    return std::move(*v);
+  }
+
+  // A control plane that answered with something other than this API: treated as no
+  // answer (the outcome is unknown), with what was wrong in the log's detail.
+  static Problem answer_unreadable(const Raw& r) {
+    Problem p(Code::unavailable, "the control plane's answer (status " + std::to_string(r.status) + ") is not the API's");
+    p.retry_after_s = 1;
+    return p;
+  }
+
+  static Problem problem_of(const Raw& r) {
+    if (r.status == 0) return unreachable(r.error);
+    Problem p;
+    if (auto o = json::parse_object(r.body); o && o->contains("code")) {
+      p = Problem::from_json(*o);
+    } else {
+      p = Problem(r.status >= 500 ? Code::unavailable : Code::internal,
+                  "the control plane answered " + std::to_string(r.status));
+    }
+    if (r.retry_after) p.retry_after_s = r.retry_after;
+    else if (p.status() >= 500 && !p.retry_after_s) p.retry_after_s = 1;
+    return p;
+  }
+};
+
+// ---- embedded -------------------------------------------------------------------------------
+
+class EmbeddedControlPlane final : public HttpControlPlane {
 public:
   explicit EmbeddedControlPlane(const std::filesystem::path& dir)
       : m_store(std::make_unique<server::SqliteStore>("sqlite:" + (dir / "control.db").string())),
@@ -59,9 +158,13 @@ public:
     m_describe = "embedded (sqlite:" + (dir / "control.db").string() + ")";
   }
 
-  CpReply request(std::string_view method, std::string_view path, const std::string& body,
-                  const std::string& idempotency_key, std::chrono::milliseconds timeout) override {
-    server::HttpRequest req{bhttp::string_to_verb(method), path, 11};
+  std::string describe() const override { return m_describe; }
+
+protected:
+  Raw exchange(std::string_view method, const std::string& target, const std::string& body,
+               const std::string& idempotency_key, std::chrono::milliseconds timeout) override {
+    server::HttpRequest req{bhttp::string_to_verb(method), target, 11};
+    req.set(bhttp::field::host, "mepd");
     req.set(bhttp::field::authorization, "Bearer " + m_token);
     if (!body.empty()) req.set(bhttp::field::content_type, "application/json");
     if (!idempotency_key.empty()) req.set("Idempotency-Key", idempotency_key);
@@ -72,17 +175,15 @@ public:
     m_router.handle(std::move(req), server::Peer{true},
                     [promise](server::HttpResponse&& res) { promise->set_value(std::move(res)); });
     if (future.wait_for(timeout.count() > 0 ? timeout : std::chrono::milliseconds(30000)) != std::future_status::ready)
-      return CpReply{0, {}, {}, "the embedded control plane did not answer in time"};
+      return Raw{0, {}, {}, "the embedded control plane did not answer in time"};
     auto res = future.get();
-    CpReply r;
+    Raw r;
     r.status = static_cast<int>(res.result_int());
     r.body = res.body();
     if (auto it = res.find(bhttp::field::retry_after); it != res.end())
-      r.retry_after_s = std::atoi(std::string(it->value()).c_str());
+      r.retry_after = std::atoi(std::string(it->value()).c_str());
     return r;
   }
-
-  std::string describe() const override { return m_describe; }
 
 private:
   std::unique_ptr<server::Store> m_store;
@@ -93,32 +194,33 @@ private:
 
 // ---- remote ---------------------------------------------------------------------------------
 
-class RemoteControlPlane final : public ControlPlane {
+class RemoteControlPlane final : public HttpControlPlane {
 public:
   RemoteControlPlane(std::string url, std::string token)
       : m_url(http::checked_base_url(std::move(url), "control-plane URL")), m_token(std::move(token)) {
     if (m_token.empty()) throw std::runtime_error("a remote control plane needs a token (--token-file or MEP_TOKEN)");
   }
 
-  CpReply request(std::string_view method, std::string_view path, const std::string& body,
-                  const std::string& idempotency_key, std::chrono::milliseconds timeout) override {
+  std::string describe() const override { return m_url; }
+
+protected:
+  Raw exchange(std::string_view method, const std::string& target, const std::string& body,
+               const std::string& idempotency_key, std::chrono::milliseconds timeout) override {
     http::ClientRequest req;
     req.method = std::string(method);
-    req.url = m_url + std::string(path);
+    req.url = m_url + target;
     req.headers = {{"Authorization", "Bearer " + m_token}, {"Content-Type", "application/json"}};
     if (!idempotency_key.empty()) req.headers.emplace_back("Idempotency-Key", idempotency_key);
     req.body = body;
     if (timeout.count() > 0) req.timeout = timeout;
     auto res = m_client.perform(req);
-    CpReply r;
+    Raw r;
     r.status = res.status;
     r.error = std::move(res.error);
     if (r.status) r.body = std::move(res.body);
-    r.retry_after_s = res.retry_after();
+    r.retry_after = res.retry_after();
     return r;
   }
-
-  std::string describe() const override { return m_url; }
 
 private:
   std::string m_url;

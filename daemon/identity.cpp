@@ -2,6 +2,7 @@
 #include "mep/identity.hpp"
 
 #include "mep/crypto.hpp"
+#include "mep/state_db.hpp"
 #include "mep/uuid.hpp"
 
 #include <openssl/evp.h>
@@ -60,6 +61,44 @@ std::optional<std::string> file_sha256(const std::filesystem::path& path) {
   EVP_MD_CTX_free(ctx);
   if (!ok) return std::nullopt;
   return hex_lower(md, len);
+}
+
+// An inode number names the file it was recorded for only while that file exists: a file
+// created later at the same number (the first one deleted) has another birth time, and is
+// not that memory. Where the filesystem keeps no birth time, the inode number alone counts.
+expected<Resolved, Problem> IdentityResolver::resolve(const std::filesystem::path& path, bool mint) {
+  auto st = m_files.stat(path);
+  if (!st || !st->regular)
+    return make_unexpected(Problem(Code::invalid_request, "no such regular file: create it with 'mep init PATH'"));
+  Resolved r;
+  std::optional<std::string> id = m_files.read_id(path);
+  if (!id) id = m_db.memory_by_inode(*st);
+  if (!id && st->size > 0) {
+    if ((r.sha256 = m_files.sha256(path))) {
+      auto found = m_db.memories_by_content(*r.sha256);
+      if (found.size() == 1) id = found.front();
+    }
+  }
+  if (id) {
+    r.memory_id = *id;
+    r.unregistered = !m_db.registered(*id);
+    return r;
+  }
+  if (!mint)
+    return make_unexpected(
+        Problem(Code::memory_not_found, "this file has no memory identity yet (attach it, or create one with mep init)"));
+  r.memory_id = uuid_v7().to_string();
+  r.fresh = true;
+  return r;
+}
+
+void IdentityResolver::bind(const std::string& memory_id, const std::filesystem::path& path, bool hash,
+                            std::optional<std::string> sha256) {
+  m_files.write_id(path, memory_id);
+  auto st = m_files.stat(path);
+  if (!st) return;
+  if (hash && !sha256 && st->size > 0) sha256 = m_files.sha256(path);
+  m_db.remember_file(memory_id, path.string(), *st, sha256);
 }
 
 } // namespace mep::daemon

@@ -5,7 +5,7 @@
 #include "mep/http/edge.hpp"
 #include "mep/json.hpp"
 #include "mep/log.hpp"
-#include "mep/router.hpp"
+#include "mep/lease/wire.hpp"
 #include "mep/uuid.hpp"
 #include "mep/wire.hpp"
 
@@ -36,6 +36,7 @@ namespace fs = std::filesystem;
 namespace {
 
 constexpr auto k_io_timeout = std::chrono::seconds(60);
+constexpr std::size_t k_body_limit = 16 * 1024;
 
 // Resolves a path given by a local client: relative paths are taken from the client's
 // working directory, so `curl` and the CLI behave like any other local tool.
@@ -64,7 +65,8 @@ mode_t client_file_mode(pid_t pid) {
 
 } // namespace
 
-// The daemon's side of the HTTP edge: who may connect, the body limit, and the routes.
+// The daemon's side of the HTTP edge: who may connect, the body limit, and one route
+// table whose handlers decode the request, call the Keeper and encode its result.
 class DaemonHandler final : public http::Handler {
 public:
   DaemonHandler(Keeper& keeper, std::function<bool(const http::Peer&)> allowed)
@@ -78,25 +80,25 @@ public:
 
   http::BodyPlan plan(const http::RequestHeader&, const http::Peer&) override {
     http::BodyPlan plan;
-    plan.limit = server::k_body_limit;
+    plan.limit = k_body_limit;
     return plan;
   }
 
   void handle(http::Request&& req, const http::Peer& peer, std::shared_ptr<http::BodySink>,
               http::Responder responder) override {
     if (req.method() == bhttp::verb::get && req.target() == "/v1/events") return start_events(responder);
-    // Keeper calls may block on the control plane: they run on the worker pool, so the
-    // I/O threads keep serving event streams and other clients.
+    // Keeper calls may block on the control plane or the data plane: they run on the
+    // worker pool, so the I/O threads keep serving event streams and other clients.
     net::post(m_work, [this, req = std::move(req), peer, responder]() mutable {
-      std::string rid = uuid_v7().to_string();
-      server::Reply r;
+      const std::string rid = uuid_v7().to_string();
+      Out out = make_unexpected(Problem(Code::internal, "internal error"));
+      std::string allow;
       try {
-        r = route(req, peer, rid);
+        out = route(req, peer, allow);
       } catch (const std::exception& e) {
         log::error("request {} {} failed: {}", rid, std::string(req.target()), e.what());
-        r = server::problem_reply(Problem(Code::internal, "internal error"), rid);
       }
-      responder.send(response(r, req.version(), req.keep_alive(), rid));
+      responder.send(response(out, allow, req.version(), req.keep_alive(), rid));
     });
   }
 
@@ -104,16 +106,52 @@ public:
   void join() { m_work.join(); }
 
 private:
-  static http::Response response(const server::Reply& r, unsigned version, bool keep_alive, const std::string& rid) {
-    http::Response res{static_cast<bhttp::status>(r.status), version};
+  // What a handler produces: a status and a JSON body (204: none; text: /metrics).
+  struct Answer {
+    int status = 200;
+    boost::json::object body;
+    std::optional<std::string> text;
+  };
+  using Out = expected<Answer, Problem>;
+  struct Call {
+    const http::Request& req;
+    const http::Peer& peer;
+    const http::Target& target;
+    const std::vector<std::string>& params;
+  };
+  using Handle = Out (DaemonHandler::*)(const Call&);
+  struct Row {
+    bhttp::verb method;
+    std::string_view pattern;
+    Handle handle;
+  };
+
+  static Answer json(int status, boost::json::object body) { return Answer{status, std::move(body), {}}; }
+  template <class T, class F>
+  static Out encode(expected<T, Problem> r, int status, F to) {
+    if (!r) return make_unexpected(std::move(r.error()));
+    return json(status, to(*r));
+  }
+
+  static http::Response response(const Out& out, const std::string& allow, unsigned version, bool keep_alive,
+                                 const std::string& rid) {
+    http::Response res{static_cast<bhttp::status>(out ? out->status : out.error().status()), version};
     res.set(bhttp::field::server, "mepd");
-    if (!rid.empty()) res.set("X-Request-Id", rid);
-    if (!r.body.empty() || r.status != 204) {
-      res.set(bhttp::field::content_type, r.problem ? "application/problem+json" : "application/json");
-      res.body() = r.body;
+    res.set("X-Request-Id", rid);
+    if (!out) {
+      Problem p = out.error();
+      p.instance = rid;
+      res.set(bhttp::field::content_type, "application/problem+json");
+      if (p.retry_after_s) res.set(bhttp::field::retry_after, std::to_string(*p.retry_after_s));
+      res.body() = json::dump(p.to_json());
+    } else if (out->text) {
+      res.set(bhttp::field::content_type, "text/plain; version=0.0.4; charset=utf-8");
+      res.body() = *out->text;
+    } else if (out->status != 204) {
+      res.set(bhttp::field::content_type, "application/json");
+      res.body() = json::dump(out->body);
     }
-    if (r.retry_after_s) res.set(bhttp::field::retry_after, std::to_string(*r.retry_after_s));
-    if (!r.allow.empty()) res.set(bhttp::field::allow, r.allow);
+    if (!allow.empty()) res.set(bhttp::field::allow, allow);
     res.keep_alive(keep_alive);
     res.prepare_payload();
     return res;
@@ -126,113 +164,179 @@ private:
     stream->on_close([this, id] { m_keeper.unsubscribe(id); });
   }
 
-  // ---- routes ----
-  server::Reply route(const http::Request& req, const http::Peer& m_peer, const std::string& rid) {
-    auto target = boost::urls::parse_origin_form(req.target());
-    if (!target) return server::problem_reply(Problem(Code::invalid_request, "malformed target"), rid);
-    std::string path(target->path());
-    // HEAD is GET without the content (RFC 9110 9.3.2); the caller drops the content.
-    auto method = req.method() == bhttp::verb::head ? bhttp::verb::get : req.method();
-    bhttp::verb accepted = bhttp::verb::unknown; // the method of the path last checked
-    auto need = [&](bhttp::verb v) {
-      accepted = v;
-      return method == v;
-    };
-    auto not_allowed = [&] { // RFC 9110 15.5.6: a 405 names what the path accepts
-      auto r = server::problem_reply(Problem(Code::method_not_allowed, "this endpoint does not accept that method"), rid);
-      r.allow = path == "/v1/events" ? "GET" : http::allow_entry(accepted); // the stream has no HEAD
-      return r;
-    };
-    auto body = [&]() -> expected<boost::json::object, Problem> {
-      if (req.body().empty()) return boost::json::object{};
-      return json::parse_object(req.body());
-    };
-    if (path == "/v1/events") { // a plain GET became the stream before routing
-      if (need(bhttp::verb::get) && req.method() != bhttp::verb::head)
-        return server::problem_reply(Problem(Code::invalid_request, "GET /v1/events takes no query"), rid);
-      return not_allowed();
+  // The row's handler's answer; a 405 sets `allow` to what the path accepts.
+  Out route(const http::Request& req, const http::Peer& peer, std::string& allow) {
+    auto target = http::parse_target(req.target());
+    if (!target) return make_unexpected(Problem(Code::invalid_request, "malformed target"));
+    // HEAD is GET without the content (RFC 9110 9.3.2); the edge drops the content.
+    const auto method = req.method() == bhttp::verb::head ? bhttp::verb::get : req.method();
+    std::vector<std::string> params;
+    const Row* row = http::find_route(k_routes, method, target->segments, params, allow);
+    const bool events = target->segments.size() == 2 && target->segments[0] == "v1" && target->segments[1] == "events";
+    if (!row || (events && req.method() == bhttp::verb::head)) {
+      if (allow.empty() && !events) return make_unexpected(Problem(Code::not_found, "no such endpoint"));
+      // RFC 9110 15.5.6: a 405 names what the path accepts; the stream has no HEAD.
+      if (events) allow = "GET";
+      return make_unexpected(Problem(Code::method_not_allowed, "this endpoint does not accept that method"));
     }
-    if (path == "/healthz") return need(bhttp::verb::get) ? server::json_reply(200, m_keeper.health()) : not_allowed();
-    if (path == "/metrics") {
-      if (!need(bhttp::verb::get)) return not_allowed();
-      server::Reply r;
-      r.status = 200;
-      r.body = m_keeper.metrics();
-      return r;
-    }
-    if (path == "/v1/attach") {
-      if (!need(bhttp::verb::post)) return not_allowed();
-      auto o = body();
-      if (!o) return server::problem_reply(o.error(), rid);
-      json::ObjectReader rd(*o);
-      AttachRequest a;
-      auto name = rd.string("name", Need::required);
-      auto p = rd.string("path", Need::required);
-      auto ttl = rd.integer("ttl_seconds", Need::optional, -(1LL << 40), 1LL << 40);
-      auto bind = rd.string("bind", Need::optional);
-      if (bind && *bind != "pid" && *bind != "none") rd.fail("field \"bind\" must be \"pid\" or \"none\"");
-      if (auto ok = rd.finish(); !ok) return server::problem_reply(ok.error(), rid);
-      a.name = *name;
-      a.path = client_path(*p, m_peer.pid);
-      a.ttl_s = ttl.value_or(server::k_default_ttl_s);
-      a.bind_pid = !bind || *bind == "pid";
-      a.pid = m_peer.pid;
-      return m_keeper.attach(a, rid);
-    }
-    if (path == "/v1/detach") {
-      if (!need(bhttp::verb::post)) return not_allowed();
-      auto o = body();
-      if (!o) return server::problem_reply(o.error(), rid);
-      json::ObjectReader rd(*o);
-      auto name = rd.string("name", Need::required);
-      if (auto ok = rd.finish(); !ok) return server::problem_reply(ok.error(), rid);
-      return m_keeper.detach(*name, rid);
-    }
-    if (path == "/v1/leases") return need(bhttp::verb::get) ? m_keeper.list(rid) : not_allowed();
-    if (path.rfind("/v1/leases/", 0) == 0 && path.size() > 11) {
-      if (!need(bhttp::verb::get)) return not_allowed();
-      std::string name;
-      for (auto seg : target->segments()) name = std::string(seg);
-      return m_keeper.get(name, rid);
-    }
-    if (path == "/v1/branch" || path == "/v1/init") {
-      if (!need(bhttp::verb::post)) return not_allowed();
-      auto o = body();
-      if (!o) return server::problem_reply(o.error(), rid);
-      json::ObjectReader rd(*o);
-      auto p = rd.string("path", Need::required);
-      std::optional<std::string> np;
-      if (path == "/v1/branch") np = rd.string("new_path", Need::required);
-      if (auto ok = rd.finish(); !ok) return server::problem_reply(ok.error(), rid);
-      if (path == "/v1/init") return m_keeper.init(client_path(*p, m_peer.pid), client_file_mode(m_peer.pid), rid);
-      return m_keeper.branch(client_path(*p, m_peer.pid), client_path(*np, m_peer.pid), rid);
-    }
-    if (path == "/v1/lineage") {
-      if (!need(bhttp::verb::get)) return not_allowed();
-      std::optional<std::string> p, id;
-      for (auto q : target->params()) {
-        if (q.key == "path") p = std::string(q.value);
-        if (q.key == "id") id = std::string(q.value);
-      }
-      if (!p && !id) return server::problem_reply(Problem(Code::invalid_request, "query parameter path or id is required"), rid);
-      return m_keeper.lineage(p ? std::optional<fs::path>(client_path(*p, m_peer.pid)) : std::nullopt, id.value_or(""), rid);
-    }
-    if (path == "/v1/identify") {
-      if (!need(bhttp::verb::get)) return not_allowed();
-      std::optional<std::string> p;
-      for (auto q : target->params())
-        if (q.key == "path") p = std::string(q.value);
-      if (!p || p->empty()) return server::problem_reply(Problem(Code::invalid_request, "query parameter path is required"), rid);
-      return m_keeper.identify(client_path(*p, m_peer.pid), rid);
-    }
-    return server::problem_reply(Problem(Code::not_found, "no such endpoint"), rid);
+    return (this->*(row->handle))(Call{req, peer, *target, params});
   }
+
+  static expected<boost::json::object, Problem> body(const http::Request& req) {
+    if (req.body().empty()) return boost::json::object{};
+    return json::parse_object(req.body());
+  }
+
+  static std::optional<std::string> query(const Call& c, std::string_view key) {
+    for (const auto& [k, v] : c.target.query)
+      if (k == key) return v;
+    return std::nullopt;
+  }
+
+  // ---- handlers ----
+
+  Out on_events(const Call&) {
+    // A plain GET of /v1/events became the stream before routing.
+    return make_unexpected(Problem(Code::invalid_request, "GET /v1/events takes no query"));
+  }
+
+  Out on_health(const Call&) { return json(200, m_keeper.health()); }
+
+  Out on_metrics(const Call&) {
+    Answer a;
+    a.text = m_keeper.metrics();
+    return a;
+  }
+
+  Out on_attach(const Call& c) {
+    auto o = body(c.req);
+    if (!o) return make_unexpected(std::move(o.error()));
+    json::ObjectReader rd(*o);
+    AttachRequest a;
+    auto name = rd.string("name", Need::required);
+    auto p = rd.string("path", Need::required);
+    auto ttl = rd.integer("ttl_seconds", Need::optional, -(1LL << 40), 1LL << 40);
+    auto bind = rd.string("bind", Need::optional);
+    if (bind && *bind != "pid" && *bind != "none") rd.fail("field \"bind\" must be \"pid\" or \"none\"");
+    if (auto ok = rd.finish(); !ok) return make_unexpected(std::move(ok.error()));
+    a.name = *name;
+    a.path = client_path(*p, c.peer.pid);
+    a.ttl_s = ttl.value_or(lease::k_default_ttl_s);
+    a.bind_pid = !bind || *bind == "pid";
+    a.pid = c.peer.pid;
+    return encode(m_keeper.attach(a), 201, [](const Held& h) { return api::to_json(h); });
+  }
+
+  Out on_detach(const Call& c) {
+    auto o = body(c.req);
+    if (!o) return make_unexpected(std::move(o.error()));
+    json::ObjectReader rd(*o);
+    auto name = rd.string("name", Need::required);
+    auto lease_id = rd.string("lease_id", Need::optional);
+    if (auto ok = rd.finish(); !ok) return make_unexpected(std::move(ok.error()));
+    auto r = m_keeper.detach(*name, lease_id);
+    if (!r) return make_unexpected(std::move(r.error()));
+    return Answer{204, {}, {}};
+  }
+
+  Out on_list(const Call&) {
+    boost::json::array arr;
+    for (const auto& h : m_keeper.list()) arr.emplace_back(api::to_json(h));
+    return json(200, boost::json::object{{"leases", std::move(arr)}});
+  }
+
+  Out on_get(const Call& c) {
+    return encode(m_keeper.get(c.params[0]), 200, [](const Held& h) { return api::to_json(h); });
+  }
+
+  // {path, new_path} (branch) or {path} (init).
+  Out on_branch_or_init(const Call& c, bool branch) {
+    auto o = body(c.req);
+    if (!o) return make_unexpected(std::move(o.error()));
+    json::ObjectReader rd(*o);
+    auto p = rd.string("path", Need::required);
+    std::optional<std::string> np;
+    if (branch) np = rd.string("new_path", Need::required);
+    if (auto ok = rd.finish(); !ok) return make_unexpected(std::move(ok.error()));
+    if (!branch)
+      return encode(m_keeper.init(client_path(*p, c.peer.pid), client_file_mode(c.peer.pid)), 201,
+                    [](const Initialized& i) { return api::to_json(i); });
+    return encode(m_keeper.branch(client_path(*p, c.peer.pid), client_path(*np, c.peer.pid)), 201,
+                  [](const BranchedFile& b) { return api::to_json(b); });
+  }
+  Out on_branch(const Call& c) { return on_branch_or_init(c, true); }
+  Out on_init(const Call& c) { return on_branch_or_init(c, false); }
+
+  Out on_lineage(const Call& c) {
+    auto p = query(c, "path");
+    auto id = query(c, "id");
+    if (!p && !id) return make_unexpected(Problem(Code::invalid_request, "query parameter path or id is required"));
+    return encode(m_keeper.lineage(p ? std::optional<fs::path>(client_path(*p, c.peer.pid)) : std::nullopt, id.value_or("")),
+                  200, [](const lease::Lineage& l) { return lease::wire::to_json(l); });
+  }
+
+  Out on_identify(const Call& c) {
+    auto p = query(c, "path");
+    if (!p || p->empty()) return make_unexpected(Problem(Code::invalid_request, "query parameter path is required"));
+    return encode(m_keeper.identify(client_path(*p, c.peer.pid)), 200, [](const Identified& i) { return api::to_json(i); });
+  }
+
+  // {name}: verify and sync.
+  expected<std::string, Problem> name_of(const Call& c) {
+    auto o = body(c.req);
+    if (!o) return make_unexpected(std::move(o.error()));
+    json::ObjectReader rd(*o);
+    auto name = rd.string("name", Need::required);
+    if (auto ok = rd.finish(); !ok) return make_unexpected(std::move(ok.error()));
+    return *name;
+  }
+
+  Out on_verify(const Call& c) {
+    auto name = name_of(c);
+    if (!name) return make_unexpected(std::move(name.error()));
+    return encode(m_keeper.verify(*name), 200, [](const VerifiedLease& v) { return api::to_json(v); });
+  }
+
+  Out on_sync(const Call& c) {
+    auto name = name_of(c);
+    if (!name) return make_unexpected(std::move(name.error()));
+    return encode(m_keeper.sync(*name), 200, [](const ObjectResult& o) { return api::to_json_sync(o); });
+  }
+
+  Out on_fetch(const Call& c) {
+    auto o = body(c.req);
+    if (!o) return make_unexpected(std::move(o.error()));
+    json::ObjectReader rd(*o);
+    auto id = rd.uuid("memory_instance_id", Need::required);
+    auto p = rd.string("path", Need::required);
+    if (auto ok = rd.finish(); !ok) return make_unexpected(std::move(ok.error()));
+    return encode(m_keeper.fetch(*id, client_path(*p, c.peer.pid), client_file_mode(c.peer.pid)), 201,
+                  [](const ObjectResult& r) { return api::to_json_fetch(r); });
+  }
+
+  static const std::vector<Row> k_routes;
 
   Keeper& m_keeper;
   std::function<bool(const http::Peer&)> m_allowed;
   net::thread_pool m_work{16};
 };
 
+const std::vector<DaemonHandler::Row> DaemonHandler::k_routes = {
+    {bhttp::verb::get, "/healthz", &DaemonHandler::on_health},
+    {bhttp::verb::get, "/metrics", &DaemonHandler::on_metrics},
+    {bhttp::verb::get, "/v1/events", &DaemonHandler::on_events},
+    {bhttp::verb::post, "/v1/attach", &DaemonHandler::on_attach},
+    {bhttp::verb::post, "/v1/detach", &DaemonHandler::on_detach},
+    {bhttp::verb::get, "/v1/leases", &DaemonHandler::on_list},
+    {bhttp::verb::get, "/v1/leases/{name}", &DaemonHandler::on_get},
+    {bhttp::verb::post, "/v1/branch", &DaemonHandler::on_branch},
+    {bhttp::verb::post, "/v1/init", &DaemonHandler::on_init},
+    {bhttp::verb::get, "/v1/lineage", &DaemonHandler::on_lineage},
+    {bhttp::verb::get, "/v1/identify", &DaemonHandler::on_identify},
+    {bhttp::verb::post, "/v1/verify", &DaemonHandler::on_verify},
+    {bhttp::verb::post, "/v1/sync", &DaemonHandler::on_sync},
+    {bhttp::verb::post, "/v1/fetch", &DaemonHandler::on_fetch},
+};
 
 LocalServer::LocalServer(net::io_context& ioc, Keeper& keeper, const fs::path& socket_path, int inherited_fd)
     : m_ioc(ioc), m_keeper(keeper), m_path(socket_path) {

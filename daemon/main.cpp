@@ -2,6 +2,8 @@
 // claims and renews their leases against the control plane (remote, or embedded).
 #include "mep/config.hpp"
 #include "mep/control_plane.hpp"
+#include "mep/data_plane.hpp"
+#include "mep/http/edge.hpp"
 #include "mep/keeper.hpp"
 #include "mep/local_server.hpp"
 #include "mep/log.hpp"
@@ -47,6 +49,16 @@ void lock_state_dir(const fs::path& state) {
   }
 }
 
+// The first line of a token file.
+std::string read_token(const std::string& file) {
+  std::ifstream in(file);
+  if (!in) throw std::runtime_error("cannot read the token file " + file);
+  std::string token;
+  std::getline(in, token);
+  while (!token.empty() && (token.back() == '\r' || token.back() == ' ')) token.pop_back();
+  return token;
+}
+
 std::string default_state_dir() {
   if (::getuid() == 0 && !std::getenv("XDG_STATE_HOME")) return "/var/lib/mep";
   return (mep::xdg_state_home() / "mep" / "mepd").string();
@@ -66,13 +78,18 @@ int main(int argc, char** argv) {
   mep::log::set_program("mepd");
   // 1. Options: flags > MEP_* environment > ~/.config/mep/config.toml > defaults.
   CLI::App app{"mepd: the mep host daemon. Local agents attach over a Unix socket.", "mepd"};
-  std::optional<std::string> socket, state_dir, control_plane, token_file, config_file;
+  std::optional<std::string> socket, state_dir, control_plane, token_file, config_file, store, store_token_file;
   std::string log_level = "info";
   app.add_option("--socket", socket, "Socket path (default $MEP_SOCKET, $XDG_RUNTIME_DIR/mep/mepd.sock, /run/mep/mepd.sock)");
   app.add_option("--state-dir", state_dir, "State directory (default $XDG_STATE_HOME/mep/mepd)");
   app.add_option("--control-plane", control_plane,
                  "URL of a mep server (https://…, or http:// on loopback); none: embedded control plane");
   app.add_option("--token-file", token_file, "File holding the bearer token for --control-plane (or MEP_TOKEN)");
+  app.add_option("--store", store,
+                 "URL of a data plane (mep store: https://…, or http:// on loopback); its fence is advanced "
+                 "before every token is handed out, and sync/fetch use it");
+  app.add_option("--store-token-file", store_token_file,
+                 "File holding the bearer token for --store (default: the control plane's token)");
   app.add_option("--config", config_file, "Config file");
   app.add_option("--log-level", log_level, "debug, info, warn or error")->capture_default_str();
   app.set_version_flag("--version", "mepd " MEP_VERSION);
@@ -101,6 +118,8 @@ int main(int argc, char** argv) {
   std::string state = cfg->get("state_dir", state_dir, "--state-dir", default_state_dir()).value;
   std::string cp_url = cfg->get("control_plane", control_plane, "--control-plane", "").value;
   std::string tok_file = cfg->get("token_file", token_file, "--token-file", "").value;
+  std::string store_url = cfg->get("store", store, "--store", "").value;
+  std::string store_tok_file = cfg->get("store_token_file", store_token_file, "--store-token-file", "").value;
 
   try {
     // 2. State directory (0700) and the control plane.
@@ -109,25 +128,29 @@ int main(int argc, char** argv) {
     ::chmod(state.c_str(), 0700);
     lock_state_dir(state);
     std::unique_ptr<mep::daemon::ControlPlane> cp;
+    std::string token;
     if (cp_url.empty()) {
       cp = mep::daemon::make_embedded_control_plane(state);
     } else {
-      std::string token;
-      if (!tok_file.empty()) {
-        std::ifstream in(tok_file);
-        if (!in) throw std::runtime_error("cannot read the token file " + tok_file);
-        std::getline(in, token);
-      } else if (const char* t = std::getenv("MEP_TOKEN")) {
-        token = t;
-      }
+      if (!tok_file.empty()) token = read_token(tok_file);
+      else if (const char* t = std::getenv("MEP_TOKEN")) token = t;
       cp = mep::daemon::make_remote_control_plane(cp_url, token);
     }
     std::string describe = cp->describe();
+    //    The data plane, when there is one: its own token, else the control plane's.
+    std::unique_ptr<mep::daemon::DataPlane> dp;
+    if (!store_url.empty()) {
+      std::string store_token = !store_tok_file.empty() ? read_token(store_tok_file) : token;
+      if (store_token.empty())
+        throw std::runtime_error("--store needs --store-token-file (the embedded control plane has no token a store accepts)");
+      dp = std::make_unique<mep::daemon::DataPlane>(store_url, store_token);
+      describe += ", data plane: " + dp->url();
+    }
 
     // 3. The keeper re-adopts leases and resends claim intents, then the socket opens.
     std::signal(SIGPIPE, SIG_IGN);
     //    The socket is bound first: a daemon that cannot have it touches no lease.
-    mep::daemon::Keeper keeper(state, std::move(cp));
+    mep::daemon::Keeper keeper(state, std::move(cp), std::move(dp));
     boost::asio::io_context ioc;
     mep::daemon::LocalServer server(ioc, keeper, sock, inherited_socket());
     keeper.start();

@@ -492,10 +492,15 @@ private:
     if (m_chunks.size() == 1) write_chunk();
   }
 
+  // The chunk at the front is the one being written: it stays queued (and alive) until its
+  // write completes, also when the stream ended meanwhile.
   void write_chunk() {
     net::async_write(m_stream, net::buffer(m_chunks.front()), [self = shared()](beast::error_code ec, std::size_t) {
-      if (ec) return self->end_stream();
       self->m_chunks.pop_front();
+      if (ec || self->m_stream_done) {
+        self->m_chunks.clear();
+        return self->end_stream();
+      }
       if (!self->m_chunks.empty()) self->write_chunk();
     });
   }
@@ -512,7 +517,8 @@ private:
   void end_stream() {
     if (m_stream_done) return;
     m_stream_done = true;
-    m_chunks.clear();
+    // Chunks not yet started are dropped; the one being written is dropped by its completion.
+    if (m_chunks.size() > 1) m_chunks.erase(m_chunks.begin() + 1, m_chunks.end());
     if (m_events) m_events->close();
     close_now();
   }

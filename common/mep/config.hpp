@@ -22,9 +22,9 @@ struct Setting {
 /// the same keys at top level.
 class Config {
 public:
-  /// Loads `file`, or the default file (`$XDG_CONFIG_HOME/mep/config.toml`, else
-  /// `~/.config/mep/config.toml`) when `file` is empty. A missing default file is not an
-  /// error; a missing explicit file or a malformed one is (the message says which line).
+  /// Loads `file`, else `$MEP_CONFIG`, else the default file (`$XDG_CONFIG_HOME/mep/config.toml`,
+  /// else `~/.config/mep/config.toml`). A missing default file is not an error; a missing
+  /// explicit file or a malformed one is (the message says which line).
   static expected<Config, std::string> load(const std::filesystem::path& file = {});
 
   /// The effective value of `key`.

@@ -1,42 +1,46 @@
-// How mepd reaches the control plane: a remote `mep server` over HTTP(S) (libcurl), or
-// the same engine embedded in-process on a local SQLite file (single-host mode). Both
-// speak the HTTP API of SPEC §6, so the daemon behaves the same either way.
+// How mepd reaches the control plane: a remote `mep server` over HTTP(S), or the same
+// engine embedded in-process on a local SQLite file (single-host mode). Both offer the
+// typed operations below, so the daemon behaves the same either way and knows no JSON.
 #pragma once
-#include <boost/json/object.hpp>
+#include "mep/expected.hpp"
+#include "mep/lease/types.hpp"
+#include "mep/problem.hpp"
 
 #include <chrono>
 #include <filesystem>
 #include <memory>
 #include <optional>
 #include <string>
-#include <string_view>
 
 namespace mep::daemon {
 
-/// One answer from the control plane. `status` is 0 when the request did not get an
-/// HTTP answer at all (connection refused, timeout); `error` then says why.
-struct CpReply {
-  int status = 0;
-  std::string body;
-  std::optional<int> retry_after_s;
-  std::string error;
+/// The problem for a control plane that gave no answer at all (refused, timed out):
+/// 503 unavailable with Retry-After: 1.
+Problem unreachable(std::string why);
 
-  bool ok() const { return status >= 200 && status < 300; }
-  /// The body as a JSON object (empty when it is not one).
-  boost::json::object json() const;
-  /// The problem `code` of an error body, or "unavailable" when there was no answer.
-  std::string code() const;
-};
+/// True when a failure does not say what happened — no answer, a 5xx, or a duplicate
+/// still in flight: the request may or may not have taken effect.
+bool outcome_unknown(const Problem& p);
 
+/// Every call is thread-safe, blocks for at most its timeout (default 10 s remote, 30 s
+/// embedded) and never throws for transport failures (they are `unreachable` problems).
 class ControlPlane {
 public:
   virtual ~ControlPlane() = default;
-  /// Sends one request; thread-safe; never throws for transport errors. `timeout` bounds
-  /// the whole exchange (0: the default, 10 s remote / 30 s embedded); past it the reply
-  /// has status 0.
-  virtual CpReply request(std::string_view method, std::string_view path, const std::string& body,
-                          const std::string& idempotency_key = {},
-                          std::chrono::milliseconds timeout = std::chrono::milliseconds{0}) = 0;
+  /// POST /v1/memories with a client-minted id (idempotent for the tenant that has it).
+  virtual expected<lease::Registered, Problem> register_memory(const std::string& memory_id) = 0;
+  /// POST /v1/leases under `idempotency_key`.
+  virtual expected<lease::Grant, Problem> claim(const lease::ClaimRequest& req, const std::string& idempotency_key) = 0;
+  virtual expected<lease::RenewBatchResult, Problem> renew_batch(const lease::RenewBatchRequest& req,
+                                                                 std::chrono::milliseconds timeout) = 0;
+  virtual expected<void, Problem> release(const lease::LeaseRef& ref) = 0;
+  /// POST /v1/memories/branch; the key makes a retry replay.
+  virtual expected<lease::Branched, Problem> branch(const lease::BranchRequest& req, const std::string& idempotency_key) = 0;
+  virtual expected<lease::Memory, Problem> memory(const std::string& memory_id) = 0;
+  virtual expected<lease::Lineage, Problem> lineage(const std::string& memory_id) = 0;
+  virtual expected<lease::Verified, Problem> verify(const lease::VerifyRequest& req) = 0;
+  virtual expected<lease::IdentityMapPage, Problem> identity_map(const std::optional<std::string>& cursor,
+                                                                 std::size_t limit) = 0;
   /// "embedded (sqlite:…)" or the URL, for logs and /healthz.
   virtual std::string describe() const = 0;
 };

@@ -1,6 +1,10 @@
 // The identity of a .uai file (SPEC §7): the xattr user.mep.memory_instance_id, the
-// file's (device, inode), and its content fingerprint (SHA-256).
+// file's (device, inode), and its content fingerprint (SHA-256); and the resolution of a
+// path to a memory id behind a small file-system interface.
 #pragma once
+#include "mep/expected.hpp"
+#include "mep/problem.hpp"
+
 #include <cstdint>
 #include <filesystem>
 #include <optional>
@@ -28,5 +32,46 @@ std::optional<std::string> read_id_xattr(const std::filesystem::path& path);
 bool write_id_xattr(const std::filesystem::path& path, const std::string& id);
 /// SHA-256 of the file's bytes (hex), or nullopt on a read error.
 std::optional<std::string> file_sha256(const std::filesystem::path& path);
+
+/// The file-system calls identity resolution makes (the functions above); unit tests give
+/// a fake.
+class Files {
+public:
+  virtual ~Files() = default;
+  virtual std::optional<FileStat> stat(const std::filesystem::path& p) { return stat_file(p); }
+  virtual std::optional<std::string> read_id(const std::filesystem::path& p) { return read_id_xattr(p); }
+  virtual bool write_id(const std::filesystem::path& p, const std::string& id) { return write_id_xattr(p, id); }
+  virtual std::optional<std::string> sha256(const std::filesystem::path& p) { return file_sha256(p); }
+};
+
+class StateDb;
+
+/// A file's memory id, and what the caller still has to do about it.
+struct Resolved {
+  std::string memory_id;
+  bool fresh = false;      ///< minted now: register it with the control plane, then bind()
+  bool unregistered = false; ///< a known id this daemon never registered (a copy from another host)
+  std::optional<std::string> sha256; ///< computed while resolving
+};
+
+/// SPEC §7's resolution order: xattr, then (device, inode) with the birth time, then a
+/// unique content match; else a fresh UUIDv7 (when asked to mint). Makes no network call
+/// and holds no lock but the state database's, for its statements.
+class IdentityResolver {
+public:
+  IdentityResolver(StateDb& db, Files& files) : m_db(db), m_files(files) {}
+
+  /// The memory id of the regular file at `path`; 400 when there is no such file, 404 when
+  /// it has no identity and `mint` is false.
+  expected<Resolved, Problem> resolve(const std::filesystem::path& path, bool mint);
+  /// Records that `path` is `memory_id`: the xattr (where supported) and the path map,
+  /// with a fresh content fingerprint when `hash` (or the one given).
+  void bind(const std::string& memory_id, const std::filesystem::path& path, bool hash,
+            std::optional<std::string> sha256 = std::nullopt);
+
+private:
+  StateDb& m_db;
+  Files& m_files;
+};
 
 } // namespace mep::daemon

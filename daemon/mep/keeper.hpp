@@ -1,12 +1,19 @@
-// The lease keeper: everything mepd knows and does (SPEC §7) — the path map, attaching
-// and releasing, renewals in batches, local deadlines, loss, pid watches, events, and
-// the persistence that lets a restarted daemon re-adopt its leases.
+// The lease keeper: what mepd does for its agents (SPEC §7, §8) — attach and detach,
+// branch, identify, init, lineage, verify, sync and fetch — composed from its parts: the
+// state database (state_db), identity resolution (identity), the lease book and its session
+// machine (lease_book), the pid watcher (pid_watch), the control plane (control_plane) and
+// the data plane (data_plane). No control-plane or data-plane call, hash or fsync is made
+// while the lease book's lock is held.
 #pragma once
 #include "mep/control_plane.hpp"
-#include "mep/sqlite.hpp"
-#include "mep/store.hpp"
+#include "mep/daemon_api.hpp"
+#include "mep/data_plane.hpp"
+#include "mep/identity.hpp"
+#include "mep/lease_book.hpp"
+#include "mep/pid_watch.hpp"
+#include "mep/state_db.hpp"
 
-#include <chrono>
+#include <atomic>
 #include <condition_variable>
 #include <filesystem>
 #include <functional>
@@ -21,112 +28,99 @@
 
 namespace mep::daemon {
 
-using SteadyTime = std::chrono::steady_clock::time_point;
-
 struct AttachRequest {
   std::string name; ///< display name
   std::filesystem::path path;
-  std::int64_t ttl_s = server::k_default_ttl_s;
+  std::int64_t ttl_s = lease::k_default_ttl_s;
   bool bind_pid = true;
   pid_t pid = 0; ///< the peer's pid (SO_PEERCRED)
 };
 
-/// One lease this daemon holds for a local agent.
-struct Held {
-  std::string canonical_name;
-  std::string display_name;
-  std::string memory_id;
-  std::string lease_id;
-  std::string owner_client_id;
-  std::int64_t fencing_token = 0;
-  std::int64_t ttl_s = 0;
-  UnixMs expires_at = 0; ///< the server's expiry (wall clock)
-  std::string path;
-  pid_t bind_pid = 0;   ///< 0: not bound
-  std::string state;    ///< held | degraded | lost
-  std::string lost_reason;
-  SteadyTime local_deadline{};
-  SteadyTime next_renew{};
-  int failures = 0;
-};
-
 class Keeper {
 public:
-  /// Opens (creating) `state_dir`/mepd.db. Throws std::runtime_error.
-  Keeper(std::filesystem::path state_dir, std::unique_ptr<ControlPlane> cp);
+  /// Opens (creating) `state_dir`/mepd.db. `data_plane` may be null (no --store: sync and
+  /// fetch answer 501, grants are not fenced). Throws std::runtime_error.
+  Keeper(std::filesystem::path state_dir, std::unique_ptr<ControlPlane> cp,
+         std::unique_ptr<DataPlane> data_plane = nullptr);
   /// Stops the threads; leases stay held on the server until their TTL (SIGTERM semantics).
   ~Keeper();
 
   /// Re-adopts persisted leases, resends pending claim intents, starts the threads.
   void start();
 
-  server::Reply attach(const AttachRequest& req, const std::string& rid);
-  server::Reply detach(const std::string& name, const std::string& rid);
-  server::Reply list(const std::string& rid);
-  server::Reply get(const std::string& name, const std::string& rid);
-  server::Reply branch(const std::filesystem::path& path, const std::filesystem::path& new_path, const std::string& rid);
-  server::Reply identify(const std::filesystem::path& path, const std::string& rid);
-  server::Reply init(const std::filesystem::path& path, mode_t mode, const std::string& rid);
-  /// The lineage of the memory at `path`, or of the memory id `id` (ancestors and children).
-  server::Reply lineage(const std::optional<std::filesystem::path>& path, const std::string& id, const std::string& rid);
-  boost::json::object health();
-  std::string metrics();
+  /// Claims `name` for the file's memory; with a data plane, advances its fence before it
+  /// answers (503 store-unavailable, and the lease given back, when it cannot).
+  expected<Held, Problem> attach(const AttachRequest& req);
+  /// Releases the lease under `name` (only the one with `lease_id`, when given).
+  expected<void, Problem> detach(const std::string& name, const std::optional<std::string>& lease_id);
+  std::vector<Held> list() const;
+  expected<Held, Problem> get(const std::string& name) const;
+  expected<BranchedFile, Problem> branch(const std::filesystem::path& path, const std::filesystem::path& new_path);
+  expected<Identified, Problem> identify(const std::filesystem::path& path);
+  expected<Initialized, Problem> init(const std::filesystem::path& path, mode_t mode);
+  /// The lineage of the memory at `path`, or of the memory id `id`.
+  expected<lease::Lineage, Problem> lineage(const std::optional<std::filesystem::path>& path, const std::string& id);
+  /// Asks the control plane whether the lease under `name` is still the live one.
+  expected<VerifiedLease, Problem> verify(const std::string& name);
+  /// Uploads the lease's file to the data plane with its token; refused locally (nothing
+  /// sent) when the lease is not live.
+  expected<ObjectResult, Problem> sync(const std::string& name);
+  /// Downloads the latest object of `memory_id` into the new file `path` (created with
+  /// `mode`) and binds that file to the memory's identity.
+  expected<ObjectResult, Problem> fetch(const std::string& memory_id, const std::filesystem::path& path, mode_t mode);
+
+  boost::json::object health() const;
+  std::string metrics() const;
 
   /// Registers an event sink (one NDJSON line per call, newline included); returns its id.
   int subscribe(std::function<void(const std::string&)> sink);
   void unsubscribe(int id);
 
-  const std::string& daemon_id() const { return m_daemon_id; }
+  const std::string& daemon_id() const { return m_state.daemon_id(); }
 
 private:
-  struct Identity {
-    std::string memory_id;
-    bool fresh = false;
-  };
-  expected<Identity, Problem> resolve(const std::filesystem::path& path, bool register_unknown);
-  void remember_file(const std::string& memory_id, const std::filesystem::path& path, bool with_hash);
-  bool knows_memory(const std::string& memory_id);
+  expected<Resolved, Problem> resolve_registered(const std::filesystem::path& path);
   std::optional<Problem> register_memory(const std::string& memory_id);
-  boost::json::object lease_json(const Held& h) const;
-  void persist(const Held& h);
-  void forget(const std::string& canonical_name);
-  void emit(std::string_view event, const Held& h, std::string_view code = {});
-  void mark_lost(Held& h, std::string_view reason);
+  expected<void, Problem> fence(const Held& h);
+  void adopt(Held h, bool announce);
   void release_on_server(const Held& h);
-  void watch_pid(pid_t pid);
+  void forget(const std::vector<std::string>& names);
+  void on_event(const Event& e);
+  void on_process_exit(pid_t pid);
   void renew_loop();
   void renew_due();
   void deadline_loop();
-  void pid_loop();
+  void fence_pending();
   void resend_intents();
   void pull_identity_map();
-  std::chrono::milliseconds margin(std::int64_t ttl_s) const;
-  void note_times(const Held& h);
-  Held held_from_grant(const boost::json::object& o, std::string owner, std::string path, pid_t pid,
-                       SteadyTime sent) const;
-  void recompute_checks();
+  std::unique_lock<std::mutex> lock_file(const std::filesystem::path& path);
 
   std::filesystem::path m_state_dir;
+  StateDb m_state;
+  Files m_files;
+  IdentityResolver m_resolver{m_state, m_files};
   std::unique_ptr<ControlPlane> m_cp;
-  std::string m_daemon_id;
+  std::unique_ptr<DataPlane> m_dp;
+  LeaseBook m_book;
+  PidWatcher m_pids;
 
-  std::mutex m_mutex; // guards everything below and m_db
-  std::unique_ptr<sqlite::Db> m_db;
-  std::map<std::string, Held> m_leases; // by canonical name
-  std::map<pid_t, int> m_pidfds;        // watched pid -> pidfd
-  SteadyTime m_next_renew_check{};      // no lease is due before this (renewer skips scans)
-  SteadyTime m_next_deadline_check{};   // no deadline passes before this
+  // Identity resolution and registration of one file at a time (by device and inode), so
+  // two attaches of a new file do not mint two identities for it.
+  std::mutex m_files_mutex;
+  std::map<std::string, std::shared_ptr<std::mutex>> m_file_locks;
+
+  mutable std::mutex m_sinks_mutex;
   std::map<int, std::function<void(const std::string&)>> m_sinks;
   int m_next_sink = 1;
+
+  std::mutex m_stop_mutex;
+  std::condition_variable m_stop_cv;
   bool m_stop = false;
-  std::condition_variable m_cv;
   std::thread m_renewer;
   std::thread m_deadline_watcher;
-  std::thread m_pid_watcher;
-  int m_wake_fd = -1; // eventfd waking the pid watcher
 
   // counters for /metrics
-  long m_batches = 0, m_batch_leases = 0, m_cp_requests = 0, m_lost = 0, m_grants = 0;
+  std::atomic<long> m_batches{0}, m_batch_leases{0}, m_cp_requests{0}, m_lost{0}, m_grants{0}, m_state_errors{0};
 };
 
 } // namespace mep::daemon

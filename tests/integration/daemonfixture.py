@@ -216,9 +216,11 @@ class Mepd:
     state directory come from XDG_RUNTIME_DIR / XDG_STATE_HOME (the defaults); otherwise
     --socket and --state-dir are passed explicitly."""
 
-    def __init__(self, workdir, env, control_plane=None, token=None, use_xdg=False, log_level="info", tag="mepd"):
+    def __init__(self, workdir, env, control_plane=None, token=None, use_xdg=False, log_level="info", tag="mepd",
+                 extra_args=()):
         self.workdir = workdir
         self.env = dict(env)
+        self.extra_args = list(extra_args)
         self.control_plane = control_plane
         self.use_xdg = use_xdg
         self.log_level = log_level
@@ -244,6 +246,7 @@ class Mepd:
             argv += ["--socket", self.socket_path, "--state-dir", self.state_dir]
         if self.control_plane:
             argv += ["--control-plane", self.control_plane, "--token-file", self.token_file]
+        argv += self.extra_args
         log = os.path.join(self.workdir, "%s-%d.log" % (self.tag, len(self.logs)))
         self.proc = Proc(self.tag, argv, self.env, log, cwd=self.workdir)
         self.logs.append(self.proc)

@@ -21,7 +21,7 @@ CPACK_TIMEOUT_S = 600
 LINTIAN_TIMEOUT_S = 240
 
 MAN1 = ["mep", "mep-claim", "mep-run", "mep-release", "mep-init", "mep-branch", "mep-status",
-        "mep-identify", "mep-lineage", "mep-canonicalize", "mep-config", "mep-token"]
+        "mep-identify", "mep-lineage", "mep-sync", "mep-fetch", "mep-canonicalize", "mep-config", "mep-token"]
 MAN8 = ["mepd", "mep-server", "mep-store", "mep-migrate"]
 
 # Each command path of `mep` (as typed) and the page that documents it.
@@ -29,7 +29,8 @@ COMMAND_PAGES = {
     (): "mep.1",
     ("claim",): "mep-claim.1", ("run",): "mep-run.1", ("release",): "mep-release.1",
     ("init",): "mep-init.1", ("branch",): "mep-branch.1", ("status",): "mep-status.1",
-    ("identify",): "mep-identify.1", ("lineage",): "mep-lineage.1",
+    ("identify",): "mep-identify.1", ("lineage",): "mep-lineage.1", ("sync",): "mep-sync.1",
+    ("fetch",): "mep-fetch.1",
     ("canonicalize",): "mep-canonicalize.1", ("config",): "mep-config.1",
     ("token", "create"): "mep-token.1", ("token", "list"): "mep-token.1",
     ("token", "revoke"): "mep-token.1", ("token", "new"): "mep-token.1", ("token", "hash"): "mep-token.1",
@@ -216,7 +217,7 @@ class ManPages(unittest.TestCase):
         for path, page in COMMAND_PAGES.items():
             flags = help_flags(help_text([mep_bin(), *path]))
             self.assertTrue(flags or path in (("release",), ("init",), ("branch",), ("status",),
-                                              ("identify",), ("config",), ("token", "new"),
+                                              ("identify",), ("config",), ("sync",), ("fetch",), ("token", "new"),
                                               ("token", "hash")), path)
             source = page_source(page)
             for flag in flags:

@@ -22,8 +22,10 @@ struct ClientRequest {
   int upload_fd = -1;        ///< stream the body from here (read from its current offset)…
   std::uint64_t upload_size = 0; ///< …this many bytes
   int download_fd = -1;      ///< the body of a 2xx answer is written here instead of into `body`
-  std::chrono::milliseconds timeout{10000};        ///< the whole exchange
+  std::chrono::milliseconds timeout{10000};        ///< the whole exchange; 0: no bound (see stall)
   std::chrono::milliseconds connect_timeout{3000};
+  /// Given, the exchange fails when no byte moves for this long (large bodies, with timeout 0).
+  std::optional<std::chrono::seconds> stall;
 };
 
 struct ClientResponse {

@@ -1,0 +1,140 @@
+// The control plane's operations as types (SPEC §6): a request and a result per operation.
+// Callers in any process (the daemon's control-plane clients, the CLI, tests) use these;
+// only wire.hpp knows their JSON field names.
+#pragma once
+#include "mep/time.hpp"
+
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <vector>
+
+namespace mep::lease {
+
+inline constexpr std::int64_t k_default_ttl_s = 30;
+inline constexpr std::int64_t k_min_ttl_s = 5;
+inline constexpr std::int64_t k_max_ttl_s = 300;
+/// renew-batch carries at most this many leases.
+inline constexpr std::size_t k_max_batch = 1000;
+
+/// POST /v1/memories.
+struct RegisterRequest {
+  std::optional<std::string> memory_id; ///< a client-minted UUIDv7, else the server mints one
+};
+struct Registered {
+  std::string memory_id;
+  UnixMs created_at = 0;
+};
+
+/// POST /v1/leases: the atomic claim of a name and a memory.
+struct ClaimRequest {
+  std::string display_name;
+  std::string memory_id;
+  std::string owner_client_id;
+  std::int64_t ttl_s = k_default_ttl_s;
+};
+
+/// The claim's answer: a lease and its fencing token.
+struct Grant {
+  std::string lease_id;
+  std::string canonical_name;
+  std::string display_name;
+  std::string memory_id;
+  std::int64_t fencing_token = 0;
+  UnixMs expires_at = 0;
+  std::int64_t ttl_s = 0;
+  UnixMs server_time = 0;
+};
+
+/// GET /v1/leases/{name}: a grant and its owner.
+struct LeaseInfo {
+  Grant grant;
+  std::string owner_client_id;
+};
+
+/// A held lease as its holder presents it (renew, release; one item of renew-batch).
+struct LeaseRef {
+  std::string canonical_name;
+  std::string memory_id;
+  std::int64_t fencing_token = 0;
+  std::string owner_client_id;            ///< empty in a batch item: the batch's owner
+  std::int64_t ttl_s = k_default_ttl_s;
+};
+
+/// POST /v1/leases/renew.
+struct Renewed {
+  UnixMs expires_at = 0;
+  std::int64_t ttl_s = 0;
+  UnixMs server_time = 0;
+};
+
+/// POST /v1/leases/renew-batch: one round trip per daemon per tick.
+struct RenewBatchRequest {
+  std::string owner_client_id;
+  std::vector<LeaseRef> leases;
+};
+/// One lease's outcome in a batch: status 200 with the new expiry, or the problem's
+/// status and code (409 stale-fence, 410 lease-expired, 404 lease-not-found, 422 …).
+struct RenewItem {
+  std::string canonical_name;
+  int status = 0;
+  std::optional<UnixMs> expires_at;
+  std::string code;
+};
+struct RenewBatchResult {
+  std::vector<RenewItem> results; ///< in the order of the request's leases
+};
+
+/// POST /v1/memories/branch.
+struct BranchRequest {
+  std::string parent_memory_id;
+  std::int64_t parent_fencing_token = 0;
+  std::optional<std::string> memory_id; ///< client-minted, so a retry is naturally idempotent
+};
+struct Branched {
+  std::string memory_id;
+  std::string parent_memory_id;
+  std::int64_t branched_at_token = 0;
+};
+
+/// GET /v1/memories/{id}.
+struct Memory {
+  std::string memory_id;
+  std::optional<std::string> parent_memory_id;
+  std::optional<std::int64_t> branched_at_token;
+  UnixMs created_at = 0;
+  std::int64_t fencing_token_high_water = 0;
+};
+
+/// GET /v1/memories/{id}/lineage: ancestors to the root (nearest first) and direct children.
+struct Lineage {
+  std::string memory_id;
+  Memory memory;
+  std::vector<Memory> ancestors;
+  std::vector<Memory> children;
+};
+
+/// POST /v1/fence/verify: is this the live lease's token? (for data planes)
+struct VerifyRequest {
+  std::string memory_id;
+  std::int64_t fencing_token = 0;
+};
+struct Verified {
+  std::string memory_id;
+  std::int64_t fencing_token = 0;
+  std::string canonical_name;
+  UnixMs expires_at = 0;
+  UnixMs server_time = 0;
+};
+
+/// GET /v1/migration/identity-map: legacy memory references → memory ids (SPEC §10).
+struct IdentityEntry {
+  std::string legacy_memory_ref;
+  std::string memory_id;
+};
+struct IdentityMapPage {
+  std::vector<IdentityEntry> entries;
+  std::optional<std::string> next_cursor;
+};
+
+} // namespace mep::lease

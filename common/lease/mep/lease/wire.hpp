@@ -1,0 +1,45 @@
+// The JSON forms of the lease types (SPEC §6): the one place that knows the field names.
+// to_json renders a type; the decode_* functions read an answer back, and fail with a
+// problem (invalid-request) naming what was missing or mistyped — a peer that answers
+// with something else is a peer to distrust, not a crash.
+#pragma once
+#include "mep/expected.hpp"
+#include "mep/lease/types.hpp"
+#include "mep/problem.hpp"
+
+#include <boost/json/object.hpp>
+
+namespace mep::lease::wire {
+
+boost::json::object to_json(const RegisterRequest& r);
+boost::json::object to_json(const Registered& r);
+boost::json::object to_json(const ClaimRequest& r);
+boost::json::object to_json(const Grant& g);
+boost::json::object to_json(const LeaseInfo& l);
+/// A LeaseRef as each endpoint takes it: renew (owner and ttl), an item of renew-batch
+/// (ttl, and the owner only when it differs from the batch's), release (owner, no ttl).
+enum class RefForm { renew, batch_item, release };
+boost::json::object to_json(const LeaseRef& r, RefForm form = RefForm::renew);
+boost::json::object to_json(const Renewed& r);
+boost::json::object to_json(const RenewBatchRequest& r);
+boost::json::object to_json(const RenewBatchResult& r);
+boost::json::object to_json(const BranchRequest& r);
+boost::json::object to_json(const Branched& b);
+boost::json::object to_json(const Memory& m);
+boost::json::object to_json(const Lineage& l);
+boost::json::object to_json(const VerifyRequest& r);
+boost::json::object to_json(const Verified& v);
+boost::json::object to_json(const IdentityMapPage& p);
+
+expected<Registered, Problem> decode_registered(const boost::json::object& o);
+expected<ClaimRequest, Problem> decode_claim_request(const boost::json::object& o);
+expected<Grant, Problem> decode_grant(const boost::json::object& o);
+expected<Renewed, Problem> decode_renewed(const boost::json::object& o);
+expected<RenewBatchResult, Problem> decode_renew_batch_result(const boost::json::object& o);
+expected<Branched, Problem> decode_branched(const boost::json::object& o);
+expected<Memory, Problem> decode_memory(const boost::json::object& o);
+expected<Lineage, Problem> decode_lineage(const boost::json::object& o);
+expected<Verified, Problem> decode_verified(const boost::json::object& o);
+expected<IdentityMapPage, Problem> decode_identity_map_page(const boost::json::object& o);
+
+} // namespace mep::lease::wire

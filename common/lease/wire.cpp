@@ -1,0 +1,369 @@
+// The JSON forms of the lease types (see wire.hpp). Answers are read leniently (members
+// this version does not know are ignored, so a newer server can add fields); every member
+// a type needs must be there with its type.
+#include "mep/lease/wire.hpp"
+
+#include <boost/json/array.hpp>
+
+#include <string>
+#include <vector>
+
+namespace mep::lease::wire {
+namespace json = boost::json;
+
+namespace {
+
+json::value opt(const std::optional<std::string>& v) { return v ? json::value(*v) : json::value(nullptr); }
+json::value opt(const std::optional<std::int64_t>& v) { return v ? json::value(*v) : json::value(nullptr); }
+
+// Reads typed members and remembers the first complaint.
+class Fields {
+public:
+  explicit Fields(const json::object& o) : m_o(o) {}
+
+  std::string str(std::string_view key) {
+    auto* v = m_o.if_contains(key);
+    if (v && v->is_string()) return std::string(v->get_string());
+    complain(key, "a string");
+    return {};
+  }
+  std::optional<std::string> opt_str(std::string_view key) {
+    auto* v = m_o.if_contains(key);
+    if (!v || v->is_null()) return std::nullopt;
+    if (v->is_string()) return std::string(v->get_string());
+    complain(key, "a string or null");
+    return std::nullopt;
+  }
+  std::int64_t int64(std::string_view key) {
+    auto* v = m_o.if_contains(key);
+    if (v && v->is_int64()) return v->get_int64();
+    if (v && v->is_uint64() && v->get_uint64() <= static_cast<std::uint64_t>(INT64_MAX))
+      return static_cast<std::int64_t>(v->get_uint64());
+    complain(key, "an integer");
+    return 0;
+  }
+  std::optional<std::int64_t> opt_int64(std::string_view key) {
+    auto* v = m_o.if_contains(key);
+    if (!v || v->is_null()) return std::nullopt;
+    return int64(key);
+  }
+  UnixMs time(std::string_view key) {
+    auto s = str(key);
+    if (!m_error.empty()) return 0;
+    auto t = parse_rfc3339(s);
+    if (!t) complain(key, "an RFC 3339 time");
+    return t.value_or(0);
+  }
+  std::optional<UnixMs> opt_time(std::string_view key) {
+    auto* v = m_o.if_contains(key);
+    if (!v || v->is_null()) return std::nullopt;
+    return time(key);
+  }
+  const json::object* object(std::string_view key) {
+    auto* v = m_o.if_contains(key);
+    if (v && v->is_object()) return &v->get_object();
+    complain(key, "an object");
+    return nullptr;
+  }
+  const json::array* array(std::string_view key) {
+    auto* v = m_o.if_contains(key);
+    if (v && v->is_array()) return &v->get_array();
+    complain(key, "an array");
+    return nullptr;
+  }
+  void complain(std::string_view key, std::string_view want) {
+    if (m_error.empty()) m_error = "member \"" + std::string(key) + "\" should be " + std::string(want);
+  }
+  void complain(std::string message) {
+    if (m_error.empty()) m_error = std::move(message);
+  }
+  template <class T>
+  expected<T, Problem> done(T value) {
+    if (m_error.empty()) return value;
+    return make_unexpected(Problem(Code::invalid_request, "unexpected answer: " + m_error));
+  }
+
+private:
+  const json::object& m_o;
+  std::string m_error;
+};
+
+Memory read_memory(Fields& f) {
+  Memory m;
+  m.memory_id = f.str("memory_instance_id");
+  m.parent_memory_id = f.opt_str("parent_memory_instance_id");
+  m.branched_at_token = f.opt_int64("branched_at_token");
+  m.created_at = f.time("created_at");
+  m.fencing_token_high_water = f.int64("fencing_token_high_water");
+  return m;
+}
+
+std::vector<Memory> read_memories(Fields& f, std::string_view key) {
+  std::vector<Memory> out;
+  const json::array* a = f.array(key);
+  if (!a) return out;
+  for (const auto& v : *a) {
+    if (!v.is_object()) {
+      f.complain(std::string(key) + " holds a non-object");
+      break;
+    }
+    Fields g(v.get_object());
+    out.push_back(read_memory(g));
+    if (auto ok = g.done(0); !ok) {
+      f.complain(std::string(key) + ": " + ok.error().detail);
+      break;
+    }
+  }
+  return out;
+}
+
+} // namespace
+
+// ---- to_json ----------------------------------------------------------------------------------
+
+json::object to_json(const RegisterRequest& r) {
+  json::object o;
+  if (r.memory_id) o["memory_instance_id"] = *r.memory_id;
+  return o;
+}
+
+json::object to_json(const Registered& r) {
+  return json::object{{"memory_instance_id", r.memory_id}, {"created_at", format_rfc3339_ms(r.created_at)}};
+}
+
+json::object to_json(const ClaimRequest& r) {
+  return json::object{{"display_name", r.display_name},
+                      {"memory_instance_id", r.memory_id},
+                      {"owner_client_id", r.owner_client_id},
+                      {"ttl_seconds", r.ttl_s}};
+}
+
+json::object to_json(const Grant& g) {
+  json::object o;
+  o["lease_id"] = g.lease_id;
+  o["canonical_name"] = g.canonical_name;
+  o["display_name"] = g.display_name;
+  o["memory_instance_id"] = g.memory_id;
+  o["fencing_token"] = g.fencing_token;
+  o["expires_at"] = format_rfc3339_ms(g.expires_at);
+  o["ttl_seconds"] = g.ttl_s;
+  o["server_time"] = format_rfc3339_ms(g.server_time);
+  return o;
+}
+
+json::object to_json(const LeaseInfo& l) {
+  json::object o = to_json(l.grant);
+  o["owner_client_id"] = l.owner_client_id;
+  return o;
+}
+
+json::object to_json(const LeaseRef& r, RefForm form) {
+  json::object o{{"canonical_name", r.canonical_name},
+                 {"memory_instance_id", r.memory_id},
+                 {"fencing_token", r.fencing_token}};
+  if (form != RefForm::batch_item || !r.owner_client_id.empty()) o["owner_client_id"] = r.owner_client_id;
+  if (form != RefForm::release) o["ttl_seconds"] = r.ttl_s;
+  return o;
+}
+
+json::object to_json(const Renewed& r) {
+  return json::object{{"expires_at", format_rfc3339_ms(r.expires_at)},
+                      {"ttl_seconds", r.ttl_s},
+                      {"server_time", format_rfc3339_ms(r.server_time)}};
+}
+
+json::object to_json(const RenewBatchRequest& r) {
+  json::array items;
+  items.reserve(r.leases.size());
+  for (const auto& l : r.leases) items.emplace_back(to_json(l, RefForm::batch_item));
+  return json::object{{"owner_client_id", r.owner_client_id}, {"leases", std::move(items)}};
+}
+
+json::object to_json(const RenewBatchResult& r) {
+  json::array items;
+  for (const auto& i : r.results) {
+    json::object o{{"canonical_name", i.canonical_name}, {"status", i.status}};
+    if (i.expires_at) o["expires_at"] = format_rfc3339_ms(*i.expires_at);
+    if (!i.code.empty()) o["code"] = i.code;
+    items.emplace_back(std::move(o));
+  }
+  return json::object{{"results", std::move(items)}};
+}
+
+json::object to_json(const BranchRequest& r) {
+  json::object o{{"parent_memory_instance_id", r.parent_memory_id}, {"parent_fencing_token", r.parent_fencing_token}};
+  if (r.memory_id) o["memory_instance_id"] = *r.memory_id;
+  return o;
+}
+
+json::object to_json(const Branched& b) {
+  return json::object{{"memory_instance_id", b.memory_id},
+                      {"parent_memory_instance_id", b.parent_memory_id},
+                      {"branched_at_token", b.branched_at_token}};
+}
+
+json::object to_json(const Memory& m) {
+  json::object o;
+  o["memory_instance_id"] = m.memory_id;
+  o["parent_memory_instance_id"] = opt(m.parent_memory_id);
+  o["branched_at_token"] = opt(m.branched_at_token);
+  o["created_at"] = format_rfc3339_ms(m.created_at);
+  o["fencing_token_high_water"] = m.fencing_token_high_water;
+  return o;
+}
+
+json::object to_json(const Lineage& l) {
+  json::array ancestors, children;
+  for (const auto& m : l.ancestors) ancestors.emplace_back(to_json(m));
+  for (const auto& m : l.children) children.emplace_back(to_json(m));
+  return json::object{{"memory_instance_id", l.memory_id},
+                      {"memory", to_json(l.memory)},
+                      {"ancestors", std::move(ancestors)},
+                      {"children", std::move(children)}};
+}
+
+json::object to_json(const VerifyRequest& r) {
+  return json::object{{"memory_instance_id", r.memory_id}, {"fencing_token", r.fencing_token}};
+}
+
+json::object to_json(const Verified& v) {
+  return json::object{{"memory_instance_id", v.memory_id},
+                      {"fencing_token", v.fencing_token},
+                      {"canonical_name", v.canonical_name},
+                      {"expires_at", format_rfc3339_ms(v.expires_at)},
+                      {"server_time", format_rfc3339_ms(v.server_time)}};
+}
+
+json::object to_json(const IdentityMapPage& p) {
+  json::array entries;
+  for (const auto& e : p.entries)
+    entries.emplace_back(json::object{{"legacy_memory_ref", e.legacy_memory_ref}, {"memory_instance_id", e.memory_id}});
+  json::object o{{"entries", std::move(entries)}};
+  o["next_cursor"] = opt(p.next_cursor);
+  return o;
+}
+
+// ---- decode ---------------------------------------------------------------------------------
+
+expected<Registered, Problem> decode_registered(const json::object& o) {
+  Fields f(o);
+  Registered r;
+  r.memory_id = f.str("memory_instance_id");
+  r.created_at = f.time("created_at");
+  return f.done(std::move(r));
+}
+
+expected<ClaimRequest, Problem> decode_claim_request(const json::object& o) {
+  Fields f(o);
+  ClaimRequest r;
+  r.display_name = f.str("display_name");
+  r.memory_id = f.str("memory_instance_id");
+  r.owner_client_id = f.str("owner_client_id");
+  r.ttl_s = f.opt_int64("ttl_seconds").value_or(k_default_ttl_s);
+  return f.done(std::move(r));
+}
+
+expected<Grant, Problem> decode_grant(const json::object& o) {
+  Fields f(o);
+  Grant g;
+  g.lease_id = f.str("lease_id");
+  g.canonical_name = f.str("canonical_name");
+  g.display_name = f.str("display_name");
+  g.memory_id = f.str("memory_instance_id");
+  g.fencing_token = f.int64("fencing_token");
+  g.expires_at = f.time("expires_at");
+  g.ttl_s = f.int64("ttl_seconds");
+  g.server_time = f.time("server_time");
+  return f.done(std::move(g));
+}
+
+expected<Renewed, Problem> decode_renewed(const json::object& o) {
+  Fields f(o);
+  Renewed r;
+  r.expires_at = f.time("expires_at");
+  r.ttl_s = f.int64("ttl_seconds");
+  r.server_time = f.time("server_time");
+  return f.done(std::move(r));
+}
+
+expected<RenewBatchResult, Problem> decode_renew_batch_result(const json::object& o) {
+  Fields f(o);
+  RenewBatchResult r;
+  if (const json::array* a = f.array("results")) {
+    for (const auto& v : *a) {
+      if (!v.is_object()) {
+        f.complain("results holds a non-object");
+        break;
+      }
+      Fields g(v.get_object());
+      RenewItem item;
+      item.canonical_name = g.str("canonical_name");
+      item.status = static_cast<int>(g.int64("status"));
+      item.expires_at = g.opt_time("expires_at");
+      item.code = g.opt_str("code").value_or("");
+      if (auto ok = g.done(0); !ok) {
+        f.complain("results: " + ok.error().detail);
+        break;
+      }
+      r.results.push_back(std::move(item));
+    }
+  }
+  return f.done(std::move(r));
+}
+
+expected<Branched, Problem> decode_branched(const json::object& o) {
+  Fields f(o);
+  Branched b;
+  b.memory_id = f.str("memory_instance_id");
+  b.parent_memory_id = f.str("parent_memory_instance_id");
+  b.branched_at_token = f.int64("branched_at_token");
+  return f.done(std::move(b));
+}
+
+expected<Memory, Problem> decode_memory(const json::object& o) {
+  Fields f(o);
+  Memory m = read_memory(f);
+  return f.done(std::move(m));
+}
+
+expected<Lineage, Problem> decode_lineage(const json::object& o) {
+  Fields f(o);
+  Lineage l;
+  l.memory_id = f.str("memory_instance_id");
+  if (const json::object* m = f.object("memory")) {
+    Fields g(*m);
+    l.memory = read_memory(g);
+    if (auto ok = g.done(0); !ok) f.complain("memory: " + ok.error().detail);
+  }
+  l.ancestors = read_memories(f, "ancestors");
+  l.children = read_memories(f, "children");
+  return f.done(std::move(l));
+}
+
+expected<Verified, Problem> decode_verified(const json::object& o) {
+  Fields f(o);
+  Verified v;
+  v.memory_id = f.str("memory_instance_id");
+  v.fencing_token = f.int64("fencing_token");
+  v.canonical_name = f.str("canonical_name");
+  v.expires_at = f.time("expires_at");
+  v.server_time = f.time("server_time");
+  return f.done(std::move(v));
+}
+
+expected<IdentityMapPage, Problem> decode_identity_map_page(const json::object& o) {
+  Fields f(o);
+  IdentityMapPage p;
+  if (const json::array* a = f.array("entries")) {
+    for (const auto& v : *a) {
+      if (!v.is_object()) continue;
+      Fields g(v.get_object());
+      IdentityEntry e{g.str("legacy_memory_ref"), g.str("memory_instance_id")};
+      if (g.done(0)) p.entries.push_back(std::move(e));
+    }
+  }
+  p.next_cursor = f.opt_str("next_cursor");
+  return f.done(std::move(p));
+}
+
+} // namespace mep::lease::wire

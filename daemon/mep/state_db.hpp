@@ -1,0 +1,86 @@
+// mepd's own state (SPEC §7), in state_dir/mepd.db: the daemon id, the path map, the
+// memories this daemon registered, the leases it holds (for re-adoption after a restart)
+// and its claim intents (exactly-once claims across crashes). All SQL of the daemon is here.
+#pragma once
+#include "mep/identity.hpp"
+#include "mep/lease/types.hpp"
+#include "mep/time.hpp"
+
+#include <filesystem>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <string>
+#include <sys/types.h>
+#include <utility>
+#include <vector>
+
+namespace mep::sqlite {
+class Db;
+}
+
+namespace mep::daemon {
+
+/// A held lease as it is kept on disk.
+struct SavedLease {
+  std::string canonical_name;
+  std::string display_name;
+  std::string memory_id;
+  std::string lease_id;
+  std::string owner_client_id;
+  std::int64_t fencing_token = 0;
+  std::int64_t ttl_s = 0;
+  UnixMs expires_at = 0;
+  std::string path;
+  pid_t bind_pid = 0;
+};
+
+/// A claim written down before it is sent: resent with the same key after a crash.
+struct Intent {
+  std::string key;
+  lease::ClaimRequest request;
+  std::string path;
+  pid_t bind_pid = 0; ///< -1: the caller was told it failed; any lease won is released
+};
+
+/// Thread-safe: each call takes the database's own mutex for its statements only. Every
+/// call may throw sqlite::Error (a full or read-only disk, a deleted file): callers turn
+/// that into a 503 for new work and go on renewing what they hold.
+class StateDb {
+public:
+  /// Opens (creating, upgrading) `path`. Throws std::runtime_error / sqlite::Error.
+  explicit StateDb(const std::filesystem::path& path);
+  ~StateDb();
+
+  /// An opaque UUIDv7 minted once per state directory (the first half of owner ids).
+  const std::string& daemon_id() const { return m_daemon_id; }
+
+  // The path map: (path → memory id, device/inode/birth time, content SHA-256).
+  void remember_file(const std::string& memory_id, const std::string& path, const FileStat& st,
+                     const std::optional<std::string>& sha256);
+  std::optional<std::string> memory_by_inode(const FileStat& st);
+  /// The distinct memories whose recorded content has this SHA-256 (at most 2: more is ambiguous).
+  std::vector<std::string> memories_by_content(const std::string& sha256);
+
+  /// Memories this daemon registered with (or had confirmed by) its control plane.
+  bool registered(const std::string& memory_id);
+  void mark_registered(const std::string& memory_id);
+
+  void save_lease(const SavedLease& l);
+  /// New expiries of held leases, in one transaction (one fsync for a renewal batch).
+  void save_expiries(const std::vector<std::pair<std::string, UnixMs>>& expiries);
+  void forget_lease(const std::string& canonical_name);
+  std::vector<SavedLease> leases();
+
+  void add_intent(const Intent& intent);
+  void orphan_intent(const std::string& key);
+  void delete_intent(const std::string& key);
+  std::vector<Intent> intents();
+
+private:
+  std::mutex m_mutex;
+  std::unique_ptr<sqlite::Db> m_db;
+  std::string m_daemon_id;
+};
+
+} // namespace mep::daemon

@@ -1,0 +1,99 @@
+// The pid watcher (see pid_watch.hpp): one poll(2) over every watched pidfd and an eventfd
+// that wakes it when the set changes.
+#include "mep/pid_watch.hpp"
+
+#include "mep/log.hpp"
+
+#include <cerrno>
+#include <csignal>
+#include <poll.h>
+#include <sys/eventfd.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+#include <vector>
+
+namespace mep::daemon {
+
+namespace {
+int pidfd_open(pid_t pid) { return static_cast<int>(::syscall(SYS_pidfd_open, pid, 0)); }
+} // namespace
+
+bool pid_alive(pid_t pid) { return pid > 0 && (::kill(pid, 0) == 0 || errno == EPERM); }
+
+PidWatcher::PidWatcher(std::function<void(pid_t)> on_exit) : m_on_exit(std::move(on_exit)) {
+  m_wake_fd = ::eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
+}
+
+PidWatcher::~PidWatcher() {
+  {
+    std::lock_guard lock(m_mutex);
+    m_stop = true;
+  }
+  std::uint64_t one = 1;
+  if (m_wake_fd >= 0) (void)!::write(m_wake_fd, &one, sizeof one);
+  if (m_thread.joinable()) m_thread.join();
+  for (auto& [pid, fd] : m_pidfds)
+    if (fd >= 0) ::close(fd);
+  if (m_wake_fd >= 0) ::close(m_wake_fd);
+}
+
+void PidWatcher::start() {
+  m_thread = std::thread([this] { loop(); });
+}
+
+void PidWatcher::watch(pid_t pid) {
+  {
+    std::lock_guard lock(m_mutex);
+    if (m_pidfds.count(pid)) return;
+    m_pidfds[pid] = pidfd_open(pid); // -1: gone already; reported on the next pass
+  }
+  std::uint64_t one = 1;
+  (void)!::write(m_wake_fd, &one, sizeof one);
+}
+
+void PidWatcher::loop() {
+  for (;;) {
+    std::vector<pollfd> fds;
+    std::vector<pid_t> pids;
+    std::vector<pid_t> gone;
+    {
+      std::lock_guard lock(m_mutex);
+      if (m_stop) return;
+      fds.push_back({m_wake_fd, POLLIN, 0});
+      pids.push_back(0);
+      for (auto& [pid, fd] : m_pidfds) {
+        if (fd < 0) {
+          gone.push_back(pid);
+          continue;
+        }
+        fds.push_back({fd, POLLIN, 0});
+        pids.push_back(pid);
+      }
+    }
+    if (gone.empty()) {
+      ::poll(fds.data(), fds.size(), 200);
+      if (fds[0].revents & POLLIN) {
+        std::uint64_t v;
+        (void)!::read(m_wake_fd, &v, sizeof v);
+      }
+      for (std::size_t i = 1; i < fds.size(); ++i)
+        if (fds[i].revents) gone.push_back(pids[i]);
+    }
+    for (pid_t pid : gone) {
+      {
+        std::lock_guard lock(m_mutex);
+        auto it = m_pidfds.find(pid);
+        if (it == m_pidfds.end()) continue;
+        if (it->second >= 0) ::close(it->second);
+        m_pidfds.erase(it);
+      }
+      try {
+        m_on_exit(pid);
+      } catch (const std::exception& e) {
+        log::error("releasing the leases of exited process {} failed: {}", pid, e.what());
+      }
+    }
+  }
+}
+
+} // namespace mep::daemon

@@ -1,0 +1,183 @@
+// mepd.db (see state_db.hpp).
+#include "mep/state_db.hpp"
+
+#include "mep/json.hpp"
+#include "mep/lease/wire.hpp"
+#include "mep/sqlite.hpp"
+#include "mep/uuid.hpp"
+
+#include <sys/stat.h>
+
+namespace mep::daemon {
+using sqlite::Use;
+
+namespace {
+
+constexpr std::string_view k_schema = R"sql(
+CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
+CREATE TABLE IF NOT EXISTS files (
+  path TEXT PRIMARY KEY, memory_id TEXT NOT NULL, dev INTEGER NOT NULL, ino INTEGER NOT NULL,
+  sha256 TEXT, updated_at INTEGER NOT NULL);
+CREATE INDEX IF NOT EXISTS files_inode ON files(dev, ino);
+CREATE INDEX IF NOT EXISTS files_sha ON files(sha256);
+CREATE INDEX IF NOT EXISTS files_memory ON files(memory_id);
+CREATE TABLE IF NOT EXISTS leases (
+  canonical_name TEXT PRIMARY KEY, display_name TEXT NOT NULL, memory_id TEXT NOT NULL,
+  lease_id TEXT NOT NULL, owner_client_id TEXT NOT NULL, fencing_token INTEGER NOT NULL,
+  ttl_seconds INTEGER NOT NULL, expires_at INTEGER NOT NULL, path TEXT NOT NULL, bind_pid INTEGER NOT NULL);
+CREATE TABLE IF NOT EXISTS registered (memory_id TEXT PRIMARY KEY);
+CREATE TABLE IF NOT EXISTS intents (
+  idem_key TEXT PRIMARY KEY, body TEXT NOT NULL, path TEXT NOT NULL, bind_pid INTEGER NOT NULL,
+  created_at INTEGER NOT NULL);
+)sql";
+
+} // namespace
+
+StateDb::StateDb(const std::filesystem::path& path) {
+  m_db = std::make_unique<sqlite::Db>(path.string(), sqlite::Mode::read_write_create);
+  m_db->exec("PRAGMA journal_mode=WAL; PRAGMA synchronous=FULL;");
+  ::chmod(path.c_str(), 0600);
+  m_db->exec(k_schema);
+  {
+    // Databases from before birth times were kept get the column; their rows have none.
+    Use q(m_db->prepare("SELECT count(*) FROM pragma_table_info('files') WHERE name = 'btime'"));
+    if (q->step() && q->int64(0) == 0) m_db->exec("ALTER TABLE files ADD COLUMN btime INTEGER");
+  }
+  {
+    Use s(m_db->prepare("SELECT value FROM meta WHERE key = 'daemon_id'"));
+    if (s->step()) m_daemon_id = s->text(0);
+  }
+  if (m_daemon_id.empty()) {
+    m_daemon_id = uuid_v7().to_string();
+    Use s(m_db->prepare("INSERT INTO meta(key, value) VALUES ('daemon_id', ?1)"));
+    s->bind(1, m_daemon_id).run();
+  }
+}
+
+StateDb::~StateDb() = default;
+
+void StateDb::remember_file(const std::string& memory_id, const std::string& path, const FileStat& st,
+                            const std::optional<std::string>& sha256) {
+  std::lock_guard lock(m_mutex);
+  // A new fingerprint replaces the old; without one, the old is kept only while the path
+  // still names the same memory.
+  Use s(m_db->prepare("INSERT INTO files(path, memory_id, dev, ino, sha256, updated_at, btime) "
+                      "VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7) "
+                      "ON CONFLICT(path) DO UPDATE SET memory_id = ?2, dev = ?3, ino = ?4, "
+                      "sha256 = coalesce(?5, CASE WHEN files.memory_id = ?2 THEN files.sha256 END), updated_at = ?6, "
+                      "btime = ?7"));
+  s->bind(1, path).bind(2, memory_id).bind(3, static_cast<std::int64_t>(st.dev))
+      .bind(4, static_cast<std::int64_t>(st.ino)).bind(5, sha256).bind(6, now_unix_ms()).bind(7, st.birth_ns).run();
+}
+
+std::optional<std::string> StateDb::memory_by_inode(const FileStat& st) {
+  std::lock_guard lock(m_mutex);
+  Use s(m_db->prepare("SELECT memory_id FROM files WHERE dev = ?1 AND ino = ?2 "
+                      "AND (btime IS NULL OR ?3 IS NULL OR btime = ?3) LIMIT 1"));
+  s->bind(1, static_cast<std::int64_t>(st.dev)).bind(2, static_cast<std::int64_t>(st.ino)).bind(3, st.birth_ns);
+  if (s->step()) return s->text(0);
+  return std::nullopt;
+}
+
+std::vector<std::string> StateDb::memories_by_content(const std::string& sha256) {
+  std::lock_guard lock(m_mutex);
+  Use s(m_db->prepare("SELECT DISTINCT memory_id FROM files WHERE sha256 = ?1 LIMIT 2"));
+  s->bind(1, sha256);
+  std::vector<std::string> found;
+  while (s->step()) found.push_back(s->text(0));
+  return found;
+}
+
+bool StateDb::registered(const std::string& memory_id) {
+  std::lock_guard lock(m_mutex);
+  Use s(m_db->prepare("SELECT 1 FROM registered WHERE memory_id = ?1"));
+  s->bind(1, memory_id);
+  return s->step();
+}
+
+void StateDb::mark_registered(const std::string& memory_id) {
+  std::lock_guard lock(m_mutex);
+  Use s(m_db->prepare("INSERT OR IGNORE INTO registered(memory_id) VALUES (?1)"));
+  s->bind(1, memory_id).run();
+}
+
+void StateDb::save_lease(const SavedLease& l) {
+  std::lock_guard lock(m_mutex);
+  Use s(m_db->prepare("INSERT OR REPLACE INTO leases(canonical_name, display_name, memory_id, lease_id, "
+                      "owner_client_id, fencing_token, ttl_seconds, expires_at, path, bind_pid) "
+                      "VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10)"));
+  s->bind(1, l.canonical_name).bind(2, l.display_name).bind(3, l.memory_id).bind(4, l.lease_id)
+      .bind(5, l.owner_client_id).bind(6, l.fencing_token).bind(7, l.ttl_s).bind(8, l.expires_at)
+      .bind(9, l.path).bind(10, static_cast<std::int64_t>(l.bind_pid)).run();
+}
+
+void StateDb::save_expiries(const std::vector<std::pair<std::string, UnixMs>>& expiries) {
+  if (expiries.empty()) return;
+  std::lock_guard lock(m_mutex);
+  m_db->exec("BEGIN");
+  try {
+    for (const auto& [name, expires] : expiries) {
+      Use u(m_db->prepare("UPDATE leases SET expires_at = ?1 WHERE canonical_name = ?2"));
+      u->bind(1, expires).bind(2, name).run();
+    }
+    m_db->exec("COMMIT");
+  } catch (...) {
+    try {
+      m_db->exec("ROLLBACK");
+    } catch (...) {
+    }
+    throw;
+  }
+}
+
+void StateDb::forget_lease(const std::string& canonical_name) {
+  std::lock_guard lock(m_mutex);
+  Use s(m_db->prepare("DELETE FROM leases WHERE canonical_name = ?1"));
+  s->bind(1, canonical_name).run();
+}
+
+std::vector<SavedLease> StateDb::leases() {
+  std::lock_guard lock(m_mutex);
+  Use s(m_db->prepare("SELECT canonical_name, display_name, memory_id, lease_id, owner_client_id, "
+                      "fencing_token, ttl_seconds, expires_at, path, bind_pid FROM leases"));
+  std::vector<SavedLease> out;
+  while (s->step())
+    out.push_back(SavedLease{s->text(0), s->text(1), s->text(2), s->text(3), s->text(4), s->int64(5), s->int64(6),
+                             s->int64(7), s->text(8), static_cast<pid_t>(s->int64(9))});
+  return out;
+}
+
+void StateDb::add_intent(const Intent& in) {
+  std::lock_guard lock(m_mutex);
+  Use s(m_db->prepare("INSERT INTO intents(idem_key, body, path, bind_pid, created_at) VALUES (?1, ?2, ?3, ?4, ?5)"));
+  s->bind(1, in.key).bind(2, json::dump(lease::wire::to_json(in.request))).bind(3, in.path)
+      .bind(4, static_cast<std::int64_t>(in.bind_pid)).bind(5, now_unix_ms()).run();
+}
+
+void StateDb::orphan_intent(const std::string& key) {
+  std::lock_guard lock(m_mutex);
+  Use s(m_db->prepare("UPDATE intents SET bind_pid = -1 WHERE idem_key = ?1"));
+  s->bind(1, key).run();
+}
+
+void StateDb::delete_intent(const std::string& key) {
+  std::lock_guard lock(m_mutex);
+  Use s(m_db->prepare("DELETE FROM intents WHERE idem_key = ?1"));
+  s->bind(1, key).run();
+}
+
+std::vector<Intent> StateDb::intents() {
+  std::lock_guard lock(m_mutex);
+  Use s(m_db->prepare("SELECT idem_key, body, path, bind_pid FROM intents"));
+  std::vector<Intent> out;
+  while (s->step()) {
+    auto body = json::parse_object(s->text(1));
+    if (!body) continue;
+    auto req = lease::wire::decode_claim_request(*body);
+    if (!req) continue;
+    out.push_back(Intent{s->text(0), std::move(*req), s->text(2), static_cast<pid_t>(s->int64(3))});
+  }
+  return out;
+}
+
+} // namespace mep::daemon
