@@ -3,7 +3,7 @@
 # Uses the build directory $MEP_BUILD_DIR (default ./build), configuring it if needed.
 set -euo pipefail
 root="$(cd "$(dirname "$0")/.." && pwd)"
-name="${1:?usage: bench/run.sh NAME [ARGS...]   (NAME: canonicalize, server, daemon, migrate)}"
+name="${1:?usage: bench/run.sh NAME [ARGS...]   (NAME: canonicalize, server, store, daemon, migrate)}"
 shift
 build="${MEP_BUILD_DIR:-$root/build}"
 if [[ ! -f "$build/build.ninja" ]]; then

@@ -66,6 +66,11 @@ std::string Stmt::text(int col) const {
   return p ? std::string(p, static_cast<std::size_t>(sqlite3_column_bytes(m_stmt, col))) : std::string();
 }
 
+std::string Stmt::blob(int col) const {
+  const auto* p = static_cast<const char*>(sqlite3_column_blob(m_stmt, col));
+  return p ? std::string(p, static_cast<std::size_t>(sqlite3_column_bytes(m_stmt, col))) : std::string();
+}
+
 std::optional<std::string> Stmt::opt_text(int col) const {
   if (is_null(col)) return std::nullopt;
   return text(col);

@@ -22,6 +22,7 @@ using sqlite::Use;
 namespace {
 
 constexpr std::size_t k_max_group = 512;
+constexpr std::uint64_t k_writeback_step = 256 * 1024;
 constexpr int k_syncers = 4;
 
 constexpr std::string_view k_schema = R"sql(
@@ -35,6 +36,9 @@ CREATE TABLE IF NOT EXISTS marks (
 ) WITHOUT ROWID;
 CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
 )sql";
+
+// The bytes of a small object, in its row (NULL: in its version file).
+constexpr std::string_view k_inline_column = "ALTER TABLE marks ADD COLUMN data BLOB";
 
 // A version file's name: the memory id and the version, which no other write shares.
 std::string version_name(const std::string& memory_id, const std::string& etag) { return memory_id + "." + etag; }
@@ -92,19 +96,44 @@ Problem disk_problem(int err, const std::string& what) {
 
 // ---- uploads ----------------------------------------------------------------------------------
 
-Upload::Upload(fs::path path, int fd, std::string memory_id, std::string etag, std::uint64_t limit)
-    : m_path(std::move(path)), m_fd(fd), m_memory_id(std::move(memory_id)), m_etag(std::move(etag)), m_limit(limit) {}
+Upload::Upload(fs::path path, std::string memory_id, std::string etag, std::uint64_t limit)
+    : m_path(std::move(path)), m_memory_id(std::move(memory_id)), m_etag(std::move(etag)), m_limit(limit) {}
 
 Upload::~Upload() {
   if (m_fd >= 0) ::close(m_fd);
-  if (!m_committed) {
+  if (m_spilled && !m_committed) {
     std::error_code ec;
     fs::remove(m_path, ec);
   }
 }
 
+// The bytes so far move to the version file, and the rest goes there as it comes.
+std::optional<Problem> Upload::spill() {
+  m_fd = ::open(m_path.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0600);
+  if (m_fd < 0) return disk_problem(errno, "create the object");
+  m_spilled = true;
+  std::string head = std::move(m_inline);
+  m_inline.clear();
+  m_inline.shrink_to_fit();
+  for (std::size_t done = 0; done < head.size();) {
+    ssize_t w = ::write(m_fd, head.data() + done, head.size() - done);
+    if (w < 0 && errno == EINTR) continue;
+    if (w < 0) return disk_problem(errno, "write the object");
+    done += static_cast<std::size_t>(w);
+  }
+  return std::nullopt;
+}
+
 std::optional<Problem> Upload::write(const void* data, std::size_t size) {
   if (m_size + size > m_limit) return Problem(Code::payload_too_large, "the object exceeds the store's limit");
+  if (!m_spilled && m_inline.size() + size <= k_inline_max) {
+    m_inline.append(static_cast<const char*>(data), size);
+    m_size += size;
+    return std::nullopt;
+  }
+  if (!m_spilled) {
+    if (auto p = spill()) return p;
+  }
   const char* p = static_cast<const char*>(data);
   std::size_t done = 0;
   while (done < size) {
@@ -114,6 +143,13 @@ std::optional<Problem> Upload::write(const void* data, std::size_t size) {
     done += static_cast<std::size_t>(w);
   }
   m_size += size;
+  // Start writing back what has arrived while the rest is still on its way, so the fsync
+  // at the end has less to wait for (and dirty pages do not pile up for large objects).
+  if (m_size - m_flushed >= k_writeback_step) {
+    ::sync_file_range(m_fd, static_cast<off64_t>(m_flushed), static_cast<off64_t>(m_size - m_flushed),
+                      SYNC_FILE_RANGE_WRITE);
+    m_flushed = m_size;
+  }
   return std::nullopt;
 }
 
@@ -141,6 +177,10 @@ ObjectStore::ObjectStore(fs::path dir, std::uint64_t max_object_size)
   m_db->exec("PRAGMA journal_mode=WAL; PRAGMA synchronous=FULL;");
   ::chmod(db_path.c_str(), 0600);
   m_db->exec(k_schema);
+  {
+    Use q(m_db->prepare("SELECT count(*) FROM pragma_table_info('marks') WHERE name = 'data'"));
+    if (q->step() && q->int64(0) == 0) m_db->exec(k_inline_column);
+  }
   recover();
   m_writer = std::thread([this] { writer_loop(); });
   for (int i = 0; i < k_syncers; ++i) m_syncers.emplace_back([this] { sync_loop(); });
@@ -189,15 +229,15 @@ void ObjectStore::recover() {
 expected<std::unique_ptr<Upload>, Problem> ObjectStore::begin(const std::string& memory_id) {
   std::string etag = uuid_v7().to_string();
   fs::path path = m_objects / version_name(memory_id, etag);
-  int fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0600);
-  if (fd < 0) return make_unexpected(disk_problem(errno, "create the object"));
-  return std::unique_ptr<Upload>(new Upload(std::move(path), fd, memory_id, std::move(etag), m_max_object_size));
+  return std::unique_ptr<Upload>(new Upload(std::move(path), memory_id, std::move(etag), m_max_object_size));
 }
 
 void ObjectStore::commit(std::unique_ptr<Upload> upload, std::int64_t token, Precondition pre, CommitDone done) {
+  CommitJob job{std::move(upload), token, std::move(pre), std::move(done)};
+  if (!job.upload->in_file()) return enqueue(std::move(job)); // its bytes go in the commit itself
   {
     std::lock_guard lock(m_mutex);
-    m_sync_queue.push_back(CommitJob{std::move(upload), token, std::move(pre), std::move(done)});
+    m_sync_queue.push_back(std::move(job));
   }
   m_sync_cv.notify_one();
 }
@@ -206,22 +246,32 @@ void ObjectStore::commit(std::unique_ptr<Upload> upload, std::int64_t token, Pre
 // not one after another on the writer.
 void ObjectStore::sync_loop() {
   for (;;) {
-    CommitJob job;
+    std::optional<CommitJob> job;
+    std::vector<fs::path> garbage;
     {
       std::unique_lock lock(m_mutex);
-      m_sync_cv.wait(lock, [&] { return m_stop || !m_sync_queue.empty(); });
-      if (m_sync_queue.empty()) return; // stopping
-      job = std::move(m_sync_queue.front());
-      m_sync_queue.pop_front();
+      m_sync_cv.wait(lock, [&] { return m_stop || !m_sync_queue.empty() || !m_garbage.empty(); });
+      if (!m_sync_queue.empty()) {
+        job = std::move(m_sync_queue.front());
+        m_sync_queue.pop_front();
+      } else if (!m_garbage.empty()) {
+        garbage.assign(std::make_move_iterator(m_garbage.begin()), std::make_move_iterator(m_garbage.end()));
+        m_garbage.clear();
+      } else {
+        return; // stopping
+      }
     }
+    std::error_code ec;
+    for (const auto& g : garbage) fs::remove(g, ec); // unlinking a large file takes milliseconds
+    if (!job) continue;
     try {
-      if (int err = fsync_retrying(job.upload->m_fd); err != 0) {
-        job.done(make_unexpected(disk_problem(err, "make the object durable")));
+      if (int err = fsync_retrying(job->upload->m_fd); err != 0) {
+        job->done(make_unexpected(disk_problem(err, "make the object durable")));
         continue;
       }
-      ::close(job.upload->m_fd);
-      job.upload->m_fd = -1;
-      enqueue(std::move(job));
+      ::close(job->upload->m_fd);
+      job->upload->m_fd = -1;
+      enqueue(std::move(*job));
     } catch (const std::exception& e) {
       log::error("object sync failed: {}", e.what());
     }
@@ -277,9 +327,11 @@ void ObjectStore::run_batch(std::vector<Job>& batch) {
       else std::get<AdvanceJob>(job).done(make_unexpected(p));
     }
   };
-  const bool has_commits =
-      std::any_of(batch.begin(), batch.end(), [](const Job& j) { return std::holds_alternative<CommitJob>(j); });
-  if (has_commits) {
+  const bool has_files = std::any_of(batch.begin(), batch.end(), [](const Job& j) {
+    auto* c = std::get_if<CommitJob>(&j);
+    return c && c->upload->in_file();
+  });
+  if (has_files) {
     if (int err = fsync_retrying(m_objects_fd); err != 0) {
       m_healthy = false;
       return fail_all(disk_problem(err, "make the object durable"));
@@ -309,10 +361,15 @@ void ObjectStore::run_batch(std::vector<Job>& batch) {
           continue;
         }
         ObjectInfo info{c->upload->memory_id(), c->token, c->upload->m_etag, c->upload->size(), now};
-        Use s(m_db->prepare("INSERT INTO marks(memory_id, mark, token, etag, size, modified) VALUES (?1, ?2, ?2, ?3, ?4, ?5) "
-                            "ON CONFLICT(memory_id) DO UPDATE SET mark = ?2, token = ?2, etag = ?3, size = ?4, modified = ?5"));
+        Use s(m_db->prepare("INSERT INTO marks(memory_id, mark, token, etag, size, modified, data) "
+                            "VALUES (?1, ?2, ?2, ?3, ?4, ?5, ?6) ON CONFLICT(memory_id) DO UPDATE SET mark = ?2, "
+                            "token = ?2, etag = ?3, size = ?4, modified = ?5, data = ?6"));
         s->bind(1, info.memory_id).bind(2, c->token).bind(3, info.etag)
-            .bind(4, static_cast<std::int64_t>(info.size)).bind(5, now).run();
+            .bind(4, static_cast<std::int64_t>(info.size)).bind(5, now);
+        if (c->upload->in_file()) s->bind_null(6);
+        else s->bind_blob(6, c->upload->m_inline.data(), c->upload->m_inline.size());
+        s->run();
+        // The version replaced, if it had a file (one that had none leaves nothing behind).
         if (st.object) garbage.push_back(m_objects / version_name(info.memory_id, st.object->etag));
         out.push_back({expected<ObjectInfo, Problem>(std::move(info))});
       } else {
@@ -352,8 +409,13 @@ void ObjectStore::run_batch(std::vector<Job>& batch) {
       std::get<AdvanceJob>(batch[i]).done(std::move(std::get<1>(out[i].value)));
     }
   }
-  std::error_code ec;
-  for (const auto& g : garbage) fs::remove(g, ec);
+  if (!garbage.empty()) {
+    {
+      std::lock_guard lock(m_mutex);
+      for (auto& g : garbage) m_garbage.push_back(std::move(g));
+    }
+    m_sync_cv.notify_one();
+  }
 }
 
 // ---- reads -----------------------------------------------------------------------------------
@@ -393,9 +455,10 @@ expected<OpenObject, Problem> ObjectStore::open(const std::string& memory_id) {
     auto st = state(memory_id);
     if (!st) return make_unexpected(std::move(st.error()));
     if (!st->object) return make_unexpected(Problem(Code::memory_not_found, "the store holds no object for this memory"));
+    if (auto data = inline_data(memory_id, st->object->etag)) return OpenObject{std::move(*st->object), -1, std::move(*data)};
     const fs::path path = m_objects / version_name(memory_id, st->object->etag);
     int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
-    if (fd >= 0) return OpenObject{std::move(*st->object), fd};
+    if (fd >= 0) return OpenObject{std::move(*st->object), fd, std::nullopt};
     if (errno != ENOENT) return make_unexpected(disk_problem(errno, "read the object"));
   }
   Problem p(Code::unavailable, "the object changed too often while it was being opened");
@@ -403,12 +466,32 @@ expected<OpenObject, Problem> ObjectStore::open(const std::string& memory_id) {
   return make_unexpected(std::move(p));
 }
 
+std::optional<std::string> ObjectStore::inline_data(const std::string& memory_id, const std::string& etag) {
+  try {
+    auto db = reader();
+    std::optional<std::string> out;
+    {
+      Use s(db->prepare("SELECT data FROM marks WHERE memory_id = ?1 AND etag = ?2 AND data IS NOT NULL"));
+      s->bind(1, memory_id).bind(2, etag);
+      if (s->step()) out = s->blob(0);
+    }
+    give_back(std::move(db));
+    return out;
+  } catch (const sqlite::Error& e) {
+    log::error("store read failed: {}", e.what());
+    return std::nullopt;
+  }
+}
+
 bool ObjectStore::ready() {
   if (!m_healthy) return false;
   try {
     auto db = reader();
-    Use s(db->prepare("SELECT 1"));
-    bool ok = s->step();
+    bool ok = false;
+    {
+      Use s(db->prepare("SELECT 1"));
+      ok = s->step();
+    }
     give_back(std::move(db));
     return ok;
   } catch (...) {

@@ -259,6 +259,15 @@ public:
       return authorize_read(req, id->to_string(), [this, finish, fail, memory_id = id->to_string()]() mutable {
         auto obj = m_store.open(memory_id);
         if (!obj) return fail(std::move(obj.error()));
+        if (obj->inline_data) {
+          http::Response res{bhttp::status::ok, 11};
+          common_headers(res);
+          object_headers(res, obj->info);
+          res.set(bhttp::field::content_type, "application/octet-stream");
+          res.body() = std::move(*obj->inline_data);
+          res.prepare_payload();
+          return finish(std::move(res));
+        }
         boost::beast::file f;
         f.native_handle(obj->fd);
         http::FileResponse res{bhttp::status::ok, 11};

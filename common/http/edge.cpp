@@ -144,6 +144,9 @@ struct SinkBody {
 };
 
 // Stream traits: the lowest layer's socket, the handshake, the close.
+// How much one read of a streamed body asks for.
+constexpr std::size_t k_sink_read_size = 128 * 1024;
+
 template <class Stream>
 constexpr bool k_is_tls = false;
 template <>
@@ -306,6 +309,9 @@ private:
     const bool expects = beast::iequals(h[bhttp::field::expect], "100-continue") && !m_header->is_done();
     if (plan.sink) {
       m_sink = std::move(plan.sink);
+      // A streamed body is read in large pieces: the buffer's spare capacity is what one
+      // read asks the socket for (512 bytes when it never grew, a system call per 512 bytes).
+      m_buffer.reserve(k_sink_read_size);
       m_sinked.emplace(std::move(*m_header));
       m_sinked->body_limit(m_limit);
       m_sinked->get().body().sink = m_sink.get();

@@ -54,6 +54,8 @@ public:
   std::int64_t int64(int col) const { return sqlite3_column_int64(m_stmt, col); }
   bool is_null(int col) const { return sqlite3_column_type(m_stmt, col) == SQLITE_NULL; }
   std::string text(int col) const;
+  /// The bytes of a BLOB (or TEXT) column; empty for NULL.
+  std::string blob(int col) const;
   std::optional<std::string> opt_text(int col) const;
   std::optional<std::int64_t> opt_int64(int col) const;
 

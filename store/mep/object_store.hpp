@@ -51,49 +51,63 @@ struct Precondition {
 
 class ObjectStore;
 
-/// The bytes of one write on their way to disk: a new version file, made current by
-/// ObjectStore::commit only. One that is dropped uncommitted removes its file.
+/// Objects up to this size are kept in the database row itself: their bytes are made
+/// durable by the same WAL commit as the mark (one fsync for a whole group of writes).
+inline constexpr std::size_t k_inline_max = 64 * 1024;
+
+/// The bytes of one write on their way to disk, made current by ObjectStore::commit only:
+/// in memory while they are at most k_inline_max, else a new version file. One that is
+/// dropped uncommitted removes its file.
 class Upload {
 public:
   ~Upload();
   Upload(const Upload&) = delete;
   Upload& operator=(const Upload&) = delete;
 
-  /// Appends bytes (write(2) to the file); a problem (507 on a full disk, 503 on an I/O
-  /// error, 413 past the limit) ends the upload.
+  /// Appends bytes; a problem (507 on a full disk, 503 on an I/O error, 413 past the
+  /// limit) ends the upload.
   std::optional<Problem> write(const void* data, std::size_t size);
   std::uint64_t size() const { return m_size; }
   const std::string& memory_id() const { return m_memory_id; }
+  bool in_file() const { return m_fd >= 0 || m_spilled; }
 
 private:
   friend class ObjectStore;
-  Upload(std::filesystem::path path, int fd, std::string memory_id, std::string etag, std::uint64_t limit);
+  Upload(std::filesystem::path path, std::string memory_id, std::string etag, std::uint64_t limit);
+  std::optional<Problem> spill();
   std::filesystem::path m_path;
   int m_fd = -1;
+  bool m_spilled = false;
+  std::string m_inline;
   std::string m_memory_id;
   std::string m_etag;
   std::uint64_t m_limit;
   std::uint64_t m_size = 0;
+  std::uint64_t m_flushed = 0; ///< bytes handed to writeback so far
   bool m_committed = false;
 };
 
-/// An object opened for reading: the caller owns `fd`.
+/// An object opened for reading: its bytes in `inline_data`, or in the file `fd` (the
+/// caller owns it).
 struct OpenObject {
   ObjectInfo info;
   int fd = -1;
+  std::optional<std::string> inline_data;
 };
 
 /// Design notes.
 /// * Layout: DIR/store.db (SQLite, WAL, synchronous=FULL) holds one row per memory: the
-///   mark and the current object's token, etag, size and time. DIR/objects/<id>.<etag> is
-///   an object's bytes; a file the database does not name is garbage (an upload that never
-///   committed, a version replaced), removed at start and after each commit.
-/// * A write (begin → Upload::write … → commit): the bytes go to a new version file; commit
-///   fsyncs it (on a worker thread), and the writer thread then, for a whole group of
-///   commits and advances at once, fsyncs the objects directory and runs one transaction
-///   that applies the fence rule to each in turn and COMMITs. A reply is given only after
-///   that COMMIT: an acknowledged write survives a crash; a crash at any earlier instant
-///   leaves the previous object current (its file is untouched).
+///   mark and the current object's token, etag, size and time, and the bytes of a small
+///   object (≤ k_inline_max). DIR/objects/<id>.<etag> is a larger object's bytes; a file the
+///   database does not name is garbage (an upload that never committed, a version
+///   replaced), removed at start and, after each commit, by the syncer threads.
+/// * A write (begin → Upload::write … → commit): a small object's bytes stay in memory; a
+///   larger one's go to a new version file, which commit fsyncs (on a syncer thread). The
+///   writer thread then, for a whole group of commits and advances at once, fsyncs the
+///   objects directory (when a group has files) and runs one transaction that applies the
+///   fence rule to each in turn and COMMITs. A reply is given only after that COMMIT: an
+///   acknowledged write survives a crash; a crash at any earlier instant leaves the
+///   previous object current (its bytes are untouched).
 /// * The rule (apply_commit, apply_advance), one writer so no interleaving: a token lower
 ///   than the mark is refused (409 stale-fence, naming both tokens) and changes nothing;
 ///   equal or higher is accepted and the mark becomes it.
@@ -149,6 +163,8 @@ private:
   void sync_loop();
   void recover();
   std::unique_ptr<sqlite::Db> reader();
+  /// The bytes of `memory_id`'s version `etag` when they are kept in its row.
+  std::optional<std::string> inline_data(const std::string& memory_id, const std::string& etag);
   void give_back(std::unique_ptr<sqlite::Db> db);
 
   std::filesystem::path m_dir;
@@ -162,6 +178,7 @@ private:
   std::condition_variable m_cv;
   std::deque<Job> m_queue;               // durable uploads and advances, for the writer
   std::deque<CommitJob> m_sync_queue;    // uploads whose file is not fsynced yet
+  std::deque<std::filesystem::path> m_garbage; // files no row names any more
   std::condition_variable m_sync_cv;
   bool m_stop = false;        // the syncers stop
   bool m_writer_stop = false; // then the writer

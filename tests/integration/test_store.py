@@ -121,7 +121,16 @@ class StoreCase(unittest.TestCase):
         return p
 
     def objects(self):
+        """The version files (objects over 64 KiB; smaller ones live in the database)."""
         return sorted(os.listdir(os.path.join(self.data_dir, "objects")))
+
+    def assertFiles(self, n, timeout=5):
+        """Exactly `n` version files, once the store has removed what it replaced (it does
+        that after answering, off its commit path)."""
+        deadline = time.monotonic() + timeout
+        while len(self.objects()) != n and time.monotonic() < deadline:
+            time.sleep(0.02)
+        self.assertEqual(len(self.objects()), n, self.objects())
 
     def state(self, memory_id):
         r = self.client.fence(memory_id)
@@ -177,7 +186,14 @@ class FenceRule(StoreCase):
         self.assertEqual(self.client.put(m, b"t9", 9).status, 200)
         self.assertProblem(self.client.put(m, b"t5 c", 5), 409, "stale-fence")
         self.assertEqual(self.client.get(m).body, b"t9")
-        self.assertEqual(len(self.objects()), 1)  # replaced versions are removed
+        self.assertFiles(0)  # small objects live in the database
+        # Large objects: each version a file, the replaced ones removed, the refused ones too.
+        big = uuid7()
+        for token, fill in ((1, b"a"), (2, b"b"), (2, b"c")):
+            self.assertEqual(self.client.put(big, fill * 100000, token).status, 200)
+        self.assertProblem(self.client.put(big, b"z" * 100000, 1), 409, "stale-fence")
+        self.assertEqual(self.client.get(big).body, b"c" * 100000)
+        self.assertFiles(1)
 
     def test_advance_raises_the_mark_without_a_write(self):
         m = uuid7()
@@ -301,7 +317,7 @@ class BadInput(StoreCase):
         self.assertEqual(res.status, 413)
         conn.close()
         self.assertEqual(self.client.get(m).body, b"k" * 65536)
-        self.assertEqual(len(self.objects()), 1)
+        self.assertFiles(0)
 
     def test_options_refused_at_start(self):
         cases = [
@@ -372,7 +388,7 @@ class Concurrency(StoreCase):
         self.assertGreater(len(refused), 10)
         self.assertEqual(len(accepted) + len(refused), len(writes), {o["status"] for o in writes})
         self.assertEqual(history.check_data(final), [])
-        self.assertEqual(len(self.objects()), 1)
+        self.assertFiles(0)
 
     def test_sigkill_during_bursts_of_small_writes(self):
         # 8 writers, each on its own memory with growing tokens; SIGKILL the store mid-burst.
@@ -417,7 +433,7 @@ class Concurrency(StoreCase):
             token = int(g.header("Fencing-Token"))
             self.assertGreaterEqual(token, acked[m], m)
             self.assertEqual(g.body, sent[m][token])
-        self.assertEqual(len(self.objects()), len(memories))  # no partial or replaced file left
+        self.assertFiles(0)  # no partial file left (these small objects live in the database)
 
 
 class LargeObjects(StoreCase):
@@ -453,7 +469,8 @@ class LargeObjects(StoreCase):
 
     def test_sigkill_during_a_256_mib_upload_keeps_the_previous_object(self):
         m = uuid7()
-        self.assertEqual(self.client.put(m, b"the previous object", 1).status, 200)
+        previous = b"the previous object " * 10000  # 200 KB: a version file of its own
+        self.assertEqual(self.client.put(m, previous, 1).status, 200)
         killed = threading.Event()
 
         def progress(sent):
@@ -469,9 +486,9 @@ class LargeObjects(StoreCase):
         self.restart()
         g = self.client.get(m)
         self.assertEqual(g.status, 200)
-        self.assertEqual(g.body, b"the previous object")
+        self.assertEqual(g.body, previous)
         self.assertEqual(g.header("Fencing-Token"), "1")
-        self.assertEqual(len(self.objects()), 1)  # the partial upload was removed at start
+        self.assertFiles(1)  # the partial upload was removed at start
 
 
 class FullDisk(unittest.TestCase):
