@@ -23,6 +23,14 @@ for p in "${packages[@]}"; do
   fi
 done
 
+# The TypeScript client's tests need Node.js >= 18 and npm: Debian's nodejs and npm unless a
+# node is already installed (from elsewhere, with its own npm).
+if ! command -v node >/dev/null 2>&1; then
+  for p in nodejs npm; do
+    dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q 'install ok installed' || missing+=("$p")
+  done
+fi
+
 if [ ${#missing[@]} -eq 0 ]; then
   echo "install-deps: all ${#packages[@]} packages present"
   exit 0

@@ -1,0 +1,107 @@
+"""The SDK against a mepd that uses a remote control plane (a real ``mep server``)."""
+import signal
+import threading
+import time
+import unittest
+
+from .harness import DaemonTestCase, wait_until
+
+import mep
+
+
+class RemoteTest(DaemonTestCase):
+    def test_acquire_and_release_through_a_remote_server(self):
+        server, d = self.start_remote()
+        c = d.client()
+        self.assertIn(server.url, c.health().control_plane or "")
+        path = self.new_memory(c)
+        with c.lease("Remote Agent", path, ttl=10) as lease:
+            self.assertEqual(lease.canonical_name, "remoteagent")
+            self.assertEqual([l.lease_id for l in c.leases()], [lease.lease_id])
+            first = lease.token
+        self.assertEqual(c.leases(), [])
+        # A second daemon (another host, as far as the server knows) sees the name as free
+        # again, and then held by it.
+        _, d2 = self.start_remote(tag="mepd2", server=server)
+        c2 = d2.client()
+        path2 = self.new_memory(c2, "other.uai")
+        with c2.lease("Remote Agent", path2):
+            with self.assertRaises(mep.NameHeld):
+                c.acquire("remote agent", path)
+        with c.lease("Remote Agent", path) as again:
+            self.assertGreater(again.token, first)
+
+    def test_control_plane_stopped_at_risk_then_lost(self):
+        server, d = self.start_remote()
+        c = d.client(timeout=10)
+        calls = []
+        order = []
+        with c.events() as stream:
+            path = self.new_memory(c)
+            with c.lease("Partitioned", path, ttl=5) as lease:
+                lease.on_lost(lambda l: calls.append(threading.current_thread()))
+                threading.Thread(target=lambda: lease.at_risk.wait(15) and order.append("at_risk"), daemon=True).start()
+                threading.Thread(target=lambda: lease.lost.wait(15) and order.append("lost"), daemon=True).start()
+                # Let one renewal through, then freeze the control plane.
+                renewed = stream.next(5)
+                while renewed is not None and renewed.event != "renewed":
+                    renewed = stream.next(5)
+                self.assertIsNotNone(renewed, "the daemon renews at ttl/3")
+                t0 = time.monotonic()
+                server.proc.signal(signal.SIGSTOP)
+                try:
+                    self.assertTrue(lease.at_risk.wait(8), "at risk once the renewals fail")
+                    self.assertTrue(lease.at_risk_reason.startswith("degraded"), lease.at_risk_reason)
+                    self.assertTrue(lease.lost.wait(8), "lost at the local deadline")
+                    self.assertLess(time.monotonic() - t0, 5.5, "lost before the server could let the lease expire")
+                    self.assertIn(lease.lost_reason, ("local-deadline", "deadline"))
+                    self.assertTrue(wait_until(lambda: len(order) == 2, 5))
+                    self.assertEqual(order, ["at_risk", "lost"])
+                    self.assertTrue(wait_until(lambda: len(calls) == 1, 5), "on_lost callback")
+                    self.assertIsNot(calls[0], threading.current_thread())
+                    with self.assertRaises(mep.LeaseLost) as cm:
+                        lease.check()
+                    self.assertIsInstance(cm.exception, mep.LeaseGone)
+                    with self.assertRaises(mep.LeaseGone):
+                        lease.verify()
+                    with self.assertRaises(mep.LeaseGone):
+                        lease.sync()
+                    # The daemon reaches the same verdict on its own deadline.
+                    self.assertTrue(wait_until(lambda: c.get_lease("Partitioned").state == "lost", 5))
+                    try:
+                        c.verify("Partitioned")
+                        self.fail("the daemon must refuse to verify a lost lease")
+                    except mep.NotSupported:
+                        pass  # this mepd predates POST /v1/verify (test_verify covers it when present)
+                    except mep.LeaseExpired:
+                        pass
+                finally:
+                    server.proc.signal(signal.SIGCONT)
+            self.assertEqual(len(calls), 1)
+            # What the daemon said, in order: degraded before lost.
+            kinds = []
+            ev = stream.next(2)
+            while ev is not None:
+                if ev.canonical_name == "partitioned":
+                    kinds.append(ev.event)
+                ev = stream.next(0.5)
+        self.assertLess(kinds.index("degraded"), kinds.index("lost"), kinds)
+        self.assertEqual(c.leases(), [], "leaving the block forgets the lost lease")
+
+    def test_verify(self):
+        server, d = self.start_remote()
+        c = d.client(timeout=10)
+        path = self.new_memory(c)
+        with c.lease("verified", path, ttl=10) as lease:
+            try:
+                result = lease.verify()
+            except mep.NotSupported as e:
+                self.skipTest("this mepd has no POST /v1/verify yet: %s" % e)
+            self.assertEqual((result.canonical_name, result.memory_instance_id, result.fencing_token),
+                             (lease.canonical_name, lease.memory_instance_id, lease.token))
+        with self.assertRaises(mep.LeaseNotFound):
+            c.verify("verified")
+
+
+if __name__ == "__main__":
+    unittest.main()

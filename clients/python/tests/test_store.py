@@ -1,0 +1,73 @@
+"""The token carried into writes, against a real data plane (``mep store``): sync, fetch
+on a second daemon, and a stale token refused. Skipped (with the reason printed) while
+``$MEP_BIN`` has no ``mep store``."""
+import os
+import unittest
+
+from .harness import DaemonTestCase, require_store
+
+import mep
+
+
+class StoreTest(DaemonTestCase):
+    def setUp(self):
+        super().setUp()
+        require_store()
+
+    def test_sync_fetch_and_stale_token_refused(self):
+        store = self.start_store()
+        server, d1 = self.start_remote(tag="host1", store=store)
+        _, d2 = self.start_remote(tag="host2", server=server, store=store)
+        c1, c2 = d1.client(), d2.client()
+        path = self.new_memory(c1, "host1.uai")
+        with open(path, "wb") as f:
+            f.write(b"memories of host 1")
+        with c1.lease("Traveller", path, ttl=10) as old:
+            try:
+                result = old.sync()
+            except mep.NotSupported as e:
+                self.skipTest("this mepd has no POST /v1/sync yet: %s" % e)
+            self.assertEqual((result.canonical_name, result.memory_instance_id, result.fencing_token, result.size),
+                             ("traveller", old.memory_instance_id, old.token, len(b"memories of host 1")))
+            self.assertTrue(result.etag)
+        # The memory moves to host 2.
+        path2 = os.path.join(self.work, "host2.uai")
+        fetched = c2.fetch(old.memory_instance_id, path2)
+        self.assertEqual((fetched.memory_instance_id, fetched.size), (old.memory_instance_id, len(b"memories of host 1")))
+        with open(path2, "rb") as f:
+            self.assertEqual(f.read(), b"memories of host 1")
+        self.assertEqual(c2.identify(path2).memory_instance_id, old.memory_instance_id)
+        with self.assertRaises(mep.InvalidRequest):
+            c2.fetch(old.memory_instance_id, path2)  # the file must be new
+        with c2.lease("Traveller", path2, ttl=10) as new:
+            self.assertGreater(new.token, old.token)
+            # The zombie's token: the daemon advanced the store's mark before handing out
+            # the new one, so the old token is refused.
+            status, body = store.put(old.memory_instance_id, b"zombie write", old.fencing_headers())
+            self.assertEqual(status, 409, body)
+            self.assertIn(b"stale-fence", body)
+            status, body = store.put(new.memory_instance_id, b"fresh write", new.fencing_headers())
+            self.assertLess(status, 300, body)
+            with open(path2, "wb") as f:
+                f.write(b"memories of host 2")
+            self.assertEqual(new.sync().fencing_token, new.token)
+        with self.assertRaises(mep.MemoryNotFound):
+            c2.fetch("01a23331-0cc3-7298-afd1-580522a5ec00", os.path.join(self.work, "nothing.uai"))
+
+    def test_sync_without_a_store(self):
+        d = self.start_mepd()
+        c = d.client()
+        path = self.new_memory(c)
+        with c.lease("no store", path) as lease:
+            try:
+                lease.sync()
+                self.fail("a mepd without --store cannot sync")
+            except mep.NotSupported as e:
+                self.skipTest("this mepd has no POST /v1/sync yet: %s" % e)
+            except mep.StoreNotConfigured as e:
+                self.assertEqual(e.status, 501)
+            self.assertFalse(lease.lost.is_set(), "a daemon without a store does not cost the lease")
+
+
+if __name__ == "__main__":
+    unittest.main()

@@ -1,0 +1,263 @@
+"""Tests of the SDK's pure parts (no processes): the problem → exception table, the socket
+discovery order, the HTTP framing and the loss-decision state machine."""
+import datetime
+import json
+import os
+import tempfile
+import unittest
+
+from . import SOURCE_ROOT  # noqa: F401 - puts the source tree on sys.path
+
+import mep
+from mep import _config, _http
+from mep._tracker import LossTracker, margin_seconds
+from mep.types import Event, LeaseInfo
+
+ALL_CODES = {
+    "invalid-request": 400, "idempotency-key-missing": 400, "idempotency-key-invalid": 400,
+    "unauthenticated": 401, "forbidden": 403, "not-found": 404, "memory-not-found": 404,
+    "lease-not-found": 404, "method-not-allowed": 405, "memory-id-taken": 409, "stale-fence": 409,
+    "idempotency-request-in-flight": 409, "lease-expired": 410, "payload-too-large": 413,
+    "unsupported-media-type": 415, "invalid-name": 422, "invalid-ttl": 422, "idempotency-key-reused": 422,
+    "name-held": 423, "name-confusable": 423, "memory-attached": 423, "rate-limited": 429, "internal": 500,
+    "store-not-configured": 501, "transaction-conflict": 503, "unavailable": 503,
+    "migration-in-progress": 503, "store-unavailable": 503, "insufficient-storage": 507,
+}
+
+
+class ProblemTableTest(unittest.TestCase):
+    def test_every_code_has_its_own_class(self):
+        self.assertEqual(set(mep.PROBLEM_CODES), set(ALL_CODES))
+        classes = set()
+        for code, status in ALL_CODES.items():
+            cls = mep.PROBLEM_CODES[code]
+            self.assertTrue(issubclass(cls, mep.MepError))
+            self.assertEqual(cls.STATUS, status, code)
+            self.assertIs(getattr(mep, cls.__name__), cls, "mep.%s is exported" % cls.__name__)
+            classes.add(cls)
+        self.assertEqual(len(classes), len(ALL_CODES))
+
+    def test_grouping_bases(self):
+        for cls in (mep.NameHeld, mep.NameConfusable, mep.MemoryAttached):
+            self.assertTrue(issubclass(cls, mep.Held))
+        for cls in (mep.StaleFence, mep.LeaseExpired, mep.LeaseLost):
+            self.assertTrue(issubclass(cls, mep.LeaseGone))
+        for cls in (mep.Unavailable, mep.StoreUnavailable, mep.TransactionConflict, mep.MigrationInProgress):
+            self.assertTrue(issubclass(cls, mep.TemporarilyUnavailable))
+        self.assertTrue(issubclass(mep.DaemonNotRunning, mep.Unavailable))
+        self.assertTrue(issubclass(mep.LeaseNotFound, mep.NotFound))
+
+    def test_problem_fields_and_extensions(self):
+        body = json.dumps({"type": "https://memoryendpoints.com/problems/invalid-name", "title": "Invalid agent name",
+                           "status": 422, "detail": "invalid agent name: disallowed character U+0021",
+                           "instance": "rid-1", "code": "invalid-name", "reason": "disallowed-character",
+                           "codepoint": "U+0021", "index": 5, "other": [1]}).encode()
+        e = mep.error_for_problem(422, body, {"retry-after": "3"})
+        self.assertIsInstance(e, mep.InvalidName)
+        self.assertEqual((e.code, e.status, e.title, e.instance), ("invalid-name", 422, "Invalid agent name", "rid-1"))
+        self.assertEqual((e.reason, e.codepoint, e.index, e.retry_after), ("disallowed-character", "U+0021", 5, 3.0))
+        self.assertEqual(e.extensions["other"], [1])
+        self.assertEqual(e.other, [1])  # any extension reads as an attribute
+        self.assertEqual(str(e), "Invalid agent name: disallowed character U+0021")
+        self.assertEqual(e.to_problem()["codepoint"], "U+0021")
+        with self.assertRaises(AttributeError):
+            e.no_such_extension  # noqa: B018
+
+    def test_unknown_code_and_non_problem_bodies(self):
+        e = mep.error_for_problem(418, b'{"code":"teapot","status":418,"detail":"short"}')
+        self.assertIs(type(e), mep.MepError)
+        self.assertEqual(e.code, "teapot")
+        e = mep.error_for_problem(503, b"<html>bad gateway</html>")
+        self.assertIsInstance(e, mep.Unavailable)
+        self.assertEqual(e.status, 503)
+
+
+class SocketDiscoveryTest(unittest.TestCase):
+    def setUp(self):
+        self.tmp = tempfile.TemporaryDirectory()
+        self.addCleanup(self.tmp.cleanup)
+        self.home = self.tmp.name
+
+    def test_order(self):
+        env = {"HOME": self.home}
+        self.assertEqual(_config.find_socket(env)[0], "/run/mep/mepd.sock")
+        env["XDG_RUNTIME_DIR"] = "/xdg/run"
+        self.assertEqual(_config.find_socket(env)[0], "/xdg/run/mep/mepd.sock")
+        cfg = os.path.join(self.home, ".config", "mep")
+        os.makedirs(cfg)
+        with open(os.path.join(cfg, "config.toml"), "w") as f:
+            f.write('# comment\nsocket = "/from/config.sock"  # trailing\n[table]\nsocket = "no"\n')
+        self.assertEqual(_config.find_socket(env), ("/from/config.sock", "config file " + os.path.join(cfg, "config.toml")))
+        env["XDG_CONFIG_HOME"] = os.path.join(self.home, "elsewhere")
+        self.assertEqual(_config.find_socket(env)[0], "/xdg/run/mep/mepd.sock")
+        other = os.path.join(self.home, "other.toml")
+        with open(other, "w") as f:
+            f.write("socket = '/literal.sock'\n")
+        env["MEP_CONFIG"] = other
+        self.assertEqual(_config.find_socket(env)[0], "/literal.sock")
+        env["MEP_SOCKET"] = "/env.sock"
+        self.assertEqual(_config.find_socket(env), ("/env.sock", "$MEP_SOCKET"))
+
+    def test_missing_explicit_config_and_bad_config(self):
+        with self.assertRaises(mep.ConfigError):
+            _config.find_socket({"HOME": self.home, "MEP_CONFIG": os.path.join(self.home, "nope.toml")})
+        bad = os.path.join(self.home, "bad.toml")
+        with open(bad, "w") as f:
+            f.write("socket = 5\n")
+        with self.assertRaises(mep.ConfigError):
+            _config.find_socket({"HOME": self.home, "MEP_CONFIG": bad})
+
+
+    def test_fallback_reader_without_tomllib(self):
+        for use in (True, False):
+            text = '# c\nsocket = "/a \\"b\\".sock" # x\nother = 1\n[t]\nsocket = "/no"\n'
+            self.assertEqual(_config.socket_from_toml(text, "f", use_tomllib=use), '/a "b".sock')
+            self.assertEqual(_config.socket_from_toml("socket = '/lit'\n", "f", use_tomllib=use), "/lit")
+            self.assertIsNone(_config.socket_from_toml("x = 1\n", "f", use_tomllib=use))
+            with self.assertRaises(mep.ConfigError):
+                _config.socket_from_toml("socket = 5\n", "f", use_tomllib=use)
+
+
+class FramingTest(unittest.TestCase):
+    def parse(self, chunks):
+        p = _http.ResponseParser()
+        for c in chunks:
+            p.feed(c)
+            if p.done:
+                break
+        if not p.done:
+            p.finish()
+        return p.response()
+
+    def test_content_length_split_anywhere(self):
+        raw = b"HTTP/1.1 201 Created\r\nContent-Type: application/json\r\nContent-Length: 7\r\n\r\n{\"a\":1}"
+        for i in range(1, len(raw)):
+            r = self.parse([raw[:i], raw[i:]])
+            self.assertEqual((r.status, r.json()), (201, {"a": 1}))
+
+    def test_chunked_interim_and_until_close(self):
+        r = self.parse([b"HTTP/1.1 100 Continue\r\n\r\nHTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n"
+                        b"3\r\n{\"a\r\n4\r\n\":2}\r\n0\r\n\r\n"])
+        self.assertEqual(r.json(), {"a": 2})
+        r = self.parse([b"HTTP/1.1 200 OK\r\n\r\nuntil", b" close"])
+        self.assertEqual(r.body, b"until close")
+        r = self.parse([b"HTTP/1.1 204 No Content\r\nServer: mepd\r\n\r\n"])
+        self.assertEqual((r.status, r.body), (204, b""))
+
+    def test_cut_short_and_not_http(self):
+        with self.assertRaises(mep.ProtocolError):
+            self.parse([b"HTTP/1.1 200 OK\r\nContent-Length: 10\r\n\r\nabc"])
+        with self.assertRaises(mep.ProtocolError):
+            self.parse([b"SSH-2.0-OpenSSH\r\n\r\n"])
+        with self.assertRaises(mep.Unavailable):
+            self.parse([])
+
+    def test_request_bytes(self):
+        req = _http.build_request("POST", "/v1/attach", {"name": "Zoë"})
+        head, _, body = req.partition(b"\r\n\r\n")
+        self.assertIn(b"Content-Length: %d" % len(body), head)
+        self.assertEqual(json.loads(body), {"name": "Zoë"})
+
+
+def _info(token=3, ttl=10, lease_id="L1"):
+    return LeaseInfo(lease_id=lease_id, canonical_name="agent", display_name="Agent", memory_instance_id="M",
+                     fencing_token=token, expires_at=None, ttl_seconds=ttl, path="/m.uai", state="held", bind_pid=1)
+
+
+def _ev(kind, name="agent", token=None, reason=None, lease_id=None):
+    return Event(event=kind, canonical_name=name, memory_instance_id="M", state="", at=None,
+                 fencing_token=token, expires_at=datetime.datetime(2030, 1, 1, tzinfo=datetime.timezone.utc)
+                 if token else None, reason=reason, lease_id=lease_id)
+
+
+class LossTrackerTest(unittest.TestCase):
+    def test_margin(self):
+        self.assertEqual(margin_seconds(5), 1.0)
+        self.assertEqual(margin_seconds(30), 3.0)
+
+    def test_local_deadline_from_send_time_and_renewals(self):
+        t = LossTracker(10)
+        t.attached(_info(ttl=10), sent_at=100.0)
+        self.assertEqual(t.deadline, 100.0 + 10 - 1)
+        t.event(_ev("granted", token=3), 100.1)
+        t.tick(108.9)
+        self.assertFalse(t.lost)
+        t.event(_ev("renewed", token=3), 103.0)
+        self.assertEqual(t.deadline, 103.0 + 10 - 2)
+        t.tick(110.9)
+        self.assertFalse(t.lost)
+        t.tick(111.0)
+        self.assertEqual(t.lost_reason, "local-deadline")
+        self.assertTrue(t.at_risk)
+
+    def test_events_before_attach_are_replayed_and_predecessors_ignored(self):
+        t = LossTracker(10)
+        t.event(_ev("released"), 1.0)          # an earlier holder of the name
+        t.event(_ev("other", name="x"), 1.0)
+        t.event(_ev("granted", token=3), 1.1)  # ours
+        t.event(_ev("degraded", token=3, reason="unreachable"), 1.2)
+        t.attached(_info(), 1.0)
+        self.assertFalse(t.lost)
+        self.assertEqual(t.at_risk_reason, "degraded (unreachable)")
+        t.event(_ev("renewed", token=3), 2.0)
+        self.assertFalse(t.at_risk)
+        t.event(_ev("lost", reason="stale-fence"), 2.5)
+        self.assertEqual(t.lost_reason, "stale-fence")
+
+    def test_released_by_someone_else_is_lost_but_own_release_is_not(self):
+        t = LossTracker(10)
+        t.attached(_info(), 0.0)
+        t.event(_ev("granted", token=3), 0.1)
+        t.event(_ev("released"), 0.2)
+        self.assertEqual(t.lost_reason, "released")
+        t = LossTracker(10)
+        t.attached(_info(), 0.0)
+        t.event(_ev("granted", token=3), 0.1)
+        t.closing = True
+        t.event(_ev("released"), 0.2)
+        t.tick(1000.0)
+        self.assertFalse(t.lost)
+
+    def test_stream_down_and_recheck(self):
+        t = LossTracker(10)
+        t.attached(_info(), 0.0)
+        t.stream_down()
+        self.assertEqual(t.at_risk_reason, "daemon-unreachable")
+        t.event(_ev("renewed", token=3), 1.0)  # heard before the re-check: still at risk
+        self.assertTrue(t.at_risk)
+        t.recheck(_info())
+        self.assertFalse(t.at_risk)
+        self.assertFalse(t.lost)
+        t.stream_down()
+        t.recheck(_info(lease_id="L2", token=4))
+        self.assertEqual(t.lost_reason, "superseded")
+        t = LossTracker(10)
+        t.attached(_info(), 0.0)
+        t.stream_down()
+        t.recheck(None)
+        self.assertEqual(t.lost_reason, "not-held")
+
+    def test_events_that_name_the_lease(self):
+        t = LossTracker(10)
+        t.event(_ev("released", lease_id="L0"), 1.0)   # the previous holder's, by id
+        t.event(_ev("degraded", token=3, lease_id="L1"), 1.1)  # ours, even before its granted
+        t.attached(_info(lease_id="L1"), 1.0)
+        self.assertFalse(t.lost)
+        self.assertTrue(t.at_risk)
+        t.event(_ev("lost", reason="deadline", lease_id="L0"), 2.0)
+        self.assertFalse(t.lost, "another lease's loss")
+        t.event(_ev("released", lease_id="L1"), 2.1)
+        self.assertEqual(t.lost_reason, "released")
+
+    def test_loss_is_final(self):
+        t = LossTracker(10)
+        t.attached(_info(), 0.0)
+        self.assertTrue(t.lose("stale-fence"))
+        self.assertFalse(t.lose("other"))
+        t.event(_ev("granted", token=3), 0.1)
+        t.recheck(_info())
+        self.assertEqual(t.lost_reason, "stale-fence")
+
+
+if __name__ == "__main__":
+    unittest.main()

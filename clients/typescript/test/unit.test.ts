@@ -1,0 +1,134 @@
+// Pure functions: problem → typed error, 64-bit-safe JSON, socket path resolution. These
+// need no processes.
+import { test } from "node:test";
+import assert from "node:assert/strict";
+import { mkdtempSync, mkdirSync, rmSync, writeFileSync } from "node:fs";
+import { join } from "node:path";
+import { tmpdir } from "node:os";
+import * as mep from "@mep/client";
+
+test("every problem code maps to its own class, with its status", () => {
+  const seen = new Set<unknown>();
+  for (const [code, status] of Object.entries(mep.PROBLEM_CODES)) {
+    const e = mep.problemToError(status, { type: "https://memoryendpoints.com/problems/" + code, title: "T", status, detail: "D", instance: "I", code });
+    assert.ok(e instanceof mep.MepError);
+    assert.equal(e.code, code);
+    assert.equal(e.status, status);
+    assert.equal(e.title, "T");
+    assert.equal(e.detail, "D");
+    assert.equal(e.message, "D");
+    assert.equal(e.instance, "I");
+    const cls = mep.ERROR_CLASSES[code as mep.ProblemCode];
+    assert.ok(e instanceof cls);
+    assert.notEqual(cls, mep.MepError);
+    assert.ok(!seen.has(cls), `one class per code (${code})`);
+    seen.add(cls);
+  }
+  const names: Record<string, unknown> = {
+    "name-held": mep.NameHeld,
+    "name-confusable": mep.NameConfusable,
+    "memory-attached": mep.MemoryAttached,
+    "invalid-name": mep.InvalidName,
+    "invalid-ttl": mep.InvalidTtl,
+    unavailable: mep.Unavailable,
+    "stale-fence": mep.StaleFence,
+    "lease-expired": mep.LeaseExpired,
+    "lease-not-found": mep.LeaseNotFound,
+    "memory-not-found": mep.MemoryNotFound,
+    "store-unavailable": mep.StoreUnavailable,
+    "store-not-configured": mep.StoreNotConfigured,
+    "insufficient-storage": mep.InsufficientStorage,
+    "rate-limited": mep.RateLimited,
+  };
+  for (const [code, cls] of Object.entries(names)) assert.equal(mep.ERROR_CLASSES[code as mep.ProblemCode], cls);
+});
+
+test("extensions, Retry-After, InvalidName and StaleFence fields", () => {
+  const e = mep.problemToError(422, { code: "invalid-name", status: 422, detail: "x", reason: "disallowed-character", codepoint: "U+0007", index: 3 });
+  assert.ok(e instanceof mep.InvalidName);
+  assert.equal(e.reason, "disallowed-character");
+  assert.equal(e.codepoint, "U+0007");
+  assert.equal(e.index, 3);
+  assert.deepEqual({ ...e.extensions }, { reason: "disallowed-character", codepoint: "U+0007", index: 3 });
+  assert.equal(e.name, "InvalidName");
+
+  const h = mep.problemToError(423, { code: "name-held", status: 423 }, "7");
+  assert.equal(h.retryAfter, 7);
+  assert.equal(mep.parseRetryAfter(new Date(Date.now() + 10000).toUTCString())! >= 9, true);
+  assert.equal(mep.parseRetryAfter("soon"), undefined);
+
+  const big = 2n ** 63n + 5n;
+  const s = mep.problemToError(409, { code: "stale-fence", presented_token: 3, current_token: big });
+  assert.ok(s instanceof mep.StaleFence);
+  assert.equal(s.presentedToken, 3n);
+  assert.equal(s.currentToken, big);
+});
+
+test("unknown codes and bodies that are not problems", () => {
+  const u = mep.problemToError(418, { code: "teapot", detail: "short and stout" });
+  assert.equal(u.constructor, mep.MepError);
+  assert.equal(u.code, "teapot");
+  const n = mep.problemToError(503, "Service Unavailable");
+  assert.ok(n instanceof mep.Unavailable);
+  assert.equal(n.detail, "Service Unavailable");
+  const x = mep.problemToError(500, undefined);
+  assert.ok(x instanceof mep.Internal);
+});
+
+test("DaemonNotRunning is an Unavailable; LeaseLost is a MepError", () => {
+  const d = new mep.DaemonNotRunning("/x.sock", Object.assign(new Error("nope"), { code: "ENOENT" }));
+  assert.ok(d instanceof mep.Unavailable && d instanceof mep.MepError);
+  assert.equal(d.code, "unavailable");
+  assert.equal(d.socketPath, "/x.sock");
+  assert.match(d.message, /ENOENT/);
+  const l = new mep.LeaseLost({ canonicalName: "a", fencingToken: 9n, reason: "deadline" });
+  assert.ok(l instanceof mep.MepError);
+  assert.equal(l.code, "lease-lost");
+  assert.equal(l.reason, "deadline");
+  assert.equal(l.fencingToken, 9n);
+});
+
+test("socket path: option, $MEP_SOCKET, config file ($MEP_CONFIG / XDG), XDG_RUNTIME_DIR, /run", () => {
+  const dir = mkdtempSync(join(tmpdir(), "mep-ts-unit-"));
+  try {
+    assert.deepEqual(mep.resolveSocketPath("/o.sock", { MEP_SOCKET: "/e.sock" }), { path: "/o.sock", source: "option" });
+    assert.equal(mep.resolveSocketPath(undefined, { MEP_SOCKET: "/e.sock", XDG_RUNTIME_DIR: "/r" }).path, "/e.sock");
+    mkdirSync(join(dir, "cfg", "mep"), { recursive: true });
+    writeFileSync(join(dir, "cfg", "mep", "config.toml"), '# mep\nlog_level = "info"\nsocket = "/from/\\u0078dg.sock" # here\n[other]\nsocket = "/not-top-level"\n');
+    const r = mep.resolveSocketPath(undefined, { XDG_CONFIG_HOME: join(dir, "cfg"), XDG_RUNTIME_DIR: "/r", HOME: dir });
+    assert.equal(r.path, "/from/xdg.sock");
+    assert.match(r.source, /^file /);
+    mkdirSync(join(dir, ".config", "mep"), { recursive: true });
+    writeFileSync(join(dir, ".config", "mep", "config.toml"), "socket = '/from/home.sock'\n");
+    assert.equal(mep.resolveSocketPath(undefined, { HOME: dir }).path, "/from/home.sock");
+    writeFileSync(join(dir, "explicit.toml"), 'socket="/from/explicit.sock"\n');
+    assert.equal(mep.resolveSocketPath(undefined, { HOME: dir, MEP_CONFIG: join(dir, "explicit.toml") }).path, "/from/explicit.sock");
+    assert.throws(() => mep.resolveSocketPath(undefined, { HOME: dir, MEP_CONFIG: join(dir, "missing.toml") }), /cannot read config file/);
+    const empty = join(dir, "empty");
+    mkdirSync(empty);
+    assert.deepEqual(mep.resolveSocketPath(undefined, { HOME: empty, XDG_RUNTIME_DIR: "/run/user/7" }), {
+      path: "/run/user/7/mep/mepd.sock",
+      source: "env XDG_RUNTIME_DIR",
+    });
+    assert.deepEqual(mep.resolveSocketPath(undefined, { HOME: empty }), { path: "/run/mep/mepd.sock", source: "default" });
+  } finally {
+    rmSync(dir, { recursive: true, force: true });
+  }
+});
+
+test("JSON keeps 64-bit integers exact", () => {
+  const v = mep.parseJson('{"fencing_token":18446744073709551615,"small":7,"f":1.5,"e":1e3,"neg":-9007199254740993,"s":"a\\"b\\u00e9","n":null,"a":[true,false]}') as Record<string, unknown>;
+  assert.equal(v["fencing_token"], 18446744073709551615n);
+  assert.equal(v["small"], 7);
+  assert.equal(v["f"], 1.5);
+  assert.equal(v["e"], 1000);
+  assert.equal(v["neg"], -9007199254740993n);
+  assert.equal(v["s"], 'a"bé');
+  assert.equal(v["n"], null);
+  assert.deepEqual(v["a"], [true, false]);
+  assert.throws(() => mep.parseJson("{"), SyntaxError);
+  assert.throws(() => mep.parseJson('{"a":1} x'), SyntaxError);
+  const o = mep.parseJson('{"__proto__":{"x":1}}') as Record<string, unknown>;
+  assert.equal(({} as Record<string, unknown>)["x"], undefined);
+  assert.deepEqual(Object.keys(o), ["__proto__"]);
+});
