@@ -17,6 +17,10 @@ if(_mep_san)
   list(JOIN _mep_san "," _mep_san_list)
   target_compile_options(mep_settings INTERFACE -fsanitize=${_mep_san_list} -fno-omit-frame-pointer)
   target_link_options(mep_settings INTERFACE -fsanitize=${_mep_san_list})
+  if(MEP_SANITIZE_UNDEFINED)
+    # A finding ends the process (and fails its test) instead of a line in a log.
+    target_compile_options(mep_settings INTERFACE -fno-sanitize-recover=undefined)
+  endif()
 endif()
 
 find_program(CCACHE_EXE ccache)

@@ -3,6 +3,8 @@
 
 #include <chrono>
 #include <cstdio>
+#include <ctime>
+#include <fstream>
 
 namespace mep {
 namespace {
@@ -117,5 +119,29 @@ std::optional<UnixMs> parse_rfc3339(std::string_view t) {
   std::int64_t total = ((days * 24 + *h) * 60 + *mi - offset_min) * 60 + sec;
   return total * 1000 + ms;
 }
+
+std::int64_t boot_ms() {
+  timespec ts{};
+  ::clock_gettime(CLOCK_BOOTTIME, &ts);
+  return static_cast<std::int64_t>(ts.tv_sec) * 1000 + ts.tv_nsec / 1'000'000;
+}
+
+std::string boot_id() {
+  std::ifstream in("/proc/sys/kernel/random/boot_id");
+  std::string id;
+  std::getline(in, id);
+  return id;
+}
+
+namespace {
+std::int64_t steady_ns() {
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now().time_since_epoch()).count();
+}
+} // namespace
+
+LeaseClock::LeaseClock(std::optional<UnixMs> start)
+    : m_start(start.value_or(now_unix_ms())), m_steady_start_ns(steady_ns()) {}
+
+UnixMs LeaseClock::now() const { return m_start + (steady_ns() - m_steady_start_ns) / 1'000'000; }
 
 } // namespace mep

@@ -8,6 +8,7 @@
 #include "mep/lease/wire.hpp"
 #include "mep/router.hpp"
 #include "mep/sqlite_store.hpp"
+#include "mep/sweeper.hpp"
 
 #include <boost/beast/http.hpp>
 #include <boost/json/parse.hpp>
@@ -140,7 +141,8 @@ private:
 class EmbeddedControlPlane final : public HttpControlPlane {
 public:
   explicit EmbeddedControlPlane(const std::filesystem::path& dir)
-      : m_store(std::make_unique<server::SqliteStore>("sqlite:" + (dir / "control.db").string())),
+      : m_store(std::make_unique<server::SqliteStore>("sqlite:" + (dir / "control.db").string(), true, 0,
+                                                      /*serving=*/true)),
         m_router(*m_store, 0) {
     auto token_file = dir / "embedded.token";
     std::ifstream in(token_file);
@@ -156,7 +158,10 @@ public:
       ::chmod(token_file.c_str(), 0600);
     }
     m_describe = "embedded (sqlite:" + (dir / "control.db").string() + ")";
+    m_sweeper = std::make_unique<server::Sweeper>(*m_store);
   }
+
+  ~EmbeddedControlPlane() override { m_sweeper.reset(); } // before the store it sweeps
 
   std::string describe() const override { return m_describe; }
 
@@ -188,6 +193,7 @@ protected:
 private:
   std::unique_ptr<server::Store> m_store;
   server::Router m_router;
+  std::unique_ptr<server::Sweeper> m_sweeper; // expired leases and records go, as on a server
   std::string m_token;
   std::string m_describe;
 };

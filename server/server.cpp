@@ -8,6 +8,7 @@
 #include "mep/problem.hpp"
 #include "mep/pg_store.hpp"
 #include "mep/sqlite_store.hpp"
+#include "mep/sweeper.hpp"
 
 #include <boost/asio/ip/address.hpp>
 #include <boost/asio/post.hpp>
@@ -29,48 +30,10 @@ std::unique_ptr<Store> open_store(const std::string& url, const StoreOptions& op
   if (pg::is_pg_url(url)) return std::make_unique<PgStore>(url, options);
   if (url.find("://") != std::string::npos && url.rfind("sqlite://", 0) != 0)
     throw std::runtime_error("unsupported database URL scheme (use sqlite:PATH or postgresql://...)");
-  return std::make_unique<SqliteStore>(url, options.create, options.writer_nice);
+  return std::make_unique<SqliteStore>(url, options.create, options.writer_nice, options.serving);
 }
 
 namespace {
-
-// Runs Store::sweep once a second until stopped (L5: storage does not grow with churn);
-// again after 10 ms while sweeps come back full (a backlog: more rows end per second
-// than one sweep removes).
-class Sweeper {
-public:
-  explicit Sweeper(Store& store) : m_thread([this, &store] { loop(store); }) {}
-  ~Sweeper() {
-    {
-      std::lock_guard lock(m_mutex);
-      m_stop = true;
-    }
-    m_cv.notify_all();
-    m_thread.join();
-  }
-
-private:
-  void loop(Store& store) {
-    std::unique_lock lock(m_mutex);
-    std::chrono::milliseconds pause{1000};
-    while (!m_cv.wait_for(lock, pause, [&] { return m_stop; })) {
-      lock.unlock();
-      pause = std::chrono::milliseconds(1000);
-      try {
-        std::int64_t n = store.sweep();
-        if (n > 0) log::debug("sweeper removed {} expired rows", n);
-        if (n >= k_sweep_batch) pause = std::chrono::milliseconds(10);
-      } catch (const std::exception& e) {
-        log::warn("sweeper: {}", e.what());
-      }
-      lock.lock();
-    }
-  }
-  std::mutex m_mutex;
-  std::condition_variable m_cv;
-  bool m_stop = false;
-  std::thread m_thread;
-};
 
 } // namespace
 
@@ -100,7 +63,9 @@ int run_server(const ServerOptions& o) {
   std::unique_ptr<Store> store;
   std::unique_ptr<net::ssl::context> tls_ctx;
   try {
-    store = open_store(o.db_url.empty() ? default_db_url() : o.db_url, o.store);
+    StoreOptions so = o.store;
+    so.serving = true;
+    store = open_store(o.db_url.empty() ? default_db_url() : o.db_url, so);
     if (tls) tls_ctx = http::make_tls_context(o.tls_cert, o.tls_key);
   } catch (const std::exception& e) {
     log::error("{}", e.what());

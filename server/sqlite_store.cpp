@@ -42,6 +42,8 @@
 #include <filesystem>
 #include <future>
 #include <pthread.h>
+#include <fcntl.h>
+#include <sys/file.h>
 #include <sys/resource.h>
 #include <sys/stat.h>
 #include <unistd.h>
@@ -396,13 +398,90 @@ std::string with_parent_directory(std::string path) {
   return path;
 }
 
+// Takes PATH-serving.lock (flock, held as long as the descriptor is open, dropped by the
+// kernel however the process ends); throws when another process holds it.
+int lock_serving(const std::string& path) {
+  const std::string lock = path + "-serving.lock";
+  int fd = ::open(lock.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0600);
+  if (fd < 0) throw std::runtime_error(fmt::format("cannot open {}: {}", lock, std::strerror(errno)));
+  if (::flock(fd, LOCK_EX | LOCK_NB) != 0) {
+    const int err = errno;
+    ::close(fd);
+    if (err == EWOULDBLOCK)
+      throw std::runtime_error(fmt::format(
+          "another process (mep server, or mepd with its embedded control plane) is serving {}; SQLite serves one "
+          "process only: stop it, or use PostgreSQL for several servers",
+          path));
+    throw std::runtime_error(fmt::format("cannot lock {}: {}", lock, std::strerror(err)));
+  }
+  return fd;
+}
+
 } // namespace
+
+// ---- the lease clock ---------------------------------------------------------------------
+//
+// Expiry is decided on m_clock, never on the wall clock (SPEC §9), so a step of the wall
+// clock neither shortens nor stretches a lease. Once a second (with the sweep) the clock's
+// reading is saved with CLOCK_BOOTTIME and the boot id. A restart within the same boot
+// goes on from that reading plus the boot time since, wall-clock steps while down
+// included; after a reboot (a new boot id) the clock starts from the wall clock, but never
+// below the saved reading, and every lease live at the saved reading keeps at least the
+// time it had left then (leases are extended conservatively, as etcd's new leader does).
+
+namespace {
+constexpr std::string_view k_clock_key = "lease_clock_checkpoint";
+} // namespace
+
+void SqliteStore::anchor_clock() {
+  std::optional<UnixMs> saved_ms;
+  std::int64_t saved_boot_ms = 0;
+  std::string saved_boot;
+  {
+    Use s(m_db->prepare("SELECT value FROM settings WHERE key = ?1"));
+    s->bind(1, k_clock_key);
+    if (s->step()) {
+      char boot[64] = {0};
+      long long ms = 0, bms = 0;
+      if (std::sscanf(s->text(0).c_str(), "%lld %lld %63s", &ms, &bms, boot) == 3) {
+        saved_ms = ms;
+        saved_boot_ms = bms;
+        saved_boot = boot;
+      }
+    }
+  }
+  if (!saved_ms) return; // a new database: the wall clock it is
+  const std::string boot = boot_id();
+  if (!boot.empty() && boot == saved_boot) {
+    const std::int64_t since = std::max<std::int64_t>(0, boot_ms() - saved_boot_ms);
+    m_clock = LeaseClock(*saved_ms + since);
+    return;
+  }
+  const UnixMs start = std::max(now_unix_ms(), *saved_ms);
+  m_clock = LeaseClock(start);
+  Use u(m_db->prepare("UPDATE leases SET expires_at = ?1 + (expires_at - ?2) "
+                      "WHERE expires_at > ?2 AND ?1 + (expires_at - ?2) > expires_at"));
+  u->bind(1, start).bind(2, *saved_ms).run();
+  if (m_db->changes() > 0)
+    log::info("after a reboot: {} live leases keep the time they had left at the last clock checkpoint",
+              m_db->changes());
+}
+
+void SqliteStore::save_clock_checkpoint(Db& db, UnixMs now) {
+  Use s(db.prepare("INSERT INTO settings(key, value) VALUES (?1, ?2) "
+                   "ON CONFLICT(key) DO UPDATE SET value = excluded.value"));
+  s->bind(1, k_clock_key).bind(2, fmt::format("{} {} {}", now, boot_ms(), boot_id())).run();
+}
 
 // ---- construction and the writer -------------------------------------------------------
 
-SqliteStore::SqliteStore(const std::string& url, bool create, int writer_nice)
+SqliteStore::SqliteStore(const std::string& url, bool create, int writer_nice, bool serving)
     : m_path(with_parent_directory(existing_unless(create, db_path_from_url(url)))),
       m_writer_nice(writer_nice), m_tokens(m_path + "-token-epoch") {
+  // SQLite serves one process: a second server on the same file would hand out the same
+  // grants' state from two group-commit writers that know nothing of each other's caches.
+  // Short commands (mep token, mep migrate) do not serve and may run beside it.
+  if (serving) m_serving_lock = lock_serving(m_path);
   m_db = std::make_unique<Db>(m_path, sqlite::Mode::read_write_create);
   m_db->exec("PRAGMA journal_mode=WAL");
   m_db->exec("PRAGMA synchronous=FULL");
@@ -411,6 +490,7 @@ SqliteStore::SqliteStore(const std::string& url, bool create, int writer_nice)
   ::chmod(m_path.c_str(), 0600);
   migrate();
   refresh_migration_state(*m_db);
+  anchor_clock();
   m_writer = std::thread([this] { writer_loop(); });
 }
 
@@ -421,6 +501,7 @@ SqliteStore::~SqliteStore() {
   }
   m_cv.notify_all();
   if (m_writer.joinable()) m_writer.join();
+  if (m_serving_lock >= 0) ::close(m_serving_lock);
 }
 
 void SqliteStore::migrate() {
@@ -623,7 +704,7 @@ SqliteStore::Pass SqliteStore::run_jobs(std::vector<Job>& batch, std::vector<Rep
     try {
       if (careful) Use(m_db->prepare("SAVEPOINT job"))->run();
       m_pending_audit.clear();
-      replies[i] = batch[i].work(*m_db, now_unix_ms());
+      replies[i] = batch[i].work(*m_db, m_clock.now());
       write_pending_audit();
       if (careful) Use(m_db->prepare("RELEASE job"))->run();
     } catch (const NeedsCarefulRun&) {
@@ -1134,7 +1215,7 @@ void SqliteStore::get_lease(const Ctx& ctx, std::string canonical_name, Done don
   Reply r;
   try {
     auto rd = reader();
-    UnixMs now = now_unix_ms();
+    UnixMs now = m_clock.now();
     auto lease = lease_by_name(rd.db(), canonical_name);
     if (!lease || lease->tenant_id != ctx.auth.tenant_id || lease->expires_at <= now)
       r = problem_reply(Problem(Code::lease_not_found, "no live lease of this tenant under this name"),
@@ -1151,7 +1232,7 @@ void SqliteStore::list_leases(const Ctx& ctx, ListLeases req, Done done) {
   Reply r;
   try {
     auto rd = reader();
-    UnixMs now = now_unix_ms();
+    UnixMs now = m_clock.now();
     // Two statements, so each is planned onto its index (leases_owner_name or
     // leases_tenant_name) in name order; no name is empty, so "" starts the first page.
     static const std::string by_tenant = fmt::format(
@@ -1286,7 +1367,7 @@ bool SqliteStore::ready() {
 std::int64_t SqliteStore::active_leases() {
   auto rd = reader();
   Use s(rd.db().prepare("SELECT count(*) FROM leases WHERE expires_at > ?1"));
-  s->bind(1, now_unix_ms());
+  s->bind(1, m_clock.now());
   return s->step() ? s->int64(0) : 0;
 }
 
@@ -1328,6 +1409,7 @@ void SqliteStore::identity_map(const Ctx& ctx, std::optional<std::string> cursor
 std::int64_t SqliteStore::sweep() {
   return run_sync<std::int64_t>([this](Db& db, UnixMs now) {
     refresh_migration_state(db);
+    save_clock_checkpoint(db, now);
     std::int64_t removed = 0;
     std::vector<LeaseRow> expired;
     {

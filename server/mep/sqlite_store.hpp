@@ -25,7 +25,9 @@ public:
   /// starts the writer thread. Throws sqlite::Error or std::runtime_error.
   /// `create`: false refuses a database file that does not exist yet.
   /// `writer_nice`: see StoreOptions::writer_nice.
-  explicit SqliteStore(const std::string& url, bool create = true, int writer_nice = 0);
+  /// `serving`: this process serves the database (mep server, mepd's embedded control
+  /// plane): it takes PATH-serving.lock, and a second serving process is refused.
+  explicit SqliteStore(const std::string& url, bool create = true, int writer_nice = 0, bool serving = false);
   /// Finishes every queued job, then stops the writer.
   ~SqliteStore() override;
 
@@ -114,11 +116,16 @@ private:
   // resolved, so rejected requests (stale fences, name conflicts) are audited too.
   void audit(const std::string& tenant_id, std::string_view type, std::string_view name,
              std::string_view memory_id, std::optional<std::int64_t> token);
+  /// Sets m_clock from the saved checkpoint (see the lease clock's notes in sqlite_store.cpp).
+  void anchor_clock();
+  void save_clock_checkpoint(sqlite::Db& db, UnixMs now);
   void write_pending_audit();
   /// The tenant's audit HMAC, keyed by its salt (read once per tenant).
   const HmacSha256& audit_mac(sqlite::Db& db, const std::string& tenant_id);
 
   std::string m_path;
+  LeaseClock m_clock; // decides expiry (see anchor_clock); set before the writer starts
+  int m_serving_lock = -1; // flock held while this process serves the database
   std::unique_ptr<sqlite::Db> m_db; // the writer's connection; writer thread only after start
   std::vector<PendingAudit> m_pending_audit;   // writer thread only
   bool m_careful = false;                      // writer thread only: run_jobs' mode

@@ -200,6 +200,8 @@ struct StoreOptions {
   /// effort: below 0 it needs CAP_SYS_NICE or RLIMIT_NICE, and without them it keeps the
   /// process's. 0 leaves it alone. See `mep server --writer-nice`.
   int writer_nice = 0;
+  /// SQLite: this process serves the database (mep server): a second one is refused.
+  bool serving = false;
 };
 
 /// Opens the store named by `url`: `sqlite:PATH` (or a bare path) or `postgresql://…`.

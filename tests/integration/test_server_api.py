@@ -1761,6 +1761,18 @@ class SqliteSchemaUpgrade(ServerTestCase):
         with open(db, "rb") as f:
             self.assertEqual(f.read(), before)
 
+    @unittest.skipIf(pgfixture.backend() == "postgresql", "PostgreSQL serves many servers by design")
+    def test_second_server_on_one_sqlite_file_is_refused(self):
+        # SQLite serves one process: a second mep server on the same file is refused at start
+        # with one line, while this one keeps serving; token commands still run beside it.
+        rc, out, err = run_mep(["server", "--db", "sqlite:" + self.db_path, "--listen", "127.0.0.1:0"], check=False)
+        self.assertEqual(rc, 1, err)
+        self.assertEqual(len(err.strip().splitlines()), 1, err)
+        self.assertIn("serving " + self.db_path, err)
+        self.assertIn("SQLite serves one process only", err)
+        run_mep(["token", "create", "--db", "sqlite:" + self.db_path, "--tenant", "beside"])
+        self.assertGrant(self.client().claim(unique_name(), self.client().new_memory(), owner(), key=new_key()))
+
     def test_lease_pages_are_read_from_an_index_in_name_order(self):
         # A page of GET /v1/leases must not sort all of a tenant's leases (190 ms for a page
         # of 100 out of 100,000 before schema v4): the tenant's names, and an owner's, are
