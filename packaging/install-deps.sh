@@ -11,7 +11,7 @@ packages=(
   libicu-dev libsqlite3-dev libpq-dev libssl-dev libcurl4-openssl-dev
   libcli11-dev libfmt-dev libspdlog-dev libexpected-dev libtomlplusplus-dev
   # tests and benchmarks
-  catch2 libbenchmark-dev postgresql-15 curl python3 procps util-linux libfaketime
+  catch2 libbenchmark-dev postgresql-15 curl python3 procps util-linux libfaketime nftables iproute2
   # docs and packaging checks
   scdoc mandoc lintian graphviz zsh fish
 )
