@@ -790,7 +790,8 @@ std::int64_t PgStore::sweep() {
 
 std::pair<std::string, std::string> PgStore::create_token(const std::string& tenant_name, Scope scope) {
   std::string salt = random_hex(32);
-  auto [ipad, opad] = hmac_sha256_pads(salt);
+  const auto pads = hmac_sha256_pads(salt); // not a structured binding: clang 14 cannot capture one
+  const std::string ipad = bytea_hex(pads.first), opad = bytea_hex(pads.second);
   std::string token = "mep_" + random_hex(32);
   return with_conn<std::pair<std::string, std::string>>([&](pg::Conn& c) {
     auto t = c.exec({},
@@ -798,7 +799,7 @@ std::pair<std::string, std::string> PgStore::create_token(const std::string& ten
                     "VALUES ($1, $2, $3, $4::bytea, $5::bytea, mep_now_ms()) ON CONFLICT (name) DO NOTHING "
                     "RETURNING tenant_id) "
                     "SELECT tenant_id FROM t UNION ALL SELECT tenant_id FROM tenants WHERE name = $2 LIMIT 1",
-                    {uuid_v7().to_string(), tenant_name, salt, bytea_hex(ipad), bytea_hex(opad)});
+                    {uuid_v7().to_string(), tenant_name, salt, ipad, opad});
     if (t.rows() == 0) throw std::runtime_error("could not create the tenant");
     std::string tenant_id = t.text(0, 0);
     c.exec({},
