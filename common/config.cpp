@@ -2,6 +2,8 @@
 #include "mep/config.hpp"
 
 #include <cstdlib>
+#include <fstream>
+#include <optional>
 #include <sstream>
 
 #define TOML_EXCEPTIONS 0
@@ -13,6 +15,14 @@ namespace {
 std::filesystem::path env_path(const char* name) {
   const char* v = std::getenv(name);
   return v && *v ? std::filesystem::path(v) : std::filesystem::path();
+}
+
+std::optional<std::string> read_whole(const std::filesystem::path& path) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in) return std::nullopt;
+  std::ostringstream ss;
+  ss << in.rdbuf();
+  return ss.str();
 }
 
 std::filesystem::path home() {
@@ -35,7 +45,7 @@ std::filesystem::path xdg_state_home() {
 std::filesystem::path xdg_runtime_dir() { return env_path("XDG_RUNTIME_DIR"); }
 
 expected<Config, std::string> Config::load(const std::filesystem::path& file) {
-  Config cfg;
+  Config cfg; // none: the defaults
   // --config, else $MEP_CONFIG (both must exist), else the default file (may be missing).
   std::filesystem::path path = file.empty() ? env_path("MEP_CONFIG") : file;
   const bool explicit_file = !path.empty();
@@ -47,21 +57,29 @@ expected<Config, std::string> Config::load(const std::filesystem::path& file) {
   }
   if (!std::filesystem::is_regular_file(path, ec))
     return make_unexpected("config file " + path.string() + " is not a regular file");
-  toml::parse_result result = toml::parse_file(path.string());
+  auto text = read_whole(path);
+  if (!text) return make_unexpected("config file " + path.string() + " cannot be read");
+  auto parsed = parse(*text, path.string());
+  if (!parsed) return parsed;
+  parsed->m_file = path;
+  return parsed;
+}
+
+expected<Config, std::string> Config::parse(std::string_view text, const std::string& label) {
+  Config cfg;
+  toml::parse_result result = toml::parse(text, label);
   if (!result) {
     const auto& err = result.error();
     std::ostringstream msg;
-    msg << "config file " << path.string() << ":" << err.source().begin.line << ": "
-        << err.description();
+    msg << "config file " << label << ":" << err.source().begin.line << ": " << err.description();
     return make_unexpected(msg.str());
   }
-  cfg.m_file = path;
   for (auto&& [key, node] : result.table()) {
     std::string value;
     if (auto s = node.value<std::string>()) value = *s;
     else if (auto i = node.value<std::int64_t>()) value = std::to_string(*i);
     else if (auto b = node.value<bool>()) value = *b ? "true" : "false";
-    else return make_unexpected("config file " + path.string() + ": key \"" + std::string(key.str()) +
+    else return make_unexpected("config file " + label + ": key \"" + std::string(key.str()) +
                                 "\" must be a string, integer or boolean");
     cfg.m_values.emplace(std::string(key.str()), std::move(value));
   }

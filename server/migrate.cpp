@@ -173,9 +173,7 @@ std::vector<std::string> parse_csv_line(const std::string& line, std::istream& i
 }
 
 // Reads JSON Lines or CSV (with a header); fails with a message naming the line.
-expected<Rows, std::string> read_file(const std::string& path) {
-  std::ifstream in(path);
-  if (!in) return make_unexpected("cannot read " + path);
+expected<Rows, std::string> read_rows(std::istream& in, const std::string& path) {
   Rows rows;
   std::string line;
   std::size_t lineno = 0;
@@ -224,6 +222,12 @@ expected<Rows, std::string> read_file(const std::string& path) {
     rows.push_back(std::move(r));
   }
   return rows;
+}
+
+expected<Rows, std::string> read_file(const std::string& path) {
+  std::ifstream in(path);
+  if (!in) return make_unexpected("cannot read " + path);
+  return read_rows(in, path);
 }
 
 expected<Rows, std::string> read_table(Db& db, const std::string& table) {
@@ -661,6 +665,12 @@ int migrate_status(const std::string& db_url, bool json) {
     std::fprintf(stderr, "mep migrate: %s\n", e.what());
     return exit_code::other;
   }
+}
+
+expected<std::size_t, std::string> read_legacy_rows(std::istream& in, const std::string& label) {
+  auto rows = read_rows(in, label);
+  if (!rows) return make_unexpected(std::move(rows.error()));
+  return rows->size();
 }
 
 } // namespace mep::server

@@ -22,6 +22,7 @@
 #include "mep/log.hpp"
 #include "mep/metrics.hpp"
 #include "mep/object_store.hpp"
+#include "mep/store_headers.hpp"
 #include "mep/uuid.hpp"
 
 #include <boost/asio/post.hpp>
@@ -72,56 +73,20 @@ const std::vector<RouteRow> k_routes = {
     {bhttp::verb::get, "/v1/fence/{id}", Route::get_fence},
 };
 
-// The Fencing-Token header: one, decimal digits only, 0 … 2^63−1.
-expected<std::int64_t, Problem> parse_fencing_token(const http::RequestHeader& h) {
-  if (h.count("Fencing-Token") == 0)
-    return make_unexpected(Problem(Code::invalid_request, "a PUT needs a Fencing-Token header (the lease's token)"));
-  if (h.count("Fencing-Token") > 1) return make_unexpected(Problem(Code::invalid_request, "more than one Fencing-Token header"));
-  std::string_view v = h["Fencing-Token"];
-  while (!v.empty() && (v.front() == ' ' || v.front() == '\t')) v.remove_prefix(1);
-  while (!v.empty() && (v.back() == ' ' || v.back() == '\t')) v.remove_suffix(1);
-  if (v.empty() || v.size() > 19 || v.find_first_not_of("0123456789") != std::string_view::npos)
-    return make_unexpected(Problem(Code::invalid_request, "Fencing-Token must be a decimal integer from 0 to 2^63-1"));
-  unsigned long long n = std::stoull(std::string(v));
-  if (n > static_cast<unsigned long long>(k_max_token))
-    return make_unexpected(Problem(Code::invalid_request, "Fencing-Token must be a decimal integer from 0 to 2^63-1"));
-  return static_cast<std::int64_t>(n);
+// The request's values of header `name`, in order.
+std::vector<std::string_view> values_of(const http::RequestHeader& h, std::string_view name) {
+  std::vector<std::string_view> out;
+  auto range = h.equal_range(name);
+  for (auto it = range.first; it != range.second; ++it) out.push_back(it->value());
+  return out;
 }
 
-// An entity tag as If-Match lists it: "…" (strong; weak tags never match a write).
+expected<std::int64_t, Problem> parse_fencing_token(const http::RequestHeader& h) {
+  return store::parse_fencing_token(values_of(h, "Fencing-Token"));
+}
+
 expected<Precondition, Problem> parse_preconditions(const http::RequestHeader& h) {
-  Precondition pre;
-  if (h.count(bhttp::field::if_match) > 1 || h.count(bhttp::field::if_none_match) > 1)
-    return make_unexpected(Problem(Code::invalid_request, "If-Match and If-None-Match may be given once each"));
-  if (h.count(bhttp::field::if_match)) {
-    std::string_view v = h[bhttp::field::if_match];
-    std::vector<std::string> tags;
-    bool any = false;
-    while (!v.empty()) {
-      while (!v.empty() && (v.front() == ' ' || v.front() == ',' || v.front() == '\t')) v.remove_prefix(1);
-      if (v.empty()) break;
-      if (v.front() == '*') {
-        any = true;
-        v.remove_prefix(1);
-        continue;
-      }
-      if (v.front() != '"')
-        return make_unexpected(Problem(Code::invalid_request, "If-Match must list quoted entity tags (\"…\") or be *"));
-      auto close = v.find('"', 1);
-      if (close == std::string_view::npos || close > 200)
-        return make_unexpected(Problem(Code::invalid_request, "If-Match: an entity tag is not closed"));
-      tags.emplace_back(v.substr(1, close - 1));
-      v.remove_prefix(close + 1);
-    }
-    if (!any && tags.empty()) return make_unexpected(Problem(Code::invalid_request, "If-Match is empty"));
-    pre.if_match = any ? std::vector<std::string>{} : std::move(tags);
-  }
-  if (h.count(bhttp::field::if_none_match)) {
-    std::string_view v = h[bhttp::field::if_none_match];
-    if (v != "*") return make_unexpected(Problem(Code::invalid_request, "a PUT takes only If-None-Match: *"));
-    pre.if_none_match_any = true;
-  }
-  return pre;
+  return store::parse_preconditions(values_of(h, "If-Match"), values_of(h, "If-None-Match"));
 }
 
 // RFC 9110 §5.6.7 IMF-fixdate.

@@ -26,6 +26,8 @@ public:
   /// else `~/.config/mep/config.toml`). A missing default file is not an error; a missing
   /// explicit file or a malformed one is (the message says which line).
   static expected<Config, std::string> load(const std::filesystem::path& file = {});
+  /// Parses TOML text (`label` names it in messages); the same rules as load().
+  static expected<Config, std::string> parse(std::string_view text, const std::string& label);
 
   /// The effective value of `key`.
   Setting get(std::string_view key, const std::optional<std::string>& flag,

@@ -2,7 +2,10 @@
 // every display name canonicalized, skeleton collisions settled (oldest keeps the name),
 // memory ids minted and an identity map published, then enforcement switched on.
 #pragma once
+#include "mep/expected.hpp"
+
 #include <cstddef>
+#include <istream>
 #include <optional>
 #include <string>
 
@@ -25,5 +28,9 @@ int migrate_run(const MigrateOptions& o);
 int migrate_activate(const std::string& db_url, bool json);
 /// Counts by action, identity-map size and the flag.
 int migrate_status(const std::string& db_url, bool json);
+
+/// Reads legacy rows (JSON Lines, or CSV with a header) as `mep migrate` does and returns how
+/// many there are, or the message naming the first bad line (`label` names the input).
+expected<std::size_t, std::string> read_legacy_rows(std::istream& in, const std::string& label);
 
 } // namespace mep::server
