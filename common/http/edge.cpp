@@ -400,7 +400,9 @@ private:
     net::dispatch(m_stream.get_executor(), [self = shared(), msg]() mutable {
       if (self->m_answered) return; // one answer per request
       self->answered();
-      self->write(std::move(msg), self->m_keep_alive && msg->keep_alive() ? After::read : After::close);
+      // Decided before msg is moved from: the order of evaluating arguments is unspecified.
+      const After after = self->m_keep_alive && msg->keep_alive() ? After::read : After::close;
+      self->write(std::move(msg), after);
     });
   }
 
