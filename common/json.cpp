@@ -8,10 +8,10 @@
 #include <boost/json/serialize.hpp>
 
 #include <algorithm>
-#include <vector>
-#include <string>
-#include <optional>
 #include <cmath>
+#include <optional>
+#include <string>
+#include <vector>
 
 namespace mep::json {
 namespace {
@@ -31,6 +31,7 @@ struct DuplicateKeyFinder {
   std::vector<std::vector<std::string>> objects; // the keys of each open object
   std::string key;                              // the key being read
   std::optional<std::string> duplicate;
+  bool too_large = false;
 
   bool on_document_begin(ec_t&) { return true; }
   bool on_document_end(ec_t&) { return true; }
@@ -65,7 +66,14 @@ struct DuplicateKeyFinder {
   bool on_number_part(sv, ec_t&) { return true; }
   bool on_int64(std::int64_t, sv, ec_t&) { return true; }
   bool on_uint64(std::uint64_t, sv, ec_t&) { return true; }
-  bool on_double(double, sv, ec_t&) { return true; }
+  // A number beyond a double's range reads as infinity, which JSON cannot write back: refused,
+  // as I-JSON (RFC 7493 §2.2) expects. Found by tests/fuzz/fuzz_json.cpp.
+  bool on_double(double d, sv, ec_t& ec) {
+    if (std::isfinite(d)) return true;
+    too_large = true;
+    ec = boost::json::error::syntax;
+    return false;
+  }
   bool on_bool(bool, ec_t&) { return true; }
   bool on_null(ec_t&) { return true; }
   bool on_comment_part(sv, ec_t&) { return true; }
@@ -84,6 +92,8 @@ expected<boost::json::object, Problem> parse_object(std::string_view text) {
     if (const auto& dup = finder.handler().duplicate)
       return make_unexpected(
           Problem(Code::invalid_request, "field \"" + dup->substr(0, 64) + "\" appears twice in one object"));
+    if (finder.handler().too_large)
+      return make_unexpected(Problem(Code::invalid_request, "a number is too large for a 64-bit floating-point value"));
     ec.clear(); // any other error is reported by the parse below, in its words
   }
   boost::json::value v = boost::json::parse(text, ec, {}, opts);
@@ -93,7 +103,71 @@ expected<boost::json::object, Problem> parse_object(std::string_view text) {
   return std::move(v.get_object());
 }
 
-std::string dump(const boost::json::value& v) { return boost::json::serialize(v); }
+namespace {
+bool valid_utf8(std::string_view s) {
+  const auto* p = reinterpret_cast<const unsigned char*>(s.data());
+  const std::size_t n = s.size();
+  for (std::size_t i = 0; i < n;) {
+    const unsigned char c = p[i];
+    if (c < 0x80) {
+      ++i;
+      continue;
+    }
+    std::size_t len = c >= 0xF0 ? 4 : c >= 0xE0 ? 3 : c >= 0xC2 ? 2 : 0;
+    if (len == 0 || c > 0xF4 || i + len > n) return false;
+    for (std::size_t k = 1; k < len; ++k)
+      if ((p[i + k] & 0xC0) != 0x80) return false;
+    if (len == 3) {
+      const unsigned v = (c & 0x0Fu) << 12 | (p[i + 1] & 0x3Fu) << 6 | (p[i + 2] & 0x3Fu);
+      if (v < 0x800 || (v >= 0xD800 && v <= 0xDFFF)) return false;
+    } else if (len == 4) {
+      const unsigned v = (c & 0x07u) << 18 | (p[i + 1] & 0x3Fu) << 12 | (p[i + 2] & 0x3Fu) << 6 | (p[i + 3] & 0x3Fu);
+      if (v < 0x10000 || v > 0x10FFFF) return false;
+    }
+    i += len;
+  }
+  return true;
+}
+
+void dump_repaired(const boost::json::value& v, std::string& out) {
+  if (v.is_object()) {
+    out.push_back('{');
+    bool first = true;
+    for (const auto& kv : v.get_object()) {
+      if (!first) out.push_back(',');
+      first = false;
+      append_string(out, kv.key());
+      out.push_back(':');
+      dump_repaired(kv.value(), out);
+    }
+    out.push_back('}');
+  } else if (v.is_array()) {
+    out.push_back('[');
+    bool first = true;
+    for (const auto& e : v.get_array()) {
+      if (!first) out.push_back(',');
+      first = false;
+      dump_repaired(e, out);
+    }
+    out.push_back(']');
+  } else if (v.is_string()) {
+    append_string(out, v.get_string());
+  } else {
+    out += boost::json::serialize(v);
+  }
+}
+} // namespace
+
+std::string dump(const boost::json::value& v) {
+  // Strings may hold bytes from a query string, a header or a path that are not UTF-8
+  // (a problem's detail quotes them); Boost.JSON would copy them as they are, and the
+  // result would not be JSON. Found by tests/fuzz/fuzz_http_request.cpp.
+  std::string out = boost::json::serialize(v);
+  if (valid_utf8(out)) return out;
+  out.clear();
+  dump_repaired(v, out);
+  return out;
+}
 
 void append_string(std::string& out, std::string_view s) {
   static constexpr char hex[] = "0123456789abcdef";

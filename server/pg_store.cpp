@@ -470,9 +470,9 @@ void PgStore::claim(const Ctx& ctx, Idempotency idem, Claim req, Done done) {
   // Problems found before the transaction are still recorded under the key (SPEC §6).
   pg::Param pre;
   if (!req.name)
-    pre = boost::json::serialize(problem_record(req.name.error().to_problem(), ctx.request_id, "invalid-name"));
+    pre = mep::json::dump(problem_record(req.name.error().to_problem(), ctx.request_id, "invalid-name"));
   else if (req.ttl_s < k_min_ttl_s || req.ttl_s > k_max_ttl_s)
-    pre = boost::json::serialize(problem_record(
+    pre = mep::json::dump(problem_record(
         Problem(Code::invalid_ttl, fmt::format("ttl_seconds must be between {} and {} (got {})", k_min_ttl_s,
                                                k_max_ttl_s, req.ttl_s)),
         ctx.request_id, "invalid-ttl"));

@@ -412,7 +412,7 @@ private:
     http::Response res{status, 11};
     common_headers(res);
     res.set(bhttp::field::content_type, "application/json");
-    res.body() = boost::json::serialize(body);
+    res.body() = json::dump(body);
     res.prepare_payload();
     return res;
   }

@@ -20,6 +20,7 @@
 #include "mep/http/edge.hpp"
 
 #include "mep/http/framing.hpp"
+#include "mep/json.hpp"
 #include "mep/log.hpp"
 #include "mep/uuid.hpp"
 
@@ -70,7 +71,7 @@ Response problem_response(Problem p, unsigned version, bool keep_alive, std::str
   res.set(bhttp::field::cache_control, "no-store");
   if (p.retry_after_s) res.set(bhttp::field::retry_after, std::to_string(*p.retry_after_s));
   if (p.code == Code::unauthenticated) res.set(bhttp::field::www_authenticate, "Bearer realm=\"mep\"");
-  res.body() = boost::json::serialize(p.to_json());
+  res.body() = json::dump(p.to_json());
   res.keep_alive(keep_alive);
   res.prepare_payload();
   return res;

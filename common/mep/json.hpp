@@ -18,7 +18,8 @@ namespace mep::json {
 /// Fails with `invalid-request` naming the parser's complaint.
 expected<boost::json::object, Problem> parse_object(std::string_view text);
 
-/// Serializes compactly; object members keep their insertion order.
+/// Serializes compactly; object members keep their insertion order. Invalid UTF-8 in a
+/// string or key becomes U+FFFD, so the output is always valid JSON.
 std::string dump(const boost::json::value& v);
 
 /// Appends `s` to `out` as a JSON string literal (quotes included). Invalid UTF-8 is

@@ -2,6 +2,7 @@
 #include "mep/json.hpp"
 
 #include <boost/json/parse.hpp>
+#include <boost/json/serialize.hpp>
 #include <catch2/catch.hpp>
 
 using mep::json::Need;
@@ -97,4 +98,29 @@ TEST_CASE("parse_object_refuses_duplicate_keys", "[json]") {
   CHECK(mep::json::parse_object(R"({"a":{"a":1},"b":[{"a":1},{"a":2}],"c":"a"})"));
   // Other errors keep their own words.
   CHECK(detail(R"({"a":1,)").rfind("malformed JSON", 0) == 0);
+}
+
+TEST_CASE("parse_object_refuses_numbers_beyond_a_double", "[json]") {
+  // Boost.JSON reads 1e400 as infinity, which no JSON writer can write back.
+  for (const char* text : {R"({"a":1e400})", R"({"a":-3e999})", R"({"a":[1,{"b":300000000000000000000000E800}]})"}) {
+    INFO(text);
+    auto r = mep::json::parse_object(text);
+    REQUIRE_FALSE(r);
+    REQUIRE(r.error().detail == "a number is too large for a 64-bit floating-point value");
+  }
+  REQUIRE(mep::json::parse_object(R"({"a":1.7976931348623157e308,"b":18446744073709551616})"));
+}
+
+TEST_CASE("dump_always_writes_valid_json", "[json]") {
+  // A problem's detail may quote a percent-decoded query parameter: "%da" is byte 0xDA.
+  boost::json::object o{{"detail", "unknown query parameter \"a\xda" "b\""}, {"k\xff", boost::json::array{"\xc3\xa9", "\xed\xa0\x80"}}};
+  const std::string out = mep::json::dump(o);
+  auto back = mep::json::parse_object(out);
+  REQUIRE(back);
+  REQUIRE(back->at("detail").as_string() == "unknown query parameter \"a\xEF\xBF\xBD" "b\"");
+  REQUIRE(back->at("k\xEF\xBF\xBD").as_array().at(0).as_string() == "\xc3\xa9");
+  REQUIRE(back->at("k\xEF\xBF\xBD").as_array().at(1).as_string() == "\xEF\xBF\xBD\xEF\xBF\xBD\xEF\xBF\xBD");
+  // Valid input is what Boost.JSON writes.
+  boost::json::object fine{{"a", 1}, {"b", "z\xc3\xa9"}, {"c", 1.5}};
+  REQUIRE(mep::json::dump(fine) == boost::json::serialize(fine));
 }
