@@ -23,6 +23,14 @@ if(_mep_san)
   endif()
 endif()
 
+# The fuzz build (tests/fuzz, clang): every mep library instrumented for libFuzzer, with
+# AddressSanitizer and UndefinedBehaviorSanitizer; the targets link -fsanitize=fuzzer.
+if(MEP_FUZZ)
+  target_compile_options(mep_settings INTERFACE -fsanitize=fuzzer-no-link,address,undefined
+                                                -fno-sanitize-recover=undefined -fno-omit-frame-pointer)
+  target_link_options(mep_settings INTERFACE -fsanitize=address,undefined)
+endif()
+
 find_program(CCACHE_EXE ccache)
 if(CCACHE_EXE AND NOT CMAKE_CXX_COMPILER_LAUNCHER)
   set(CMAKE_CXX_COMPILER_LAUNCHER "${CCACHE_EXE}")
