@@ -1,0 +1,186 @@
+// mepd's session machine (daemon/lease_book.cpp) on a fake clock: local deadlines, the
+// renewal schedule and its jitter, coalescing, degraded with backoff, lost on 409/410/404
+// and on the deadline, and the events each transition emits.
+#include "mep/lease_book.hpp"
+
+#include <catch2/catch.hpp>
+
+#include <vector>
+
+using namespace mep::daemon;
+using namespace std::chrono_literals;
+
+namespace {
+
+mep::lease::Grant grant(const std::string& name, std::int64_t token, std::int64_t ttl) {
+  mep::lease::Grant g;
+  g.lease_id = "lease-" + name;
+  g.canonical_name = name;
+  g.display_name = name;
+  g.memory_id = "mem-" + name;
+  g.fencing_token = token;
+  g.ttl_s = ttl;
+  g.expires_at = 1'000'000;
+  return g;
+}
+
+struct Book {
+  std::vector<Event> events;
+  LeaseBook book{[this](const Event& e) { events.push_back(e); }};
+  std::vector<std::string> kinds() const {
+    std::vector<std::string> k;
+    for (const auto& e : events) k.push_back(e.kind + ":" + e.lease.canonical_name);
+    return k;
+  }
+};
+
+const SteadyTime t0 = SteadyTime(std::chrono::hours(1));
+
+} // namespace
+
+TEST_CASE("lease book: the margin is 10 % of the TTL, at least 1 s", "[lease_book]") {
+  REQUIRE(margin(5) == 1000ms);
+  REQUIRE(margin(10) == 1000ms);
+  REQUIRE(margin(30) == 3000ms);
+  REQUIRE(margin(300) == 30000ms);
+}
+
+TEST_CASE("lease book: a grant's deadline and first renewal count from when it was sent", "[lease_book]") {
+  Held h = held_from_grant(grant("a", 3, 30), "owner", "/p", 42, t0);
+  REQUIRE(h.local_deadline == t0 + 30s - 3s);
+  REQUIRE(h.next_renew == t0 + 10s);
+  REQUIRE(h.state == LeaseState::held);
+  REQUIRE(h.bind_pid == 42);
+}
+
+TEST_CASE("lease book: nothing is due before a third of the TTL; due leases are batched", "[lease_book]") {
+  Book b;
+  b.book.put(held_from_grant(grant("a", 1, 30), "o", "/a", 0, t0), true);
+  b.book.put(held_from_grant(grant("b", 1, 30), "o", "/b", 0, t0 + 500ms), true);
+  REQUIRE(b.kinds() == std::vector<std::string>{"granted:a", "granted:b"});
+  std::chrono::milliseconds timeout{};
+  REQUIRE(b.book.due(t0 + 9s, 1000, timeout).empty());
+  // a is due at 10 s; b (due at 10.5 s, within the coming second) rides along.
+  auto due = b.book.due(t0 + 10s, 1000, timeout);
+  REQUIRE(due.size() == 2);
+  REQUIRE(due[0].canonical_name == "a");
+  REQUIRE(due[1].canonical_name == "b");
+  // The call's timeout: half the time left to the earliest deadline (27 s - 10 s).
+  REQUIRE(timeout == 8500ms);
+  // At most `max` in one call.
+  REQUIRE(b.book.due(t0 + 10s, 1, timeout).size() == 1);
+}
+
+TEST_CASE("lease book: a renewed lease moves its deadline and is next due at ttl/3 ±10 %", "[lease_book]") {
+  Book b;
+  b.book.put(held_from_grant(grant("a", 1, 30), "o", "/a", 0, t0), false);
+  std::chrono::milliseconds timeout{};
+  for (int round = 0; round < 50; ++round) {
+    const SteadyTime sent = t0 + std::chrono::seconds(10 * (round + 1));
+    auto due = b.book.due(sent + 2s, 1000, timeout);
+    REQUIRE(due.size() == 1);
+    std::vector<std::pair<std::string, mep::UnixMs>> renewed;
+    std::vector<std::string> lost;
+    b.book.apply(due, {mep::lease::RenewItem{"a", 200, 2'000'000 + round, ""}}, true, "", sent, sent, renewed, lost);
+    REQUIRE(renewed.size() == 1);
+    REQUIRE(lost.empty());
+    auto h = *b.book.get("a");
+    REQUIRE(h.state == LeaseState::held);
+    REQUIRE(h.local_deadline == sent + 27s);
+    REQUIRE(h.next_renew >= sent + 9s);
+    REQUIRE(h.next_renew <= sent + 11s);
+    REQUIRE(h.expires_at == 2'000'000 + round);
+  }
+}
+
+TEST_CASE("lease book: no answer makes it degraded once, with backoff inside the time left", "[lease_book]") {
+  Book b;
+  b.book.put(held_from_grant(grant("a", 1, 30), "o", "/a", 0, t0), false);
+  std::chrono::milliseconds timeout{};
+  SteadyTime now = t0 + 10s;
+  for (int failure = 1; failure <= 4; ++failure) {
+    auto due = b.book.due(now, 1000, timeout);
+    REQUIRE(due.size() == 1);
+    std::vector<std::pair<std::string, mep::UnixMs>> renewed;
+    std::vector<std::string> lost;
+    b.book.apply(due, {}, false, "unreachable", now, now, renewed, lost);
+    auto h = *b.book.get("a");
+    REQUIRE(h.state == LeaseState::degraded);
+    REQUIRE(h.failures == failure);
+    REQUIRE(h.next_renew > now);
+    REQUIRE(h.next_renew < h.local_deadline); // retried before the deadline
+    now = h.next_renew;
+  }
+  std::size_t degraded = 0;
+  for (const auto& e : b.events) degraded += e.kind == "degraded";
+  REQUIRE(degraded == 1);
+  REQUIRE(b.events.back().reason == "unreachable");
+}
+
+TEST_CASE("lease book: 409, 410 and 404 lose the lease; other statuses degrade it", "[lease_book]") {
+  for (int status : {409, 410, 404, 422, 503}) {
+    INFO(status);
+    Book b;
+    b.book.put(held_from_grant(grant("a", 1, 30), "o", "/a", 0, t0), false);
+    std::chrono::milliseconds timeout{};
+    auto due = b.book.due(t0 + 10s, 1000, timeout);
+    std::vector<std::pair<std::string, mep::UnixMs>> renewed;
+    std::vector<std::string> lost;
+    b.book.apply(due, {mep::lease::RenewItem{"a", status, std::nullopt, status == 409 ? "stale-fence" : "x"}}, true, "",
+                 t0 + 10s, t0 + 10s, renewed, lost);
+    const bool loses = status == 409 || status == 410 || status == 404;
+    REQUIRE(b.book.get("a")->state == (loses ? LeaseState::lost : LeaseState::degraded));
+    REQUIRE(lost.size() == (loses ? 1u : 0u));
+    if (status == 409) REQUIRE(b.book.get("a")->lost_reason == "stale-fence");
+  }
+}
+
+TEST_CASE("lease book: the local deadline loses a lease on its own, once", "[lease_book]") {
+  Book b;
+  b.book.put(held_from_grant(grant("a", 1, 10), "o", "/a", 0, t0), false);
+  b.book.put(held_from_grant(grant("b", 1, 30), "o", "/b", 0, t0), false);
+  REQUIRE(b.book.expire(t0 + 8999ms).empty());
+  REQUIRE(b.book.expire(t0 + 9s) == std::vector<std::string>{"a"});
+  REQUIRE(b.book.expire(t0 + 20s).empty()); // already lost; b not yet
+  REQUIRE(b.book.get("a")->state == LeaseState::lost);
+  REQUIRE(b.book.get("a")->lost_reason == "deadline");
+  REQUIRE(b.book.get("b")->state == LeaseState::held);
+  REQUIRE(b.book.next_deadline() == t0 + 27s);
+  // A lost lease is a record: not renewed, replaced by a new attach, found by memory as lost.
+  std::chrono::milliseconds timeout{};
+  for (const auto& d : b.book.due(t0 + 20s, 1000, timeout)) REQUIRE(d.canonical_name != "a");
+  bool lost_one = false;
+  REQUIRE(!b.book.live_on_memory("mem-a", lost_one));
+  REQUIRE(lost_one);
+  REQUIRE(b.book.drop_lost("a"));
+  REQUIRE(!b.book.get("a"));
+}
+
+TEST_CASE("lease book: answers for a lease replaced while the call was out are ignored", "[lease_book]") {
+  Book b;
+  b.book.put(held_from_grant(grant("a", 1, 30), "o", "/a", 0, t0), false);
+  std::chrono::milliseconds timeout{};
+  auto due = b.book.due(t0 + 10s, 1000, timeout);
+  b.book.put(held_from_grant(grant("a", 2, 30), "o", "/a", 0, t0 + 10500ms), false); // a new grant, token 2
+  std::vector<std::pair<std::string, mep::UnixMs>> renewed;
+  std::vector<std::string> lost;
+  b.book.apply(due, {mep::lease::RenewItem{"a", 409, std::nullopt, "stale-fence"}}, true, "", t0 + 10s, t0 + 11s, renewed,
+               lost);
+  REQUIRE(lost.empty());
+  REQUIRE(b.book.get("a")->state == LeaseState::held);
+  REQUIRE(b.book.get("a")->fencing_token == 2);
+}
+
+TEST_CASE("lease book: a bound process's exit takes its leases, and only those", "[lease_book]") {
+  Book b;
+  b.book.put(held_from_grant(grant("a", 1, 30), "o", "/a", 7, t0), false);
+  b.book.put(held_from_grant(grant("b", 1, 30), "o", "/b", 8, t0), false);
+  b.book.put(held_from_grant(grant("c", 1, 30), "o", "/c", 7, t0), false);
+  auto gone = b.book.take_bound_to(7);
+  REQUIRE(gone.size() == 2);
+  REQUIRE(b.book.size() == 1);
+  REQUIRE(b.book.get("b"));
+  // detach with a lease id takes only that lease
+  REQUIRE(!b.book.take("b", std::string("another-lease")));
+  REQUIRE(b.book.take("b", std::string("lease-b")));
+}
