@@ -142,20 +142,33 @@ void register_lease_commands(CLI::App& app, GlobalOptions& g, Action& action) {
   struct Claim {
     std::string name, path;
     std::int64_t ttl = 30;
+    std::string wait = "0";
   };
   auto c = std::make_shared<Claim>();
   auto* claim = app.add_subcommand("claim", "Claim NAME for the memory file PATH; held by mepd until 'mep release NAME'");
   claim->add_option("name", c->name, "Agent name")->required();
   claim->add_option("path", c->path, "The .uai memory file")->required();
   claim->add_option("--ttl", c->ttl, "Lease TTL in seconds (5-300); mepd renews it")->capture_default_str();
+  claim->add_option("--wait", c->wait,
+                    "Seconds to wait for a held name or memory, first come first served (0: fail at once; inf: "
+                    "until interrupted); exit 3 if it stays held")
+      ->capture_default_str();
   claim->callback([c, &g, &action] {
-    action = [c, &g] {
-      std::string body = json::dump(boost::json::object{{"name", c->name}, {"path", absolute(c->path)},
-                                                        {"ttl_seconds", c->ttl}, {"bind", "none"}});
-      return call(g, "POST", "/v1/attach", body, [](const boost::json::object& o) {
+    auto wait = parse_wait(c->wait);
+    if (!wait) throw CLI::ValidationError("--wait", "must be a number of seconds or inf (got \"" + c->wait + "\")");
+    action = [c, &g, wait = *wait] {
+      boost::json::object body{{"name", c->name}, {"path", absolute(c->path)}, {"ttl_seconds", c->ttl}, {"bind", "none"}};
+      std::string socket = resolve_socket(g.socket, g.config_file);
+      DaemonReply r = attach(socket, std::move(body), wait);
+      if (r.status < 200 || r.status >= 300) return report_problem(r, socket, g.json);
+      auto o = r.json();
+      if (g.json) {
+        std::printf("%s\n", json::dump(o).c_str());
+      } else {
         std::printf("claimed %s  memory=%s  token=%s  expires in %s\n", str(o, "canonical_name").c_str(),
                     str(o, "memory_instance_id").c_str(), str(o, "fencing_token").c_str(), expires_in(o).c_str());
-      });
+      }
+      return exit_code::ok;
     };
   });
 

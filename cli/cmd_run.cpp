@@ -32,6 +32,8 @@ using Clock = std::chrono::steady_clock;
 struct RunOptions {
   std::string name, path, on_loss = "term";
   std::int64_t ttl = 30;
+  std::string wait = "0";
+  std::int64_t wait_s = 0;
   double grace = 5;
   bool sync_on_exit = false;
   std::vector<std::string> command;
@@ -63,6 +65,7 @@ void hand_terminal(int tty, pid_t from_pgrp, pid_t to_pgrp) {
 struct LeaseWatch {
   std::mutex mutex;
   std::string canonical_name; // empty until the attach answered
+  std::string lease_id;
   std::vector<std::string> early; // lines seen before the name was known
   std::atomic<bool> lost{false};
   std::string lost_reason;
@@ -86,6 +89,9 @@ void on_event(LeaseWatch& w, const std::string& line) {
     return;
   }
   if (s("canonical_name") != w.canonical_name) return;
+  // Another lease under the same name (the one this run waited for, released as this one
+  // was granted) is not this run's.
+  if (!w.lease_id.empty() && !s("lease_id").empty() && s("lease_id") != w.lease_id) return;
   std::string ev = s("event");
   auto now = Clock::now();
   if (ev == "renewed" || ev == "granted") {
@@ -134,9 +140,12 @@ int run(const RunOptions& o, const GlobalOptions& g) {
   // 2. Claim, bound to this process: if `mep run` dies, mepd releases the lease.
   std::error_code ec;
   std::string abs = std::filesystem::absolute(o.path, ec).lexically_normal().string();
-  std::string body = json::dump(boost::json::object{{"name", o.name}, {"path", abs}, {"ttl_seconds", o.ttl}, {"bind", "pid"}});
+  boost::json::object body{{"name", o.name}, {"path", abs}, {"ttl_seconds", o.ttl}, {"bind", "pid"}};
   auto sent = Clock::now();
-  DaemonReply r = daemon_request(socket, "POST", "/v1/attach", body);
+  DaemonReply r = attach(socket, std::move(body), o.wait_s);
+  // After a wait the grant is recent, not as old as the request: counted from a second
+  // before its answer (the daemon answers within milliseconds of the grant).
+  if (o.wait_s > 0) sent = std::max(sent, Clock::now() - std::chrono::seconds(1));
   auto stop_events = [&] {
     {
       std::lock_guard lock(events_mutex);
@@ -158,6 +167,7 @@ int run(const RunOptions& o, const GlobalOptions& g) {
   {
     std::lock_guard lock(watch.mutex);
     watch.canonical_name = field("canonical_name");
+    watch.lease_id = field("lease_id");
     auto margin = std::chrono::milliseconds(std::max<std::int64_t>(1000, o.ttl * 100));
     watch.deadline = sent + std::chrono::seconds(o.ttl) - margin;
     watch.expiry = sent + std::chrono::seconds(o.ttl);
@@ -313,6 +323,15 @@ void register_run(CLI::App& app, GlobalOptions& g, Action& action) {
   cmd->add_option("--ttl", o->ttl, "Lease TTL in seconds (5-300)")->capture_default_str();
   cmd->add_option("--on-loss", o->on_loss, "When the lease is lost: term (SIGTERM, then SIGKILL after --grace), kill, ignore")
       ->check(CLI::IsMember({"term", "kill", "ignore"}))->capture_default_str();
+  cmd->add_option("--wait", o->wait,
+                  "Seconds to wait for a held name or memory, first come first served (0: fail at once; inf: until "
+                  "interrupted); exit 3 if it stays held")
+      ->check(CLI::Validator(
+          [](std::string& in) -> std::string {
+            return parse_wait(in) ? std::string() : "must be a number of seconds or inf (got " + in + ")";
+          },
+          "SECONDS|inf"))
+      ->capture_default_str();
   cmd->add_flag("--sync-on-exit", o->sync_on_exit,
                 "When the command exits, upload the memory to the data plane (mep sync) before the release");
   cmd->add_option("--grace", o->grace, "Seconds between SIGTERM and SIGKILL (never past the lease's expiry)")
@@ -348,6 +367,7 @@ void register_run(CLI::App& app, GlobalOptions& g, Action& action) {
       o->command.insert(o->command.end(), g.run_tail.begin(), g.run_tail.end());
     }
     if (o->command.empty()) throw CLI::RequiredError("a command to run (mep run NAME PATH -- CMD [ARG...])");
+    o->wait_s = parse_wait(o->wait).value_or(0);
     action = [o, &g] { return run(*o, g); };
   });
 }

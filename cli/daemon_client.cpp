@@ -9,6 +9,9 @@
 
 #include <algorithm>
 #include <cctype>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
 #include <cerrno>
 #include <cstring>
 #include <poll.h>
@@ -96,7 +99,7 @@ std::string request_text(const std::string& method, const std::string& target, c
 } // namespace
 
 DaemonReply daemon_request(const std::string& socket, const std::string& method, const std::string& target,
-                           const std::string& body) {
+                           const std::string& body, int timeout_ms) {
   DaemonReply r;
   int fd = connect_unix(socket, r.error);
   if (fd < 0) return r;
@@ -105,7 +108,7 @@ DaemonReply daemon_request(const std::string& socket, const std::string& method,
   // sending may then fail, and the answer is still there to read.
   const bool sent = send_all(fd, request_text(method, target, body));
   std::size_t head = std::string::npos;
-  bool ok = read_until(fd, buf, [&](const std::string& b) { return (head = b.find("\r\n\r\n")) != std::string::npos; }, 60000);
+  bool ok = read_until(fd, buf, [&](const std::string& b) { return (head = b.find("\r\n\r\n")) != std::string::npos; }, timeout_ms);
   if (!ok) {
     r.error = sent ? "no answer from the daemon" : "the daemon closed the connection";
     ::close(fd);
@@ -120,6 +123,42 @@ DaemonReply daemon_request(const std::string& socket, const std::string& method,
   r.status = std::atoi(buf.c_str() + 9);
   r.body = buf.substr(head + 4, length);
   return r;
+}
+
+std::optional<std::int64_t> parse_wait(const std::string& text) {
+  if (text == "inf" || text == "infinity") return k_wait_forever;
+  if (text.empty() || text.size() > 12) return std::nullopt;
+  char* end = nullptr;
+  errno = 0;
+  double v = std::strtod(text.c_str(), &end);
+  if (errno || end != text.c_str() + text.size() || !(v >= 0) || v > static_cast<double>(k_wait_forever))
+    return std::nullopt;
+  if (!std::isdigit(static_cast<unsigned char>(text.front())) && text.front() != '.') return std::nullopt;
+  return static_cast<std::int64_t>(std::ceil(v));
+}
+
+DaemonReply attach(const std::string& socket, boost::json::object body, std::int64_t wait_s) {
+  if (wait_s <= 0) return daemon_request(socket, "POST", "/v1/attach", json::dump(body));
+  if (::isatty(STDERR_FILENO)) {
+    // Ask once without waiting, to say what is waited for; then wait.
+    DaemonReply first = daemon_request(socket, "POST", "/v1/attach", json::dump(body));
+    if (first.status != 423) return first;
+    std::string code, name = body.contains("name") && body.at("name").is_string()
+                                 ? std::string(body.at("name").get_string()) : std::string();
+    std::int64_t ahead = 0;
+    if (auto o = json::parse_object(first.body)) {
+      if (auto* c = o->if_contains("code"); c && c->is_string()) code = c->get_string();
+      if (auto* w = o->if_contains("waiters"); w && w->is_int64()) ahead = w->get_int64();
+    }
+    const char* why = code == "memory-attached"   ? "its memory is attached to another lease"
+                      : code == "name-confusable" ? "a confusable name is held by another owner"
+                                                  : "held by another owner";
+    std::fprintf(stderr, "waiting for %s, %s, %lld waiting ahead\n", name.c_str(), why, static_cast<long long>(ahead));
+  }
+  body["wait_seconds"] = wait_s;
+  // The daemon answers within the wait; the socket may stay silent that long.
+  const int timeout_ms = wait_s > 2'000'000 ? -1 : static_cast<int>(wait_s * 1000 + 30000);
+  return daemon_request(socket, "POST", "/v1/attach", json::dump(body), timeout_ms);
 }
 
 bool follow_events(const std::string& socket, const std::function<bool(const std::string&)>& on_line,

@@ -5,6 +5,7 @@
 
 #include <boost/json/object.hpp>
 
+#include <cstdint>
 #include <functional>
 #include <optional>
 #include <string>
@@ -25,9 +26,20 @@ struct DaemonReply {
   Problem problem(const std::string& socket) const;
 };
 
-/// One request; blocks until the whole response arrived (or 60 s passed).
+/// One request; blocks until the whole response arrived (or `timeout_ms` passed between
+/// two reads; -1: no bound).
 DaemonReply daemon_request(const std::string& socket, const std::string& method, const std::string& target,
-                           const std::string& body = {});
+                           const std::string& body = {}, int timeout_ms = 60000);
+
+/// A --wait value: seconds (a non-negative number, rounded up), or "inf" (until
+/// interrupted: k_wait_forever). nullopt when it is neither.
+inline constexpr std::int64_t k_wait_forever = 2147483647;
+std::optional<std::int64_t> parse_wait(const std::string& text);
+
+/// POST /v1/attach with `body`, waiting up to `wait_s` for a held name or memory (the
+/// wait_seconds field). On a terminal it first asks without waiting and, when the name is
+/// held, says so on stderr with the number of claims waiting ahead.
+DaemonReply attach(const std::string& socket, boost::json::object body, std::int64_t wait_s);
 
 /// Opens GET /v1/events and calls `on_line` for each event line until it returns false
 /// or the stream ends. Returns false when the daemon could not be reached. `on_connected`

@@ -279,6 +279,21 @@ std::optional<std::string> ObjectReader::string(std::string_view key, Need need)
   return std::string(v->get_string());
 }
 
+std::optional<std::int64_t> ObjectReader::seconds(std::string_view key, Need need, std::int64_t max) {
+  const auto* v = find(key, need);
+  if (!v) return std::nullopt;
+  double d = -1;
+  if (v->is_int64()) d = static_cast<double>(v->get_int64());
+  else if (v->is_uint64()) d = static_cast<double>(v->get_uint64());
+  else if (v->is_double()) d = v->get_double();
+  if (!(d >= 0) || d > static_cast<double>(max)) {
+    m_errors.push_back("field \"" + std::string(key) + "\" must be a number of seconds between 0 and " +
+                       std::to_string(max));
+    return std::nullopt;
+  }
+  return static_cast<std::int64_t>(std::ceil(d));
+}
+
 std::optional<std::int64_t> ObjectReader::integer(std::string_view key, Need need,
                                                   std::int64_t min, std::int64_t max) {
   const auto* v = find(key, need);

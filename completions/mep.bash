@@ -3,7 +3,7 @@
 # Installed as share/bash-completion/completions/mep and .../mepd.
 
 # Options of mep that take a value (the value is the next word, or follows '=').
-_mep_valued=" --socket --config --ttl --on-loss --grace --format --profile --db --listen
+_mep_valued=" --socket --config --ttl --wait --on-loss --grace --format --profile --db --listen
  --tls-cert --tls-key --rate-limit --log-level --threads --tenant --limit --scope --input
  --from-table --report --batch --isolation --db-pool --writer-nice --dir --token-file
  --control-plane --max-object-size "
@@ -22,7 +22,7 @@ _mep_option_value() {
         --log-level) compgen -W "debug info warn error" -- "$2" ;;
         --scope)     compgen -W "lease admin" -- "$2" ;;
         --isolation) compgen -W "read-committed serializable" -- "$2" ;;
-        --ttl | --grace | --db | --listen | --rate-limit | --threads | --tenant | --limit | \
+        --ttl | --wait | --grace | --db | --listen | --rate-limit | --threads | --tenant | --limit | \
         --from-table | --batch | --control-plane | --db-pool | --writer-nice | --max-object-size | --store)
             ;; # free-form: nothing to offer
         *) return 1 ;;
@@ -99,8 +99,8 @@ _mep() {
     local opts=""
     case $cmd/$sub in
         canonicalize/*) opts="--json --explain --profile" ;;
-        claim/*)        opts="--ttl" ;;
-        run/*)          opts="--ttl --on-loss --grace --sync-on-exit" ;;
+        claim/*)        opts="--ttl --wait" ;;
+        run/*)          opts="--ttl --wait --on-loss --grace --sync-on-exit" ;;
         lineage/*)      opts="--format" ;;
         server/)        opts="--db --listen --tls-cert --tls-key --insecure-plaintext --rate-limit --log-level --threads --writer-nice --isolation --db-pool" ;;
         server/audit)   opts="--db --tenant --limit --json" ;;

@@ -2,7 +2,7 @@
 
 # The words of the command line before the cursor that are not options or their values.
 function __mep_words
-    set -l valued --socket --config --ttl --on-loss --grace --format --profile --db --listen \
+    set -l valued --socket --config --ttl --wait --on-loss --grace --format --profile --db --listen \
         --tls-cert --tls-key --rate-limit --log-level --threads --tenant --limit --scope --input \
         --from-table --report --batch --isolation --db-pool --dir --token-file --control-plane \
         --max-object-size
@@ -72,8 +72,10 @@ complete -c mep -n __mep_no_command -a migrate -d 'Bring legacy names and memori
 
 # claim, run: NAME (free-form), PATH (a file).
 complete -c mep -n '__mep_using claim' -l ttl -x -d 'Lease TTL in seconds (5-300)'
+complete -c mep -n '__mep_using claim' -l wait -x -a 'inf' -d 'Seconds to wait for a held name (0: fail at once; inf)'
 complete -c mep -n '__mep_using claim' -F
 complete -c mep -n '__mep_using run' -l ttl -x -d 'Lease TTL in seconds (5-300)'
+complete -c mep -n '__mep_using run' -l wait -x -a 'inf' -d 'Seconds to wait for a held name (0: fail at once; inf)'
 complete -c mep -n '__mep_using run' -l on-loss -x -a 'term kill ignore' -d 'What to do when the lease is lost'
 complete -c mep -n '__mep_using run' -l sync-on-exit -d 'Sync the memory to the data plane before the release'
 complete -c mep -n '__mep_using run' -l grace -x -d 'Seconds between SIGTERM and SIGKILL'

@@ -6,6 +6,7 @@
 #include "mep/http/client.hpp"
 #include "mep/json.hpp"
 #include "mep/lease/wire.hpp"
+#include "mep/log.hpp"
 #include "mep/router.hpp"
 #include "mep/sqlite_store.hpp"
 #include "mep/sweeper.hpp"
@@ -16,7 +17,9 @@
 #include <cctype>
 #include <fstream>
 #include <future>
+#include <fcntl.h>
 #include <sys/stat.h>
+#include <unistd.h>
 
 namespace mep::daemon {
 namespace bhttp = boost::beast::http;
@@ -47,8 +50,13 @@ public:
                                    "register-" + memory_id, {}, wire::decode_registered);
   }
 
-  expected<lease::Grant, Problem> claim(const lease::ClaimRequest& req, const std::string& key) override {
-    return call<lease::Grant>("POST", "/v1/leases", wire::to_json(req), key, {}, wire::decode_grant);
+  expected<lease::Grant, Problem> claim(const lease::ClaimRequest& req, const std::string& key,
+                                        const ClaimWait& wait) override {
+    if (wait.wait.count() <= 0) return call<lease::Grant>("POST", "/v1/leases", wire::to_json(req), key, {}, wire::decode_grant);
+    // The server answers within the wait; the exchange may take that long and then some.
+    Extra extra{"wait=" + std::to_string(wait.wait.count()), wait.cancelled};
+    return call<lease::Grant>("POST", "/v1/leases", wire::to_json(req), key, wait.wait + std::chrono::seconds(15),
+                              wire::decode_grant, extra);
   }
 
   expected<lease::RenewBatchResult, Problem> renew_batch(const lease::RenewBatchRequest& req,
@@ -58,7 +66,7 @@ public:
   }
 
   expected<void, Problem> release(const lease::LeaseRef& ref) override {
-    Raw r = exchange("POST", "/v1/leases/release", json::dump(wire::to_json(ref, wire::RefForm::release)), {}, {});
+    Raw r = exchange("POST", "/v1/leases/release", json::dump(wire::to_json(ref, wire::RefForm::release)), {}, {}, {});
     if (r.status >= 200 && r.status < 300) return {};
     return make_unexpected(problem_of(r));
   }
@@ -95,16 +103,22 @@ public:
   }
 
 protected:
+  /// What a waiting claim adds to its exchange: a Prefer value and a way to give up.
+  struct Extra {
+    std::string prefer;
+    std::function<bool()> cancelled;
+  };
   /// Sends one request; status 0 when there was no answer.
   virtual Raw exchange(std::string_view method, const std::string& target, const std::string& body,
-                       const std::string& idempotency_key, std::chrono::milliseconds timeout) = 0;
+                       const std::string& idempotency_key, std::chrono::milliseconds timeout,
+                       const Extra& extra) = 0;
 
 private:
   template <class T, class Decode>
   expected<T, Problem> call(std::string_view method, const std::string& target,
                             const std::optional<boost::json::object>& body, const std::string& key,
-                            std::chrono::milliseconds timeout, Decode decode) {
-    Raw r = exchange(method, target, body ? json::dump(*body) : std::string(), key, timeout);
+                            std::chrono::milliseconds timeout, Decode decode, const Extra& extra = {}) {
+    Raw r = exchange(method, target, body ? json::dump(*body) : std::string(), key, timeout, extra);
     if (r.status < 200 || r.status >= 300) return make_unexpected(problem_of(r));
     auto o = json::parse_object(r.body);
     if (!o) return make_unexpected(answer_unreadable(r));
@@ -161,26 +175,59 @@ public:
     m_sweeper = std::make_unique<server::Sweeper>(*m_store);
   }
 
-  ~EmbeddedControlPlane() override { m_sweeper.reset(); } // before the store it sweeps
+  // The sweeper before the store it sweeps; the store (finishing its queued jobs, whose
+  // completions use the router) before the router.
+  ~EmbeddedControlPlane() override {
+    m_sweeper.reset();
+    m_store.reset();
+  }
 
   std::string describe() const override { return m_describe; }
 
 protected:
   Raw exchange(std::string_view method, const std::string& target, const std::string& body,
-               const std::string& idempotency_key, std::chrono::milliseconds timeout) override {
+               const std::string& idempotency_key, std::chrono::milliseconds timeout, const Extra& extra) override {
     server::HttpRequest req{bhttp::string_to_verb(method), target, 11};
     req.set(bhttp::field::host, "mepd");
     req.set(bhttp::field::authorization, "Bearer " + m_token);
     if (!body.empty()) req.set(bhttp::field::content_type, "application/json");
     if (!idempotency_key.empty()) req.set("Idempotency-Key", idempotency_key);
+    if (!extra.prefer.empty()) req.set("Prefer", extra.prefer);
     req.body() = body;
     req.prepare_payload();
     auto promise = std::make_shared<std::promise<server::HttpResponse>>();
     auto future = promise->get_future();
+    // A waiting claim is watched as a connection would be: the router's wait queue polls
+    // the read end of a pipe, and closing the write end is the client going away.
+    int pipe_fds[2] = {-1, -1};
+    if (extra.cancelled && ::pipe2(pipe_fds, O_CLOEXEC) != 0) pipe_fds[0] = pipe_fds[1] = -1;
+    struct Closer {
+      int* fds;
+      ~Closer() {
+        for (int i = 0; i < 2; ++i)
+          if (fds[i] >= 0) ::close(fds[i]);
+      }
+    } closer{pipe_fds};
     m_router.handle(std::move(req), server::Peer{true},
-                    [promise](server::HttpResponse&& res) { promise->set_value(std::move(res)); });
-    if (future.wait_for(timeout.count() > 0 ? timeout : std::chrono::milliseconds(30000)) != std::future_status::ready)
-      return Raw{0, {}, {}, "the embedded control plane did not answer in time"};
+                    [promise](server::HttpResponse&& res) { promise->set_value(std::move(res)); }, pipe_fds[0]);
+    const auto limit = std::chrono::steady_clock::now() + (timeout.count() > 0 ? timeout : std::chrono::milliseconds(30000));
+    for (;;) {
+      auto step = extra.cancelled ? std::chrono::milliseconds(100) : std::chrono::milliseconds(30000);
+      auto left = std::chrono::duration_cast<std::chrono::milliseconds>(limit - std::chrono::steady_clock::now());
+      if (left.count() <= 0) return Raw{0, {}, {}, "the embedded control plane did not answer in time"};
+      if (future.wait_for(std::min(step, left)) == std::future_status::ready) break;
+      if (extra.cancelled && pipe_fds[1] >= 0 && extra.cancelled()) {
+        ::close(pipe_fds[1]);
+        pipe_fds[1] = -1;
+        // The queue answers a client that went away at once; wait for that answer so that
+        // the read end outlives the queue's watch of it.
+        if (future.wait_for(std::chrono::seconds(5)) != std::future_status::ready) {
+          log::warn("the embedded control plane did not end a cancelled wait");
+          pipe_fds[0] = -1; // left open: the queue may still watch it
+        }
+        return Raw{0, {}, {}, "cancelled"};
+      }
+    }
     auto res = future.get();
     Raw r;
     r.status = static_cast<int>(res.result_int());
@@ -211,12 +258,14 @@ public:
 
 protected:
   Raw exchange(std::string_view method, const std::string& target, const std::string& body,
-               const std::string& idempotency_key, std::chrono::milliseconds timeout) override {
+               const std::string& idempotency_key, std::chrono::milliseconds timeout, const Extra& extra) override {
     http::ClientRequest req;
     req.method = std::string(method);
     req.url = m_url + target;
     req.headers = {{"Authorization", "Bearer " + m_token}, {"Content-Type", "application/json"}};
     if (!idempotency_key.empty()) req.headers.emplace_back("Idempotency-Key", idempotency_key);
+    if (!extra.prefer.empty()) req.headers.emplace_back("Prefer", extra.prefer);
+    req.cancelled = extra.cancelled;
     req.body = body;
     if (timeout.count() > 0) req.timeout = timeout;
     auto res = m_client.perform(req);

@@ -184,6 +184,10 @@ void Keeper::resend_intents() {
     return;
   }
   for (const auto& in : intents) {
+    {
+      std::lock_guard lock(m_attaching_mutex);
+      if (m_attaching.count(in.key)) continue; // its attach is still sending it
+    }
     auto sent = Clock::now();
     m_cp_requests++;
     auto r = m_cp->claim(in.request, in.key);
@@ -318,20 +322,66 @@ expected<Held, Problem> Keeper::attach(const AttachRequest& req) {
     if (!ident) return make_unexpected(std::move(ident.error()));
     intent = Intent{"claim-" + attach_id, lease::ClaimRequest{req.name, ident->memory_id, owner, req.ttl_s}, path, bound};
     // Exactly once: the intent is on disk before the claim leaves.
+    {
+      std::lock_guard lock(m_attaching_mutex);
+      m_attaching.insert(intent.key);
+    }
     m_state.add_intent(intent);
     g_state_health.ok();
   } catch (const sqlite::Error& e) {
     g_state_health.failed("write a claim intent", e);
     return make_unexpected(state_unwritable(e));
   }
+  struct Attaching { // from here on the renewer may resend the intent (an unknown outcome)
+    Keeper* k;
+    std::string key;
+    ~Attaching() {
+      std::lock_guard lock(k->m_attaching_mutex);
+      k->m_attaching.erase(key);
+    }
+  } attaching{this, intent.key};
   expected<lease::Grant, Problem> r = make_unexpected(Problem());
   SteadyTime sent;
-  for (int attempt = 0; attempt < 3; ++attempt) {
-    if (attempt) std::this_thread::sleep_for(std::chrono::milliseconds(150 * attempt));
+  const auto started = Clock::now();
+  const auto wait_until = started + req.wait;
+  // A fail-fast attach still paces itself when the control plane says "too many requests"
+  // (429 with Retry-After): one daemon speaks for many agents within its token's budget.
+  const auto pace_until = std::max(wait_until, started + std::chrono::seconds(5));
+  auto cancelled = [&] { return req.cancelled && req.cancelled(); };
+  auto pause = [&](std::chrono::milliseconds d) { // false when the agent went away meanwhile
+    const auto until = Clock::now() + d;
+    while (Clock::now() < until) {
+      if (cancelled()) return false;
+      std::this_thread::sleep_for(std::min(std::chrono::milliseconds(100),
+                                           std::chrono::duration_cast<std::chrono::milliseconds>(until - Clock::now())));
+    }
+    return true;
+  };
+  for (int unknown = 0;;) {
     sent = Clock::now();
+    ClaimWait w;
+    if (auto left = std::chrono::ceil<std::chrono::seconds>(wait_until - sent); left.count() > 0) {
+      w.wait = std::min(left, std::chrono::seconds(lease::k_max_wait_s));
+      w.cancelled = req.cancelled;
+    }
     m_cp_requests++;
-    r = m_cp->claim(intent.request, intent.key);
-    if (r || !outcome_unknown(r.error())) break;
+    r = m_cp->claim(intent.request, intent.key, w);
+    if (r || cancelled()) break;
+    const Problem& p = r.error();
+    const auto now = Clock::now();
+    const auto retry_in = std::chrono::seconds(std::max(1, p.retry_after_s.value_or(1)));
+    if (p.status() == 423) {
+      if (now + std::chrono::seconds(1) < wait_until) continue; // a wait of more than 300 s goes on
+      break;
+    }
+    if (p.status() == 429 || (p.status() == 503 && req.wait.count() > 0)) {
+      // The control plane asks to come back later: within the remaining wait, never as an
+      // immediate failure.
+      if (now + retry_in < (req.wait.count() > 0 ? wait_until : pace_until) && pause(retry_in)) continue;
+      break;
+    }
+    if (!outcome_unknown(p) || ++unknown >= 3) break;
+    std::this_thread::sleep_for(std::chrono::milliseconds(150 * unknown));
   }
   try {
     if (!r && outcome_unknown(r.error())) {

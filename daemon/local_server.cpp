@@ -17,12 +17,17 @@
 #include <boost/url/parse.hpp>
 #include <fmt/format.h>
 
+#include <condition_variable>
 #include <cstdlib>
 #include <fstream>
 #include <grp.h>
+#include <limits>
+#include <mutex>
+#include <poll.h>
 #include <pwd.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
+#include <thread>
 #include <unistd.h>
 
 namespace mep::daemon {
@@ -88,22 +93,50 @@ public:
               http::Responder responder) override {
     if (req.method() == bhttp::verb::get && req.target() == "/v1/events") return start_events(responder);
     // Keeper calls may block on the control plane or the data plane: they run on the
-    // worker pool, so the I/O threads keep serving event streams and other clients.
-    net::post(m_work, [this, req = std::move(req), peer, responder]() mutable {
+    // worker pool, so the I/O threads keep serving event streams and other clients. An
+    // attach that may wait for a held name gets a thread of its own: a queue of waiting
+    // agents must not take the pool from everyone else.
+    const int fd = responder.native_handle();
+    auto work = [this, req = std::move(req), peer, responder, fd]() mutable {
       const std::string rid = uuid_v7().to_string();
       Out out = make_unexpected(Problem(Code::internal, "internal error"));
       std::string allow;
       try {
-        out = route(req, peer, allow);
+        out = route(req, peer, allow, fd);
       } catch (const std::exception& e) {
         log::error("request {} {} failed: {}", rid, std::string(req.target()), e.what());
       }
       responder.send(response(out, allow, req.version(), req.keep_alive(), rid));
-    });
+    };
+    if (req.method() == bhttp::verb::post && req.target() == "/v1/attach" &&
+        req.body().find("\"wait_seconds\"") != std::string::npos) {
+      std::unique_lock lock(m_waiters_mutex);
+      if (!m_stopping && m_waiters < k_max_waiting_attaches) {
+        ++m_waiters;
+        lock.unlock();
+        std::thread([this, work = std::move(work)]() mutable {
+          work();
+          std::lock_guard l(m_waiters_mutex);
+          if (--m_waiters == 0) m_waiters_done.notify_all();
+        }).detach();
+        return;
+      }
+    }
+    net::post(m_work, std::move(work));
   }
 
-  void stop() { m_work.stop(); }
-  void join() { m_work.join(); }
+  void stop() {
+    {
+      std::lock_guard lock(m_waiters_mutex);
+      m_stopping = true; // waiting attaches see their agent as gone and return
+    }
+    m_work.stop();
+  }
+  void join() {
+    m_work.join();
+    std::unique_lock lock(m_waiters_mutex);
+    m_waiters_done.wait(lock, [this] { return m_waiters == 0; });
+  }
 
 private:
   // What a handler produces: a status and a JSON body (204: none; text: /metrics).
@@ -118,6 +151,7 @@ private:
     const http::Peer& peer;
     const http::Target& target;
     const std::vector<std::string>& params;
+    int fd; ///< the agent's socket, for poll(2) only
   };
   using Handle = Out (DaemonHandler::*)(const Call&);
   struct Row {
@@ -165,7 +199,7 @@ private:
   }
 
   // The row's handler's answer; a 405 sets `allow` to what the path accepts.
-  Out route(const http::Request& req, const http::Peer& peer, std::string& allow) {
+  Out route(const http::Request& req, const http::Peer& peer, std::string& allow, int fd) {
     auto target = http::parse_target(req.target());
     if (!target) return make_unexpected(Problem(Code::invalid_request, "malformed target"));
     // HEAD is GET without the content (RFC 9110 9.3.2); the edge drops the content.
@@ -179,7 +213,7 @@ private:
       if (events) allow = "GET";
       return make_unexpected(Problem(Code::method_not_allowed, "this endpoint does not accept that method"));
     }
-    return (this->*(row->handle))(Call{req, peer, *target, params});
+    return (this->*(row->handle))(Call{req, peer, *target, params, fd});
   }
 
   static expected<boost::json::object, Problem> body(const http::Request& req) {
@@ -218,13 +252,28 @@ private:
     auto ttl = rd.integer("ttl_seconds", Need::optional, -(1LL << 40), 1LL << 40);
     auto bind = rd.string("bind", Need::optional);
     if (bind && *bind != "pid" && *bind != "none") rd.fail("field \"bind\" must be \"pid\" or \"none\"");
+    // Seconds to wait for a held name or memory; 0 (the default) fails fast.
+    auto wait = rd.seconds("wait_seconds", Need::optional, std::numeric_limits<std::int32_t>::max());
     if (auto ok = rd.finish(); !ok) return make_unexpected(std::move(ok.error()));
     a.name = *name;
+    a.wait = std::chrono::seconds(wait.value_or(0));
+    a.cancelled = [this, fd = c.fd] { return agent_gone(fd); };
     a.path = client_path(*p, c.peer.pid);
     a.ttl_s = ttl.value_or(lease::k_default_ttl_s);
     a.bind_pid = !bind || *bind == "pid";
     a.pid = c.peer.pid;
     return encode(m_keeper.attach(a), 201, [](const Held& h) { return api::to_json(h); });
+  }
+
+  // The agent closed its connection (or the daemon is stopping): a waiting attach ends.
+  bool agent_gone(int fd) {
+    {
+      std::lock_guard lock(m_waiters_mutex);
+      if (m_stopping) return true;
+    }
+    if (fd < 0) return false;
+    pollfd p{fd, POLLRDHUP, 0};
+    return ::poll(&p, 1, 0) > 0 && (p.revents & (POLLRDHUP | POLLHUP | POLLERR | POLLNVAL));
   }
 
   Out on_detach(const Call& c) {
@@ -319,6 +368,11 @@ private:
   Keeper& m_keeper;
   std::function<bool(const http::Peer&)> m_allowed;
   net::thread_pool m_work{16};
+  static constexpr int k_max_waiting_attaches = 1024; // beyond, they queue for the pool
+  std::mutex m_waiters_mutex;
+  std::condition_variable m_waiters_done;
+  int m_waiters = 0;
+  bool m_stopping = false;
 };
 
 const std::vector<DaemonHandler::Row> DaemonHandler::k_routes = {

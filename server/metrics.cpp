@@ -2,6 +2,7 @@
 #include "mep/metrics.hpp"
 
 #include <array>
+#include <span>
 #include <fmt/format.h>
 
 namespace mep::server {
@@ -9,6 +10,13 @@ namespace {
 
 constexpr std::array k_buckets = {0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025,
                                   0.05,   0.1,   0.25,   0.5,   1.0,  2.5, 5.0};
+// Waits for a lease last up to 300 s (Prefer: wait).
+constexpr std::array k_wait_buckets = {0.01, 0.1, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0};
+
+std::span<const double> buckets_for(std::string_view family) {
+  if (family == "mep_lease_wait_seconds") return k_wait_buckets;
+  return k_buckets;
+}
 
 struct Family {
   std::string_view name;
@@ -31,6 +39,8 @@ constexpr Family k_families[] = {
     {"mep_sqlite_commits_total", "counter", "SQLite group commits"},
     {"mep_sqlite_committed_requests_total", "counter", "Requests committed by SQLite group commits"},
     {"mep_sqlite_commit_duration_seconds", "histogram", "Time of one SQLite group COMMIT, fsync included"},
+    {"mep_lease_waiters", "gauge", "Claims waiting for a held name or memory (Prefer: wait)"},
+    {"mep_lease_wait_seconds", "histogram", "Time a waiting claim waited, by outcome"},
 };
 
 // Shortest text that reads back as the same double ("0.0005", "3", "1e-07").
@@ -69,11 +79,12 @@ void Metrics::observe(std::string_view name, std::string_view labels, double sec
   std::string k(name);
   k += '|';
   k += labels;
+  const auto buckets = buckets_for(name);
   std::lock_guard lock(m_mutex);
   auto& h = m_histograms[k];
-  if (h.counts.empty()) h.counts.assign(k_buckets.size(), 0);
-  for (std::size_t i = 0; i < k_buckets.size(); ++i)
-    if (seconds <= k_buckets[i]) {
+  if (h.counts.empty()) h.counts.assign(buckets.size(), 0);
+  for (std::size_t i = 0; i < buckets.size(); ++i)
+    if (seconds <= buckets[i]) {
       h.counts[i] += 1;
       break;
     }
@@ -102,6 +113,7 @@ std::string Metrics::render() const {
     out += f.type;
     out += '\n';
     if (f.type == "histogram") {
+      const auto buckets = buckets_for(f.name);
       std::string prefix(f.name);
       prefix += '|';
       bool any = false;
@@ -111,9 +123,9 @@ std::string Metrics::render() const {
         std::string labels = it->first.substr(prefix.size());
         std::string sep = labels.empty() ? "" : ",";
         double cum = 0;
-        for (std::size_t i = 0; i < k_buckets.size(); ++i) {
+        for (std::size_t i = 0; i < buckets.size(); ++i) {
           cum += it->second.counts[i];
-          out += std::string(f.name) + "_bucket{" + labels + sep + "le=\"" + fmt_double(k_buckets[i]) +
+          out += std::string(f.name) + "_bucket{" + labels + sep + "le=\"" + fmt_double(buckets[i]) +
                  "\"} " + fmt_double(cum) + "\n";
         }
         out += std::string(f.name) + "_bucket{" + labels + sep + "le=\"+Inf\"} " +
@@ -123,7 +135,7 @@ std::string Metrics::render() const {
         out += std::string(f.name) + "_count" + lb + " " + fmt_double(it->second.count) + "\n";
       }
       if (!any) {
-        for (double b : k_buckets)
+        for (double b : buckets)
           out += std::string(f.name) + "_bucket{le=\"" + fmt_double(b) + "\"} 0\n";
         out += std::string(f.name) + "_bucket{le=\"+Inf\"} 0\n";
         out += std::string(f.name) + "_sum 0\n" + std::string(f.name) + "_count 0\n";

@@ -34,7 +34,12 @@
 #include <boost/json/serialize.hpp>
 #include <fmt/format.h>
 
+#include <cerrno>
+#include <cstring>
+#include <poll.h>
 #include <random>
+#include <sys/eventfd.h>
+#include <unistd.h>
 
 namespace mep::server {
 
@@ -149,14 +154,20 @@ Reply finish_idempotent(const pg::Result& res, Reply (*success)(int, const json:
 // SQL text of the hot statements, prepared once per connection.
 constexpr const char* k_sql_claim =
     "SELECT mep_claim($1, $2, $3, $4, $5::jsonb, $6, $7, $8, $9, $10, $11::bigint, $12, $13, $14)::text";
+constexpr const char* k_sql_forget_refusal =
+    "DELETE FROM idempotency WHERE tenant_id = $1 AND idem_key = $2 AND status = 423";
 constexpr const char* k_sql_register = "SELECT mep_register($1, $2, $3, $4, $5)::text";
 constexpr const char* k_sql_branch = "SELECT mep_branch($1, $2, $3, $4, $5, $6::bigint, $7)::text";
 constexpr const char* k_sql_renew = "SELECT mep_renew($1, $2, $3, $4::bigint, $5, $6::bigint, $7)::text";
 constexpr const char* k_sql_renew_batch =
     "SELECT mep_renew_batch($1, $2::text[], $3::text[], $4::bigint[], $5::text[], $6::bigint[], $7)::text";
-constexpr const char* k_sql_release = "SELECT mep_release($1, $2, $3, $4::bigint, $5, $6)::text";
+// A release or revocation also tells every server LISTENing (waiting claims, Prefer: wait):
+// the notification is sent when the statement commits, in the same round trip.
+constexpr const char* k_sql_release =
+    "SELECT mep_release($1, $2, $3, $4::bigint, $5, $6)::text, pg_notify('mep_lease_freed', $2 || chr(9) || $3)";
 constexpr const char* k_sql_verify = "SELECT mep_verify($1, $2, $3::bigint, $4)::text";
-constexpr const char* k_sql_revoke = "SELECT mep_revoke($1, $2, $3)::text";
+constexpr const char* k_sql_revoke =
+    "SELECT mep_revoke($1, $2, $3)::text, pg_notify('mep_lease_freed', $2 || chr(9))";
 constexpr const char* k_lease_cols =
     "lease_id, tenant_id, canonical_name, display_name, skeleton, memory_id, fencing_token, "
     "owner_client_id, ttl_seconds, expires_at, acquired_at";
@@ -211,6 +222,12 @@ PgStore::PgStore(const std::string& url, const StoreOptions& options) : m_url(ur
 }
 
 PgStore::~PgStore() {
+  if (m_listen_thread.joinable()) {
+    std::uint64_t one = 1;
+    [[maybe_unused]] auto n = ::write(m_listen_wake, &one, sizeof one);
+    m_listen_thread.join();
+  }
+  if (m_listen_wake >= 0) ::close(m_listen_wake);
   {
     std::lock_guard lock(m_mutex);
     m_stopping = true;
@@ -453,6 +470,52 @@ T PgStore::with_conn(const std::function<T(pg::Conn&)>& fn, bool repeatable) {
   }
 }
 
+// ---- wake-ups of waiting claims ------------------------------------------------------------
+
+void PgStore::set_freed_listener(FreedListener f) {
+  {
+    std::lock_guard lock(m_listener_mutex);
+    m_listener = std::move(f);
+  }
+  if (m_listen_thread.joinable() || !m_listener) return;
+  m_listen_wake = ::eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
+  if (m_listen_wake < 0) throw std::runtime_error("eventfd failed");
+  m_listen_thread = std::thread([this] { listen_loop(); });
+}
+
+void PgStore::listen_loop() {
+  bool warned = false;
+  for (;;) {
+    try {
+      pg::Conn c(m_url);
+      c.exec("LISTEN mep_lease_freed");
+      if (warned) log::info("listening for releases on the database again");
+      warned = false;
+      for (;;) {
+        pollfd p[2] = {{PQsocket(c.raw()), POLLIN, 0}, {m_listen_wake, POLLIN, 0}};
+        int n = ::poll(p, 2, 10'000);
+        if (n < 0 && errno != EINTR) throw std::runtime_error(std::string("poll: ") + std::strerror(errno));
+        if (p[1].revents) return; // stopping
+        if (!PQconsumeInput(c.raw())) throw std::runtime_error(PQerrorMessage(c.raw()));
+        while (PGnotify* note = PQnotifies(c.raw())) {
+          std::string extra = note->extra ? note->extra : "";
+          PQfreemem(note);
+          auto tab = extra.find('\t');
+          std::string name = extra.substr(0, tab), memory = tab == std::string::npos ? "" : extra.substr(tab + 1);
+          std::lock_guard lock(m_listener_mutex);
+          if (m_listener) m_listener(name, memory);
+        }
+      }
+    } catch (const std::exception& e) {
+      if (!warned) log::warn("cannot listen for releases on the database ({}); waiting claims are tried at the "
+                             "holders' expiry until it works again", e.what());
+      warned = true;
+    }
+    pollfd stop{m_listen_wake, POLLIN, 0};
+    if (::poll(&stop, 1, 1000) > 0) return;
+  }
+}
+
 // ---- creating operations ------------------------------------------------------------------
 
 void PgStore::register_memory(const Ctx& ctx, Idempotency idem, RegisterMemory req, Done done) {
@@ -485,8 +548,14 @@ void PgStore::claim(const Ctx& ctx, Idempotency idem, Claim req, Done done) {
   params.insert(params.end(), {req.memory_id, req.owner_client_id, to_s(req.ttl_s), uuid_v7().to_string(),
                                std::string(unicode_version()), std::string(icu_version())});
   enqueue(
-      [params = std::move(params)](pg::Conn& c) {
-        return finish_idempotent(c.exec("claim", k_sql_claim, params), render_grant);
+      [params = std::move(params), record = req.record_refusal](pg::Conn& c) {
+        Reply r = finish_idempotent(c.exec("claim", k_sql_claim, params), render_grant);
+        // A waiting claim's refusal is not kept under its key (Claim::record_refusal). No
+        // other request can have replayed it meanwhile on this server: the wait queue
+        // holds the key in flight.
+        if (!record && r.status == 423 && !r.replayed)
+          c.exec("forget-refusal", k_sql_forget_refusal, {params[0], params[1]});
+        return r;
       },
       std::move(done), ctx.request_id);
 }

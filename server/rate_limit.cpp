@@ -5,7 +5,7 @@
 
 namespace mep::server {
 
-int RateLimiter::acquire(const std::string& key) {
+int RateLimiter::acquire(const std::string& key, double reserve) {
   if (m_rate <= 0) return 0;
   auto now = std::chrono::steady_clock::now();
   std::lock_guard lock(m_mutex);
@@ -16,11 +16,11 @@ int RateLimiter::acquire(const std::string& key) {
     b.tokens = std::min(m_rate, b.tokens + elapsed * m_rate);
     b.last = now;
   }
-  if (b.tokens >= 1) {
+  if (b.tokens >= 1 + reserve) {
     b.tokens -= 1;
     return 0;
   }
-  return std::max(1, static_cast<int>(std::ceil((1 - b.tokens) / m_rate)));
+  return std::max(1, static_cast<int>(std::ceil((1 + reserve - b.tokens) / m_rate)));
 }
 
 } // namespace mep::server

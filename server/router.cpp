@@ -14,6 +14,7 @@
 
 #include <boost/beast/http.hpp>
 #include <boost/url/parse.hpp>
+#include <fmt/format.h>
 
 #include <chrono>
 #include <memory>
@@ -103,6 +104,7 @@ struct Call {
   boost::urls::params_view query;
   std::chrono::steady_clock::time_point start = std::chrono::steady_clock::now();
   std::string route_label = "unmatched";
+  int fd = -1; // the client's socket, watched while a claim waits
 };
 using CallPtr = std::shared_ptr<Call>;
 
@@ -124,7 +126,9 @@ HttpResponse make_response(const Call& c, const Reply& r) {
   return res;
 }
 
-void finish(const CallPtr& c, Reply r) {
+using ExtraHeaders = std::vector<std::pair<std::string, std::string>>;
+
+void finish(const CallPtr& c, Reply r, const ExtraHeaders& extra = {}) {
   auto& m = Metrics::global();
   double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - c->start).count();
   std::string labels = "route=\"" + c->route_label + "\",code=\"" + std::to_string(r.status) + "\"";
@@ -135,7 +139,9 @@ void finish(const CallPtr& c, Reply r) {
     m.observe("mep_lease_renewal_latency_seconds", "", secs);
   if (r.status >= 500) log::warn("request {} {} -> {}", c->ctx.request_id, c->route_label, r.status);
   else log::debug("request {} {} -> {} in {:.2f} ms", c->ctx.request_id, c->route_label, r.status, secs * 1000);
-  c->send(make_response(*c, r));
+  auto res = make_response(*c, r);
+  for (const auto& [k, v] : extra) res.set(k, v);
+  c->send(std::move(res));
 }
 
 void fail(const CallPtr& c, Problem p) { finish(c, problem_reply(std::move(p), c->ctx.request_id)); }
@@ -280,7 +286,23 @@ void on_register(const CallPtr& c, Store& store) {
   store.register_memory(c->ctx, std::move(*idem), std::move(req), reply_to(c));
 }
 
-void on_claim(const CallPtr& c, Store& store) {
+// A 423 says how many claims wait for the resource (`waiters`): the position is not a
+// secret, the holder's identity is.
+Reply with_waiters(Reply r, std::size_t waiters) {
+  if (r.status != 423 || !r.problem || waiters == 0) return r;
+  auto o = json::parse_object(r.body);
+  if (!o) return r;
+  (*o)["waiters"] = static_cast<std::int64_t>(waiters);
+  r.body = json::dump(*o);
+  return r;
+}
+
+// The resources a claim contends for in the wait queue.
+std::vector<std::string> claim_keys(const CanonicalName& name, const std::string& memory_id) {
+  return {name_key(name.skeleton), memory_key(memory_id)};
+}
+
+void on_claim(const CallPtr& c, Store& store, WaitQueue& waits) {
   auto body = body_object(c, false);
   if (!body) return;
   json::ObjectReader r(*body);
@@ -292,7 +314,71 @@ void on_claim(const CallPtr& c, Store& store) {
   auto idem = idempotency(c, *body);
   if (!idem) return;
   Claim req{*display, canonicalize(*display), *memory, *owner, ttl.value_or(k_default_ttl_s)};
-  store.claim(c->ctx, std::move(*idem), std::move(req), reply_to(c));
+  std::optional<std::int64_t> wait_s; // the first wait preference of all Prefer fields
+  for (auto [it, end] = c->req.equal_range("Prefer"); it != end && !wait_s; ++it)
+    wait_s = parse_prefer_wait(it->value());
+  if (!req.name || !wait_s || *wait_s <= 0) {
+    // No wait: the store answers; a refusal says how many wait for the resource. The same
+    // request waiting here already holds its key in flight.
+    if (waits.in_flight(c->ctx.auth.tenant_id, idem->key)) {
+      Problem p(Code::idempotency_request_in_flight, "a claim under this Idempotency-Key is waiting");
+      p.retry_after_s = 1;
+      return fail(c, std::move(p));
+    }
+    std::vector<std::string> keys;
+    if (req.name) keys = claim_keys(*req.name, req.memory_id);
+    return store.claim(c->ctx, std::move(*idem), std::move(req),
+                       [c, &waits, keys = std::move(keys)](Reply reply) {
+                         if (reply.status == 423 && !keys.empty()) reply = with_waiters(std::move(reply), waits.waiting(keys));
+                         finish(c, std::move(reply));
+                       });
+  }
+  // Prefer: wait=N (RFC 7240), at most k_max_wait_s.
+  const std::int64_t applied = std::min(*wait_s, k_max_wait_s);
+  const auto start = WaitQueue::Clock::now();
+  WaitQueue::Waiter w;
+  w.tenant = c->ctx.auth.tenant_id;
+  w.keys = claim_keys(*req.name, req.memory_id);
+  w.idem_key = idem->key;
+  w.fingerprint = idem->fingerprint;
+  w.deadline = start + std::chrono::seconds(applied);
+  w.fd = c->fd;
+  req.record_refusal = false;
+  w.attempt = [&store, ctx = c->ctx, idem = *idem, req](WaitQueue::Callback cb) {
+    store.claim(ctx, idem, req, std::move(cb));
+  };
+  w.answer = [c, applied, start](Reply reply, std::string_view, std::size_t ahead) {
+    auto ms = std::chrono::duration_cast<std::chrono::milliseconds>(WaitQueue::Clock::now() - start).count();
+    ExtraHeaders extra{{"Preference-Applied", "wait=" + std::to_string(applied)},
+                       {"Mep-Waited-Ms", std::to_string(ms)}};
+    finish(c, with_waiters(std::move(reply), ahead), extra);
+  };
+  switch (waits.wait(std::move(w))) {
+  case WaitQueue::Joined::queued:
+  case WaitQueue::Joined::rejoined:
+    return;
+  case WaitQueue::Joined::mismatch:
+    return fail(c, Problem(Code::idempotency_key_reused, "this Idempotency-Key is waiting with a different request"));
+  case WaitQueue::Joined::resource_full: {
+    Problem p(Code::rate_limited, fmt::format("at most {} claims may wait for one name or memory",
+                                              k_max_waiters_per_resource));
+    p.extensions["limit"] = static_cast<std::int64_t>(k_max_waiters_per_resource);
+    p.retry_after_s = 1;
+    return fail(c, std::move(p));
+  }
+  case WaitQueue::Joined::tenant_full: {
+    Problem p(Code::rate_limited, fmt::format("at most {} claims of one tenant may wait at once",
+                                              k_max_waiters_per_tenant));
+    p.extensions["limit"] = static_cast<std::int64_t>(k_max_waiters_per_tenant);
+    p.retry_after_s = 1;
+    return fail(c, std::move(p));
+  }
+  case WaitQueue::Joined::stopped: {
+    Problem p(Code::unavailable, "the server is shutting down; claim again");
+    p.retry_after_s = 1;
+    return fail(c, std::move(p));
+  }
+  }
 }
 
 std::optional<LeaseRef> lease_ref(json::ObjectReader& r, bool with_owner, bool with_ttl) {
@@ -353,13 +439,26 @@ void on_renew_batch(const CallPtr& c, Store& store) {
   store.renew_batch(c->ctx, std::move(req), reply_to(c));
 }
 
-void on_release(const CallPtr& c, Store& store) {
+// After a release or a revocation: the oldest waiters for what it freed are tried.
+std::vector<std::string> freed_keys(const std::string& canonical_name, const std::string& memory_id) {
+  std::vector<std::string> keys;
+  if (auto n = canonicalize(canonical_name)) keys.push_back(name_key(n->skeleton));
+  if (!memory_id.empty()) keys.push_back(memory_key(memory_id));
+  return keys;
+}
+
+void on_release(const CallPtr& c, Store& store, WaitQueue& waits) {
   auto body = body_object(c, false);
   if (!body) return;
   json::ObjectReader r(*body);
   auto ref = lease_ref(r, true, false);
   if (!finish_reader(c, r)) return;
-  store.release(c->ctx, std::move(*ref), reply_to(c));
+  auto keys = freed_keys(ref->canonical_name, ref->memory_id);
+  store.release(c->ctx, std::move(*ref), [c, &waits, keys = std::move(keys)](Reply reply) {
+    const bool ok = reply.status < 300;
+    finish(c, std::move(reply));
+    if (ok) waits.freed(keys);
+  });
 }
 
 void on_branch(const CallPtr& c, Store& store) {
@@ -399,13 +498,25 @@ std::string lookup_name(const std::string& raw) {
   return n ? n->canonical_name : raw;
 }
 
-void on_revoke(const CallPtr& c, Store& store) {
+void on_revoke(const CallPtr& c, Store& store, WaitQueue& waits) {
   auto body = body_object(c, false);
   if (!body) return;
   json::ObjectReader r(*body);
   auto name = r.string("canonical_name", Need::required);
   if (!finish_reader(c, r)) return;
-  store.revoke(c->ctx, lookup_name(*name), reply_to(c));
+  std::string canonical = lookup_name(*name);
+  auto keys = freed_keys(canonical, "");
+  store.revoke(c->ctx, std::move(canonical), [c, &waits, keys = std::move(keys)](Reply reply) {
+    const bool ok = reply.status < 300;
+    std::vector<std::string> all = keys;
+    if (ok) {
+      if (auto o = json::parse_object(reply.body))
+        if (const auto* m = o->if_contains("memory_instance_id"); m && m->is_string())
+          all.push_back(memory_key(std::string(m->as_string())));
+    }
+    finish(c, std::move(reply));
+    if (ok) waits.freed(all);
+  });
 }
 
 void on_get_lease(const CallPtr& c, Store& store) {
@@ -542,6 +653,17 @@ std::optional<std::string> parse_idempotency_key(std::string_view v) {
   return out;
 }
 
+Router::Router(Store& store, double rate_limit) : m_store(store), m_limiter(rate_limit), m_auth_failures(5) {
+  // Releases through other servers on the same database wake the claims waiting here.
+  m_store.set_freed_listener([this](const std::string& name, const std::string& memory) {
+    m_waits.freed(freed_keys(name, memory));
+  });
+}
+
+// The store may already be gone (the server closes it first, to finish its queued jobs,
+// whose completions use this router): it stops calling the listener when it closes.
+Router::~Router() = default;
+
 http::BodyPlan Router::plan(const http::RequestHeader& header, const Peer&) {
   http::BodyPlan plan;
   plan.limit = body_limit_for(header.target());
@@ -549,14 +671,18 @@ http::BodyPlan Router::plan(const http::RequestHeader& header, const Peer&) {
 }
 
 void Router::handle(http::Request&& req, const Peer& peer, std::shared_ptr<http::BodySink>, http::Responder responder) {
-  handle(std::move(req), peer, [responder](HttpResponse&& res) { responder.send(std::move(res)); });
+  const int fd = responder.native_handle();
+  dispatch(std::move(req), peer, [responder](HttpResponse&& res) { responder.send(std::move(res)); }, fd);
 }
 
-void Router::handle(HttpRequest&& req, const Peer& peer, Send send) {
+void Router::handle(HttpRequest&& req, const Peer& peer, Send send) { dispatch(std::move(req), peer, std::move(send), -1); }
+
+void Router::dispatch(HttpRequest&& req, const Peer& peer, Send send, int fd) {
   auto c = std::make_shared<Call>();
   c->req = std::move(req);
   c->peer = peer;
   c->send = std::move(send);
+  c->fd = fd;
   c->ctx.request_id = uuid_v7().to_string();
   // HEAD is GET without the content (RFC 9110 §9.3.2): the same checks, status and headers,
   // Content-Length included, so that `curl -I` and load-balancer probes work; the edge
@@ -606,8 +732,13 @@ void Router::handle(HttpRequest&& req, const Peer& peer, Send send) {
     return fail(c, Problem(Code::forbidden, need_admin ? "this endpoint needs the admin scope"
                                                        : "this token lacks the lease scope"));
 
-  // 3. Rate limit per token.
-  if (int wait = m_limiter.acquire(c->ctx.auth.token_id); wait > 0) {
+  // 3. Rate limit per token. Renewals and releases go first: every other request leaves a
+  // fifth of the bucket to them, so a storm of claims (or of waiting claims' retries) from
+  // one daemon does not cost it the leases it holds.
+  const bool keeps_leases = route.pattern == "/v1/leases/renew" || route.pattern == "/v1/leases/renew-batch" ||
+                            route.pattern == "/v1/leases/release";
+  const double reserve = keeps_leases ? 0.0 : std::max(1.0, m_limiter.rate() / 5);
+  if (int wait = m_limiter.acquire(c->ctx.auth.token_id, reserve); wait > 0) {
     Metrics::global().inc("mep_rate_limited_total");
     Problem p(Code::rate_limited, "too many requests for this token");
     p.retry_after_s = wait;
@@ -627,13 +758,13 @@ void Router::handle(HttpRequest&& req, const Peer& peer, Send send) {
   if (p == "/v1/memories/branch") return on_branch(c, m_store);
   if (p == "/v1/memories/{id}") return on_get_memory(c, m_store);
   if (p == "/v1/memories/{id}/lineage") return on_lineage(c, m_store);
-  if (p == "/v1/leases") return route.method == bhttp::verb::post ? on_claim(c, m_store) : on_list_leases(c, m_store);
+  if (p == "/v1/leases") return route.method == bhttp::verb::post ? on_claim(c, m_store, m_waits) : on_list_leases(c, m_store);
   if (p == "/v1/leases/renew") return on_renew(c, m_store);
   if (p == "/v1/leases/renew-batch") return on_renew_batch(c, m_store);
-  if (p == "/v1/leases/release") return on_release(c, m_store);
+  if (p == "/v1/leases/release") return on_release(c, m_store, m_waits);
   if (p == "/v1/leases/{canonical_name}") return on_get_lease(c, m_store);
   if (p == "/v1/fence/verify") return on_verify(c, m_store);
-  if (p == "/v1/admin/leases/revoke") return on_revoke(c, m_store);
+  if (p == "/v1/admin/leases/revoke") return on_revoke(c, m_store, m_waits);
   fail(c, Problem(Code::not_found, "no such endpoint"));
 }
 

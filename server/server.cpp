@@ -100,6 +100,7 @@ int run_server(const ServerOptions& o) {
     if (ec) return;
     log::info("signal {}: shutting down", sig);
     http->stop_accepting();
+    router.end_waits(); // waiting claims get 503 and Retry-After now, not after the drain
     *deadline = std::chrono::steady_clock::now() + std::chrono::seconds(5);
     wait_drain();
   });

@@ -823,7 +823,7 @@ void SqliteStore::write_pending_audit() {
 // ---- idempotency ------------------------------------------------------------------------
 
 Reply SqliteStore::run_idempotent(Db& db, UnixMs now, const Ctx& ctx, const Idempotency& idem,
-                                  const std::function<Reply()>& op) {
+                                  const std::function<Reply()>& op, bool record_refusal) {
   auto& metrics = Metrics::global();
   std::optional<std::int64_t> expired_record;
   {
@@ -872,7 +872,7 @@ Reply SqliteStore::run_idempotent(Db& db, UnixMs now, const Ctx& ctx, const Idem
     reply = op();
     if (reply.status >= 400 && db.total_changes() != before) throw NeedsCarefulRun{};
   }
-  if (reply.status < 500) {
+  if (reply.status < 500 && (record_refusal || reply.status != 423)) {
     if (expired_record) {
       Use s(db.prepare("DELETE FROM idempotency WHERE rowid = ?1"));
       s->bind(1, *expired_record).run();
@@ -1062,7 +1062,8 @@ Reply SqliteStore::op_claim(Db& db, UnixMs now, const Ctx& ctx, const Claim& req
 void SqliteStore::claim(const Ctx& ctx, Idempotency idem, Claim req, Done done) {
   enqueue(
       [this, ctx, idem = std::move(idem), req = std::move(req)](Db& db, UnixMs now) {
-        return run_idempotent(db, now, ctx, idem, [&] { return op_claim(db, now, ctx, req); });
+        return run_idempotent(db, now, ctx, idem, [&] { return op_claim(db, now, ctx, req); },
+                              req.record_refusal);
       },
       std::move(done), ctx.request_id);
 }

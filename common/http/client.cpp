@@ -22,6 +22,7 @@ struct Exchange {
   const ClientRequest* req = nullptr;
   ClientResponse* res = nullptr;
   bool write_failed = false;
+  bool cancelled = false;
 };
 
 size_t on_body(char* p, size_t size, size_t n, void* user) {
@@ -45,6 +46,19 @@ size_t on_body(char* p, size_t size, size_t n, void* user) {
   }
   x->res->body.append(p, len);
   return len;
+}
+
+int on_progress(void* user, curl_off_t, curl_off_t, curl_off_t, curl_off_t) {
+  auto* x = static_cast<Exchange*>(user);
+  try {
+    if (x->req->cancelled && x->req->cancelled()) {
+      x->cancelled = true;
+      return 1; // aborts: CURLE_ABORTED_BY_CALLBACK
+    }
+  } catch (...) {
+    return 0;
+  }
+  return 0;
 }
 
 size_t on_header(char* p, size_t size, size_t n, void* user) {
@@ -153,6 +167,13 @@ ClientResponse Client::perform(const ClientRequest& req) {
   curl_easy_setopt(c, CURLOPT_HEADERFUNCTION, on_header);
   curl_easy_setopt(c, CURLOPT_HEADERDATA, &x);
   curl_easy_setopt(c, CURLOPT_NOSIGNAL, 1L);
+  if (req.cancelled) {
+    curl_easy_setopt(c, CURLOPT_XFERINFOFUNCTION, on_progress);
+    curl_easy_setopt(c, CURLOPT_XFERINFODATA, &x);
+    curl_easy_setopt(c, CURLOPT_NOPROGRESS, 0L);
+  } else {
+    curl_easy_setopt(c, CURLOPT_NOPROGRESS, 1L);
+  }
   auto connect = req.timeout.count() > 0 ? std::min(req.connect_timeout, req.timeout) : req.connect_timeout;
   curl_easy_setopt(c, CURLOPT_CONNECTTIMEOUT_MS, static_cast<long>(connect.count()));
   if (req.timeout.count() > 0) curl_easy_setopt(c, CURLOPT_TIMEOUT_MS, static_cast<long>(req.timeout.count()));
@@ -170,7 +191,8 @@ ClientResponse Client::perform(const ClientRequest& req) {
   } else {
     res.status = 0;
     res.error = x.write_failed ? std::string("cannot write the downloaded bytes: ") + std::strerror(errno)
-                               : curl_easy_strerror(rc);
+                : x.cancelled     ? std::string("cancelled")
+                                  : curl_easy_strerror(rc);
   }
   curl_slist_free_all(headers);
   release(c);

@@ -163,6 +163,7 @@ public:
   virtual void deliver(Response&& res) = 0;
   virtual void deliver(FileResponse&& res) = 0;
   virtual std::shared_ptr<OpenStream> open_stream(std::string_view content_type) = 0;
+  virtual int native_handle() = 0;
 };
 
 void Responder::send(Response&& res) const { m_session->deliver(std::move(res)); }
@@ -170,6 +171,7 @@ void Responder::send_file(FileResponse&& res) const { m_session->deliver(std::mo
 std::shared_ptr<OpenStream> Responder::stream(std::string_view content_type) const {
   return m_session->open_stream(content_type);
 }
+int Responder::native_handle() const { return m_session->native_handle(); }
 
 namespace {
 
@@ -238,6 +240,8 @@ public:
       }
     });
   }
+
+  int native_handle() override { return lowest().socket().native_handle(); }
 
   void deliver(Response&& res) override { deliver_any(std::make_shared<Response>(std::move(res))); }
   void deliver(FileResponse&& res) override { deliver_any(std::make_shared<FileResponse>(std::move(res))); }

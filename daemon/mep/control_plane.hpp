@@ -8,6 +8,7 @@
 
 #include <chrono>
 #include <filesystem>
+#include <functional>
 #include <memory>
 #include <optional>
 #include <string>
@@ -22,6 +23,13 @@ Problem unreachable(std::string why);
 /// still in flight: the request may or may not have taken effect.
 bool outcome_unknown(const Problem& p);
 
+/// How long a claim may wait for a held name or memory (Prefer: wait on the server), and
+/// how the caller says it stopped waiting (its agent went away).
+struct ClaimWait {
+  std::chrono::seconds wait{0}; ///< 0: answer at once; at most the server's 300 s
+  std::function<bool()> cancelled;
+};
+
 /// Every call is thread-safe, blocks for at most its timeout (default 10 s remote, 30 s
 /// embedded) and never throws for transport failures (they are `unreachable` problems).
 class ControlPlane {
@@ -29,8 +37,10 @@ public:
   virtual ~ControlPlane() = default;
   /// POST /v1/memories with a client-minted id (idempotent for the tenant that has it).
   virtual expected<lease::Registered, Problem> register_memory(const std::string& memory_id) = 0;
-  /// POST /v1/leases under `idempotency_key`.
-  virtual expected<lease::Grant, Problem> claim(const lease::ClaimRequest& req, const std::string& idempotency_key) = 0;
+  /// POST /v1/leases under `idempotency_key`; with a wait, the call blocks up to that long
+  /// more than its timeout, or until `cancelled` says so (then it is `unreachable`).
+  virtual expected<lease::Grant, Problem> claim(const lease::ClaimRequest& req, const std::string& idempotency_key,
+                                                const ClaimWait& wait = {}) = 0;
   virtual expected<lease::RenewBatchResult, Problem> renew_batch(const lease::RenewBatchRequest& req,
                                                                  std::chrono::milliseconds timeout) = 0;
   virtual expected<void, Problem> release(const lease::LeaseRef& ref) = 0;

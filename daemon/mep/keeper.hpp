@@ -18,6 +18,7 @@
 #include <filesystem>
 #include <functional>
 #include <map>
+#include <set>
 #include <memory>
 #include <mutex>
 #include <optional>
@@ -34,6 +35,11 @@ struct AttachRequest {
   std::int64_t ttl_s = lease::k_default_ttl_s;
   bool bind_pid = true;
   pid_t pid = 0; ///< the peer's pid (SO_PEERCRED)
+  /// How long to wait for a held name or memory (0: fail fast with 423). Waits longer than
+  /// the server's 300 s are several waits in a row.
+  std::chrono::seconds wait{0};
+  /// True once the agent that asked has gone: the wait ends (and leaves the server's queue).
+  std::function<bool()> cancelled;
 };
 
 class Keeper {
@@ -114,6 +120,10 @@ private:
   int m_next_sink = 1;
 
   std::mutex m_stop_mutex;
+  // Claim intents an attach is sending right now (it may wait for minutes): the renewer's
+  // resend of pending intents leaves them to it.
+  std::mutex m_attaching_mutex;
+  std::set<std::string> m_attaching;
   std::condition_variable m_stop_cv;
   bool m_stop = false;
   std::thread m_renewer;

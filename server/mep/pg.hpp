@@ -89,6 +89,8 @@ public:
   Conn& operator=(const Conn&) = delete;
 
   bool ok() const { return !m_broken && PQstatus(m_c) == CONNECTION_OK; }
+  /// The libpq connection, for LISTEN (PQsocket, PQconsumeInput, PQnotifies).
+  PGconn* raw() { return m_c; }
   /// How long a call may wait for its answer; beyond it the connection is given up and the
   /// call fails with Error::timed_out(). A database that stops answering (a frozen process,
   /// a partition that drops packets) then costs a request this long, not forever.

@@ -23,6 +23,7 @@ public:
   /// at once) and starts `options.pool` worker threads (connecting lazily). Throws
   /// pg::Error or std::runtime_error.
   PgStore(const std::string& url, const StoreOptions& options);
+  void set_freed_listener(FreedListener f) override;
   /// Finishes every queued job, then stops the workers.
   ~PgStore() override;
 
@@ -114,6 +115,12 @@ private:
   std::vector<Idle*> m_idle; // most recently idle last
   bool m_stopping = false;
   std::vector<std::thread> m_workers;
+  // LISTEN mep_lease_freed: releases and revocations through any server wake waiters here.
+  void listen_loop();
+  std::mutex m_listener_mutex;
+  FreedListener m_listener;
+  std::thread m_listen_thread;
+  int m_listen_wake = -1; // eventfd: stop
 
   std::mutex m_spare_mutex;
   std::vector<std::unique_ptr<pg::Conn>> m_spare; // for synchronous calls

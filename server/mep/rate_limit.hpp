@@ -12,9 +12,11 @@ class RateLimiter {
 public:
   explicit RateLimiter(double rate) : m_rate(rate) {}
 
-  /// Takes one token for `key`. Returns 0 when allowed, else the seconds to wait
-  /// (at least 1) before a token is available.
-  int acquire(const std::string& key);
+  /// Takes one token for `key`, leaving at least `reserve` tokens in the bucket (requests
+  /// of lower priority keep a reserve for the others). Returns 0 when allowed, else the
+  /// seconds to wait (at least 1) before a token is available.
+  int acquire(const std::string& key, double reserve = 0);
+  double rate() const { return m_rate; }
 
 private:
   struct Bucket {

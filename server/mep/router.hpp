@@ -4,6 +4,7 @@
 #include "mep/http/edge.hpp"
 #include "mep/rate_limit.hpp"
 #include "mep/store.hpp"
+#include "mep/waiters.hpp"
 
 #include <functional>
 #include <string>
@@ -29,15 +30,27 @@ inline std::size_t body_limit_for(std::string_view target) {
 
 class Router final : public http::Handler {
 public:
-  Router(Store& store, double rate_limit) : m_store(store), m_limiter(rate_limit), m_auth_failures(5) {}
+  /// Listens to the store's releases (Store::set_freed_listener); the store must be closed
+  /// (or its listener cleared) before the router is destroyed.
+  Router(Store& store, double rate_limit);
+  ~Router() override;
 
   /// Answers `req`; `send` is called exactly once, possibly from another thread.
   void handle(HttpRequest&& req, const Peer& peer, Send send);
+  /// The same; a claim that waits (Prefer: wait) ends when `watch_fd` reports POLLRDHUP or
+  /// POLLHUP (the client went away). -1: nothing to watch.
+  void handle(HttpRequest&& req, const Peer& peer, Send send, int watch_fd) {
+    dispatch(std::move(req), peer, std::move(send), watch_fd);
+  }
 
   // http::Handler: the route's body limit, then handle() above.
   http::BodyPlan plan(const http::RequestHeader& header, const Peer& peer) override;
   void handle(http::Request&& req, const Peer& peer, std::shared_ptr<http::BodySink> sink,
               http::Responder responder) override;
+
+  /// Ends the claims that wait (Prefer: wait) with 503 and Retry-After; new ones get 503.
+  /// The server calls it when it begins to shut down.
+  void end_waits() { m_waits.shutdown(); }
 
 private:
   Store& m_store;
@@ -45,6 +58,9 @@ private:
   // AUTH_FAILED audit rows are written at most 5 a second: an unauthenticated flood must
   // not turn into unbounded database writes (every failure still counts in the metric).
   RateLimiter m_auth_failures;
+  WaitQueue m_waits;
+
+  void dispatch(HttpRequest&& req, const Peer& peer, Send send, int fd);
 };
 
 /// Parses an Idempotency-Key value (bare, or an RFC 8941 sf-string); nullopt if invalid.

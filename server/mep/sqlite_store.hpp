@@ -105,8 +105,9 @@ private:
   ReaderLease reader();
   Reply read_failure(const sqlite::Error& e, const std::string& request_id);
 
+  /// `record_refusal` false: a 423 outcome is not recorded (Claim::record_refusal).
   Reply run_idempotent(sqlite::Db& db, UnixMs now, const Ctx& ctx, const Idempotency& idem,
-                       const std::function<Reply()>& op);
+                       const std::function<Reply()>& op, bool record_refusal = true);
   expected<LeaseRow, Problem> classify(sqlite::Db& db, UnixMs now, const Ctx& ctx,
                                        const std::string& memory_id, std::int64_t token, Code not_found);
   Reply op_claim(sqlite::Db& db, UnixMs now, const Ctx& ctx, const Claim& req);

@@ -71,6 +71,10 @@ struct Claim {
   std::string memory_id;
   std::string owner_client_id;
   std::int64_t ttl_s = k_default_ttl_s; ///< checked against the bounds inside the transaction
+  /// False for the attempts of a waiting claim (Prefer: wait): a 423 (held) is answered but
+  /// not recorded under the Idempotency-Key, so that the next attempt under the same key
+  /// runs again instead of replaying the refusal. Every other outcome is recorded.
+  bool record_refusal = true;
 };
 
 /// The identity of a held lease as a client presents it (renew, release).
@@ -167,6 +171,12 @@ public:
   /// request. Set before the first operation.
   using CompletionExecutor = std::function<void(std::function<void()>)>;
   virtual void set_completion_executor(CompletionExecutor) {}
+  /// Told of every lease ended by a release or a revocation through any server on the same
+  /// database (PostgreSQL: LISTEN/NOTIFY), so that claims waiting here (Prefer: wait) are
+  /// woken at once. Called from a store thread; empty stops the calls. A store that only
+  /// one process serves (SQLite) never calls it: that process saw the release itself.
+  using FreedListener = std::function<void(const std::string& canonical_name, const std::string& memory_id)>;
+  virtual void set_freed_listener(FreedListener) {}
   /// Transaction retries so far (PostgreSQL serializable mode; 0 elsewhere).
   virtual std::int64_t transaction_retries() { return 0; }
   /// True between `mep migrate run` and `mep migrate activate` (SPEC §10): lease

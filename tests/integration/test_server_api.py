@@ -1536,6 +1536,21 @@ class RateLimit(ServerTestCase):
         self.assertGreaterEqual(float(m.group(1)), len(limited))
 
 
+class RateLimitPriority(ServerTestCase):
+    server_args = ("--rate-limit", "5")
+
+    def test_renewals_keep_a_reserve_that_claims_cannot_use(self):
+        c = self.client()
+        statuses = [c.claim(unique_name(), "01900000-0000-7000-8000-000000000000", owner()).status
+                    for _ in range(10)]
+        self.assertIn(429, statuses)
+        # The bucket is empty for claims, not for renewals: a renew is answered by the store
+        # (the lease does not exist), not by the rate limiter.
+        r = c.renew("nosuchname", "01900000-0000-7000-8000-000000000000", 1, owner())
+        self.assertNotEqual(r.status, 429, r)
+        self.assertIn(r.status, (404, 409, 410), r)
+
+
 class Lifecycle(ServerTestCase):
     def test_ready_line_once_and_sigterm_exits_0(self):
         srv = MepServer(self.workdir, os.path.join(self.workdir, "life.db"))

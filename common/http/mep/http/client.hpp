@@ -4,6 +4,7 @@
 // to file descriptors, so an object of any size moves without being held in memory.
 #pragma once
 #include <chrono>
+#include <functional>
 #include <cstdint>
 #include <mutex>
 #include <optional>
@@ -26,6 +27,9 @@ struct ClientRequest {
   std::chrono::milliseconds connect_timeout{3000};
   /// Given, the exchange fails when no byte moves for this long (large bodies, with timeout 0).
   std::optional<std::chrono::seconds> stall;
+  /// Given, asked about once a second while the exchange runs (more often while bytes
+  /// move); true abandons it (status 0, "cancelled"), closing its connection.
+  std::function<bool()> cancelled;
 };
 
 struct ClientResponse {

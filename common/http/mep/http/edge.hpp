@@ -87,6 +87,10 @@ public:
   void send_file(FileResponse&& res) const;
   /// Writes a 200 head with `content_type` and `Connection: close`, then what is pushed.
   std::shared_ptr<OpenStream> stream(std::string_view content_type) const;
+  /// The connection's socket, for poll(2) only (a handler that answers late watches it with
+  /// POLLRDHUP to learn that the client went away); never read from, written to or closed.
+  /// It stays open until the answer is sent, since the session reads nothing meanwhile.
+  int native_handle() const;
 
 private:
   std::shared_ptr<SessionBase> m_session;

@@ -14,6 +14,8 @@ namespace mep::lease {
 inline constexpr std::int64_t k_default_ttl_s = 30;
 inline constexpr std::int64_t k_min_ttl_s = 5;
 inline constexpr std::int64_t k_max_ttl_s = 300;
+/// The longest wait one claim may ask of a server (Prefer: wait=N); longer ones are capped.
+inline constexpr std::int64_t k_max_wait_s = 300;
 /// renew-batch carries at most this many leases.
 inline constexpr std::size_t k_max_batch = 1000;
 

@@ -1,0 +1,148 @@
+// Waiting claims (RFC 7240 `Prefer: wait=N` on POST /v1/leases): a claim of a held name or
+// memory waits in a queue per resource, and when the resource frees the oldest waiter is
+// tried first. One thread watches every waiter: its deadline, its client's connection
+// (poll(2) with POLLRDHUP: a client that goes away leaves the queue at once), and the
+// moment the holder's lease ends.
+//
+// Fairness is first come, first served by arrival at this server: a waiter is tried only
+// when it is the oldest live waiter on every resource it needs (its name's skeleton and its
+// memory). Its attempts are ordinary claims that do not record a refusal under the
+// Idempotency-Key, so the store keeps deciding every outcome; the queue only decides who
+// asks when. A claim that does not wait is not queued and may win a lease in the instant
+// between its release and the head's attempt (see docs/mep-server.8.md).
+#pragma once
+#include "mep/store.hpp"
+
+#include <chrono>
+#include <condition_variable>
+#include <cstdint>
+#include <functional>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <string>
+#include <string_view>
+#include <thread>
+#include <vector>
+
+namespace mep::server {
+
+/// The longest wait a claim may ask for; a longer one is capped (Preference-Applied says
+/// what was applied).
+inline constexpr std::int64_t k_max_wait_s = 300;
+/// Live waiters on one resource (name skeleton or memory), and of one tenant, at most;
+/// beyond, 429.
+inline constexpr std::size_t k_max_waiters_per_resource = 256;
+inline constexpr std::size_t k_max_waiters_per_tenant = 1024;
+/// A waiter whose clients all went away keeps its place this long for a retry with the same
+/// Idempotency-Key, but is not tried meanwhile (nothing is granted to a dead connection).
+inline constexpr std::chrono::milliseconds k_rejoin_grace{5000};
+
+/// The wait an RFC 7240 Prefer header asks for, in seconds: the `wait=N` preference of a
+/// comma-separated list (parameters after ';' ignored). nullopt when absent or malformed
+/// (an unknown or invalid preference is ignored, RFC 7240 §2).
+std::optional<std::int64_t> parse_prefer_wait(std::string_view value);
+
+/// The queue key of a name (by its skeleton: confusable names contend) and of a memory.
+std::string name_key(std::string_view skeleton);
+std::string memory_key(std::string_view memory_id);
+
+class WaitQueue {
+public:
+  using Clock = std::chrono::steady_clock;
+  using Callback = std::function<void(Reply)>;
+  /// Runs one claim attempt and calls its argument once with the store's reply.
+  using Attempt = std::function<void(Callback)>;
+  /// Answers one waiting request; `outcome` labels the wait metric (granted, refused,
+  /// timeout, disconnected, shutdown) and `ahead` is the live waiters ahead of it.
+  using Answer = std::function<void(Reply, std::string_view outcome, std::size_t ahead)>;
+
+  struct Waiter {
+    std::string tenant;
+    std::vector<std::string> keys;  ///< the resources the claim needs
+    std::string idem_key;           ///< with the tenant, the waiter's identity
+    std::string fingerprint;
+    Clock::time_point deadline;
+    int fd = -1;                    ///< the client's socket to watch; -1: none (in-process)
+    Attempt attempt;
+    Answer answer;
+  };
+
+  enum class Joined {
+    queued,        ///< in the queue (maybe tried at once); `answer` will be called
+    rejoined,      ///< a retry of a waiting request: it took that request's place
+    mismatch,      ///< the key is waiting with another request: 422 idempotency-key-reused
+    resource_full, ///< k_max_waiters_per_resource
+    tenant_full,   ///< k_max_waiters_per_tenant
+    stopped,       ///< shutting down: 503
+  };
+
+  WaitQueue();
+  ~WaitQueue();
+  WaitQueue(const WaitQueue&) = delete;
+  WaitQueue& operator=(const WaitQueue&) = delete;
+
+  /// Queues a claim. Unless the answer is queued or rejoined, `answer` is never called.
+  Joined wait(Waiter w);
+  /// A lease on these resources ended (release, revoke): their oldest waiters are tried.
+  void freed(const std::vector<std::string>& keys);
+  /// True while a claim under this tenant's Idempotency-Key waits here: a duplicate that
+  /// does not wait is answered 409 idempotency-request-in-flight, not run.
+  bool in_flight(const std::string& tenant, const std::string& idem_key) const;
+  /// Live waiters queued on any of `keys` (the largest queue among them).
+  std::size_t waiting(const std::vector<std::string>& keys) const;
+  /// Ends every wait with 503 and refuses new ones (the server is stopping).
+  void shutdown();
+
+private:
+  struct Client {
+    int fd;
+    Clock::time_point deadline;
+    Clock::time_point start;
+    Answer answer;
+  };
+  struct Entry {
+    std::uint64_t seq = 0;
+    std::string tenant;
+    std::vector<std::string> keys;
+    std::string idem_key;
+    std::string fingerprint;
+    Attempt attempt;
+    std::vector<Client> clients;
+    std::optional<Reply> last_refusal;
+    Clock::time_point retry_at = Clock::time_point::max(); ///< when the holder's lease ends
+    Clock::time_point abandoned_until{};                   ///< no clients: kept until then
+    bool wake = false;       ///< try it when it is the head
+    bool attempting = false; ///< an attempt is running
+    bool done = false;
+    bool live() const { return !done && !clients.empty(); }
+  };
+  using EntryPtr = std::shared_ptr<Entry>;
+  using Later = std::vector<std::function<void()>>; // run outside the lock
+
+  void run();
+  void notify();
+  bool is_head(const Entry& e) const;
+  std::size_t ahead_of(const Entry& e) const;
+  std::size_t live_on(const std::string& key) const;
+  void wake_heads(const std::vector<std::string>& keys);
+  void start_attempt(const EntryPtr& e, Later& later);
+  void on_attempt(const EntryPtr& e, Reply r);
+  void resolve(const EntryPtr& e, const Reply& r, std::string_view outcome, Later& later);
+  void erase(const EntryPtr& e);
+  Reply refusal_for(const Entry& e) const;
+  void update_gauge();
+
+  mutable std::mutex m_mutex;
+  std::map<std::uint64_t, EntryPtr> m_entries;                       // by arrival
+  std::map<std::string, std::vector<EntryPtr>, std::less<>> m_queues; // key -> arrival order
+  std::map<std::pair<std::string, std::string>, EntryPtr> m_by_idem;  // (tenant, key)
+  std::map<std::string, std::size_t, std::less<>> m_per_tenant;       // live entries
+  std::uint64_t m_next_seq = 1;
+  bool m_stopped = false;
+  int m_wakeup = -1; // eventfd
+  std::thread m_thread;
+};
+
+} // namespace mep::server
