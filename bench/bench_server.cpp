@@ -1,7 +1,7 @@
 // bench_server: control-plane throughput and latency over real HTTP (keep-alive), next
 // to the same claim transaction run directly on SQLite at the same durability.
 //
-//   build/bench/bench_server [--mep PATH] [--seconds S] [--repeat N] [--rss-leases N] [--pg auto|off|URL]
+//   build/bench/bench_server [--mep PATH] [--seconds S] [--repeat N] [--rss-leases N] [--pg auto|off|URL] [--etcd auto|off]
 //                            [--keys ordered|random|counter] [--driver threads|epoll] [--only WORKLOAD:CLIENTS]
 //
 // Starts the real `mep server` on a fresh SQLite file (on disk, synchronous=FULL), runs
@@ -10,6 +10,7 @@
 // PostgreSQL's durable defaults, or the cluster whose maintenance URL is given), next to
 // pgbench running the same claim function directly in one round trip (the floor).
 // Prints tables. Nothing here asserts a timing.
+#include "etcd_peer.hpp"
 #include "http_conn.hpp"
 
 #include <signal.h>
@@ -741,25 +742,111 @@ bool run_postgresql(const std::string& pg_arg, double seconds) {
   return true;
 }
 
+
+double median(std::vector<double> v) {
+  if (v.empty()) return 0;
+  std::sort(v.begin(), v.end());
+  return v[v.size() / 2];
+}
+
+// mep next to etcd, measured now on this machine: for each workload and client count,
+// rounds of a mep cell then an etcd cell (interleaved, so that drift hits both), the
+// medians, their ranges, and the median of the per-round ratios against the targets.
+void compare_with_etcd(Server& s, const std::string& token, const fs::path& dir, double seconds, const std::string& mode) {
+  if (mode == "off") return;
+  const std::string why = mep::bench::etcd_unavailable();
+  if (!why.empty()) {
+    std::printf("\netcd: not measured here: %s\n", why.c_str());
+    return;
+  }
+  std::unique_ptr<mep::bench::EtcdPeer> etcd;
+  try {
+    etcd = std::make_unique<mep::bench::EtcdPeer>(dir / "etcd");
+  } catch (const std::exception& e) {
+    std::printf("\netcd: not measured here: %s\n", e.what());
+    ++g_failed_cells;
+    return;
+  }
+  const int rounds = g_repeat > 1 ? g_repeat : 3;
+  std::printf("\nmep (SQLite, above) and %s, single node, fresh data dir, WAL fsync on; gRPC clients, one\n"
+              "connection each. Interleaved: %d rounds of a mep cell then an etcd cell, %g s each; medians\n"
+              "(range). claim: mep's durable re-claim (a new grant and token each) / etcd LeaseGrant + Txn\n"
+              "put-if-absent of a fresh key; cycle: mep claim+release / etcd LeaseGrant + Txn + LeaseRevoke;\n"
+              "renew: mep renew / etcd LeaseKeepAlive on a stream. cpu: cores used by the clients (HTTP\n"
+              "or gRPC, this process) / by the server, during the cell.\n\n",
+              etcd->version().c_str(), rounds, seconds);
+  std::printf("%-8s %7s %22s %22s %10s %13s %13s\n", "workload", "clients", "mep ops/s", "etcd ops/s", "mep/etcd",
+              "mep cpu c/s", "etcd cpu c/s");
+  struct Cell {
+    int mode;
+    const char* name;
+  };
+  double claim_ratio[3] = {0, 0, 0};
+  double renew_p99_64 = 0;
+  const int counts[] = {1, 8, 64};
+  for (Cell cell : {Cell{2, "claim"}, Cell{0, "cycle"}, Cell{1, "renew"}}) {
+    for (int i = 0; i < 3; ++i) {
+      const int clients = counts[i];
+      std::vector<double> m_ops, e_ops, ratios, m_p99, ccpu, scpu, mccpu, mscpu;
+      long errors = 0;
+      for (int r = 0; r < rounds; ++r) {
+        const double c0 = mep::bench::process_cpu_seconds(::getpid()), s0 = mep::bench::process_cpu_seconds(s.pid);
+        const auto t0 = Clock::now();
+        Result m = run_http_once(s.port, token, clients, seconds, cell.mode);
+        const double wall = std::chrono::duration<double>(Clock::now() - t0).count();
+        mccpu.push_back((mep::bench::process_cpu_seconds(::getpid()) - c0) / wall);
+        mscpu.push_back((mep::bench::process_cpu_seconds(s.pid) - s0) / wall);
+        mep::bench::EtcdResult e = etcd->run(clients, seconds, cell.mode);
+        m_ops.push_back(m.ops_per_s);
+        m_p99.push_back(m.p99_ms);
+        e_ops.push_back(e.ops_per_s);
+        ratios.push_back(e.ops_per_s > 0 ? m.ops_per_s / e.ops_per_s : 0);
+        ccpu.push_back(e.client_cores);
+        scpu.push_back(e.server_cores);
+        errors += m.errors + e.errors;
+      }
+      auto range = [](const std::vector<double>& v) {
+        char buf[64];
+        std::snprintf(buf, sizeof buf, "%.0f (%.0f..%.0f)", median(v), *std::min_element(v.begin(), v.end()),
+                      *std::max_element(v.begin(), v.end()));
+        return std::string(buf);
+      };
+      std::printf("%-8s %7d %22s %22s %9.2fx   %4.2f / %-4.2f   %4.2f / %-4.2f%s\n", cell.name, clients,
+                  range(m_ops).c_str(), range(e_ops).c_str(), median(ratios), median(mccpu), median(mscpu),
+                  median(ccpu), median(scpu), errors ? "  ERRORS" : "");
+      if (errors) ++g_failed_cells;
+      if (cell.mode == 2) claim_ratio[i] = median(ratios);
+      if (cell.mode == 1 && clients == 64) renew_p99_64 = median(m_p99);
+      std::fflush(stdout);
+    }
+  }
+  auto met = [](bool ok) { return ok ? "met" : "NOT met"; };
+  std::printf("\ntargets (issue 22), from this run:\n");
+  std::printf("  SQLite claims,  8 clients >= 3.0x etcd: %.2fx  %s\n", claim_ratio[1], met(claim_ratio[1] >= 3.0));
+  std::printf("  SQLite claims, 64 clients >= 3.0x etcd: %.2fx  %s\n", claim_ratio[2], met(claim_ratio[2] >= 3.0));
+  std::printf("  SQLite renew p99, 64 clients <= 5 ms:   %.2f ms  %s\n", renew_p99_64, met(renew_p99_64 <= 5.0));
+}
 } // namespace
 
 static int run(int argc, char** argv) {
   double seconds = 3;
   int rss_leases = 100000;
   std::string pg = "auto";
+  std::string etcd_mode = "auto";
   for (int i = 1; i < argc; ++i) {
     std::string a = argv[i];
     if (a == "--mep" && i + 1 < argc) g_mep = argv[++i];
     else if (a == "--seconds" && i + 1 < argc) seconds = std::atof(argv[++i]);
     else if (a == "--rss-leases" && i + 1 < argc) rss_leases = std::atoi(argv[++i]);
     else if (a == "--pg" && i + 1 < argc) pg = argv[++i];
+    else if (a == "--etcd" && i + 1 < argc) etcd_mode = argv[++i];
     else if (a == "--repeat" && i + 1 < argc) g_repeat = std::max(1, std::atoi(argv[++i]));
     else if (a == "--keys" && i + 1 < argc && parse_keys(argv[i + 1])) ++i;
     else if (a == "--driver" && i + 1 < argc && parse_driver(argv[i + 1])) ++i;
     else if (a == "--only" && i + 1 < argc && parse_only(argv[i + 1])) ++i;
     else {
       std::fprintf(stderr, "usage: bench_server [--mep PATH] [--seconds S] [--repeat N] [--rss-leases N] "
-                           "[--pg auto|off|URL] [--keys ordered|random|counter] [--driver threads|epoll] "
+                           "[--pg auto|off|URL] [--etcd auto|off] [--keys ordered|random|counter] [--driver threads|epoll] "
                            "[--only cycles|reclaim|renew:CLIENTS]\n");
       return 2;
     }
@@ -814,15 +901,7 @@ static int run(int argc, char** argv) {
   for (int clients : {1, 8, 64}) row(k_workload_titles[1], clients, run_http(s.port, token, clients, seconds, 1));
   std::printf("%s\n", writer_nice_line(s.pid).c_str());
 
-  std::printf("\nReference, not measured here (from the issue, same kind of machine): etcd 3.4 lease grant + put\n"
-              "675/s at 1 client, 1,707/s at 8, 2,745/s at 64. Target: claims >= 3x etcd at 8 and 64 clients.\n");
-  const double etcd[] = {675, 1707, 2745};
-  for (std::size_t i = 0; i < claims.size(); ++i)
-    std::printf("  %2d clients: claim+release %8.0f claims/s = %.2fx etcd (%.2fx the floor); "
-                "re-claims alone %8.0f/s = %.2fx etcd\n",
-                claims[i].first, claims[i].second.ops_per_s, claims[i].second.ops_per_s / etcd[i],
-                claims[i].second.ops_per_s / floor.ops_per_s, reclaims[i].second.ops_per_s,
-                reclaims[i].second.ops_per_s / etcd[i]);
+  compare_with_etcd(s, token, dir, seconds, etcd_mode);
 
   if (rss_leases > 0) {
     long before = rss_kib(s.pid);

@@ -12,6 +12,8 @@ packages=(
   libcli11-dev libfmt-dev libspdlog-dev libexpected-dev libtomlplusplus-dev
   # tests and benchmarks
   catch2 libbenchmark-dev postgresql-15 curl python3 procps util-linux libfaketime nftables iproute2
+  # bench_server measures etcd, the peer, in the same run over gRPC (benchmark-only)
+  etcd-server libgrpc++-dev protobuf-compiler-grpc
   # docs and packaging checks
   scdoc mandoc lintian graphviz zsh fish
 )

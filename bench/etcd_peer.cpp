@@ -1,0 +1,293 @@
+// A private etcd and its gRPC clients (see etcd_peer.hpp).
+#include "etcd_peer.hpp"
+
+#ifdef MEP_BENCH_ETCD
+#include "etcd_min.grpc.pb.h"
+
+#include <grpcpp/grpcpp.h>
+#endif
+
+#include <netinet/in.h>
+#include <signal.h>
+#include <sys/socket.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <fcntl.h>
+#include <fstream>
+#include <sstream>
+#include <stdexcept>
+#include <thread>
+#include <vector>
+
+namespace mep::bench {
+namespace fs = std::filesystem;
+using Clock = std::chrono::steady_clock;
+
+namespace {
+
+[[maybe_unused]] std::string etcd_binary() {
+  if (const char* e = std::getenv("MEP_BENCH_ETCD"); e && *e) return e;
+  for (const char* dir : {"/usr/bin", "/usr/local/bin"}) {
+    std::string p = std::string(dir) + "/etcd";
+    if (::access(p.c_str(), X_OK) == 0) return p;
+  }
+  return {};
+}
+
+[[maybe_unused]] int free_port() {
+  int s = ::socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  ::bind(s, reinterpret_cast<sockaddr*>(&a), sizeof a);
+  socklen_t len = sizeof a;
+  ::getsockname(s, reinterpret_cast<sockaddr*>(&a), &len);
+  int port = ntohs(a.sin_port);
+  ::close(s);
+  return port;
+}
+
+// CPU seconds (user + system) of a process, from /proc.
+[[maybe_unused]] double cpu_seconds(pid_t pid) {
+  std::ifstream f("/proc/" + std::to_string(pid) + "/stat");
+  std::string line;
+  std::getline(f, line);
+  auto close = line.rfind(')');
+  if (close == std::string::npos) return 0;
+  std::istringstream in(line.substr(close + 2));
+  std::string field;
+  double utime = 0, stime = 0;
+  for (int i = 3; in >> field; ++i) {
+    if (i == 14) utime = std::atof(field.c_str());
+    if (i == 15) {
+      stime = std::atof(field.c_str());
+      break;
+    }
+  }
+  return (utime + stime) / static_cast<double>(::sysconf(_SC_CLK_TCK));
+}
+
+} // namespace
+
+double process_cpu_seconds(pid_t pid) { return cpu_seconds(pid); }
+
+#ifdef MEP_BENCH_ETCD
+
+std::string etcd_unavailable() {
+  if (etcd_binary().empty()) return "no etcd binary (apt install etcd-server, or set MEP_BENCH_ETCD)";
+  return {};
+}
+
+struct EtcdPeer::Impl {
+  pid_t pid = -1;
+  int port = 0;
+  std::string version;
+  std::atomic<int> runs{0};
+
+  std::shared_ptr<grpc::Channel> channel() const {
+    grpc::ChannelArguments args;
+    args.SetInt(GRPC_ARG_USE_LOCAL_SUBCHANNEL_POOL, 1); // a connection of its own
+    return grpc::CreateCustomChannel("127.0.0.1:" + std::to_string(port), grpc::InsecureChannelCredentials(), args);
+  }
+};
+
+EtcdPeer::EtcdPeer(const fs::path& dir) : m(std::make_unique<Impl>()) {
+  std::string bin = etcd_binary();
+  if (bin.empty()) throw std::runtime_error(etcd_unavailable());
+  fs::create_directories(dir);
+  {
+    std::string out;
+    if (FILE* p = ::popen((bin + " --version 2>&1").c_str(), "r")) {
+      char buf[256];
+      if (std::fgets(buf, sizeof buf, p)) out = buf;
+      ::pclose(p);
+    }
+    while (!out.empty() && (out.back() == '\n' || out.back() == '\r')) out.pop_back();
+    m->version = out.empty() ? "etcd" : out;
+  }
+  m->port = free_port();
+  const int peer = free_port();
+  const std::string client_url = "http://127.0.0.1:" + std::to_string(m->port);
+  const std::string peer_url = "http://127.0.0.1:" + std::to_string(peer);
+  std::vector<std::string> argv{bin,
+                                "--name=bench",
+                                "--data-dir=" + (dir / "data").string(),
+                                "--listen-client-urls=" + client_url,
+                                "--advertise-client-urls=" + client_url,
+                                "--listen-peer-urls=" + peer_url,
+                                "--initial-advertise-peer-urls=" + peer_url,
+                                "--initial-cluster=bench=" + peer_url,
+                                "--initial-cluster-state=new",
+                                "--log-level=error"};
+  const std::string log = (dir / "etcd.log").string();
+  m->pid = ::fork();
+  if (m->pid == 0) {
+    int fd = ::open(log.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0600);
+    if (fd >= 0) {
+      ::dup2(fd, 1);
+      ::dup2(fd, 2);
+    }
+    std::vector<char*> args;
+    for (auto& a : argv) args.push_back(a.data());
+    args.push_back(nullptr);
+    ::execv(bin.c_str(), args.data());
+    ::_exit(127);
+  }
+  // Ready when it grants a lease.
+  auto stub = etcdserverpb::Lease::NewStub(m->channel());
+  const auto deadline = Clock::now() + std::chrono::seconds(20);
+  for (;;) {
+    grpc::ClientContext ctx;
+    ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(1));
+    etcdserverpb::LeaseGrantRequest req;
+    req.set_ttl(10);
+    etcdserverpb::LeaseGrantResponse res;
+    if (stub->LeaseGrant(&ctx, req, &res).ok()) break;
+    int status = 0;
+    if (::waitpid(m->pid, &status, WNOHANG) == m->pid) {
+      m->pid = -1;
+      throw std::runtime_error("etcd exited at start (see " + log + ")");
+    }
+    if (Clock::now() > deadline) throw std::runtime_error("etcd did not answer within 20 s (see " + log + ")");
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  }
+}
+
+EtcdPeer::~EtcdPeer() {
+  if (m->pid <= 0) return;
+  ::kill(m->pid, SIGTERM);
+  for (int i = 0; i < 50; ++i) {
+    if (::waitpid(m->pid, nullptr, WNOHANG) == m->pid) return;
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  }
+  ::kill(m->pid, SIGKILL);
+  ::waitpid(m->pid, nullptr, 0);
+}
+
+std::string EtcdPeer::version() const { return m->version; }
+pid_t EtcdPeer::pid() const { return m->pid; }
+
+EtcdResult EtcdPeer::run(int clients, double seconds, int mode) {
+  const int run = m->runs++;
+  std::vector<std::vector<double>> lat(static_cast<std::size_t>(clients));
+  std::atomic<long> errors{0};
+  std::atomic<int> ready{0};
+  std::atomic<bool> go{false};
+  Clock::time_point end = Clock::time_point::max();
+  std::vector<std::thread> threads;
+  for (int i = 0; i < clients; ++i) {
+    threads.emplace_back([&, i] {
+      auto ch = m->channel();
+      auto kv = etcdserverpb::KV::NewStub(ch);
+      auto lease = etcdserverpb::Lease::NewStub(ch);
+      const std::string key = "bench/" + std::to_string(run) + "/" + std::to_string(i);
+      auto ms_since = [](Clock::time_point t) {
+        return std::chrono::duration<double, std::milli>(Clock::now() - t).count();
+      };
+      if (mode == 1) {
+        // One held lease, kept alive on one stream.
+        grpc::ClientContext gctx;
+        etcdserverpb::LeaseGrantRequest g;
+        g.set_ttl(60);
+        etcdserverpb::LeaseGrantResponse gr;
+        if (!lease->LeaseGrant(&gctx, g, &gr).ok()) ++errors;
+        grpc::ClientContext sctx;
+        auto stream = lease->LeaseKeepAlive(&sctx);
+        etcdserverpb::LeaseKeepAliveRequest k;
+        k.set_id(gr.id());
+        etcdserverpb::LeaseKeepAliveResponse kr;
+        ++ready;
+        while (!go) std::this_thread::yield();
+        while (Clock::now() < end) {
+          auto t0 = Clock::now();
+          if (!stream->Write(k) || !stream->Read(&kr) || kr.ttl() <= 0) {
+            ++errors;
+            break;
+          }
+          lat[static_cast<std::size_t>(i)].push_back(ms_since(t0));
+        }
+        stream->WritesDone();
+        sctx.TryCancel();
+        (void)stream->Finish();
+        return;
+      }
+      ++ready;
+      while (!go) std::this_thread::yield();
+      long k = 0;
+      while (Clock::now() < end) {
+        auto t0 = Clock::now();
+        grpc::ClientContext c1, c2, c3;
+        const std::string op_key = mode == 2 ? key + "/" + std::to_string(k++) : key;
+        etcdserverpb::LeaseGrantRequest g;
+        g.set_ttl(60);
+        etcdserverpb::LeaseGrantResponse gr;
+        if (!lease->LeaseGrant(&c1, g, &gr).ok()) {
+          ++errors;
+          continue;
+        }
+        etcdserverpb::TxnRequest t;
+        auto* cmp = t.add_compare();
+        cmp->set_target(etcdserverpb::Compare::CREATE);
+        cmp->set_result(etcdserverpb::Compare::EQUAL);
+        cmp->set_key(op_key);
+        cmp->set_create_revision(0);
+        auto* put = t.add_success()->mutable_request_put();
+        put->set_key(op_key);
+        put->set_value("bench");
+        put->set_lease(gr.id());
+        etcdserverpb::TxnResponse tr;
+        if (!kv->Txn(&c2, t, &tr).ok() || !tr.succeeded()) ++errors;
+        if (mode == 2) { // a claim alone: the lease stays until its TTL
+          lat[static_cast<std::size_t>(i)].push_back(ms_since(t0));
+          continue;
+        }
+        etcdserverpb::LeaseRevokeRequest r;
+        r.set_id(gr.id());
+        etcdserverpb::LeaseRevokeResponse rr;
+        if (!lease->LeaseRevoke(&c3, r, &rr).ok()) ++errors;
+        lat[static_cast<std::size_t>(i)].push_back(ms_since(t0));
+      }
+    });
+  }
+  while (ready < clients) std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  const double cpu0 = cpu_seconds(::getpid()), scpu0 = cpu_seconds(m->pid);
+  const auto start = Clock::now();
+  end = start + std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(seconds));
+  go = true;
+  for (auto& t : threads) t.join();
+  const double wall = std::chrono::duration<double>(Clock::now() - start).count();
+  EtcdResult r;
+  r.errors = errors;
+  r.client_cores = (cpu_seconds(::getpid()) - cpu0) / wall;
+  r.server_cores = (cpu_seconds(m->pid) - scpu0) / wall;
+  std::vector<double> all;
+  for (auto& v : lat) all.insert(all.end(), v.begin(), v.end());
+  if (all.empty()) return r;
+  std::sort(all.begin(), all.end());
+  r.ops_per_s = static_cast<double>(all.size()) / wall;
+  r.p50_ms = all[all.size() / 2];
+  r.p99_ms = all[std::min(all.size() - 1, all.size() * 99 / 100)];
+  return r;
+}
+
+#else // built without gRPC
+
+std::string etcd_unavailable() {
+  return "bench_server was built without gRPC (apt install libgrpc++-dev protobuf-compiler-grpc, then reconfigure)";
+}
+struct EtcdPeer::Impl {};
+EtcdPeer::EtcdPeer(const fs::path&) { throw std::runtime_error(etcd_unavailable()); }
+EtcdPeer::~EtcdPeer() = default;
+std::string EtcdPeer::version() const { return {}; }
+pid_t EtcdPeer::pid() const { return -1; }
+EtcdResult EtcdPeer::run(int, double, int) { return {}; }
+
+#endif
+
+} // namespace mep::bench

@@ -1,0 +1,54 @@
+// The peer users would pick instead of mep, measured in the same run: a private
+// single-node etcd 3.4 (Debian's etcd-server) on loopback with its own data directory,
+// driven over gRPC (C++, one channel and one HTTP/2 connection per client, as mep's
+// clients each have one keep-alive connection). gRPC, not etcd's JSON gateway: the
+// gateway translates every call to gRPC inside etcd and would slow etcd down, flattering mep.
+#pragma once
+#include <filesystem>
+#include <memory>
+#include <string>
+#include <sys/types.h>
+
+namespace mep::bench {
+
+struct EtcdResult {
+  double ops_per_s = 0;
+  double p50_ms = 0;
+  double p99_ms = 0;
+  long errors = 0;
+  double client_cores = 0; ///< CPU of this process (the gRPC clients) ÷ wall time
+  double server_cores = 0; ///< CPU of the etcd process ÷ wall time
+};
+
+/// CPU seconds (user + system) a process has used, from /proc/PID/stat.
+double process_cpu_seconds(pid_t pid);
+
+/// Why etcd cannot be measured here (empty when it can): not built with gRPC, or no etcd
+/// binary (`etcd` on PATH or $MEP_BENCH_ETCD).
+std::string etcd_unavailable();
+
+class EtcdPeer {
+public:
+  /// Starts etcd in `dir` (created) on free loopback ports and waits until it grants a
+  /// lease. Throws std::runtime_error saying why it could not.
+  explicit EtcdPeer(const std::filesystem::path& dir);
+  ~EtcdPeer(); ///< SIGTERM by PID, SIGKILL after 5 s
+  EtcdPeer(const EtcdPeer&) = delete;
+  EtcdPeer& operator=(const EtcdPeer&) = delete;
+
+  std::string version() const;
+  pid_t pid() const;
+
+  /// `clients` threads for `seconds`. Mode 0 (mep's claim+release cycle): LeaseGrant,
+  /// Txn put-if-absent of the client's key under that lease (compare create_revision = 0),
+  /// LeaseRevoke; one operation is the three calls. Mode 1 (mep's renew): one
+  /// LeaseKeepAlive request and its answer on the client's stream. Mode 2 (a claim alone,
+  /// next to mep's durable re-claim): LeaseGrant and Txn put-if-absent of a fresh key.
+  EtcdResult run(int clients, double seconds, int mode);
+
+private:
+  struct Impl;
+  std::unique_ptr<Impl> m;
+};
+
+} // namespace mep::bench
