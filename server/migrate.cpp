@@ -610,8 +610,15 @@ int migrate_run(const MigrateOptions& o) {
 
 int migrate_activate(const std::string& db_url, bool json) {
   try {
+    // The URL is checked before anything touches the file system: a PostgreSQL URL must
+    // not become a SQLite file under a folder called "postgresql:".
+    const std::string path = db_path(db_url);
+    if (!std::filesystem::exists(path)) {
+      std::fprintf(stderr, "mep migrate: no database at %s\n", path.c_str());
+      return exit_code::other;
+    }
     { SqliteStore init(db_url); }
-    Db db(db_path(db_url), sqlite::Mode::read_write_create);
+    Db db(path, sqlite::Mode::read_write_create);
     db.exec("INSERT INTO settings(key, value) VALUES ('migration_state', 'active') "
             "ON CONFLICT(key) DO UPDATE SET value = 'active'");
     if (json) std::printf("{\"migration_state\":\"active\"}\n");

@@ -99,6 +99,15 @@ class MigrateTest(unittest.TestCase):
     def tearDown(self):
         self.tmp.cleanup()
 
+    def test_activate_refuses_postgresql_and_a_missing_database_without_creating_anything(self):
+        for url in ("postgresql://mep@127.0.0.1:1/nodb", "sqlite:" + os.path.join(self.dir, "missing.db")):
+            p = subprocess.run([MEP, "migrate", "activate", "--db", url], capture_output=True, text=True,
+                               timeout=60, cwd=self.dir)
+            self.assertEqual(p.returncode, 1, (url, p.stdout, p.stderr))
+            self.assertEqual(p.stderr.count("\n"), 1, p.stderr)
+            self.assertTrue(p.stderr.startswith("mep migrate: "), p.stderr)
+        self.assertEqual(os.listdir(self.dir), [], "activate created files")
+
     def test_migrate_oldest_wins_others_suffixed(self):
         rows = [
             # case and width variants of one name: the oldest keeps it
