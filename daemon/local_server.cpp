@@ -22,11 +22,13 @@
 #include <fstream>
 #include <grp.h>
 #include <limits>
+#include <memory>
 #include <mutex>
 #include <poll.h>
 #include <pwd.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
+#include <system_error>
 #include <thread>
 #include <unistd.h>
 
@@ -114,12 +116,20 @@ public:
       if (!m_stopping && m_waiters < k_max_waiting_attaches) {
         ++m_waiters;
         lock.unlock();
-        std::thread([this, work = std::move(work)]() mutable {
-          work();
+        auto shared = std::make_shared<decltype(work)>(std::move(work));
+        try {
+          std::thread([this, shared] {
+            (*shared)();
+            std::lock_guard l(m_waiters_mutex);
+            if (--m_waiters == 0) m_waiters_done.notify_all();
+          }).detach();
+          return;
+        } catch (const std::system_error& e) { // no thread to be had: the pool, then
+          log::warn("no thread for a waiting attach ({}); it runs on the worker pool", e.what());
           std::lock_guard l(m_waiters_mutex);
           if (--m_waiters == 0) m_waiters_done.notify_all();
-        }).detach();
-        return;
+        }
+        return net::post(m_work, [shared] { (*shared)(); });
       }
     }
     net::post(m_work, std::move(work));

@@ -49,8 +49,10 @@ std::string fmt_double(double v) { return fmt::format("{}", v); }
 } // namespace
 
 Metrics& Metrics::global() {
-  static Metrics m;
-  return m;
+  // Never destroyed: threads that outlive main's locals (a wait queue's, a store's) may
+  // still count while static destructors run.
+  static Metrics* m = new Metrics;
+  return *m;
 }
 
 std::string Metrics::key(std::string_view name, std::string_view labels) {

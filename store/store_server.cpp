@@ -307,7 +307,7 @@ private:
     const std::string memory_id = upload->memory_id();
     auto commit = [this, finish, fail, token = *token, pre = std::move(*pre)](std::unique_ptr<Upload> u) mutable {
       const std::uint64_t size = u->size();
-      m_store.commit(std::move(u), token, std::move(pre), [this, finish, fail, size](expected<ObjectInfo, Problem> r) {
+      m_store.commit(std::move(u), token, std::move(pre), [finish, fail, size](expected<ObjectInfo, Problem> r) {
         if (!r) return fail(std::move(r.error()));
         Metrics::global().inc("mep_store_bytes_written_total", {}, static_cast<double>(size));
         auto res = json_response(bhttp::status::ok, object_json(*r));

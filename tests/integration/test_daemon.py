@@ -778,8 +778,16 @@ class BasicCases:
                 self.assertEqual(json.loads(body)["code"], "forbidden")
         # The CLI says so each time, with the auth status 7: the daemon answers and closes
         # without reading the request, and the answer is read even when sending failed.
+        # A copy of mep that 'nobody' may run wherever the checkout is (a clone under a 0700
+        # directory is out of its reach).
+        bindir = os.path.join(self.tmp, "nobody-bin")
+        os.makedirs(bindir, exist_ok=True)
+        os.chmod(bindir, 0o755)
+        mep_copy = os.path.join(bindir, "mep")
+        shutil.copy2(mep_bin(), mep_copy)
+        os.chmod(mep_copy, 0o755)
         for args in (["status"], ["claim", "victim", path]) * 5:
-            p = subprocess.run([mep_bin(), "--socket", self.mepd.socket_path, *args], stdout=subprocess.PIPE,
+            p = subprocess.run([mep_copy, "--socket", self.mepd.socket_path, *args], stdout=subprocess.PIPE,
                                stderr=subprocess.PIPE, preexec_fn=as_nobody, cwd="/",
                                env={"PATH": os.environ.get("PATH", "/usr/bin:/bin")}, timeout=30, check=False)
             self.assertEqual(p.returncode, 7, (args, p.stderr))

@@ -140,7 +140,8 @@ class Zombie(DataPlaneCase):
         with open(go_on, "w"):
             pass
         deadline = time.monotonic() + 30
-        while not os.path.exists(late + ".rc"):
+        # The shell creates the file before it writes the status into it: wait for the line.
+        while not (os.path.exists(late + ".rc") and open(late + ".rc").read().endswith("\n")):
             self.assertLess(time.monotonic(), deadline, "agent A's late sync never finished")
             time.sleep(0.05)
         with open(late) as f:
