@@ -657,8 +657,11 @@ Result run_pgbench(const std::string& url, const std::string& script_path, int c
   return r;
 }
 
+void compare_with_etcd(Server& s, const std::string& token, const fs::path& dir, double seconds, const std::string& mode,
+                       bool postgresql);
+
 // Returns false when the PostgreSQL run could not be made (the smoke test then fails).
-bool run_postgresql(const std::string& pg_arg, double seconds) {
+bool run_postgresql(const std::string& pg_arg, double seconds, const fs::path& scratch, const std::string& etcd_mode) {
   fs::path dir = fs::path("/var/tmp") / ("mep-bench-pg-" + std::to_string(::getpid()));
   fs::create_directories(dir);
   std::string script = g_source + "/scripts/pg-test-cluster.sh";
@@ -729,6 +732,7 @@ bool run_postgresql(const std::string& pg_arg, double seconds) {
                 100 * http_reclaim[i].ops_per_s / std::max(1.0, floor_reclaim[i].ops_per_s));
   std::printf("  scaling 1 -> 8 clients (claim+release on distinct names): %.2fx\n",
               http_cycle[1].ops_per_s / std::max(1.0, http_cycle[0].ops_per_s));
+  compare_with_etcd(s, token, scratch, seconds, etcd_mode, true);
   ::kill(s.pid, SIGTERM);
   ::waitpid(s.pid, nullptr, 0);
   s.pid = -1;
@@ -752,29 +756,40 @@ double median(std::vector<double> v) {
 // mep next to etcd, measured now on this machine: for each workload and client count,
 // rounds of a mep cell then an etcd cell (interleaved, so that drift hits both), the
 // medians, their ranges, and the median of the per-round ratios against the targets.
-void compare_with_etcd(Server& s, const std::string& token, const fs::path& dir, double seconds, const std::string& mode) {
-  if (mode == "off") return;
+// The private etcd of this run, started on first use (nullptr: not measured, said why).
+std::unique_ptr<mep::bench::EtcdPeer> g_etcd;
+bool g_etcd_tried = false;
+
+mep::bench::EtcdPeer* etcd_peer(const fs::path& dir, const std::string& mode) {
+  if (mode == "off") return nullptr;
+  if (g_etcd_tried) return g_etcd.get();
+  g_etcd_tried = true;
   const std::string why = mep::bench::etcd_unavailable();
   if (!why.empty()) {
     std::printf("\netcd: not measured here: %s\n", why.c_str());
-    return;
+    return nullptr;
   }
-  std::unique_ptr<mep::bench::EtcdPeer> etcd;
   try {
-    etcd = std::make_unique<mep::bench::EtcdPeer>(dir / "etcd");
+    g_etcd = std::make_unique<mep::bench::EtcdPeer>(dir / "etcd");
   } catch (const std::exception& e) {
     std::printf("\netcd: not measured here: %s\n", e.what());
     ++g_failed_cells;
-    return;
   }
+  return g_etcd.get();
+}
+
+void compare_with_etcd(Server& s, const std::string& token, const fs::path& dir, double seconds, const std::string& mode,
+                       bool postgresql) {
+  mep::bench::EtcdPeer* etcd = etcd_peer(dir, mode);
+  if (!etcd) return;
   const int rounds = g_repeat > 1 ? g_repeat : 3;
-  std::printf("\nmep (SQLite, above) and %s, single node, fresh data dir, WAL fsync on; gRPC clients, one\n"
-              "connection each. Interleaved: %d rounds of a mep cell then an etcd cell, %g s each; medians\n"
+  std::printf("\nmep (%s, above) and %s, single node, fresh data dir, WAL fsync on; gRPC clients on one\n"
+              "connection. Interleaved: %d rounds of a mep cell then an etcd cell, %g s each; medians\n"
               "(range). claim: mep's durable re-claim (a new grant and token each) / etcd LeaseGrant + Txn\n"
               "put-if-absent of a fresh key; cycle: mep claim+release / etcd LeaseGrant + Txn + LeaseRevoke;\n"
               "renew: mep renew / etcd LeaseKeepAlive on a stream. cpu: cores used by the clients (HTTP\n"
               "or gRPC, this process) / by the server, during the cell.\n\n",
-              etcd->version().c_str(), rounds, seconds);
+              postgresql ? "PostgreSQL" : "SQLite", etcd->version().c_str(), rounds, seconds);
   std::printf("%-8s %7s %22s %22s %10s %13s %13s\n", "workload", "clients", "mep ops/s", "etcd ops/s", "mep/etcd",
               "mep cpu c/s", "etcd cpu c/s");
   struct Cell {
@@ -822,6 +837,11 @@ void compare_with_etcd(Server& s, const std::string& token, const fs::path& dir,
   }
   auto met = [](bool ok) { return ok ? "met" : "NOT met"; };
   std::printf("\ntargets (issue 22), from this run:\n");
+  if (postgresql) {
+    std::printf("  PostgreSQL claims,  8 clients >= 1.0x etcd:  %.2fx  %s\n", claim_ratio[1], met(claim_ratio[1] >= 1.0));
+    std::printf("  PostgreSQL claims, 64 clients >= 1.25x etcd: %.2fx  %s\n", claim_ratio[2], met(claim_ratio[2] >= 1.25));
+    return;
+  }
   std::printf("  SQLite claims,  8 clients >= 3.0x etcd: %.2fx  %s\n", claim_ratio[1], met(claim_ratio[1] >= 3.0));
   std::printf("  SQLite claims, 64 clients >= 3.0x etcd: %.2fx  %s\n", claim_ratio[2], met(claim_ratio[2] >= 3.0));
   std::printf("  SQLite renew p99, 64 clients <= 5 ms:   %.2f ms  %s\n", renew_p99_64, met(renew_p99_64 <= 5.0));
@@ -901,7 +921,7 @@ static int run(int argc, char** argv) {
   for (int clients : {1, 8, 64}) row(k_workload_titles[1], clients, run_http(s.port, token, clients, seconds, 1));
   std::printf("%s\n", writer_nice_line(s.pid).c_str());
 
-  compare_with_etcd(s, token, dir, seconds, etcd_mode);
+  compare_with_etcd(s, token, dir, seconds, etcd_mode, false);
 
   if (rss_leases > 0) {
     long before = rss_kib(s.pid);
@@ -912,7 +932,8 @@ static int run(int argc, char** argv) {
   ::kill(s.pid, SIGTERM);
   ::waitpid(s.pid, nullptr, 0);
   s.pid = -1;
-  if (pg != "off" && !run_postgresql(pg, seconds)) return 1;
+  if (pg != "off" && !run_postgresql(pg, seconds, dir, etcd_mode)) return 1;
+  g_etcd.reset(); // stopped by PID before the scratch directory goes
   if (g_failed_cells > 0) {
     std::fprintf(stderr, "bench_server: requests failed in %d cells (see the errors column)\n", g_failed_cells);
     return 1;

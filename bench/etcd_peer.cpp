@@ -180,10 +180,17 @@ EtcdResult EtcdPeer::run(int clients, double seconds, int mode) {
   std::atomic<int> ready{0};
   std::atomic<bool> go{false};
   Clock::time_point end = Clock::time_point::max();
+  // Connections: the clients share one, as etcd's clientv3 multiplexes a process's calls
+  // on one HTTP/2 connection (on this 2-core machine etcd did more with one than with one
+  // per client: its clients then cost less CPU). MEP_BENCH_ETCD_CONNS=N uses N.
+  int conns = 1;
+  if (const char* e = std::getenv("MEP_BENCH_ETCD_CONNS"); e && std::atoi(e) > 0) conns = std::min(clients, std::atoi(e));
+  std::vector<std::shared_ptr<grpc::Channel>> channels;
+  for (int i = 0; i < conns; ++i) channels.push_back(m->channel());
   std::vector<std::thread> threads;
   for (int i = 0; i < clients; ++i) {
     threads.emplace_back([&, i] {
-      auto ch = m->channel();
+      auto ch = channels[static_cast<std::size_t>(i % conns)];
       auto kv = etcdserverpb::KV::NewStub(ch);
       auto lease = etcdserverpb::Lease::NewStub(ch);
       const std::string key = "bench/" + std::to_string(run) + "/" + std::to_string(i);

@@ -1,7 +1,7 @@
 // The peer users would pick instead of mep, measured in the same run: a private
 // single-node etcd 3.4 (Debian's etcd-server) on loopback with its own data directory,
-// driven over gRPC (C++, one channel and one HTTP/2 connection per client, as mep's
-// clients each have one keep-alive connection). gRPC, not etcd's JSON gateway: the
+// driven over gRPC (C++, a thread per client, the clients multiplexed on one HTTP/2
+// connection as etcd's clientv3 does; MEP_BENCH_ETCD_CONNS=N for N). gRPC, not etcd's JSON gateway: the
 // gateway translates every call to gRPC inside etcd and would slow etcd down, flattering mep.
 #pragma once
 #include <filesystem>
