@@ -143,9 +143,8 @@ int run(const RunOptions& o, const GlobalOptions& g) {
   boost::json::object body{{"name", o.name}, {"path", abs}, {"ttl_seconds", o.ttl}, {"bind", "pid"}};
   auto sent = Clock::now();
   DaemonReply r = attach(socket, std::move(body), o.wait_s);
-  // After a wait the grant is recent, not as old as the request: counted from a second
-  // before its answer (the daemon answers within milliseconds of the grant).
-  if (o.wait_s > 0) sent = std::max(sent, Clock::now() - std::chrono::seconds(1));
+  // After a wait the grant is no earlier than the request plus the daemon's
+  // granted_after_ms: the local deadline counts from there.
   auto stop_events = [&] {
     {
       std::lock_guard lock(events_mutex);
@@ -159,6 +158,8 @@ int run(const RunOptions& o, const GlobalOptions& g) {
     return report_problem(r, socket, g.json);
   }
   auto lease = r.json();
+  if (auto* after = lease.if_contains("granted_after_ms"); after && after->is_int64() && after->get_int64() > 0)
+    sent += std::chrono::milliseconds(after->get_int64());
   auto field = [&](std::string_view k) {
     auto* x = lease.if_contains(k);
     if (!x) return std::string();

@@ -41,7 +41,17 @@ struct Raw {
   std::string body;
   std::optional<int> retry_after;
   std::string error;
+  std::int64_t waited_ms = 0; ///< Mep-Waited-Ms of a claim that waited
 };
+
+std::int64_t waited_header(std::string_view v) {
+  std::int64_t n = 0;
+  for (char ch : v) {
+    if (ch < '0' || ch > '9' || n > (std::int64_t{1} << 40)) return 0;
+    n = n * 10 + (ch - '0');
+  }
+  return n;
+}
 
 class HttpControlPlane : public ControlPlane {
 public:
@@ -55,8 +65,11 @@ public:
     if (wait.wait.count() <= 0) return call<lease::Grant>("POST", "/v1/leases", wire::to_json(req), key, {}, wire::decode_grant);
     // The server answers within the wait; the exchange may take that long and then some.
     Extra extra{"wait=" + std::to_string(wait.wait.count()), wait.cancelled};
-    return call<lease::Grant>("POST", "/v1/leases", wire::to_json(req), key, wait.wait + std::chrono::seconds(15),
-                              wire::decode_grant, extra);
+    std::int64_t waited = 0;
+    auto g = call<lease::Grant>("POST", "/v1/leases", wire::to_json(req), key, wait.wait + std::chrono::seconds(15),
+                                wire::decode_grant, extra, &waited);
+    if (g) g->waited_ms = waited;
+    return g;
   }
 
   expected<lease::RenewBatchResult, Problem> renew_batch(const lease::RenewBatchRequest& req,
@@ -117,8 +130,10 @@ private:
   template <class T, class Decode>
   expected<T, Problem> call(std::string_view method, const std::string& target,
                             const std::optional<boost::json::object>& body, const std::string& key,
-                            std::chrono::milliseconds timeout, Decode decode, const Extra& extra = {}) {
+                            std::chrono::milliseconds timeout, Decode decode, const Extra& extra = {},
+                            std::int64_t* waited_ms = nullptr) {
     Raw r = exchange(method, target, body ? json::dump(*body) : std::string(), key, timeout, extra);
+    if (waited_ms) *waited_ms = r.waited_ms;
     if (r.status < 200 || r.status >= 300) return make_unexpected(problem_of(r));
     auto o = json::parse_object(r.body);
     if (!o) return make_unexpected(answer_unreadable(r));
@@ -234,6 +249,7 @@ protected:
     r.body = res.body();
     if (auto it = res.find(bhttp::field::retry_after); it != res.end())
       r.retry_after = std::atoi(std::string(it->value()).c_str());
+    if (auto it = res.find("Mep-Waited-Ms"); it != res.end()) r.waited_ms = waited_header(it->value());
     return r;
   }
 
@@ -274,6 +290,7 @@ protected:
     r.error = std::move(res.error);
     if (r.status) r.body = std::move(res.body);
     r.retry_after = res.retry_after();
+    if (auto w = res.header("mep-waited-ms")) r.waited_ms = waited_header(*w);
     return r;
   }
 

@@ -395,7 +395,12 @@ expected<Held, Problem> Keeper::attach(const AttachRequest& req) {
     g_state_health.failed("update a claim intent", e);
   }
   if (!r) return make_unexpected(std::move(r.error()));
+  // After a wait the grant is no earlier than the request's sending plus the server's
+  // Mep-Waited-Ms (up to the attempt that granted): count the lease from there, not from
+  // the sending, or a wait longer than the TTL would be a lease lost on arrival.
+  sent += std::chrono::milliseconds(r->waited_ms);
   Held h = held_from_grant(*r, owner, path, bound, sent);
+  h.granted_after = std::chrono::duration_cast<std::chrono::milliseconds>(sent - started);
   h.fenced = !m_dp;
   if (m_dp) {
     try {

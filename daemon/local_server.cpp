@@ -272,7 +272,13 @@ private:
     a.ttl_s = ttl.value_or(lease::k_default_ttl_s);
     a.bind_pid = !bind || *bind == "pid";
     a.pid = c.peer.pid;
-    return encode(m_keeper.attach(a), 201, [](const Held& h) { return api::to_json(h); });
+    return encode(m_keeper.attach(a), 201, [](const Held& h) {
+      auto held = api::to_json(h);
+      // How long after the attach began the grant was made at the earliest (after a wait):
+      // an agent counts its local deadline from its request plus this.
+      held["granted_after_ms"] = static_cast<std::int64_t>(h.granted_after.count());
+      return held;
+    });
   }
 
   // The agent closed its connection (or the daemon is stopping): a waiting attach ends.

@@ -347,8 +347,11 @@ void on_claim(const CallPtr& c, Store& store, WaitQueue& waits) {
   w.attempt = [&store, ctx = c->ctx, idem = *idem, req](WaitQueue::Callback cb) {
     store.claim(ctx, idem, req, std::move(cb));
   };
-  w.answer = [c, applied, start](Reply reply, std::string_view, std::size_t ahead) {
-    auto ms = std::chrono::duration_cast<std::chrono::milliseconds>(WaitQueue::Clock::now() - start).count();
+  w.answer = [c, applied, start](Reply reply, std::string_view, std::size_t ahead, WaitQueue::Clock::time_point decided) {
+    // Up to the start of the attempt that decided: a grant is no earlier than the request's
+    // arrival plus this, so a client may count its lease from its sending plus this.
+    auto ms = std::max<std::int64_t>(
+        0, std::chrono::duration_cast<std::chrono::milliseconds>(std::max(decided, start) - start).count());
     ExtraHeaders extra{{"Preference-Applied", "wait=" + std::to_string(applied)},
                        {"Mep-Waited-Ms", std::to_string(ms)}};
     finish(c, with_waiters(std::move(reply), ahead), extra);

@@ -54,12 +54,13 @@ namespace {
 
 // A client's answer, run outside the lock, with the wait metric.
 std::function<void()> answer_later(WaitQueue::Answer answer, Reply r, std::string outcome, std::size_t ahead,
-                                   WaitQueue::Clock::time_point start) {
-  return [answer = std::move(answer), r = std::move(r), outcome = std::move(outcome), ahead, start]() mutable {
+                                   WaitQueue::Clock::time_point start,
+                                   WaitQueue::Clock::time_point decided = WaitQueue::Clock::now()) {
+  return [answer = std::move(answer), r = std::move(r), outcome = std::move(outcome), ahead, start, decided]() mutable {
     double secs = std::chrono::duration<double>(WaitQueue::Clock::now() - start).count();
     Metrics::global().observe("mep_lease_wait_seconds", "outcome=\"" + outcome + "\"", secs);
     try {
-      answer(std::move(r), outcome, ahead);
+      answer(std::move(r), outcome, ahead, decided);
     } catch (const std::exception& e) {
       log::error("answering a waiting claim failed: {}", e.what());
     }
@@ -223,7 +224,8 @@ void WaitQueue::erase(const EntryPtr& e) {
 
 void WaitQueue::resolve(const EntryPtr& e, const Reply& r, std::string_view outcome, Later& later) {
   e->done = true;
-  for (auto& c : e->clients) later.push_back(answer_later(std::move(c.answer), r, std::string(outcome), 0, c.start));
+  for (auto& c : e->clients)
+    later.push_back(answer_later(std::move(c.answer), r, std::string(outcome), 0, c.start, e->attempt_started));
   e->clients.clear();
   erase(e);
   wake_heads(e->keys);
@@ -233,6 +235,7 @@ void WaitQueue::resolve(const EntryPtr& e, const Reply& r, std::string_view outc
 void WaitQueue::start_attempt(const EntryPtr& e, Later& later) {
   e->attempting = true;
   e->wake = false;
+  e->attempt_started = Clock::now();
   later.push_back([this, e, attempt = e->attempt] {
     try {
       attempt([this, e](Reply r) { on_attempt(e, std::move(r)); });

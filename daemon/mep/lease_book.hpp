@@ -42,6 +42,9 @@ struct Held {
   SteadyTime local_deadline{};
   SteadyTime next_renew{};
   int failures = 0;
+  /// For an attach: how long after it began the grant was made at the earliest (a wait);
+  /// the agent counts its own deadline from its request plus this.
+  std::chrono::milliseconds granted_after{0};
 };
 
 /// The safety margin between the local deadline and the server's expiry: 10 % of the TTL,

@@ -55,8 +55,9 @@ public:
   /// Runs one claim attempt and calls its argument once with the store's reply.
   using Attempt = std::function<void(Callback)>;
   /// Answers one waiting request; `outcome` labels the wait metric (granted, refused,
-  /// timeout, disconnected, shutdown) and `ahead` is the live waiters ahead of it.
-  using Answer = std::function<void(Reply, std::string_view outcome, std::size_t ahead)>;
+  /// timeout, disconnected, shutdown), `ahead` is the live waiters ahead of it, and
+  /// `decided` is when the attempt that decided began (a grant is no earlier), or now.
+  using Answer = std::function<void(Reply, std::string_view outcome, std::size_t ahead, Clock::time_point decided)>;
 
   struct Waiter {
     std::string tenant;
@@ -115,6 +116,7 @@ private:
     Clock::time_point abandoned_until{};                   ///< no clients: kept until then
     bool wake = false;       ///< try it when it is the head
     bool attempting = false; ///< an attempt is running
+    Clock::time_point attempt_started{};
     bool done = false;
     bool live() const { return !done && !clients.empty(); }
   };

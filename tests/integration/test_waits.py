@@ -464,6 +464,22 @@ class DaemonWaits(unittest.TestCase):
         self.assertEqual(p.returncode, 0, err)
         self.assertEqual(out.decode().strip(), "ran 2")
 
+    def test_a_wait_longer_than_the_ttl_keeps_the_lease_it_gets(self):
+        # The lease is counted from the grant, not from the request: a 5 s TTL after an 8 s
+        # wait is a live lease, renewed, until the command ends (exit 0, not 4 for lost).
+        path, name = self.new_memory(), "long-%s" % uuid.uuid4().hex[:8]
+        rc, _, err = self.mep(self.daemons[0], "claim", name, path)
+        self.assertEqual(rc, 0, err)
+        p = self.popen(self.daemons[1], "run", "--ttl", "5", "--wait", "60", name, path, "--",
+                       "sh", "-c", "sleep 6; echo held $MEP_FENCING_TOKEN")
+        self.assertTrue(wait_for(lambda: self.waiters() == 1))
+        time.sleep(8)
+        rc, _, err = self.mep(self.daemons[0], "release", name)
+        self.assertEqual(rc, 0, err)
+        out, err = p.communicate(timeout=60)
+        self.assertEqual(p.returncode, 0, err.decode())
+        self.assertEqual(out.decode().strip(), "held 2")
+
     def test_a_killed_holder_hands_over_to_the_first_waiter(self):
         path, name = self.new_memory(), "dies-%s" % uuid.uuid4().hex[:8]
         holder = self.popen(self.daemons[0], "run", name, path, "--", "sleep", "600")

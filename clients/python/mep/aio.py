@@ -669,6 +669,11 @@ class AsyncClient:
             resp = await request(sock_path, origin, "POST", "/v1/attach", body, self.timeout + (wait or 0.0))
             _http.raise_for(resp, "/v1/attach")
             info = LeaseInfo.from_json(resp.json_object())
+            # After a wait the grant is no earlier than the request plus this: the local
+            # deadline counts from there (else a wait longer than the TTL is a lost lease).
+            after = info.raw.get("granted_after_ms")
+            if isinstance(after, int) and not isinstance(after, bool) and after > 0:
+                sent += after / 1000.0
         except BaseException:
             await lease._abort()
             raise

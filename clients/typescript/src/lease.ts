@@ -182,7 +182,11 @@ export class Lease implements AsyncDisposable {
       throw e;
     }
     stream.setRef(false);
-    lease = new Lease(KEY, client, info, sentAt, streamEnded ? undefined : stream, early);
+    // After a wait the grant is no earlier than the request plus granted_after_ms: the local
+    // deadline counts from there (else a wait longer than the TTL is a lost lease).
+    const after = info.raw["granted_after_ms"];
+    const grantedFrom = typeof after === "number" && after > 0 ? sentAt + after : sentAt;
+    lease = new Lease(KEY, client, info, grantedFrom, streamEnded ? undefined : stream, early);
     return lease;
   }
 

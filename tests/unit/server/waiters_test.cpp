@@ -63,7 +63,7 @@ struct World {
       }
       cb(std::move(r));
     };
-    w.answer = [this, who](Reply r, std::string_view, std::size_t) {
+    w.answer = [this, who](Reply r, std::string_view, std::size_t, WaitQueue::Clock::time_point) {
       std::lock_guard lock(m);
       answers.emplace_back(who, r.status);
       cv.notify_all();

@@ -46,6 +46,10 @@ struct Grant {
   UnixMs expires_at = 0;
   std::int64_t ttl_s = 0;
   UnixMs server_time = 0;
+  /// Not on the wire: for a claim that waited (Prefer: wait), how long after the server
+  /// received it the granting attempt began (its Mep-Waited-Ms). The grant is no earlier
+  /// than the request's sending plus this, which is what a local deadline may count from.
+  std::int64_t waited_ms = 0;
 };
 
 /// GET /v1/leases/{name}: a grant and its owner.
