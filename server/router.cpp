@@ -302,6 +302,14 @@ std::vector<std::string> claim_keys(const CanonicalName& name, const std::string
   return {name_key(name.skeleton), memory_key(memory_id)};
 }
 
+// 429 for a wait queue at its bound, with the bound in `limit`.
+Problem too_many_waiters(std::string detail, std::size_t limit) {
+  Problem p(Code::rate_limited, std::move(detail));
+  p.extensions["limit"] = static_cast<std::int64_t>(limit);
+  p.retry_after_s = 1;
+  return p;
+}
+
 void on_claim(const CallPtr& c, Store& store, WaitQueue& waits) {
   auto body = body_object(c, false);
   if (!body) return;
@@ -362,20 +370,14 @@ void on_claim(const CallPtr& c, Store& store, WaitQueue& waits) {
     return;
   case WaitQueue::Joined::mismatch:
     return fail(c, Problem(Code::idempotency_key_reused, "this Idempotency-Key is waiting with a different request"));
-  case WaitQueue::Joined::resource_full: {
-    Problem p(Code::rate_limited, fmt::format("at most {} claims may wait for one name or memory",
-                                              k_max_waiters_per_resource));
-    p.extensions["limit"] = static_cast<std::int64_t>(k_max_waiters_per_resource);
-    p.retry_after_s = 1;
-    return fail(c, std::move(p));
-  }
-  case WaitQueue::Joined::tenant_full: {
-    Problem p(Code::rate_limited, fmt::format("at most {} claims of one tenant may wait at once",
-                                              k_max_waiters_per_tenant));
-    p.extensions["limit"] = static_cast<std::int64_t>(k_max_waiters_per_tenant);
-    p.retry_after_s = 1;
-    return fail(c, std::move(p));
-  }
+  case WaitQueue::Joined::resource_full:
+    return fail(c, too_many_waiters(fmt::format("at most {} claims may wait for one name or memory",
+                                                k_max_waiters_per_resource),
+                                    k_max_waiters_per_resource));
+  case WaitQueue::Joined::tenant_full:
+    return fail(c, too_many_waiters(fmt::format("at most {} claims of one tenant may wait at once",
+                                                k_max_waiters_per_tenant),
+                                    k_max_waiters_per_tenant));
   case WaitQueue::Joined::stopped: {
     Problem p(Code::unavailable, "the server is shutting down; claim again");
     p.retry_after_s = 1;

@@ -2,10 +2,23 @@
 command with a timeout. Standard library only."""
 import os
 import subprocess
+import time
 import unittest
 
 # Generous per-command limit: a hung binary fails its test instead of stalling ctest.
 DEFAULT_TIMEOUT_S = 60
+
+
+def wait_for(predicate, timeout=30, interval=0.05):
+    """Polls `predicate` until it returns a true value (returned) or `timeout` passes (None)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            return None
+        time.sleep(interval)
 
 
 def mep_bin():

@@ -23,6 +23,7 @@ import unittest
 import uuid
 
 from daemonfixture import MepServer, Mepd, clean_env
+import mephelpers
 from mephelpers import mep_bin
 
 COMMAND_TIMEOUT_S = 30
@@ -43,15 +44,7 @@ def unique(prefix="agent"):
 
 
 def wait_for(predicate, timeout=WAIT_S, interval=0.05):
-    """Polls `predicate` until it returns a true value (returned) or `timeout` passes (None)."""
-    deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            return None
-        time.sleep(interval)
+    return mephelpers.wait_for(predicate, timeout, interval)
 
 
 def read_file(path):

@@ -24,21 +24,10 @@ import unittest
 import uuid
 
 from daemonfixture import MepServer as DaemonMepServer, Mepd, clean_env
-from mephelpers import mep_bin
+from mephelpers import mep_bin, wait_for
 from serverfixture import (HOST, ApiClient, MepServer, ServerTestCase, db_url, new_key, unique_name)
 
 WAIT_S = 30
-
-
-def wait_for(predicate, timeout=WAIT_S, interval=0.05):
-    deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            return None
-        time.sleep(interval)
 
 
 def metric(port, name):
