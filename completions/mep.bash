@@ -153,7 +153,7 @@ _mepd() {
     if _mep_complete_value " --socket --state-dir --control-plane --token-file --store --store-token-file --config --log-level "; then
         return 0
     fi
-    mapfile -t COMPREPLY < <(compgen -W "--help -h --socket --state-dir --control-plane --token-file
+    mapfile -t COMPREPLY < <(compgen -W "--help -h --system --socket --state-dir --control-plane --token-file
         --store --store-token-file --config --log-level --version" -- "$cur")
     return 0
 }

@@ -2,6 +2,7 @@
 complete -c mepd -f
 complete -c mepd -s h -l help -d 'Print help and exit'
 complete -c mepd -l version -d 'Print the version and exit'
+complete -c mepd -l system -d 'One daemon for a shared host (the group mep)'
 complete -c mepd -l socket -r -F -d 'Socket path'
 complete -c mepd -l state-dir -x -a '(__fish_complete_directories)' -d 'State directory'
 complete -c mepd -l control-plane -x -d 'URL of a mep server; none: embedded control plane'

@@ -2,6 +2,7 @@
 #include "mep/identity.hpp"
 
 #include "mep/crypto.hpp"
+#include "mep/peer.hpp"
 #include "mep/state_db.hpp"
 #include "mep/uuid.hpp"
 
@@ -99,6 +100,23 @@ void IdentityResolver::bind(const std::string& memory_id, const std::filesystem:
   if (!st) return;
   if (hash && !sha256 && st->size > 0) sha256 = m_files.sha256(path);
   m_db.remember_file(memory_id, path.string(), *st, sha256);
+}
+
+std::optional<FileStat> Files::stat(const std::filesystem::path& p) {
+  AsPeer as;
+  return stat_file(p);
+}
+std::optional<std::string> Files::read_id(const std::filesystem::path& p) {
+  AsPeer as;
+  return read_id_xattr(p);
+}
+bool Files::write_id(const std::filesystem::path& p, const std::string& id) {
+  AsPeer as;
+  return write_id_xattr(p, id);
+}
+std::optional<std::string> Files::sha256(const std::filesystem::path& p) {
+  AsPeer as;
+  return file_sha256(p);
 }
 
 } // namespace mep::daemon

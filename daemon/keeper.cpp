@@ -32,6 +32,8 @@
 #include <boost/json.hpp>
 #include <fmt/format.h>
 
+#include <algorithm>
+
 #include <cerrno>
 #include <cstring>
 #include <fcntl.h>
@@ -53,8 +55,20 @@ Problem state_unwritable(const std::exception& e) {
 
 SavedLease saved(const Held& h) {
   return SavedLease{h.canonical_name, h.display_name, h.memory_id, h.lease_id, h.owner_client_id,
-                    h.fencing_token,  h.ttl_s,        h.expires_at, h.path,    h.bind_pid};
+                    h.fencing_token,  h.ttl_s,        h.expires_at, h.path,    h.bind_pid,
+                    h.uid,            h.gid};
 }
+
+// For work on a lease's file outside its owner's request (a release when the agent exits,
+// a detach by root): the owner's credentials, when the lease has a known owner.
+struct OwnerScope {
+  explicit OwnerScope(const Held& h)
+      : peer(Peer::user(h.uid, h.gid)), scope(h.uid == static_cast<uid_t>(-1) ? nullptr : &peer) {}
+  Peer peer;
+  PeerScope scope;
+};
+
+Problem not_yours() { return Problem(Code::lease_not_found, "this daemon holds no lease under that name"); }
 
 std::string canonical_or(const std::string& display) {
   auto n = canonicalize(display);
@@ -121,6 +135,8 @@ void Keeper::start() {
     h.expires_at = s.expires_at;
     h.path = s.path;
     h.bind_pid = s.bind_pid;
+    h.uid = s.uid;
+    h.gid = s.gid;
     h.local_deadline = steady + left - margin(h.ttl_s);
     h.next_renew = steady; // renew at once: proves the stored token is still current
     h.fenced = !m_dp;      // re-adopted: the store's mark is advanced again (fence_pending)
@@ -200,6 +216,8 @@ void Keeper::resend_intents() {
     }
     if (!r) continue;
     Held h = held_from_grant(*r, in.request.owner_client_id, in.path, in.bind_pid, sent);
+    h.uid = in.uid;
+    h.gid = in.gid;
     if (h.bind_pid && !pid_alive(h.bind_pid)) {
       // The agent that asked is gone (or was told it failed: -1); the claim must not linger.
       log::info("releasing lease {} adopted from an intent whose agent is not waiting for it", h.canonical_name);
@@ -315,12 +333,17 @@ expected<Held, Problem> Keeper::attach(const AttachRequest& req) {
   const std::string owner = m_state.daemon_id() + "/" + attach_id;
   const std::string path = req.path.string();
   const pid_t bound = req.bind_pid ? req.pid : 0;
+  if (const Peer* peer = current_peer(); peer && peer->uid != ::geteuid()) {
+    // System mode: the daemon may open more than this peer may; attach only what it could.
+    if (auto p = check_peer_may_write(req.path.c_str())) return make_unexpected(std::move(*p));
+  }
   Intent intent;
   try {
     auto file_lock = lock_file(req.path);
     auto ident = resolve_registered(req.path);
     if (!ident) return make_unexpected(std::move(ident.error()));
-    intent = Intent{"claim-" + attach_id, lease::ClaimRequest{req.name, ident->memory_id, owner, req.ttl_s}, path, bound};
+    intent = Intent{"claim-" + attach_id, lease::ClaimRequest{req.name, ident->memory_id, owner, req.ttl_s}, path, bound,
+                    req.uid, req.gid};
     // Exactly once: the intent is on disk before the claim leaves.
     {
       std::lock_guard lock(m_attaching_mutex);
@@ -400,6 +423,8 @@ expected<Held, Problem> Keeper::attach(const AttachRequest& req) {
   // the sending, or a wait longer than the TTL would be a lease lost on arrival.
   sent += std::chrono::milliseconds(r->waited_ms);
   Held h = held_from_grant(*r, owner, path, bound, sent);
+  h.uid = req.uid;
+  h.gid = req.gid;
   h.granted_after = std::chrono::duration_cast<std::chrono::milliseconds>(sent - started);
   h.fenced = !m_dp;
   if (m_dp) {
@@ -439,15 +464,20 @@ void Keeper::forget(const std::vector<std::string>& names) {
   }
 }
 
-expected<void, Problem> Keeper::detach(const std::string& display, const std::optional<std::string>& lease_id) {
+expected<void, Problem> Keeper::detach(const std::string& display, const std::optional<std::string>& lease_id,
+                                       uid_t viewer) {
   const std::string key = canonical_or(display);
-  auto h = m_book.take(key, lease_id);
+  auto seen = m_book.get(key);
+  if (seen && !may_act_on(viewer, seen->uid)) return make_unexpected(not_yours());
+  // Only the lease looked at: another that replaced it meanwhile is not taken.
+  auto h = seen ? m_book.take(key, lease_id ? lease_id : std::optional<std::string>(seen->lease_id)) : std::nullopt;
   if (!h)
     return make_unexpected(Problem(Code::lease_not_found, lease_id ? "this daemon holds no lease with that id under that name"
                                                                    : "this daemon holds no lease under that name"));
   forget({key});
   try {
     // The fingerprint is refreshed at release, so a copy made later is recognized.
+    OwnerScope as_owner(*h);
     m_resolver.bind(h->memory_id, h->path, true);
   } catch (const std::exception& e) {
     g_state_health.failed("refresh a fingerprint", e);
@@ -457,33 +487,47 @@ expected<void, Problem> Keeper::detach(const std::string& display, const std::op
   return {};
 }
 
-std::vector<Held> Keeper::list() const { return m_book.all(); }
+std::vector<Held> Keeper::list(uid_t viewer) const {
+  auto all = m_book.all();
+  all.erase(std::remove_if(all.begin(), all.end(), [&](const Held& h) { return !may_act_on(viewer, h.uid); }),
+            all.end());
+  return all;
+}
 
-expected<Held, Problem> Keeper::get(const std::string& display) const {
+expected<Held, Problem> Keeper::get(const std::string& display, uid_t viewer) const {
   auto h = m_book.get(canonical_or(display));
-  if (!h) return make_unexpected(Problem(Code::lease_not_found, "this daemon holds no lease under that name"));
+  if (!h || !may_act_on(viewer, h->uid)) return make_unexpected(not_yours());
   return *h;
 }
 
 // ---- branch, identify, init, lineage ---------------------------------------------------------------
 
-expected<BranchedFile, Problem> Keeper::branch(const fs::path& path, const fs::path& new_path) {
+expected<BranchedFile, Problem> Keeper::branch(const fs::path& path, const fs::path& new_path, uid_t viewer) {
   auto ident = m_resolver.resolve(path, false);
   if (!ident) return make_unexpected(std::move(ident.error()));
   bool lost = false;
   auto live = m_book.live_on_memory(ident->memory_id, lost);
+  if (live && !may_act_on(viewer, live->uid)) { // another user's lease: as if there were none
+    live.reset();
+    lost = false;
+  }
   if (!live && lost)
     return make_unexpected(Problem(Code::lease_expired, "the lease on the source was lost: attach it again to branch"));
   if (!live)
     return make_unexpected(Problem(Code::lease_not_found, "branching needs a live lease on the source: attach it first"));
   std::error_code ec;
-  if (fs::exists(new_path, ec)) return make_unexpected(Problem(Code::invalid_request, "the new path already exists"));
-  if (!fs::copy_file(path, new_path, fs::copy_options::none, ec))
-    return make_unexpected(Problem(Code::invalid_request, "cannot copy the memory file: " + ec.message()));
+  {
+    AsPeer as; // the copy is the peer's: read and created with its rights
+    if (fs::exists(new_path, ec)) return make_unexpected(Problem(Code::invalid_request, "the new path already exists"));
+    if (!fs::copy_file(path, new_path, fs::copy_options::none, ec))
+      return make_unexpected(Problem(ec == std::errc::permission_denied ? Code::forbidden : Code::invalid_request,
+                                     "cannot copy the memory file: " + ec.message()));
+  }
   const std::string id = uuid_v7().to_string();
   m_cp_requests++;
   auto r = m_cp->branch(lease::BranchRequest{ident->memory_id, live->fencing_token, id}, "branch-" + id);
   if (!r) {
+    AsPeer as;
     fs::remove(new_path, ec);
     return make_unexpected(std::move(r.error()));
   }
@@ -513,15 +557,21 @@ expected<Identified, Problem> Keeper::identify(const fs::path& path) {
 }
 
 expected<Initialized, Problem> Keeper::init(const fs::path& path, mode_t mode) {
-  int fd = ::open(path.c_str(), O_CREAT | O_EXCL | O_WRONLY | O_CLOEXEC, 0600);
+  int fd, err = 0;
+  {
+    AsPeer as; // created where and as the peer could: the file is the peer's
+    fd = ::open(path.c_str(), O_CREAT | O_EXCL | O_WRONLY | O_CLOEXEC, 0600);
+    err = errno;
+    if (fd >= 0) ::fchmod(fd, mode); // the client's umask, not the daemon's
+  }
   if (fd < 0)
-    return make_unexpected(Problem(Code::invalid_request, errno == EEXIST ? std::string("the file already exists")
-                                                                          : std::string("cannot create the file: ") +
-                                                                                std::strerror(errno)));
-  ::fchmod(fd, mode); // the client's umask, not the daemon's
+    return make_unexpected(Problem(err == EACCES || err == EPERM ? Code::forbidden : Code::invalid_request,
+                                   err == EEXIST ? std::string("the file already exists")
+                                                 : std::string("cannot create the file: ") + std::strerror(err)));
   ::close(fd);
   const std::string id = uuid_v7().to_string();
   if (auto p = register_memory(id)) {
+    AsPeer as;
     ::unlink(path.c_str());
     return make_unexpected(std::move(*p));
   }
@@ -553,9 +603,9 @@ expected<lease::Lineage, Problem> Keeper::lineage(const std::optional<fs::path>&
 namespace {
 // The lease under `name` when it is live at this moment by the local clock: 404 when there
 // is none, 410 once it is lost or its local deadline has passed.
-expected<Held, Problem> live_lease(const LeaseBook& book, const std::string& name) {
+expected<Held, Problem> live_lease(const LeaseBook& book, const std::string& name, uid_t viewer) {
   auto h = book.get(name);
-  if (!h) return make_unexpected(Problem(Code::lease_not_found, "this daemon holds no lease under that name"));
+  if (!h || !may_act_on(viewer, h->uid)) return make_unexpected(not_yours());
   if (h->state == LeaseState::lost || Clock::now() >= h->local_deadline)
     return make_unexpected(Problem(Code::lease_expired, "the lease was lost (" +
                                                             (h->lost_reason.empty() ? std::string("deadline") : h->lost_reason) +
@@ -564,9 +614,9 @@ expected<Held, Problem> live_lease(const LeaseBook& book, const std::string& nam
 }
 } // namespace
 
-expected<VerifiedLease, Problem> Keeper::verify(const std::string& display) {
+expected<VerifiedLease, Problem> Keeper::verify(const std::string& display, uid_t viewer) {
   const std::string name = canonical_or(display);
-  auto h = live_lease(m_book, name);
+  auto h = live_lease(m_book, name, viewer);
   if (!h) return make_unexpected(std::move(h.error()));
   m_cp_requests++;
   auto r = m_cp->verify(lease::VerifyRequest{h->memory_id, h->fencing_token});
@@ -579,9 +629,9 @@ expected<VerifiedLease, Problem> Keeper::verify(const std::string& display) {
   return VerifiedLease{h->canonical_name, h->memory_id, h->fencing_token, r->expires_at};
 }
 
-expected<ObjectResult, Problem> Keeper::sync(const std::string& display) {
+expected<ObjectResult, Problem> Keeper::sync(const std::string& display, uid_t viewer) {
   const std::string name = canonical_or(display);
-  auto h = live_lease(m_book, name);
+  auto h = live_lease(m_book, name, viewer);
   if (!h) return make_unexpected(std::move(h.error()));
   if (!m_dp)
     return make_unexpected(Problem(Code::store_not_configured, "this mepd has no data plane: start it with --store URL"));
@@ -590,9 +640,15 @@ expected<ObjectResult, Problem> Keeper::sync(const std::string& display) {
     p.retry_after_s = 1;
     return make_unexpected(std::move(p));
   }
-  int fd = ::open(h->path.c_str(), O_RDONLY | O_CLOEXEC);
+  int fd, err = 0;
+  {
+    AsPeer as; // the bytes are read with the peer's rights, not the daemon's
+    fd = ::open(h->path.c_str(), O_RDONLY | O_CLOEXEC);
+    err = errno;
+  }
   if (fd < 0)
-    return make_unexpected(Problem(Code::invalid_request, std::string("cannot read the memory file: ") + std::strerror(errno)));
+    return make_unexpected(Problem(err == EACCES || err == EPERM ? Code::forbidden : Code::invalid_request,
+                                   std::string("cannot read the memory file: ") + std::strerror(err)));
   struct stat st {};
   ::fstat(fd, &st);
   auto r = m_dp->put(h->memory_id, h->fencing_token, fd, static_cast<std::uint64_t>(st.st_size));
@@ -614,21 +670,30 @@ expected<ObjectResult, Problem> Keeper::fetch(const std::string& memory_id, cons
   auto id = Uuid::parse(memory_id);
   if (!id) return make_unexpected(Problem(Code::invalid_request, "memory_instance_id must be a UUID"));
   std::error_code ec;
-  if (fs::exists(path, ec) || fs::is_symlink(path, ec))
-    return make_unexpected(Problem(Code::invalid_request, "the path already exists: fetch writes a new file"));
-  // Into a temporary file beside it, then linked into place (never replacing a file that
-  // appeared meanwhile), so the path holds the whole object or nothing.
+  // Every file call here runs as the peer: the new file is created where the peer may, and
+  // belongs to it.
+  int fd, err = 0;
   std::string tmpl = (path.parent_path() / ("." + path.filename().string() + ".mep-fetch-XXXXXX")).string();
   std::vector<char> name(tmpl.begin(), tmpl.end());
   name.push_back('\0');
-  int fd = ::mkostemp(name.data(), O_CLOEXEC);
+  {
+    AsPeer as;
+    if (fs::exists(path, ec) || fs::is_symlink(path, ec))
+      return make_unexpected(Problem(Code::invalid_request, "the path already exists: fetch writes a new file"));
+    // Into a temporary file beside it, then linked into place (never replacing a file that
+    // appeared meanwhile), so the path holds the whole object or nothing.
+    fd = ::mkostemp(name.data(), O_CLOEXEC);
+    err = errno;
+    if (fd >= 0) ::fchmod(fd, mode);
+  }
   if (fd < 0)
-    return make_unexpected(Problem(Code::invalid_request, std::string("cannot create the file: ") + std::strerror(errno)));
+    return make_unexpected(Problem(err == EACCES || err == EPERM ? Code::forbidden : Code::invalid_request,
+                                   std::string("cannot create the file: ") + std::strerror(err)));
   const fs::path tmp(name.data());
-  ::fchmod(fd, mode);
   auto r = m_dp->get(id->to_string(), fd);
   auto fail = [&](Problem p) {
     ::close(fd);
+    AsPeer as;
     ::unlink(tmp.c_str());
     return make_unexpected(std::move(p));
   };
@@ -637,14 +702,17 @@ expected<ObjectResult, Problem> Keeper::fetch(const std::string& memory_id, cons
     return fail(Problem(Code::unavailable, std::string("cannot write the fetched file: ") + std::strerror(errno)));
   ::close(fd);
   fd = -1;
-  if (::link(tmp.c_str(), path.c_str()) != 0) {
-    int err = errno;
+  {
+    AsPeer as;
+    if (::link(tmp.c_str(), path.c_str()) != 0) {
+      err = errno;
+      ::unlink(tmp.c_str());
+      return make_unexpected(Problem(Code::invalid_request, err == EEXIST ? std::string("the path already exists")
+                                                                          : std::string("cannot create the file: ") +
+                                                                                std::strerror(err)));
+    }
     ::unlink(tmp.c_str());
-    return make_unexpected(Problem(Code::invalid_request, err == EEXIST ? std::string("the path already exists")
-                                                                        : std::string("cannot create the file: ") +
-                                                                              std::strerror(err)));
   }
-  ::unlink(tmp.c_str());
   try {
     m_resolver.bind(id->to_string(), path, true);
   } catch (const std::exception& e) {
@@ -745,6 +813,7 @@ void Keeper::on_process_exit(pid_t pid) {
   for (auto& h : m_book.take_bound_to(pid)) {
     forget({h.canonical_name});
     try {
+      OwnerScope as_owner(h); // the file is read as its owner, not as the daemon
       m_resolver.bind(h.memory_id, h.path, true);
     } catch (const std::exception& e) {
       g_state_health.failed("refresh a fingerprint", e);
@@ -764,13 +833,14 @@ void Keeper::on_event(const Event& e) {
   std::lock_guard lock(m_sinks_mutex);
   if (m_sinks.empty()) return;
   std::string line = json::dump(api::to_json(e, now_unix_ms())) + "\n";
-  for (auto& [id, sink] : m_sinks) sink(line);
+  for (auto& [id, sink] : m_sinks)
+    if (may_act_on(sink.viewer, e.lease.uid)) sink.send(line); // another user's leases stay unseen
 }
 
-int Keeper::subscribe(std::function<void(const std::string&)> sink) {
+int Keeper::subscribe(std::function<void(const std::string&)> sink, uid_t viewer) {
   std::lock_guard lock(m_sinks_mutex);
   int id = m_next_sink++;
-  m_sinks[id] = std::move(sink);
+  m_sinks[id] = Sink{std::move(sink), viewer};
   return id;
 }
 

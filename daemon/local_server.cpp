@@ -17,7 +17,9 @@
 #include <boost/url/parse.hpp>
 #include <fmt/format.h>
 
+#include <cerrno>
 #include <condition_variable>
+#include <cstring>
 #include <cstdlib>
 #include <fstream>
 #include <grp.h>
@@ -43,14 +45,18 @@ namespace fs = std::filesystem;
 namespace {
 
 constexpr auto k_io_timeout = std::chrono::seconds(60);
+constexpr const char* k_system_group = "mep";
 constexpr std::size_t k_body_limit = 16 * 1024;
 
 // Resolves a path given by a local client: relative paths are taken from the client's
-// working directory, so `curl` and the CLI behave like any other local tool.
+// working directory, so `curl` and the CLI behave like any other local tool. Read as the
+// peer: /proc/PID/cwd is open to its own user (and a daemon running as `mep` needs no
+// CAP_SYS_PTRACE for it).
 fs::path client_path(const std::string& p, pid_t pid) {
   fs::path path(p);
   if (path.is_relative() && pid > 0) {
     std::error_code ec;
+    AsPeer as;
     auto cwd = fs::read_symlink("/proc/" + std::to_string(pid) + "/cwd", ec);
     if (!ec) path = cwd / path;
   }
@@ -93,7 +99,7 @@ public:
 
   void handle(http::Request&& req, const http::Peer& peer, std::shared_ptr<http::BodySink>,
               http::Responder responder) override {
-    if (req.method() == bhttp::verb::get && req.target() == "/v1/events") return start_events(responder);
+    if (req.method() == bhttp::verb::get && req.target() == "/v1/events") return start_events(responder, peer.uid);
     // Keeper calls may block on the control plane or the data plane: they run on the
     // worker pool, so the I/O threads keep serving event streams and other clients. An
     // attach that may wait for a held name gets a thread of its own: a queue of waiting
@@ -104,6 +110,9 @@ public:
       Out out = make_unexpected(Problem(Code::internal, "internal error"));
       std::string allow;
       try {
+        // Every file this request touches is touched as the peer (peer.hpp).
+        const Peer who = Peer::connected(peer.uid, peer.gid, peer.pid);
+        PeerScope scope(&who);
         out = route(req, peer, allow, fd);
       } catch (const std::exception& e) {
         log::error("request {} {} failed: {}", rid, std::string(req.target()), e.what());
@@ -202,9 +211,9 @@ private:
   }
 
   // The event stream: one JSON line per event until the client goes.
-  void start_events(const http::Responder& responder) {
+  void start_events(const http::Responder& responder, uid_t viewer) {
     auto stream = responder.stream("application/x-ndjson");
-    int id = m_keeper.subscribe([stream](const std::string& line) { stream->push(line); });
+    int id = m_keeper.subscribe([stream](const std::string& line) { stream->push(line); }, viewer);
     stream->on_close([this, id] { m_keeper.unsubscribe(id); });
   }
 
@@ -272,6 +281,8 @@ private:
     a.ttl_s = ttl.value_or(lease::k_default_ttl_s);
     a.bind_pid = !bind || *bind == "pid";
     a.pid = c.peer.pid;
+    a.uid = c.peer.uid;
+    a.gid = c.peer.gid;
     return encode(m_keeper.attach(a), 201, [](const Held& h) {
       auto held = api::to_json(h);
       // How long after the attach began the grant was made at the earliest (after a wait):
@@ -299,19 +310,19 @@ private:
     auto name = rd.string("name", Need::required);
     auto lease_id = rd.string("lease_id", Need::optional);
     if (auto ok = rd.finish(); !ok) return make_unexpected(std::move(ok.error()));
-    auto r = m_keeper.detach(*name, lease_id);
+    auto r = m_keeper.detach(*name, lease_id, c.peer.uid);
     if (!r) return make_unexpected(std::move(r.error()));
     return Answer{204, {}, {}};
   }
 
-  Out on_list(const Call&) {
+  Out on_list(const Call& c) {
     boost::json::array arr;
-    for (const auto& h : m_keeper.list()) arr.emplace_back(api::to_json(h));
+    for (const auto& h : m_keeper.list(c.peer.uid)) arr.emplace_back(api::to_json(h));
     return json(200, boost::json::object{{"leases", std::move(arr)}});
   }
 
   Out on_get(const Call& c) {
-    return encode(m_keeper.get(c.params[0]), 200, [](const Held& h) { return api::to_json(h); });
+    return encode(m_keeper.get(c.params[0], c.peer.uid), 200, [](const Held& h) { return api::to_json(h); });
   }
 
   // {path, new_path} (branch) or {path} (init).
@@ -326,7 +337,7 @@ private:
     if (!branch)
       return encode(m_keeper.init(client_path(*p, c.peer.pid), client_file_mode(c.peer.pid)), 201,
                     [](const Initialized& i) { return api::to_json(i); });
-    return encode(m_keeper.branch(client_path(*p, c.peer.pid), client_path(*np, c.peer.pid)), 201,
+    return encode(m_keeper.branch(client_path(*p, c.peer.pid), client_path(*np, c.peer.pid), c.peer.uid), 201,
                   [](const BranchedFile& b) { return api::to_json(b); });
   }
   Out on_branch(const Call& c) { return on_branch_or_init(c, true); }
@@ -359,13 +370,13 @@ private:
   Out on_verify(const Call& c) {
     auto name = name_of(c);
     if (!name) return make_unexpected(std::move(name.error()));
-    return encode(m_keeper.verify(*name), 200, [](const VerifiedLease& v) { return api::to_json(v); });
+    return encode(m_keeper.verify(*name, c.peer.uid), 200, [](const VerifiedLease& v) { return api::to_json(v); });
   }
 
   Out on_sync(const Call& c) {
     auto name = name_of(c);
     if (!name) return make_unexpected(std::move(name.error()));
-    return encode(m_keeper.sync(*name), 200, [](const ObjectResult& o) { return api::to_json_sync(o); });
+    return encode(m_keeper.sync(*name, c.peer.uid), 200, [](const ObjectResult& o) { return api::to_json_sync(o); });
   }
 
   Out on_fetch(const Call& c) {
@@ -408,8 +419,9 @@ const std::vector<DaemonHandler::Row> DaemonHandler::k_routes = {
     {bhttp::verb::post, "/v1/fetch", &DaemonHandler::on_fetch},
 };
 
-LocalServer::LocalServer(net::io_context& ioc, Keeper& keeper, const fs::path& socket_path, int inherited_fd)
-    : m_ioc(ioc), m_keeper(keeper), m_path(socket_path) {
+LocalServer::LocalServer(net::io_context& ioc, Keeper& keeper, const fs::path& socket_path, int inherited_fd,
+                         bool system)
+    : m_ioc(ioc), m_keeper(keeper), m_path(socket_path), m_system(system) {
   local::acceptor acceptor(net::make_strand(ioc));
   if (inherited_fd >= 0) acceptor.assign(local(), inherited_fd);
   else bind_socket(acceptor);
@@ -425,10 +437,23 @@ void LocalServer::bind_socket(local::acceptor& acceptor) {
   net::io_context& ioc = m_ioc;
   std::error_code ec;
   fs::path dir = socket_path.parent_path();
+  // System mode: the group mep reaches the socket (SPEC §7: directory 0750, socket 0660).
+  gid_t sock_gid = static_cast<gid_t>(-1);
+  if (m_system) {
+    const struct group* g = ::getgrnam(k_system_group);
+    if (!g)
+      throw std::runtime_error(fmt::format("--system serves the members of the group {}, which does not exist (create it "
+                                           "with systemd-sysusers or groupadd --system {})",
+                                           k_system_group, k_system_group));
+    sock_gid = g->gr_gid;
+  }
   if (!dir.empty() && !fs::exists(dir, ec)) {
     fs::create_directories(dir, ec);
     if (ec) throw std::runtime_error("cannot create " + dir.string() + ": " + ec.message());
-    ::chmod(dir.c_str(), 0700);
+    ::chmod(dir.c_str(), m_system ? 0750 : 0700);
+    if (m_system && ::chown(dir.c_str(), static_cast<uid_t>(-1), sock_gid) != 0)
+      throw std::runtime_error(fmt::format("cannot give {} to the group {}: {}", dir.string(), k_system_group,
+                                           std::strerror(errno)));
   } else if (struct stat st {}; !dir.empty() && ::stat(dir.c_str(), &st) == 0 &&
              (st.st_mode & (S_IWGRP | S_IWOTH)) != 0 && (st.st_mode & S_ISVTX) == 0) {
     // Whoever may write there may replace the socket with their own.
@@ -449,7 +474,10 @@ void LocalServer::bind_socket(local::acceptor& acceptor) {
   if (!bec) acceptor.bind(local::endpoint(socket_path.string()), bec);
   ::umask(old);
   if (bec) throw std::runtime_error("cannot bind " + socket_path.string() + ": " + bec.message());
-  ::chmod(socket_path.c_str(), 0600);
+  ::chmod(socket_path.c_str(), m_system ? 0660 : 0600);
+  if (m_system && ::chown(socket_path.c_str(), static_cast<uid_t>(-1), sock_gid) != 0)
+    throw std::runtime_error(fmt::format("cannot give {} to the group {}: {}", socket_path.string(), k_system_group,
+                                         std::strerror(errno)));
   acceptor.listen(net::socket_base::max_listen_connections, bec);
   if (bec) throw std::runtime_error("cannot listen on " + socket_path.string() + ": " + bec.message());
   m_owns_path = true;
@@ -468,10 +496,12 @@ void LocalServer::start() { m_listener->start(); }
 
 void LocalServer::stop() { m_listener->stop_accepting(); }
 
-// SPEC §7: the daemon's own user; in system mode (a socket the group may use, 0660) also
-// members of the socket's group.
+// SPEC §7: the daemon's own user; in system mode also root and the members of the socket's
+// group (mep), each of whom then sees only its own leases (Keeper, may_act_on).
 bool LocalServer::peer_allowed(uid_t uid, gid_t gid) const {
   if (uid == ::getuid()) return true;
+  if (!m_system) return false;
+  if (uid == 0) return true;
   struct stat st {};
   std::string path = m_path.string();
   if (path.empty() || ::stat(path.c_str(), &st) != 0 || !(st.st_mode & S_IWGRP)) return false;

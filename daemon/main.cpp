@@ -7,6 +7,7 @@
 #include "mep/keeper.hpp"
 #include "mep/local_server.hpp"
 #include "mep/log.hpp"
+#include "mep/peer.hpp"
 #include "mep/problem.hpp"
 
 #include <CLI/CLI.hpp>
@@ -80,8 +81,15 @@ int main(int argc, char** argv) {
   CLI::App app{"mepd: the mep host daemon. Local agents attach over a Unix socket.", "mepd"};
   std::optional<std::string> socket, state_dir, control_plane, token_file, config_file, store, store_token_file;
   std::string log_level = "info";
-  app.add_option("--socket", socket, "Socket path (default $MEP_SOCKET, $XDG_RUNTIME_DIR/mep/mepd.sock, /run/mep/mepd.sock)");
-  app.add_option("--state-dir", state_dir, "State directory (default $XDG_STATE_HOME/mep/mepd)");
+  bool system = false;
+  app.add_option("--socket", socket,
+                 "Socket path (default $MEP_SOCKET, $XDG_RUNTIME_DIR/mep/mepd.sock, /run/mep/mepd.sock; "
+                 "with --system /run/mep/mepd.sock)");
+  app.add_option("--state-dir", state_dir, "State directory (default $XDG_STATE_HOME/mep/mepd; with --system /var/lib/mep/mepd)");
+  app.add_flag("--system", system,
+               "One daemon for a shared host: serves root and the members of the group mep (socket 0660), each "
+               "seeing only the leases it attached, and touches files only with the asking user's rights "
+               "(needs root, or CAP_SETUID and CAP_SETGID)");
   app.add_option("--control-plane", control_plane,
                  "URL of a mep server (https://…, or http:// on loopback); none: embedded control plane");
   app.add_option("--token-file", token_file, "File holding the bearer token for --control-plane (or MEP_TOKEN)");
@@ -114,8 +122,18 @@ int main(int argc, char** argv) {
     mep::log::error("{}", cfg.error());
     return mep::exit_code::usage;
   }
-  std::string sock = cfg->get("socket", socket, "--socket", default_socket()).value;
-  std::string state = cfg->get("state_dir", state_dir, "--state-dir", default_state_dir()).value;
+  std::string sock = cfg->get("socket", socket, "--socket", system ? "/run/mep/mepd.sock" : default_socket()).value;
+  std::string state =
+      cfg->get("state_dir", state_dir, "--state-dir", system ? "/var/lib/mep/mepd" : default_state_dir()).value;
+  if (system) {
+    // Fail closed: a system daemon that could not take a user's rights would act with its own.
+    if (auto why = mep::daemon::check_can_act_as_peers()) {
+      mep::log::error("--system: cannot act with another user's rights ({}); run mepd as root, or give it "
+                      "CAP_SETUID and CAP_SETGID (AmbientCapabilities= in its unit)",
+                      *why);
+      return mep::exit_code::other;
+    }
+  }
   std::string cp_url = cfg->get("control_plane", control_plane, "--control-plane", "").value;
   std::string tok_file = cfg->get("token_file", token_file, "--token-file", "").value;
   std::string store_url = cfg->get("store", store, "--store", "").value;
@@ -152,7 +170,7 @@ int main(int argc, char** argv) {
     //    The socket is bound first: a daemon that cannot have it touches no lease.
     mep::daemon::Keeper keeper(state, std::move(cp), std::move(dp));
     boost::asio::io_context ioc;
-    mep::daemon::LocalServer server(ioc, keeper, sock, inherited_socket());
+    mep::daemon::LocalServer server(ioc, keeper, sock, inherited_socket(), system);
     keeper.start();
     server.start();
 
@@ -172,7 +190,8 @@ int main(int argc, char** argv) {
       ioc.stop();
     };
     signals.async_wait(on_signal);
-    mep::log::info("listening on {} (control plane: {})", sock, describe);
+    mep::log::info("listening on {}{} (control plane: {})", sock, system ? " for the group mep (system mode)" : "",
+                   describe);
     std::vector<std::thread> pool;
     for (int i = 0; i < 3; ++i) pool.emplace_back([&] { mep::http::run_io_thread(ioc); });
     mep::http::run_io_thread(ioc);

@@ -6,6 +6,8 @@
 #include "mep/sqlite.hpp"
 #include "mep/uuid.hpp"
 
+#include <fmt/format.h>
+
 #include <sys/stat.h>
 
 namespace mep::daemon {
@@ -31,6 +33,17 @@ CREATE TABLE IF NOT EXISTS intents (
   created_at INTEGER NOT NULL);
 )sql";
 
+// A lease's or intent's local user in columns `col` and `col + 1` (NULL: unknown).
+void bind_owner(sqlite::Stmt& s, int col, uid_t uid, gid_t gid) {
+  if (uid == static_cast<uid_t>(-1)) s.bind_null(col).bind_null(col + 1);
+  else s.bind(col, static_cast<std::int64_t>(uid)).bind(col + 1, static_cast<std::int64_t>(gid));
+}
+void read_owner(sqlite::Stmt& s, int col, uid_t& uid, gid_t& gid) {
+  if (s.is_null(col)) return;
+  uid = static_cast<uid_t>(s.int64(col));
+  gid = static_cast<gid_t>(s.int64(col + 1));
+}
+
 } // namespace
 
 StateDb::StateDb(const std::filesystem::path& path) {
@@ -42,6 +55,14 @@ StateDb::StateDb(const std::filesystem::path& path) {
     // Databases from before birth times were kept get the column; their rows have none.
     Use q(m_db->prepare("SELECT count(*) FROM pragma_table_info('files') WHERE name = 'btime'"));
     if (q->step() && q->int64(0) == 0) m_db->exec("ALTER TABLE files ADD COLUMN btime INTEGER");
+  }
+  // The local user that attached a lease or asked for a claim (system mode); rows from
+  // before have none: unknown.
+  for (const char* table : {"leases", "intents"}) {
+    Use q(m_db->prepare(fmt::format("SELECT count(*) FROM pragma_table_info('{}') WHERE name = 'peer_uid'", table)));
+    if (q->step() && q->int64(0) == 0)
+      m_db->exec(fmt::format("ALTER TABLE {0} ADD COLUMN peer_uid INTEGER; ALTER TABLE {0} ADD COLUMN peer_gid INTEGER",
+                             table));
   }
   {
     Use s(m_db->prepare("SELECT value FROM meta WHERE key = 'daemon_id'"));
@@ -104,11 +125,13 @@ void StateDb::mark_registered(const std::string& memory_id) {
 void StateDb::save_lease(const SavedLease& l) {
   std::lock_guard lock(m_mutex);
   Use s(m_db->prepare("INSERT OR REPLACE INTO leases(canonical_name, display_name, memory_id, lease_id, "
-                      "owner_client_id, fencing_token, ttl_seconds, expires_at, path, bind_pid) "
-                      "VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10)"));
+                      "owner_client_id, fencing_token, ttl_seconds, expires_at, path, bind_pid, peer_uid, peer_gid) "
+                      "VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12)"));
   s->bind(1, l.canonical_name).bind(2, l.display_name).bind(3, l.memory_id).bind(4, l.lease_id)
       .bind(5, l.owner_client_id).bind(6, l.fencing_token).bind(7, l.ttl_s).bind(8, l.expires_at)
-      .bind(9, l.path).bind(10, static_cast<std::int64_t>(l.bind_pid)).run();
+      .bind(9, l.path).bind(10, static_cast<std::int64_t>(l.bind_pid));
+  bind_owner(*s, 11, l.uid, l.gid);
+  s->run();
 }
 
 void StateDb::save_expiries(const std::vector<std::pair<std::string, UnixMs>>& expiries) {
@@ -139,19 +162,24 @@ void StateDb::forget_lease(const std::string& canonical_name) {
 std::vector<SavedLease> StateDb::leases() {
   std::lock_guard lock(m_mutex);
   Use s(m_db->prepare("SELECT canonical_name, display_name, memory_id, lease_id, owner_client_id, "
-                      "fencing_token, ttl_seconds, expires_at, path, bind_pid FROM leases"));
+                      "fencing_token, ttl_seconds, expires_at, path, bind_pid, peer_uid, peer_gid FROM leases"));
   std::vector<SavedLease> out;
-  while (s->step())
+  while (s->step()) {
     out.push_back(SavedLease{s->text(0), s->text(1), s->text(2), s->text(3), s->text(4), s->int64(5), s->int64(6),
                              s->int64(7), s->text(8), static_cast<pid_t>(s->int64(9))});
+    read_owner(*s, 10, out.back().uid, out.back().gid);
+  }
   return out;
 }
 
 void StateDb::add_intent(const Intent& in) {
   std::lock_guard lock(m_mutex);
-  Use s(m_db->prepare("INSERT INTO intents(idem_key, body, path, bind_pid, created_at) VALUES (?1, ?2, ?3, ?4, ?5)"));
+  Use s(m_db->prepare("INSERT INTO intents(idem_key, body, path, bind_pid, created_at, peer_uid, peer_gid) "
+                      "VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7)"));
   s->bind(1, in.key).bind(2, json::dump(lease::wire::to_json(in.request))).bind(3, in.path)
-      .bind(4, static_cast<std::int64_t>(in.bind_pid)).bind(5, now_unix_ms()).run();
+      .bind(4, static_cast<std::int64_t>(in.bind_pid)).bind(5, now_unix_ms());
+  bind_owner(*s, 6, in.uid, in.gid);
+  s->run();
 }
 
 void StateDb::orphan_intent(const std::string& key) {
@@ -168,7 +196,7 @@ void StateDb::delete_intent(const std::string& key) {
 
 std::vector<Intent> StateDb::intents() {
   std::lock_guard lock(m_mutex);
-  Use s(m_db->prepare("SELECT idem_key, body, path, bind_pid FROM intents"));
+  Use s(m_db->prepare("SELECT idem_key, body, path, bind_pid, peer_uid, peer_gid FROM intents"));
   std::vector<Intent> out;
   while (s->step()) {
     auto body = json::parse_object(s->text(1));
@@ -176,6 +204,7 @@ std::vector<Intent> StateDb::intents() {
     auto req = lease::wire::decode_claim_request(*body);
     if (!req) continue;
     out.push_back(Intent{s->text(0), std::move(*req), s->text(2), static_cast<pid_t>(s->int64(3))});
+    read_owner(*s, 4, out.back().uid, out.back().gid);
   }
   return out;
 }

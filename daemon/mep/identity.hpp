@@ -33,15 +33,15 @@ bool write_id_xattr(const std::filesystem::path& path, const std::string& id);
 /// SHA-256 of the file's bytes (hex), or nullopt on a read error.
 std::optional<std::string> file_sha256(const std::filesystem::path& path);
 
-/// The file-system calls identity resolution makes (the functions above); unit tests give
-/// a fake.
+/// The file-system calls identity resolution makes (the functions above), each with the
+/// current peer's credentials (peer.hpp: AsPeer); unit tests give a fake.
 class Files {
 public:
   virtual ~Files() = default;
-  virtual std::optional<FileStat> stat(const std::filesystem::path& p) { return stat_file(p); }
-  virtual std::optional<std::string> read_id(const std::filesystem::path& p) { return read_id_xattr(p); }
-  virtual bool write_id(const std::filesystem::path& p, const std::string& id) { return write_id_xattr(p, id); }
-  virtual std::optional<std::string> sha256(const std::filesystem::path& p) { return file_sha256(p); }
+  virtual std::optional<FileStat> stat(const std::filesystem::path& p);
+  virtual std::optional<std::string> read_id(const std::filesystem::path& p);
+  virtual bool write_id(const std::filesystem::path& p, const std::string& id);
+  virtual std::optional<std::string> sha256(const std::filesystem::path& p);
 };
 
 class StateDb;

@@ -10,6 +10,7 @@
 #include "mep/data_plane.hpp"
 #include "mep/identity.hpp"
 #include "mep/lease_book.hpp"
+#include "mep/peer.hpp"
 #include "mep/pid_watch.hpp"
 #include "mep/state_db.hpp"
 
@@ -35,6 +36,8 @@ struct AttachRequest {
   std::int64_t ttl_s = lease::k_default_ttl_s;
   bool bind_pid = true;
   pid_t pid = 0; ///< the peer's pid (SO_PEERCRED)
+  uid_t uid = static_cast<uid_t>(-1); ///< the peer's uid and gid: the lease's local owner
+  gid_t gid = static_cast<gid_t>(-1);
   /// How long to wait for a held name or memory (0: fail fast with 423). Waits longer than
   /// the server's 300 s are several waits in a row.
   std::chrono::seconds wait{0};
@@ -54,23 +57,29 @@ public:
   /// Re-adopts persisted leases, resends pending claim intents, starts the threads.
   void start();
 
+  // Requests from a local peer: `viewer` is its uid. A peer sees and acts on only the leases
+  // it attached (root and the daemon's own user on all: may_act_on); another's is 404. File
+  // calls run with the current peer's credentials (peer.hpp: AsPeer).
+
   /// Claims `name` for the file's memory; with a data plane, advances its fence before it
-  /// answers (503 store-unavailable, and the lease given back, when it cannot).
+  /// answers (503 store-unavailable, and the lease given back, when it cannot). A peer that
+  /// is not the daemon's own user must be able to open the file for writing itself (403).
   expected<Held, Problem> attach(const AttachRequest& req);
   /// Releases the lease under `name` (only the one with `lease_id`, when given).
-  expected<void, Problem> detach(const std::string& name, const std::optional<std::string>& lease_id);
-  std::vector<Held> list() const;
-  expected<Held, Problem> get(const std::string& name) const;
-  expected<BranchedFile, Problem> branch(const std::filesystem::path& path, const std::filesystem::path& new_path);
+  expected<void, Problem> detach(const std::string& name, const std::optional<std::string>& lease_id, uid_t viewer);
+  std::vector<Held> list(uid_t viewer) const;
+  expected<Held, Problem> get(const std::string& name, uid_t viewer) const;
+  expected<BranchedFile, Problem> branch(const std::filesystem::path& path, const std::filesystem::path& new_path,
+                                         uid_t viewer);
   expected<Identified, Problem> identify(const std::filesystem::path& path);
   expected<Initialized, Problem> init(const std::filesystem::path& path, mode_t mode);
   /// The lineage of the memory at `path`, or of the memory id `id`.
   expected<lease::Lineage, Problem> lineage(const std::optional<std::filesystem::path>& path, const std::string& id);
   /// Asks the control plane whether the lease under `name` is still the live one.
-  expected<VerifiedLease, Problem> verify(const std::string& name);
+  expected<VerifiedLease, Problem> verify(const std::string& name, uid_t viewer);
   /// Uploads the lease's file to the data plane with its token; refused locally (nothing
   /// sent) when the lease is not live.
-  expected<ObjectResult, Problem> sync(const std::string& name);
+  expected<ObjectResult, Problem> sync(const std::string& name, uid_t viewer);
   /// Downloads the latest object of `memory_id` into the new file `path` (created with
   /// `mode`) and binds that file to the memory's identity.
   expected<ObjectResult, Problem> fetch(const std::string& memory_id, const std::filesystem::path& path, mode_t mode);
@@ -78,8 +87,9 @@ public:
   boost::json::object health() const;
   std::string metrics() const;
 
-  /// Registers an event sink (one NDJSON line per call, newline included); returns its id.
-  int subscribe(std::function<void(const std::string&)> sink);
+  /// Registers an event sink (one NDJSON line per call, newline included) for the events of
+  /// the leases `viewer` may see; returns its id.
+  int subscribe(std::function<void(const std::string&)> sink, uid_t viewer);
   void unsubscribe(int id);
 
   const std::string& daemon_id() const { return m_state.daemon_id(); }
@@ -116,7 +126,11 @@ private:
   std::map<std::string, std::shared_ptr<std::mutex>> m_file_locks;
 
   mutable std::mutex m_sinks_mutex;
-  std::map<int, std::function<void(const std::string&)>> m_sinks;
+  struct Sink {
+    std::function<void(const std::string&)> send;
+    uid_t viewer;
+  };
+  std::map<int, Sink> m_sinks;
   int m_next_sink = 1;
 
   std::mutex m_stop_mutex;

@@ -36,6 +36,10 @@ struct Held {
   UnixMs expires_at = 0; ///< the server's expiry (wall clock), for display
   std::string path;
   pid_t bind_pid = 0; ///< 0: not bound
+  /// The local user that attached it (SO_PEERCRED); -1 when unknown (a lease saved by an
+  /// older mepd): then only root and the daemon's own user see it (peer.hpp).
+  uid_t uid = static_cast<uid_t>(-1);
+  gid_t gid = static_cast<gid_t>(-1);
   LeaseState state = LeaseState::held;
   std::string lost_reason;
   bool fenced = true;  ///< the data plane's mark was advanced to this token (or there is none)

@@ -18,9 +18,11 @@ class DaemonHandler;
 class LocalServer {
 public:
   /// Listens on `socket_path` (the directory is created 0700, the socket is 0600), or on
-  /// the socket systemd handed over (`inherited_fd` ≥ 0). Throws std::runtime_error.
+  /// the socket systemd handed over (`inherited_fd` ≥ 0). In system mode (`mepd --system`)
+  /// the directory is 0750 and the socket 0660, both of the group `mep`, whose members are
+  /// served besides root and the daemon's own user. Throws std::runtime_error.
   LocalServer(boost::asio::io_context& ioc, Keeper& keeper, const std::filesystem::path& socket_path,
-              int inherited_fd);
+              int inherited_fd, bool system = false);
   ~LocalServer();
   void start();
   /// Stops accepting connections.
@@ -33,6 +35,7 @@ private:
   Keeper& m_keeper;
   std::filesystem::path m_path;
   bool m_owns_path = false;
+  bool m_system = false;
   std::unique_ptr<DaemonHandler> m_handler;
   std::unique_ptr<http::UnixListener> m_listener;
 };

@@ -33,6 +33,8 @@ struct SavedLease {
   UnixMs expires_at = 0;
   std::string path;
   pid_t bind_pid = 0;
+  uid_t uid = static_cast<uid_t>(-1); ///< the local user that attached it; -1: unknown
+  gid_t gid = static_cast<gid_t>(-1);
 };
 
 /// A claim written down before it is sent: resent with the same key after a crash.
@@ -41,6 +43,8 @@ struct Intent {
   lease::ClaimRequest request;
   std::string path;
   pid_t bind_pid = 0; ///< -1: the caller was told it failed; any lease won is released
+  uid_t uid = static_cast<uid_t>(-1); ///< the local user that asked; -1: unknown
+  gid_t gid = static_cast<gid_t>(-1);
 };
 
 /// Thread-safe: each call takes the database's own mutex for its statements only. Every

@@ -1,0 +1,333 @@
+"""A system mepd for a shared host (SPEC §7, issue 23): `mepd --system` serves root and the
+members of the group `mep` on a 0660 socket; each user sees and acts on only the leases it
+attached; a file is attached, created, copied or read only with the asking user's own
+rights (never the daemon's); the control plane sees no uid, user name or path.
+
+Real processes: users and a group made for the test (useradd/groupadd, removed at the end),
+the real `mep` CLI run as each of them, and mepd run as root and — the packaged set-up — as
+an unprivileged user holding only CAP_SETUID and CAP_SETGID (setpriv). Needs root; skips
+with the reason otherwise.
+"""
+import grp
+import json
+import os
+import pwd
+import shutil
+import socket
+import subprocess
+import tempfile
+import time
+import unittest
+
+from daemonfixture import Proc, clean_env, mepd_bin
+from mephelpers import mep_bin
+
+GROUP = "mep"
+TIMEOUT_S = 30
+
+EVENTS_SCRIPT = r"""
+import json, socket, sys, time
+s = socket.socket(socket.AF_UNIX)
+s.connect(sys.argv[1])
+s.sendall(b"GET /v1/events HTTP/1.1\r\nHost: localhost\r\n\r\n")
+s.settimeout(0.2)
+end = time.monotonic() + float(sys.argv[2])
+data = b""
+while time.monotonic() < end:
+    try:
+        chunk = s.recv(65536)
+    except socket.timeout:
+        continue
+    if not chunk:
+        break
+    data += chunk
+sys.stdout.write(data.decode("utf-8", "replace"))
+"""
+
+
+def run(argv, **kw):
+    return subprocess.run(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, timeout=TIMEOUT_S, check=False, **kw)
+
+
+class Users:
+    """Users and the group `mep` made for one test class, removed afterwards."""
+
+    def __init__(self):
+        self.made_group = False
+        self.users = []
+
+    def group(self):
+        try:
+            return grp.getgrnam(GROUP).gr_gid
+        except KeyError:
+            p = run(["groupadd", "--system", GROUP])
+            if p.returncode != 0:
+                raise unittest.SkipTest("cannot create the group mep: %s" % p.stderr.decode().strip())
+            self.made_group = True
+            return grp.getgrnam(GROUP).gr_gid
+
+    def add(self, name, in_group):
+        argv = ["useradd", "--no-create-home", "--home-dir", "/nonexistent", "--shell", "/usr/sbin/nologin",
+                "--user-group"]
+        if in_group:
+            argv += ["--groups", GROUP]
+        p = run(argv + [name])
+        if p.returncode != 0:
+            raise AssertionError("useradd %s failed: %s" % (name, p.stderr.decode()))
+        self.users.append(name)
+        return pwd.getpwnam(name)
+
+    def remove(self):
+        for u in self.users:
+            run(["userdel", u])
+        if self.made_group:
+            run(["groupdel", GROUP])
+
+
+@unittest.skipUnless(shutil.which("useradd") and shutil.which("setpriv"), "needs useradd and setpriv (passwd, util-linux)")
+class SystemDaemon(unittest.TestCase):
+    """mepd --system run as root."""
+
+    DAEMON_USER = False  # run mepd as an unprivileged user with CAP_SETUID/CAP_SETGID instead
+
+    @classmethod
+    def setUpClass(cls):
+        if os.geteuid() != 0:
+            print("\nskipping the system mepd tests: they create users and run commands as them (needs root)")
+            raise unittest.SkipTest("needs root to create users")
+        cls.accounts = Users()
+        try:
+            cls.gid_mep = cls.accounts.group()
+            tag = "%x" % (os.getpid() & 0xfffff)
+            cls.alice = cls.accounts.add("mepa" + tag, True)
+            cls.bob = cls.accounts.add("mepb" + tag, True)
+            cls.carol = cls.accounts.add("mepc" + tag, False)  # not in the group
+            cls.daemon_user = cls.accounts.add("mepd" + tag, True) if cls.DAEMON_USER else None
+        except BaseException:
+            cls.accounts.remove()
+            raise
+
+    @classmethod
+    def tearDownClass(cls):
+        cls.accounts.remove()
+
+    def setUp(self):
+        self.tmp = tempfile.mkdtemp(prefix="mep-system-")
+        os.chmod(self.tmp, 0o755)
+        # Copies of the binaries every user may run (the checkout may sit under a 0700 home).
+        self.bin = os.path.join(self.tmp, "bin")
+        os.makedirs(self.bin)
+        os.chmod(self.bin, 0o755)
+        for src, name in ((mep_bin(), "mep"), (mepd_bin(), "mepd")):
+            shutil.copy2(src, os.path.join(self.bin, name))
+            os.chmod(os.path.join(self.bin, name), 0o755)
+        self.mep = os.path.join(self.bin, "mep")
+        self.socket = os.path.join(self.tmp, "run", "mepd.sock")
+        self.state = os.path.join(self.tmp, "state")
+        home = os.path.join(self.tmp, "daemon-home")
+        self.env = clean_env(home)
+        argv = [os.path.join(self.bin, "mepd"), "--system", "--socket", self.socket, "--state-dir", self.state]
+        if self.daemon_user:
+            # The packaged unit's set-up: the daemon's own user, with two capabilities only;
+            # /run/mep as tmpfiles.d makes it (0750, the daemon's user, the group mep).
+            os.makedirs(self.state, mode=0o700)
+            u = self.daemon_user
+            os.makedirs(os.path.dirname(self.socket), mode=0o750)
+            os.chown(os.path.dirname(self.socket), u.pw_uid, self.gid_mep)
+            os.chmod(os.path.dirname(self.socket), 0o750)
+            for d in (self.state, home, *[os.path.join(home, x) for x in os.listdir(home)]):
+                os.chown(d, u.pw_uid, u.pw_gid)
+            os.chmod(home, 0o700)
+            argv = ["setpriv", "--reuid", str(u.pw_uid), "--regid", str(u.pw_gid), "--init-groups",
+                    "--inh-caps=+setuid,+setgid", "--ambient-caps=+setuid,+setgid", "--bounding-set=-all,+setuid,+setgid",
+                    *argv]
+            self.env["HOME"] = home
+        self.mepd = Proc("mepd", argv, self.env, os.path.join(self.tmp, "mepd.log"), cwd="/")
+        self.mepd.wait_for_log(r"listening on .* for the group mep \(system mode\)")
+        self.homes = {}
+        for user in (self.alice, self.bob, self.carol):
+            d = os.path.join(self.tmp, user.pw_name)
+            os.makedirs(d)
+            os.chown(d, user.pw_uid, user.pw_gid)
+            os.chmod(d, 0o700)
+            self.homes[user.pw_name] = d
+
+    def tearDown(self):
+        self.mepd.stop()
+        shutil.rmtree(self.tmp, ignore_errors=True)
+
+    # ---- helpers ----
+
+    def as_user(self, user, args, cwd=None, umask=0o077):
+        groups = [g.gr_gid for g in grp.getgrall() if user.pw_name in g.gr_mem]
+
+        def drop():
+            os.setgroups(groups)
+            os.setgid(user.pw_gid)
+            os.setuid(user.pw_uid)
+            os.umask(umask)
+
+        env = {"PATH": "/usr/bin:/bin", "HOME": self.homes.get(user.pw_name, "/")}
+        return run(args, preexec_fn=drop, cwd=cwd or self.homes.get(user.pw_name, "/"), env=env)
+
+    def mep_as(self, user, *args, cwd=None, umask=0o077):
+        return self.as_user(user, [self.mep, "--socket", self.socket, *args], cwd=cwd, umask=umask)
+
+    def mep_root(self, *args):
+        return run([self.mep, "--socket", self.socket, *args], env={"PATH": "/usr/bin:/bin", "HOME": self.tmp})
+
+    def names(self, p):
+        self.assertEqual(p.returncode, 0, p.stderr.decode())
+        return sorted(lease["canonical_name"] for lease in json.loads(p.stdout)["leases"])
+
+    def ok(self, p):
+        self.assertEqual(p.returncode, 0, "exit %d: %s" % (p.returncode, p.stderr.decode()))
+        return p
+
+    def refused(self, p, code, words):
+        self.assertEqual(p.returncode, code, "exit %d, wanted %d: %s%s" % (p.returncode, code, p.stdout.decode(),
+                                                                          p.stderr.decode()))
+        self.assertIn(words, p.stderr.decode())
+        self.assertEqual(len(p.stderr.decode().strip().splitlines()), 1, p.stderr.decode())
+
+    # ---- the tests ----
+
+    def test_socket_is_the_groups_and_others_are_refused(self):
+        st = os.stat(self.socket)
+        self.assertEqual(st.st_mode & 0o7777, 0o660)
+        self.assertEqual(st.st_gid, self.gid_mep)
+        dst = os.stat(os.path.dirname(self.socket))
+        self.assertEqual(dst.st_mode & 0o7777, 0o750)
+        self.assertEqual(dst.st_gid, self.gid_mep)
+        # Not in the group: the socket is out of reach (and, were it reachable, SO_PEERCRED
+        # refuses the uid: 403, exit 7).
+        p = self.mep_as(self.carol, "status")
+        self.assertNotEqual(p.returncode, 0)
+        os.chmod(os.path.dirname(self.socket), 0o755)
+        os.chmod(self.socket, 0o666)
+        p = self.mep_as(self.carol, "status")
+        self.refused(p, 7, "not allowed")
+        self.assertIn("refused a client with uid %d" % self.carol.pw_uid, self.mepd.log_text())
+        self.ok(self.mep_as(self.alice, "status"))
+
+    def test_each_user_sees_and_acts_on_only_its_own_leases(self):
+        a, b = self.alice, self.bob
+        ahome, bhome = self.homes[a.pw_name], self.homes[b.pw_name]
+        # mep init creates the file as the user (owner, umask), where the user may.
+        self.ok(self.mep_as(a, "init", "a.uai", umask=0o027))
+        st = os.stat(os.path.join(ahome, "a.uai"))
+        self.assertEqual((st.st_uid, st.st_gid), (a.pw_uid, a.pw_gid))
+        self.assertEqual(st.st_mode & 0o777, 0o640)
+        self.ok(self.mep_as(a, "claim", "alice-agent", "a.uai"))
+        self.ok(self.mep_as(b, "init", "b.uai"))
+        self.ok(self.mep_as(b, "claim", "bob-agent", "b.uai"))
+        self.assertEqual(self.names(self.mep_as(a, "status", "--json")), ["alice-agent"])
+        self.assertEqual(self.names(self.mep_as(b, "status", "--json")), ["bob-agent"])
+        self.assertEqual(self.names(self.mep_root("status", "--json")), ["alice-agent", "bob-agent"])
+        # Another user's lease is 404 to bob: release, sync, verify; alice keeps it.
+        self.refused(self.mep_as(b, "release", "alice-agent"), 1, "no lease")
+        self.assertEqual(self.names(self.mep_as(a, "status", "--json")), ["alice-agent"])
+        # The socket API directly: GET one lease, verify.
+        p = self.as_user(b, ["python3", "-c", (
+            "import http.client,json,socket,sys\n"
+            "class C(http.client.HTTPConnection):\n"
+            "  def connect(self):\n"
+            "    self.sock=socket.socket(socket.AF_UNIX); self.sock.connect(sys.argv[1])\n"
+            "out={}\n"
+            "for m,p,b in (('GET','/v1/leases/alice-agent',None),('POST','/v1/verify','{\"name\":\"alice-agent\"}'),"
+            "('POST','/v1/sync','{\"name\":\"alice-agent\"}'),('POST','/v1/detach','{\"name\":\"alice-agent\"}')):\n"
+            "  c=C('localhost'); c.request(m,p,body=b,headers={'Content-Type':'application/json'} if b else {})\n"
+            "  r=c.getresponse(); out[p]=[r.status,json.loads(r.read() or b'{}').get('code')]\n"
+            "print(json.dumps(out))\n"), self.socket])
+        self.ok(p)
+        for path, (status, code) in json.loads(p.stdout).items():
+            self.assertEqual((status, code), (404, "lease-not-found"), path)
+        self.assertEqual(self.names(self.mep_root("status", "--json")), ["alice-agent", "bob-agent"])
+        # Root acts on all: it may release bob's lease.
+        self.ok(self.mep_root("release", "bob-agent"))
+        self.assertEqual(self.names(self.mep_as(b, "status", "--json")), [])
+        self.ok(self.mep_as(a, "release", "alice-agent"))
+
+    def test_a_file_is_used_only_with_the_users_own_rights(self):
+        a, b = self.alice, self.bob
+        ahome, bhome = self.homes[a.pw_name], self.homes[b.pw_name]
+        self.ok(self.mep_as(a, "init", "private.uai"))  # 0600 in a 0700 directory
+        os.chmod(ahome, 0o711)                           # bob may pass through, not list
+        self.ok(self.mep_as(a, "init", "readable.uai", umask=0o022))  # 0644: bob may read, not write
+        self.ok(self.mep_as(a, "claim", "alice-read", "readable.uai"))
+        private, readable = os.path.join(ahome, "private.uai"), os.path.join(ahome, "readable.uai")
+        # The daemon (root, or CAP_SETUID) could open both; bob may attach neither.
+        self.refused(self.mep_as(b, "claim", "bob-private", private), 7, "cannot open this file for writing")
+        self.refused(self.mep_as(b, "claim", "bob-readable", readable), 7, "cannot open this file for writing")
+        # Nor through a symlink of his own, nor a system file.
+        os.symlink(private, os.path.join(bhome, "link.uai"))
+        self.refused(self.mep_as(b, "claim", "bob-link", "link.uai"), 7, "cannot open this file for writing")
+        self.refused(self.mep_as(b, "claim", "bob-shadow", "/etc/shadow"), 7, "cannot open this file for writing")
+        # init and branch create only where bob may; nothing is left behind.
+        self.refused(self.mep_as(b, "init", os.path.join(ahome, "planted.uai")), 7, "Permission denied")
+        self.refused(self.mep_as(b, "init", os.path.join(self.tmp, "planted.uai")), 7, "Permission denied")
+        self.assertFalse(os.path.exists(os.path.join(ahome, "planted.uai")))
+        self.assertFalse(os.path.exists(os.path.join(self.tmp, "planted.uai")))
+        # Branching alice's lease is not bob's to do (her lease is not his: 404).
+        self.refused(self.mep_as(b, "branch", readable, "copy.uai"), 1, "live lease")
+        self.assertFalse(os.path.exists(os.path.join(bhome, "copy.uai")))
+        # Alice branches her own: the copy is hers.
+        self.ok(self.mep_as(a, "branch", "readable.uai", "child.uai"))
+        self.assertEqual(os.stat(os.path.join(ahome, "child.uai")).st_uid, a.pw_uid)
+        # Nothing bob asked for got an identity: the private file has the one alice's init gave.
+        self.assertEqual(self.names(self.mep_as(b, "status", "--json")), [])
+        self.assertEqual(self.names(self.mep_root("status", "--json")), ["alice-read"])
+        # The control plane's database holds no user name, uid or path of theirs.
+        stored = b""
+        for name in os.listdir(self.state):
+            if name.startswith("control.db"):
+                with open(os.path.join(self.state, name), "rb") as f:
+                    stored += f.read()
+        self.assertTrue(stored, "no control-plane database under the state directory")
+        for secret in (a.pw_name, b.pw_name, ahome, bhome, "readable.uai", "private.uai"):
+            self.assertNotIn(secret.encode(), stored, secret)
+
+    def test_events_show_each_user_only_its_own(self):
+        a, b = self.alice, self.bob
+        self.ok(self.mep_as(a, "init", "a.uai"))
+        self.ok(self.mep_as(b, "init", "b.uai"))
+        reader = subprocess.Popen(
+            ["python3", "-c", EVENTS_SCRIPT, self.socket, "4"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+            preexec_fn=lambda: (os.setgroups([self.gid_mep]), os.setgid(b.pw_gid), os.setuid(b.pw_uid)),
+            env={"PATH": "/usr/bin:/bin"}, cwd="/")
+        try:
+            time.sleep(0.5)
+            self.ok(self.mep_as(a, "claim", "alice-secret-name", "a.uai"))
+            self.ok(self.mep_as(b, "claim", "bob-own-name", "b.uai"))
+            self.ok(self.mep_as(a, "release", "alice-secret-name"))
+            self.ok(self.mep_as(b, "release", "bob-own-name"))
+            out, err = reader.communicate(timeout=TIMEOUT_S)
+        finally:
+            if reader.poll() is None:
+                reader.kill()
+                reader.wait()
+        text = out.decode()
+        self.assertIn("200", text.splitlines()[0] if text else "", err.decode())
+        self.assertIn("bob-own-name", text)
+        self.assertNotIn("alice-secret-name", text)
+        self.assertNotIn(self.homes[a.pw_name], text)
+
+
+class SystemDaemonAsItsOwnUser(SystemDaemon):
+    """The packaged set-up: mepd as an unprivileged user with CAP_SETUID and CAP_SETGID only
+    (no CAP_DAC_OVERRIDE): it reaches users' files only by taking their rights."""
+
+    DAEMON_USER = True
+
+    def test_without_the_capabilities_it_refuses_to_start(self):
+        u = self.carol
+        p = run(["setpriv", "--reuid", str(u.pw_uid), "--regid", str(u.pw_gid), "--clear-groups",
+                 os.path.join(self.bin, "mepd"), "--system", "--socket", os.path.join(self.tmp, "x", "s.sock"),
+                 "--state-dir", os.path.join(self.tmp, "x-state")], env={"PATH": "/usr/bin:/bin", "HOME": "/"}, cwd="/")
+        self.assertEqual(p.returncode, 1, p.stderr.decode())
+        self.assertIn("CAP_SETUID", p.stderr.decode())
+        self.assertEqual(len(p.stderr.decode().strip().splitlines()), 1, p.stderr.decode())
+
+
+if __name__ == "__main__":
+    unittest.main()
