@@ -8,6 +8,7 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <set>
 #include <cerrno>
 #include <cstring>
 #include <fcntl.h>
@@ -24,6 +25,9 @@ namespace {
 constexpr std::size_t k_max_group = 512;
 constexpr std::uint64_t k_writeback_step = 256 * 1024;
 constexpr int k_syncers = 4;
+// The pool of empty version files: refilled to k_pool_size when it falls below k_pool_low.
+constexpr std::size_t k_pool_size = 64;
+constexpr std::size_t k_pool_low = 32;
 
 constexpr std::string_view k_schema = R"sql(
 CREATE TABLE IF NOT EXISTS marks (
@@ -40,8 +44,6 @@ CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
 // The bytes of a small object, in its row (NULL: in its version file).
 constexpr std::string_view k_inline_column = "ALTER TABLE marks ADD COLUMN data BLOB";
 
-// A version file's name: the memory id and the version, which no other write shares.
-std::string version_name(const std::string& memory_id, const std::string& etag) { return memory_id + "." + etag; }
 
 Problem sqlite_problem(const sqlite::Error& e) {
   if ((e.code() & 0xff) == SQLITE_FULL) return Problem(Code::insufficient_storage, "the data plane's disk is full");
@@ -96,8 +98,8 @@ Problem disk_problem(int err, const std::string& what) {
 
 // ---- uploads ----------------------------------------------------------------------------------
 
-Upload::Upload(fs::path path, std::string memory_id, std::string etag, std::uint64_t limit)
-    : m_path(std::move(path)), m_memory_id(std::move(memory_id)), m_etag(std::move(etag)), m_limit(limit) {}
+Upload::Upload(ObjectStore& store, std::string memory_id, std::string etag, std::uint64_t limit)
+    : m_store(store), m_memory_id(std::move(memory_id)), m_etag(std::move(etag)), m_limit(limit) {}
 
 Upload::~Upload() {
   if (m_fd >= 0) ::close(m_fd);
@@ -107,10 +109,24 @@ Upload::~Upload() {
   }
 }
 
-// The bytes so far move to the version file, and the rest goes there as it comes.
+// The bytes so far move to the version file, and the rest goes there as it comes: a file
+// from the pool (its name durable already, so the version is named by its etag), else a new
+// one whose name the commit makes durable.
 std::optional<Problem> Upload::spill() {
-  m_fd = ::open(m_path.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0600);
-  if (m_fd < 0) return disk_problem(errno, "create the object");
+  if (auto pooled = m_store.take_pooled()) {
+    fs::path path = m_store.version_path(*pooled);
+    m_fd = ::open(path.c_str(), O_WRONLY | O_CLOEXEC | O_NOFOLLOW);
+    if (m_fd >= 0) {
+      m_etag = std::move(*pooled);
+      m_path = std::move(path);
+    }
+  }
+  if (m_fd < 0) {
+    m_path = m_store.version_path(m_etag);
+    m_fd = ::open(m_path.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0600);
+    if (m_fd < 0) return disk_problem(errno, "create the object");
+    m_new_name = true;
+  }
   m_spilled = true;
   std::string head = std::move(m_inline);
   m_inline.clear();
@@ -182,6 +198,7 @@ ObjectStore::ObjectStore(fs::path dir, std::uint64_t max_object_size)
     if (q->step() && q->int64(0) == 0) m_db->exec(k_inline_column);
   }
   recover();
+  m_pool_wanted = true; // the syncers make the pool before the first large upload needs it
   m_writer = std::thread([this] { writer_loop(); });
   for (int i = 0; i < k_syncers; ++i) m_syncers.emplace_back([this] { sync_loop(); });
 }
@@ -200,36 +217,89 @@ ObjectStore::~ObjectStore() {
   }
   m_cv.notify_all();
   if (m_writer.joinable()) m_writer.join();
+  std::error_code ec;
+  for (const auto& e : m_pool) fs::remove(version_path(e), ec); // else the next start does it
   m_db.reset();
   if (m_objects_fd >= 0) ::close(m_objects_fd);
   if (m_lock_fd >= 0) ::close(m_lock_fd);
 }
 
-// Removes every version file the database does not name: uploads a crash interrupted and
-// versions whose removal a crash prevented.
+// Removes every version file the database does not name: uploads a crash interrupted,
+// versions whose removal a crash prevented, and the pool of the previous run.
 void ObjectStore::recover() {
+  std::set<std::string> current; // the etags rows name (an etag is never reused)
+  {
+    Use s(m_db->prepare("SELECT etag FROM marks WHERE etag IS NOT NULL"));
+    while (s->step()) current.insert(s->text(0));
+  }
   std::size_t removed = 0;
   std::error_code ec;
   for (const auto& entry : fs::directory_iterator(m_objects, ec)) {
     const std::string name = entry.path().filename().string();
-    const auto dot = name.find('.');
-    bool keep = false;
-    if (dot != std::string::npos) {
-      auto st = read_state(*m_db, name.substr(0, dot));
-      keep = st.object && st.object->etag == name.substr(dot + 1);
-    }
+    const auto dot = name.rfind('.'); // <etag>, or <memory id>.<etag> from before the pool
+    const bool keep = current.count(dot == std::string::npos ? name : name.substr(dot + 1)) != 0;
     if (!keep && fs::remove(entry.path(), ec)) ++removed;
   }
   if (ec) throw std::runtime_error(fmt::format("cannot read {}: {}", m_objects.string(), ec.message()));
-  if (removed) log::info("removed {} object files no write committed (interrupted uploads, replaced versions)", removed);
+  if (removed)
+    log::info("removed {} object files no write committed (interrupted uploads, replaced versions, the pool)", removed);
+}
+
+fs::path ObjectStore::version_path(const std::string& etag) const { return m_objects / etag; }
+
+fs::path ObjectStore::legacy_version_path(const std::string& memory_id, const std::string& etag) const {
+  return m_objects / (memory_id + "." + etag);
+}
+
+std::optional<std::string> ObjectStore::take_pooled() {
+  std::optional<std::string> out;
+  bool wake = false;
+  {
+    std::lock_guard lock(m_mutex);
+    if (!m_pool.empty()) {
+      out = std::move(m_pool.front());
+      m_pool.pop_front();
+    }
+    if (m_pool.size() < k_pool_low && !m_pool_refilling && !m_pool_wanted) wake = m_pool_wanted = true;
+  }
+  if (wake) m_sync_cv.notify_one();
+  return out;
+}
+
+std::size_t ObjectStore::pooled() {
+  std::lock_guard lock(m_mutex);
+  return m_pool.size();
+}
+
+void ObjectStore::refill_pool() {
+  std::size_t want;
+  {
+    std::lock_guard lock(m_mutex);
+    want = m_pool.size() < k_pool_size ? k_pool_size - m_pool.size() : 0;
+  }
+  std::vector<std::string> made;
+  for (std::size_t i = 0; i < want; ++i) {
+    std::string etag = uuid_v7().to_string();
+    int fd = ::open(version_path(etag).c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0600);
+    if (fd < 0) break; // a full disk (no inode): uploads make their own files meanwhile
+    ::close(fd);
+    made.push_back(std::move(etag));
+  }
+  // Only names a directory fsync has made durable go in the pool.
+  if (!made.empty() && fsync_retrying(m_objects_fd) != 0) {
+    std::error_code ec;
+    for (const auto& e : made) fs::remove(version_path(e), ec);
+    made.clear();
+  }
+  std::lock_guard lock(m_mutex);
+  for (auto& e : made) m_pool.push_back(std::move(e));
+  m_pool_refilling = false;
 }
 
 // ---- writes ----------------------------------------------------------------------------------
 
 expected<std::unique_ptr<Upload>, Problem> ObjectStore::begin(const std::string& memory_id) {
-  std::string etag = uuid_v7().to_string();
-  fs::path path = m_objects / version_name(memory_id, etag);
-  return std::unique_ptr<Upload>(new Upload(std::move(path), memory_id, std::move(etag), m_max_object_size));
+  return std::unique_ptr<Upload>(new Upload(*this, memory_id, uuid_v7().to_string(), m_max_object_size));
 }
 
 void ObjectStore::commit(std::unique_ptr<Upload> upload, std::int64_t token, Precondition pre, CommitDone done) {
@@ -250,10 +320,22 @@ void ObjectStore::sync_loop() {
     std::vector<fs::path> garbage;
     {
       std::unique_lock lock(m_mutex);
-      m_sync_cv.wait(lock, [&] { return m_stop || !m_sync_queue.empty() || !m_garbage.empty(); });
+      m_sync_cv.wait(lock, [&] { return m_stop || !m_sync_queue.empty() || !m_garbage.empty() || m_pool_wanted; });
       if (!m_sync_queue.empty()) {
         job = std::move(m_sync_queue.front());
         m_sync_queue.pop_front();
+      } else if (m_pool_wanted && !m_stop) {
+        m_pool_wanted = false;
+        m_pool_refilling = true;
+        lock.unlock();
+        try {
+          refill_pool();
+        } catch (const std::exception& e) {
+          log::error("object pool refill failed: {}", e.what());
+          std::lock_guard relock(m_mutex);
+          m_pool_refilling = false;
+        }
+        continue;
       } else if (!m_garbage.empty()) {
         garbage.assign(std::make_move_iterator(m_garbage.begin()), std::make_move_iterator(m_garbage.end()));
         m_garbage.clear();
@@ -327,11 +409,11 @@ void ObjectStore::run_batch(std::vector<Job>& batch) {
       else std::get<AdvanceJob>(job).done(make_unexpected(p));
     }
   };
-  const bool has_files = std::any_of(batch.begin(), batch.end(), [](const Job& j) {
+  const bool new_names = std::any_of(batch.begin(), batch.end(), [](const Job& j) {
     auto* c = std::get_if<CommitJob>(&j);
-    return c && c->upload->in_file();
+    return c && c->upload->in_file() && c->upload->m_new_name;
   });
-  if (has_files) {
+  if (new_names) {
     if (int err = fsync_retrying(m_objects_fd); err != 0) {
       m_healthy = false;
       return fail_all(disk_problem(err, "make the object durable"));
@@ -370,7 +452,10 @@ void ObjectStore::run_batch(std::vector<Job>& batch) {
         else s->bind_blob(6, c->upload->m_inline.data(), c->upload->m_inline.size());
         s->run();
         // The version replaced, if it had a file (one that had none leaves nothing behind).
-        if (st.object) garbage.push_back(m_objects / version_name(info.memory_id, st.object->etag));
+        if (st.object) {
+          garbage.push_back(version_path(st.object->etag));
+          garbage.push_back(legacy_version_path(info.memory_id, st.object->etag));
+        }
         out.push_back({expected<ObjectInfo, Problem>(std::move(info))});
       } else {
         auto& a = std::get<AdvanceJob>(job);
@@ -456,8 +541,11 @@ expected<OpenObject, Problem> ObjectStore::open(const std::string& memory_id) {
     if (!st) return make_unexpected(std::move(st.error()));
     if (!st->object) return make_unexpected(Problem(Code::memory_not_found, "the store holds no object for this memory"));
     if (auto data = inline_data(memory_id, st->object->etag)) return OpenObject{std::move(*st->object), -1, std::move(*data)};
-    const fs::path path = m_objects / version_name(memory_id, st->object->etag);
-    int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+    int fd = -1;
+    for (const auto& path : {version_path(st->object->etag), legacy_version_path(memory_id, st->object->etag)}) {
+      fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+      if (fd >= 0 || errno != ENOENT) break;
+    }
     if (fd >= 0) return OpenObject{std::move(*st->object), fd, std::nullopt};
     if (errno != ENOENT) return make_unexpected(disk_problem(errno, "read the object"));
   }

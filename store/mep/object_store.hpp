@@ -73,11 +73,15 @@ public:
 
 private:
   friend class ObjectStore;
-  Upload(std::filesystem::path path, std::string memory_id, std::string etag, std::uint64_t limit);
+  Upload(ObjectStore& store, std::string memory_id, std::string etag, std::uint64_t limit);
   std::optional<Problem> spill();
+  ObjectStore& m_store;
   std::filesystem::path m_path;
   int m_fd = -1;
   bool m_spilled = false;
+  /// The file's name is new since the objects directory was last fsynced: the commit fsyncs
+  /// the directory first. False for a file from the pool, whose name is durable already.
+  bool m_new_name = false;
   std::string m_inline;
   std::string m_memory_id;
   std::string m_etag;
@@ -98,16 +102,22 @@ struct OpenObject {
 /// Design notes.
 /// * Layout: DIR/store.db (SQLite, WAL, synchronous=FULL) holds one row per memory: the
 ///   mark and the current object's token, etag, size and time, and the bytes of a small
-///   object (≤ k_inline_max). DIR/objects/<id>.<etag> is a larger object's bytes; a file the
-///   database does not name is garbage (an upload that never committed, a version
-///   replaced), removed at start and, after each commit, by the syncer threads.
+///   object (≤ k_inline_max). DIR/objects/<etag> is a larger object's bytes
+///   (DIR/objects/<id>.<etag> in directories written before the pool); a file the database
+///   does not name is garbage (an upload that never committed, a version replaced, a pool
+///   file left by a restart), removed at start and, after each commit, by the syncer threads.
+/// * The pool: empty files made ahead of need by a syncer thread, whose names a directory
+///   fsync has made durable before any upload takes one. A large upload writes into one, so
+///   its commit needs the file's fsync but no directory fsync (one flush fewer on the path
+///   of every large PUT). With the pool empty, an upload creates its file and the commit
+///   fsyncs the directory, as before.
 /// * A write (begin → Upload::write … → commit): a small object's bytes stay in memory; a
-///   larger one's go to a new version file, which commit fsyncs (on a syncer thread). The
+///   larger one's go to a version file, which commit fsyncs (on a syncer thread). The
 ///   writer thread then, for a whole group of commits and advances at once, fsyncs the
-///   objects directory (when a group has files) and runs one transaction that applies the
-///   fence rule to each in turn and COMMITs. A reply is given only after that COMMIT: an
-///   acknowledged write survives a crash; a crash at any earlier instant leaves the
-///   previous object current (its bytes are untouched).
+///   objects directory (when a group has a file whose name is new) and runs one transaction
+///   that applies the fence rule to each in turn and COMMITs. A reply is given only after
+///   that COMMIT: an acknowledged write survives a crash; a crash at any earlier instant
+///   leaves the previous object current (its bytes are untouched).
 /// * The rule (apply_commit, apply_advance), one writer so no interleaving: a token lower
 ///   than the mark is refused (409 stale-fence, naming both tokens) and changes nothing;
 ///   equal or higher is accepted and the mark becomes it.
@@ -115,6 +125,7 @@ struct OpenObject {
 ///   commit removes while a read opens it is looked up again.
 /// * One process per directory (flock on DIR/store.lock).
 class ObjectStore {
+  friend class Upload; // its spill takes a file from the pool
 public:
   /// Opens (creating) `dir`. Throws std::runtime_error with a readable message.
   ObjectStore(std::filesystem::path dir, std::uint64_t max_object_size);
@@ -141,6 +152,8 @@ public:
 
   /// True when the database answers and the last commit did not fail.
   bool ready();
+  /// Files in the pool right now (tests).
+  std::size_t pooled();
   std::uint64_t max_object_size() const { return m_max_object_size; }
 
 private:
@@ -162,6 +175,13 @@ private:
   void run_batch(std::vector<Job>& batch);
   void sync_loop();
   void recover();
+  /// A pool file's etag (its name), taken out of the pool; nullopt when the pool is empty.
+  std::optional<std::string> take_pooled();
+  /// Makes empty files until the pool is full, fsyncs the directory, then offers them.
+  void refill_pool();
+  /// Where the bytes of `memory_id`'s version `etag` are (or were, before the pool).
+  std::filesystem::path version_path(const std::string& etag) const;
+  std::filesystem::path legacy_version_path(const std::string& memory_id, const std::string& etag) const;
   std::unique_ptr<sqlite::Db> reader();
   /// The bytes of `memory_id`'s version `etag` when they are kept in its row.
   std::optional<std::string> inline_data(const std::string& memory_id, const std::string& etag);
@@ -179,6 +199,9 @@ private:
   std::deque<Job> m_queue;               // durable uploads and advances, for the writer
   std::deque<CommitJob> m_sync_queue;    // uploads whose file is not fsynced yet
   std::deque<std::filesystem::path> m_garbage; // files no row names any more
+  std::deque<std::string> m_pool;              // etags of empty files whose names are durable
+  bool m_pool_wanted = false;                  // a syncer should refill the pool
+  bool m_pool_refilling = false;
   std::condition_variable m_sync_cv;
   bool m_stop = false;        // the syncers stop
   bool m_writer_stop = false; // then the writer
