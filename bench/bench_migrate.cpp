@@ -1,13 +1,16 @@
 // bench_migrate: `mep migrate run` on 1,000,000 legacy rows with 5 % skeleton collisions,
-// next to `mep migrate plan` (read + canonicalize + group, no writes) on the same input.
+// next to `mep migrate plan` (read + canonicalize + group, no writes) on the same input, on
+// SQLite and on PostgreSQL (a private cluster with fsync and synchronous_commit on, started
+// with scripts/pg-test-cluster.sh and stopped at the end; or --pg URL, or --pg off).
 //
-//   build/bench/bench_migrate [--mep PATH] [--rows N]
+//   build/bench/bench_migrate [--mep PATH] [--rows N] [--pg auto|off|URL]
 //
 // Reports wall time, rows/s and peak RSS of the child process (wait4's ru_maxrss).
 #include <sys/resource.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <array>
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
@@ -49,17 +52,30 @@ Run run(const std::vector<std::string>& args) {
   return r;
 }
 
+std::string run_capture(const std::string& cmd) {
+  std::string out;
+  if (FILE* p = ::popen(cmd.c_str(), "r")) {
+    std::array<char, 4096> buf{};
+    while (std::fgets(buf.data(), buf.size(), p)) out += buf.data();
+    ::pclose(p);
+  }
+  while (!out.empty() && (out.back() == '\n' || out.back() == '\r')) out.pop_back();
+  return out;
+}
+
 } // namespace
 
 int main(int argc, char** argv) {
   std::string mep = MEP_BIN_DEFAULT;
   long rows = 1000000;
+  std::string pg = "auto";
   for (int i = 1; i < argc; ++i) {
     std::string a = argv[i];
     if (a == "--mep" && i + 1 < argc) mep = argv[++i];
     else if (a == "--rows" && i + 1 < argc) rows = std::atol(argv[++i]);
+    else if (a == "--pg" && i + 1 < argc) pg = argv[++i];
     else {
-      std::fprintf(stderr, "usage: bench_migrate [--mep PATH] [--rows N]\n");
+      std::fprintf(stderr, "usage: bench_migrate [--mep PATH] [--rows N] [--pg auto|off|URL]\n");
       return 2;
     }
   }
@@ -85,19 +101,46 @@ int main(int argc, char** argv) {
           << "-01-01T00:00:00Z\",\"legacy_memory_ref\":\"legacy-mem-" << i << "\"}\n";
     }
   }
-  std::string db = "sqlite:" + (dir / "control.db").string();
-  std::printf("mep migrate benchmark — %ld legacy rows, 5 %% collisions, SQLite (WAL, synchronous=FULL)\n\n", rows);
-  std::printf("%-40s %10s %12s %14s %8s\n", "command", "seconds", "rows/s", "peak RSS MiB", "exit");
-  auto row = [&](const char* what, const Run& r) {
-    std::printf("%-40s %10.2f %12.0f %14.1f %8d\n", what, r.seconds, static_cast<double>(rows) / r.seconds,
+  // PostgreSQL: a private durable cluster (fsync, synchronous_commit and full page writes
+  // on), unless a URL is given or --pg off.
+  std::string pg_url, cluster_dir, script = std::string(MEP_SOURCE_DIR_DEFAULT) + "/scripts/pg-test-cluster.sh";
+  if (pg != "off") {
+    std::string admin = pg;
+    if (pg == "auto") {
+      cluster_dir = (dir / "cluster").string();
+      admin = run_capture("MEP_PG_DURABLE=1 bash '" + script + "' start '" + cluster_dir + "' 2>&1");
+    }
+    if (admin.rfind("postgresql://", 0) != 0) {
+      std::fprintf(stderr, "PostgreSQL not measured: %s\n", admin.c_str());
+    } else {
+      std::string name = "mep_bench_migrate_" + std::to_string(::getpid());
+      run_capture("psql -X -q -d '" + admin + "' -c 'CREATE DATABASE " + name + "' 2>&1");
+      auto slash = admin.rfind('/');
+      pg_url = admin.substr(0, slash + 1) + name;
+    }
+  }
+  std::printf("mep migrate benchmark — %ld legacy rows, 5 %% collisions; SQLite (WAL, synchronous=FULL)%s\n\n", rows,
+              pg_url.empty() ? "" : " and PostgreSQL (fsync, synchronous_commit on), in the same run");
+  std::printf("%-12s %-40s %10s %12s %14s %8s\n", "backend", "command", "seconds", "rows/s", "peak RSS MiB", "exit");
+  auto row = [&](const char* backend, const char* what, const Run& r) {
+    std::printf("%-12s %-40s %10.2f %12.0f %14.1f %8d\n", backend, what, r.seconds, static_cast<double>(rows) / r.seconds,
                 static_cast<double>(r.max_rss_kib) / 1024, r.status);
     std::fflush(stdout);
   };
-  row("mep migrate plan (baseline: no writes)", run({mep, "migrate", "plan", "--db", db, "--input", input.string(),
-                                                     "--report", (dir / "plan.jsonl").string()}));
-  row("mep migrate run --batch 10000", run({mep, "migrate", "run", "--db", db, "--input", input.string()}));
-  row("mep migrate run again (idempotent)", run({mep, "migrate", "run", "--db", db, "--input", input.string()}));
+  int failures = 0;
+  auto measure = [&](const char* backend, const std::string& db) {
+    Run plan = run({mep, "migrate", "plan", "--db", db, "--input", input.string(), "--report", (dir / "plan.jsonl").string()});
+    row(backend, "mep migrate plan (baseline: no writes)", plan);
+    Run first = run({mep, "migrate", "run", "--db", db, "--input", input.string()});
+    row(backend, "mep migrate run --batch 10000", first);
+    Run again = run({mep, "migrate", "run", "--db", db, "--input", input.string()});
+    row(backend, "mep migrate run again (idempotent)", again);
+    failures += (plan.status != 0) + (first.status != 0) + (again.status != 0);
+  };
+  measure("sqlite", "sqlite:" + (dir / "control.db").string());
+  if (!pg_url.empty()) measure("postgresql", pg_url);
   std::printf("\ntargets: run <= 60 s and peak RSS <= 500 MiB for 1,000,000 rows\n");
+  if (!cluster_dir.empty()) run_capture("bash '" + script + "' stop '" + cluster_dir + "' 2>&1");
   fs::remove_all(dir);
-  return 0;
+  return failures ? 1 : 0;
 }

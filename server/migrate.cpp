@@ -14,10 +14,14 @@
 
 #include "mep/canonical.hpp"
 #include "mep/json.hpp"
+#include "mep/crypto.hpp"
 #include "mep/log.hpp"
+#include "mep/pg.hpp"
 #include "mep/problem.hpp"
+#include "mep/random.hpp"
 #include "mep/sqlite.hpp"
 #include "mep/sqlite_store.hpp"
+#include "mep/store.hpp"
 #include "mep/time.hpp"
 #include "mep/uuid.hpp"
 
@@ -30,6 +34,7 @@
 #include <chrono>
 #include <cstdio>
 #include <filesystem>
+#include <functional>
 #include <fstream>
 #include <numeric>
 #include <unistd.h>
@@ -118,8 +123,6 @@ private:
 std::uint64_t hash_of(std::string_view s) { return std::hash<std::string_view>{}(s); }
 
 std::string db_path(const std::string& url) {
-  if (url.rfind("postgres://", 0) == 0 || url.rfind("postgresql://", 0) == 0)
-    throw std::runtime_error("mep migrate works on sqlite: databases only (PostgreSQL is not supported yet)");
   if (url.rfind("sqlite://", 0) == 0) return url.substr(9);
   if (url.rfind("sqlite:", 0) == 0) return url.substr(7);
   return url;
@@ -306,6 +309,298 @@ bool table_exists(Db& db, const char* name) {
   return s->step();
 }
 
+// ---- where the migration reads and writes: a SQLite file or a PostgreSQL database ----------
+
+// A row an earlier run wrote (resumption).
+struct Migrated {
+  std::string legacy_id, canonical, skeleton, action, reason, memory_id;
+};
+
+// What the migration needs of a control-plane database. Each write() is one transaction of
+// a batch; nothing else holds a lock while the servers answer 503 migration-in-progress.
+class Target {
+public:
+  virtual ~Target() = default;
+  /// The migration's tables exist (a database the schema was created in).
+  virtual bool has_tables() = 0;
+  virtual expected<Rows, std::string> read_table(const std::string& table) = 0;
+  /// The tenant's id, or empty when there is no such tenant (yet).
+  virtual std::string tenant_id(const std::string& name) = 0;
+  virtual void each_migrated(const std::function<void(Migrated&&)>& f) = 0;
+  virtual void each_identity(const std::string& tenant_id, const std::function<void(std::string, std::string)>& f) = 0;
+  virtual std::string ensure_tenant(const std::string& name) = 0;
+  /// settings.migration_state: in-progress (unless already active).
+  virtual void mark_in_progress() = 0;
+  virtual void write(const std::string& tenant_id, const std::vector<const Row*>& batch, const std::string& unicode,
+                     const std::string& icu) = 0;
+};
+
+bool is_postgres(const std::string& url) {
+  return url.rfind("postgres://", 0) == 0 || url.rfind("postgresql://", 0) == 0;
+}
+
+// `--from-table`: a plain identifier only (it is spliced into the query).
+bool plain_identifier(const std::string& table) {
+  return !table.empty() &&
+         table.find_first_not_of("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_") == std::string::npos &&
+         !std::isdigit(static_cast<unsigned char>(table[0]));
+}
+
+class SqliteTarget final : public Target {
+public:
+  explicit SqliteTarget(std::unique_ptr<Db> db) : m_db(std::move(db)) {}
+  bool has_tables() override { return table_exists(*m_db, "migration_rows"); }
+  expected<Rows, std::string> read_table(const std::string& table) override { return mep::server::read_table(*m_db, table); }
+  std::string tenant_id(const std::string& name) override {
+    if (!table_exists(*m_db, "tenants")) return {};
+    Use s(m_db->prepare("SELECT tenant_id FROM tenants WHERE name = ?1"));
+    s->bind(1, name);
+    return s->step() ? s->text(0) : std::string();
+  }
+  void each_migrated(const std::function<void(Migrated&&)>& f) override {
+    Use s(m_db->prepare("SELECT legacy_id, canonical_name, skeleton, action, reason, memory_instance_id FROM migration_rows"));
+    while (s->step())
+      f(Migrated{s->text(0), s->text(1), s->text(2), s->text(3), s->opt_text(4).value_or(""), s->text(5)});
+  }
+  void each_identity(const std::string& tenant, const std::function<void(std::string, std::string)>& f) override {
+    Use m(m_db->prepare("SELECT legacy_memory_ref, memory_instance_id FROM migration_identity_map WHERE tenant_id = ?1"));
+    m->bind(1, tenant);
+    while (m->step()) f(m->text(0), m->text(1));
+  }
+  std::string ensure_tenant(const std::string& name) override {
+    m_db->exec("BEGIN IMMEDIATE");
+    Use t(m_db->prepare("INSERT OR IGNORE INTO tenants(tenant_id, name, audit_salt, created_at) VALUES (?1, ?2, ?3, ?4)"));
+    t->bind(1, uuid_v7().to_string()).bind(2, name).bind(3, uuid_v7().to_hex() + uuid_v7().to_hex()).bind(4, now_unix_ms()).run();
+    m_db->exec("COMMIT");
+    return tenant_id(name);
+  }
+  void mark_in_progress() override {
+    Use s(m_db->prepare("INSERT INTO settings(key, value) VALUES ('migration_state', 'in-progress') "
+                        "ON CONFLICT(key) DO UPDATE SET value = CASE WHEN value = 'active' THEN 'active' ELSE 'in-progress' END"));
+    s->run();
+  }
+  void write(const std::string& tenant, const std::vector<const Row*>& batch, const std::string& uv,
+             const std::string& iv) override {
+    m_db->exec("BEGIN IMMEDIATE");
+    try {
+      for (const Row* r : batch) {
+        UnixMs now = now_unix_ms();
+        {
+          Use s(m_db->prepare("INSERT INTO migration_rows(legacy_id, tenant_id, display_name, canonical_name, skeleton, action, "
+                              "reason, memory_instance_id, legacy_memory_ref, legacy_created_at, migrated_at) "
+                              "VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11)"));
+          s->bind(1, r->legacy_id).bind(2, tenant).bind(3, r->display_name).bind(4, r->canonical).bind(5, r->skeleton)
+              .bind(6, action_name(r->action)).bind(7, r->reason_code ? std::optional<std::string>(r->reason()) : std::nullopt)
+              .bind(8, r->memory_id.to_string()).bind(9, r->legacy_memory_ref).bind(10, r->created_at()).bind(11, now).run();
+        }
+        {
+          Use s(m_db->prepare("INSERT OR IGNORE INTO memories(memory_id, tenant_id, fence_counter, created_at) VALUES (?1, ?2, 0, ?3)"));
+          s->bind(1, r->memory_id.to_string()).bind(2, tenant).bind(3, now).run();
+        }
+        if (!r->legacy_memory_ref.empty()) {
+          Use s(m_db->prepare("INSERT OR IGNORE INTO migration_identity_map(tenant_id, legacy_memory_ref, memory_instance_id) "
+                              "VALUES (?1, ?2, ?3)"));
+          s->bind(1, tenant).bind(2, r->legacy_memory_ref).bind(3, r->memory_id.to_string()).run();
+        }
+        {
+          Use s(m_db->prepare("INSERT INTO agent_names(canonical_name, display_name, skeleton, tenant_id, unicode_version, "
+                              "icu_version, first_claimed_at, last_claimed_at) VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?7) "
+                              "ON CONFLICT(canonical_name) DO NOTHING"));
+          s->bind(1, r->canonical).bind(2, r->display_name).bind(3, r->skeleton).bind(4, tenant).bind(5, uv).bind(6, iv)
+              .bind(7, now).run();
+        }
+      }
+      m_db->exec("COMMIT");
+    } catch (...) {
+      try {
+        m_db->exec("ROLLBACK");
+      } catch (...) {
+      }
+      throw;
+    }
+  }
+
+private:
+  std::unique_ptr<Db> m_db;
+};
+
+// A PostgreSQL text-array literal of `values` (NULL for nullopt): one parameter carries a
+// whole batch's column, unnest() turns the columns back into rows.
+std::string pg_array(const std::vector<std::optional<std::string>>& values) {
+  std::string out = "{";
+  for (std::size_t i = 0; i < values.size(); ++i) {
+    if (i) out += ',';
+    if (!values[i]) {
+      out += "NULL";
+      continue;
+    }
+    out += '"';
+    for (char ch : *values[i]) {
+      if (ch == '"' || ch == '\\') out += '\\';
+      out += ch;
+    }
+    out += '"';
+  }
+  return out + "}";
+}
+
+// Large reads go through a cursor, a page at a time: a million rows never sit in one result.
+void each_page(pg::Conn& c, const std::string& query, const std::function<void(const pg::Result&, int)>& f) {
+  c.exec("BEGIN ISOLATION LEVEL REPEATABLE READ READ ONLY");
+  try {
+    c.exec("DECLARE mep_migrate_cursor NO SCROLL CURSOR FOR " + query);
+    for (;;) {
+      auto r = c.exec("FETCH 20000 FROM mep_migrate_cursor");
+      if (r.rows() == 0) break;
+      for (int i = 0; i < r.rows(); ++i) f(r, i);
+    }
+    c.exec("COMMIT");
+  } catch (...) {
+    try {
+      c.exec("ROLLBACK");
+    } catch (...) {
+    }
+    throw;
+  }
+}
+
+class PgTarget final : public Target {
+public:
+  explicit PgTarget(const std::string& url) : m_c(url) {}
+  bool has_tables() override { return exists("migration_rows"); }
+  expected<Rows, std::string> read_table(const std::string& table) override {
+    if (!plain_identifier(table)) return make_unexpected(std::string("--from-table must be a plain table name"));
+    auto cols = m_c.exec("migrate_columns",
+                         "SELECT column_name::text, data_type::text FROM information_schema.columns "
+                         "WHERE table_schema = current_schema() AND table_name = $1",
+                         {table});
+    if (cols.rows() == 0) return make_unexpected("no table named " + table + " in the database");
+    std::unordered_map<std::string, std::string> type;
+    for (int i = 0; i < cols.rows(); ++i) type[cols.text(i, 0)] = cols.text(i, 1);
+    for (const char* need : {"legacy_id", "display_name", "created_at", "legacy_memory_ref"})
+      if (!type.count(need)) return make_unexpected(fmt::format("the table {} lacks the column {}", table, need));
+    // Timestamps as RFC 3339 in UTC, as a file would give them; anything else as its text.
+    const std::string created = type["created_at"].rfind("timestamp", 0) == 0
+                                    ? "to_char(created_at AT TIME ZONE 'UTC', 'YYYY-MM-DD\"T\"HH24:MI:SS.MS\"Z\"')"
+                                    : "created_at::text";
+    Rows rows;
+    try {
+      each_page(m_c,
+                fmt::format("SELECT legacy_id::text, display_name::text, {}, legacy_memory_ref::text, {} FROM \"{}\"", created,
+                            type.count("memory_instance_id") ? "memory_instance_id::text" : "NULL::text", table),
+                [&](const pg::Result& r, int i) {
+                  rows.push_back(Row{r.opt_text(i, 0).value_or(""), r.opt_text(i, 1).value_or(""),
+                                     r.opt_text(i, 2).value_or(""), r.opt_text(i, 3).value_or(""),
+                                     r.opt_text(i, 4).value_or("")});
+                });
+    } catch (const pg::Error& e) {
+      return make_unexpected(std::string("cannot read the table: ") + e.what());
+    }
+    return rows;
+  }
+  std::string tenant_id(const std::string& name) override {
+    if (!exists("tenants")) return {};
+    auto r = m_c.exec("migrate_tenant", "SELECT tenant_id FROM tenants WHERE name = $1", {name});
+    return r.rows() ? r.text(0, 0) : std::string();
+  }
+  void each_migrated(const std::function<void(Migrated&&)>& f) override {
+    each_page(m_c,
+              "SELECT legacy_id, canonical_name, skeleton, action, reason, memory_instance_id FROM migration_rows",
+              [&](const pg::Result& r, int i) {
+                f(Migrated{r.text(i, 0), r.text(i, 1), r.text(i, 2), r.text(i, 3), r.opt_text(i, 4).value_or(""),
+                           r.text(i, 5)});
+              });
+  }
+  void each_identity(const std::string& tenant, const std::function<void(std::string, std::string)>& f) override {
+    // The tenant id came from the database itself (a UUID), never from the user.
+    if (!Uuid::parse(tenant)) return;
+    each_page(m_c,
+              "SELECT legacy_memory_ref, memory_instance_id FROM migration_identity_map WHERE tenant_id = '" + tenant + "'",
+              [&](const pg::Result& r, int i) { f(r.text(i, 0), r.text(i, 1)); });
+  }
+  std::string ensure_tenant(const std::string& name) override {
+    const std::string salt = random_hex(32);
+    const auto pads = hmac_sha256_pads(salt);
+    auto hex = [](const std::string& b) { return "\\x" + hex_lower(b.data(), b.size()); };
+    m_c.exec("migrate_new_tenant",
+             "INSERT INTO tenants(tenant_id, name, audit_salt, audit_ipad, audit_opad, created_at) "
+             "VALUES ($1, $2, $3, $4::bytea, $5::bytea, mep_now_ms()) ON CONFLICT (name) DO NOTHING",
+             {uuid_v7().to_string(), name, salt, hex(pads.first), hex(pads.second)});
+    return tenant_id(name);
+  }
+  void mark_in_progress() override {
+    m_c.exec("INSERT INTO settings(key, value) VALUES ('migration_state', 'in-progress') "
+             "ON CONFLICT (key) DO UPDATE SET value = CASE WHEN settings.value = 'active' THEN 'active' "
+             "ELSE 'in-progress' END");
+  }
+  // One statement, one round trip, one transaction per batch: the batch's columns as
+  // arrays, and each table written by its own INSERT of a data-modifying WITH.
+  void write(const std::string& tenant, const std::vector<const Row*>& batch, const std::string& uv,
+             const std::string& iv) override {
+    std::vector<std::optional<std::string>> id, display, canonical, skeleton, action, reason, memory, ref, created;
+    for (const Row* r : batch) {
+      id.emplace_back(r->legacy_id);
+      display.emplace_back(r->display_name);
+      canonical.emplace_back(r->canonical);
+      skeleton.emplace_back(r->skeleton);
+      action.emplace_back(action_name(r->action));
+      reason.emplace_back(r->reason_code ? std::optional<std::string>(r->reason()) : std::nullopt);
+      memory.emplace_back(r->memory_id.to_string());
+      ref.emplace_back(r->legacy_memory_ref);
+      created.emplace_back(r->created_at());
+    }
+    m_c.exec("migrate_batch",
+             "WITH input AS ("
+             "  SELECT * FROM unnest($1::text[], $2::text[], $3::text[], $4::text[], $5::text[], $6::text[], $7::text[], "
+             "                       $8::text[], $9::text[]) WITH ORDINALITY "
+             "  AS t(legacy_id, display_name, canonical_name, skeleton, action, reason, memory_instance_id, "
+             "       legacy_memory_ref, legacy_created_at, ord)), "
+             "now AS (SELECT mep_now_ms() AS ms), "
+             "r AS (INSERT INTO migration_rows(legacy_id, tenant_id, display_name, canonical_name, skeleton, action, reason, "
+             "        memory_instance_id, legacy_memory_ref, legacy_created_at, migrated_at) "
+             "      SELECT legacy_id, $10, display_name, canonical_name, skeleton, action, reason, memory_instance_id, "
+             "             legacy_memory_ref, legacy_created_at, now.ms FROM input, now), "
+             "m AS (INSERT INTO memories(memory_id, tenant_id, fence_counter, created_at) "
+             "      SELECT DISTINCT memory_instance_id, $10, 0, now.ms FROM input, now ON CONFLICT DO NOTHING), "
+             "i AS (INSERT INTO migration_identity_map(tenant_id, legacy_memory_ref, memory_instance_id) "
+             "      SELECT DISTINCT ON (legacy_memory_ref) $10, legacy_memory_ref, memory_instance_id FROM input "
+             "      WHERE legacy_memory_ref <> '' ORDER BY legacy_memory_ref, ord ON CONFLICT DO NOTHING) "
+             "INSERT INTO agent_names(canonical_name, display_name, skeleton, tenant_id, unicode_version, icu_version, "
+             "  first_claimed_at, last_claimed_at) "
+             "SELECT canonical_name, display_name, skeleton, $10, $11, $12, now.ms, now.ms FROM input, now "
+             "ON CONFLICT (canonical_name) DO NOTHING",
+             {pg_array(id), pg_array(display), pg_array(canonical), pg_array(skeleton), pg_array(action), pg_array(reason),
+              pg_array(memory), pg_array(ref), pg_array(created), tenant, uv, iv});
+  }
+
+  bool exists(const char* table) {
+    auto r = m_c.exec("migrate_exists", "SELECT to_regclass($1) IS NOT NULL", {std::string(table)});
+    return r.rows() && r.text(0, 0) == "t";
+  }
+  pg::Conn& conn() { return m_c; }
+
+private:
+  pg::Conn m_c;
+};
+
+// The database of `url`, its schema created first unless `dry_run` (a plan writes nothing);
+// null for a plan on a SQLite file that does not exist.
+std::unique_ptr<Target> open_target(const std::string& url, bool dry_run) {
+  if (is_postgres(url)) {
+    if (!dry_run) open_store(url); // creates and upgrades the schema
+    return std::make_unique<PgTarget>(url);
+  }
+  const std::string path = db_path(url);
+  if (dry_run) {
+    if (!std::filesystem::exists(path)) return nullptr;
+    return std::make_unique<SqliteTarget>(std::make_unique<Db>(path, sqlite::Mode::read_only));
+  }
+  { SqliteStore init(url); } // creates and migrates the schema
+  auto db = std::make_unique<Db>(path, sqlite::Mode::read_write_create);
+  db->exec("PRAGMA journal_mode=WAL; PRAGMA synchronous=FULL;");
+  return std::make_unique<SqliteTarget>(std::move(db));
+}
+
 } // namespace
 
 int migrate_run(const MigrateOptions& o) {
@@ -317,22 +612,14 @@ int migrate_run(const MigrateOptions& o) {
     std::fprintf(stderr, "mep migrate: --batch must be at least 1\n");
     return exit_code::usage;
   }
-  std::string path = db_path(o.db_url);
   try {
-    // Open: a plan never writes (read-only connection, and no schema is created).
-    std::unique_ptr<Db> db;
-    if (o.dry_run) {
-      if (std::filesystem::exists(path)) db = std::make_unique<Db>(path, sqlite::Mode::read_only);
-    } else {
-      { SqliteStore init(o.db_url); } // creates and migrates the schema
-      db = std::make_unique<Db>(path, sqlite::Mode::read_write_create);
-      db->exec("PRAGMA journal_mode=WAL; PRAGMA synchronous=FULL;");
-    }
-    bool has_tables = db && table_exists(*db, "migration_rows");
+    // Open: a plan never writes (read-only on SQLite, and no schema is created).
+    std::unique_ptr<Target> db = open_target(o.db_url, o.dry_run);
+    bool has_tables = db && db->has_tables();
 
     // 1. Read the legacy rows.
     expected<Rows, std::string> input = o.input_file ? read_file(*o.input_file)
-                                                   : db ? read_table(*db, *o.from_table)
+                                                   : db ? db->read_table(*o.from_table)
                                                         : make_unexpected(std::string("the database does not exist"));
     if (!input) {
       std::fprintf(stderr, "mep migrate: %s\n", input.error().c_str());
@@ -355,34 +642,25 @@ int migrate_run(const MigrateOptions& o) {
     std::unordered_set<std::string> taken_skeletons; // exact, from earlier runs
     std::unordered_map<std::uint64_t, std::uint32_t> ref_index; // legacy_memory_ref hash → row
     std::unordered_map<std::string, std::string> db_identity;     // refs mapped by earlier runs
-    std::string tenant_id;
-    if (db && table_exists(*db, "tenants")) {
-      Use s(db->prepare("SELECT tenant_id FROM tenants WHERE name = ?1"));
-      s->bind(1, o.tenant);
-      if (s->step()) tenant_id = s->text(0);
-    }
+    std::string tenant_id = db ? db->tenant_id(o.tenant) : std::string();
     if (has_tables) {
-      Use s(db->prepare("SELECT legacy_id, canonical_name, skeleton, action, reason, memory_instance_id FROM migration_rows"));
-      while (s->step()) {
-        std::string id = s->text(0);
-        used_names.insert(hash_of(s->text(1)));
-        used_skeletons.insert(hash_of(s->text(2)));
-        taken_skeletons.insert(s->text(2));
-        auto it = by_id.find(hash_of(id));
-        if (it == by_id.end() || rows[it->second].legacy_id != id) continue;
+      db->each_migrated([&](Migrated&& m) {
+        used_names.insert(hash_of(m.canonical));
+        used_skeletons.insert(hash_of(m.skeleton));
+        taken_skeletons.insert(m.skeleton);
+        auto it = by_id.find(hash_of(m.legacy_id));
+        if (it == by_id.end() || rows[it->second].legacy_id != m.legacy_id) return;
         Row& r = rows[it->second];
-        r.canonical = s->text(1);
-        r.skeleton = s->text(2);
-        std::string a = s->text(3);
-        r.done_as = a == "renamed" ? Row::renamed : a == "generated" ? Row::generated : Row::kept;
-        std::string reason = s->opt_text(4).value_or("");
+        r.canonical = std::move(m.canonical);
+        r.skeleton = std::move(m.skeleton);
+        r.done_as = m.action == "renamed" ? Row::renamed : m.action == "generated" ? Row::generated : Row::kept;
         r.reason_code = 0;
         for (int k = 0; k <= static_cast<int>(NameReason::invisible_character); ++k)
-          if (reason == to_string(static_cast<NameReason>(k))) r.reason_code = static_cast<std::uint8_t>(k + 1);
-        r.memory_id = *Uuid::parse(s->text(5));
+          if (m.reason == to_string(static_cast<NameReason>(k))) r.reason_code = static_cast<std::uint8_t>(k + 1);
+        r.memory_id = *Uuid::parse(m.memory_id);
         r.has_memory = true;
         r.action = Row::done;
-      }
+      });
       // Only the references of rows still to write matter (a complete re-run loads none).
       HashSet64 pending_refs(rows.size());
       bool any_pending = false;
@@ -392,10 +670,9 @@ int migrate_run(const MigrateOptions& o) {
           any_pending = true;
         }
       if (any_pending) {
-        Use m(db->prepare("SELECT legacy_memory_ref, memory_instance_id FROM migration_identity_map WHERE tenant_id = ?1"));
-        m->bind(1, tenant_id);
-        while (m->step())
-          if (pending_refs.contains(hash_of(m->text(0)))) db_identity.emplace(m->text(0), m->text(1));
+        db->each_identity(tenant_id, [&](std::string ref, std::string id) {
+          if (pending_refs.contains(hash_of(ref))) db_identity.emplace(std::move(ref), std::move(id));
+        });
       }
     }
 
@@ -439,7 +716,9 @@ int migrate_run(const MigrateOptions& o) {
     std::vector<std::uint32_t>().swap(order);
     taken_skeletons.clear();
     // Suffixed and generated names, unique in name and skeleton.
+    std::function<std::pair<std::string, std::string>(const std::string&)> fresh_name_of;
     auto fresh_name = [&](const std::string& base) {
+      int failures = 0;
       for (;;) {
         std::string hex = uuid_v7().to_hex();
         std::size_t base_cp = 0; // code points of `base` (UTF-8)
@@ -460,8 +739,17 @@ int migrate_run(const MigrateOptions& o) {
           while (!stem.empty() && (stem.back() == '-' || stem.back() == '_')) stem.pop_back();
           suffix_len = 8;
         }
-        std::string candidate = (stem.empty() ? std::string("agent") : stem) + "-" + hex.substr(32 - suffix_len);
+        std::string suffix = hex.substr(32 - suffix_len);
+        std::string candidate = (stem.empty() ? std::string("agent") : stem) + "-" + suffix;
         auto n = canonicalize(candidate);
+        if (!n && n.error().reason == NameReason::mixed_script) {
+          // The hex letters are Latin: beside a stem in another script (Cyrillic, Greek, Han…)
+          // they make a mixed-script name, which no draw can fix. Digits belong to every script.
+          for (char& ch : suffix) ch = static_cast<char>('0' + (std::isdigit(static_cast<unsigned char>(ch)) ? ch - '0' : ch - 'a'));
+          candidate = (stem.empty() ? std::string("agent") : stem) + "-" + suffix;
+          n = canonicalize(candidate);
+        }
+        if (!n && ++failures > 64 && base != "agent") return fresh_name_of("agent"); // never loop forever
         if (!n || used_names.contains(hash_of(n->canonical_name)) || used_skeletons.contains(hash_of(n->skeleton)))
           continue;
         used_names.insert(hash_of(n->canonical_name));
@@ -469,6 +757,7 @@ int migrate_run(const MigrateOptions& o) {
         return std::make_pair(n->canonical_name, n->skeleton);
       }
     };
+    fresh_name_of = fresh_name;
     for (auto& r : rows) {
       if (r.action == Row::renamed) std::tie(r.canonical, r.skeleton) = fresh_name(r.canonical);
       else if (r.action == Row::generated) std::tie(r.canonical, r.skeleton) = fresh_name("agent");
@@ -501,61 +790,26 @@ int migrate_run(const MigrateOptions& o) {
     std::size_t fresh = 0;
     for (const auto& r : rows) fresh += r.action != Row::done;
     if (!o.dry_run && fresh > 0) {
-      if (tenant_id.empty()) {
-        tenant_id = uuid_v7().to_string();
-        db->exec("BEGIN IMMEDIATE");
-        Use t(db->prepare("INSERT OR IGNORE INTO tenants(tenant_id, name, audit_salt, created_at) VALUES (?1, ?2, ?3, ?4)"));
-        t->bind(1, tenant_id).bind(2, o.tenant).bind(3, uuid_v7().to_hex() + uuid_v7().to_hex()).bind(4, now_unix_ms()).run();
-        db->exec("COMMIT");
-        Use s(db->prepare("SELECT tenant_id FROM tenants WHERE name = ?1"));
-        s->bind(1, o.tenant);
-        if (s->step()) tenant_id = s->text(0);
-      }
-      {
-        Use s(db->prepare("INSERT INTO settings(key, value) VALUES ('migration_state', 'in-progress') "
-                          "ON CONFLICT(key) DO UPDATE SET value = CASE WHEN value = 'active' THEN 'active' ELSE 'in-progress' END"));
-        s->run();
-      }
+      if (tenant_id.empty()) tenant_id = db->ensure_tenant(o.tenant);
+      if (tenant_id.empty()) throw std::runtime_error("could not create the tenant " + o.tenant);
+      db->mark_in_progress();
       Progress prog("migrating", fresh);
-      std::size_t written = 0, in_batch = 0;
-      std::string uv = unicode_version(), iv = icu_version();
-      db->exec("BEGIN IMMEDIATE");
-      for (auto& r : rows) {
+      std::size_t written = 0;
+      const std::string uv = unicode_version(), iv = icu_version();
+      std::vector<const Row*> batch;
+      batch.reserve(std::min(o.batch, fresh));
+      for (const auto& r : rows) {
         if (r.action == Row::done) continue;
-        UnixMs now = now_unix_ms();
-        {
-          Use s(db->prepare("INSERT INTO migration_rows(legacy_id, tenant_id, display_name, canonical_name, skeleton, action, "
-                            "reason, memory_instance_id, legacy_memory_ref, legacy_created_at, migrated_at) "
-                            "VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11)"));
-          s->bind(1, r.legacy_id).bind(2, tenant_id).bind(3, r.display_name).bind(4, r.canonical).bind(5, r.skeleton)
-              .bind(6, action_name(r.action)).bind(7, r.reason_code ? std::optional<std::string>(r.reason()) : std::nullopt)
-              .bind(8, r.memory_id.to_string()).bind(9, r.legacy_memory_ref).bind(10, r.created_at()).bind(11, now).run();
-        }
-        {
-          Use s(db->prepare("INSERT OR IGNORE INTO memories(memory_id, tenant_id, fence_counter, created_at) VALUES (?1, ?2, 0, ?3)"));
-          s->bind(1, r.memory_id.to_string()).bind(2, tenant_id).bind(3, now).run();
-        }
-        if (!r.legacy_memory_ref.empty()) {
-          Use s(db->prepare("INSERT OR IGNORE INTO migration_identity_map(tenant_id, legacy_memory_ref, memory_instance_id) "
-                            "VALUES (?1, ?2, ?3)"));
-          s->bind(1, tenant_id).bind(2, r.legacy_memory_ref).bind(3, r.memory_id.to_string()).run();
-        }
-        {
-          Use s(db->prepare("INSERT INTO agent_names(canonical_name, display_name, skeleton, tenant_id, unicode_version, "
-                            "icu_version, first_claimed_at, last_claimed_at) VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?7) "
-                            "ON CONFLICT(canonical_name) DO NOTHING"));
-          s->bind(1, r.canonical).bind(2, r.display_name).bind(3, r.skeleton).bind(4, tenant_id).bind(5, uv).bind(6, iv)
-              .bind(7, now).run();
-        }
-        ++written;
-        if (++in_batch == o.batch) {
-          db->exec("COMMIT");
+        batch.push_back(&r);
+        if (batch.size() == o.batch) {
+          db->write(tenant_id, batch, uv, iv); // one transaction
+          written += batch.size();
+          batch.clear();
           prog.update(written);
-          db->exec("BEGIN IMMEDIATE");
-          in_batch = 0;
         }
       }
-      db->exec("COMMIT");
+      if (!batch.empty()) db->write(tenant_id, batch, uv, iv);
+      written += batch.size();
       prog.update(written, true);
     }
 
@@ -610,6 +864,18 @@ int migrate_run(const MigrateOptions& o) {
 
 int migrate_activate(const std::string& db_url, bool json) {
   try {
+    if (is_postgres(db_url)) {
+      PgTarget db(db_url);
+      if (!db.exists("settings")) {
+        std::fprintf(stderr, "mep migrate: the database has no mep schema: nothing was migrated into it\n");
+        return exit_code::other;
+      }
+      db.conn().exec("INSERT INTO settings(key, value) VALUES ('migration_state', 'active') "
+                     "ON CONFLICT (key) DO UPDATE SET value = 'active'");
+      if (json) std::printf("{\"migration_state\":\"active\"}\n");
+      else std::printf("migration activated: lease endpoints are open (servers notice within a second)\n");
+      return exit_code::ok;
+    }
     // The URL is checked before anything touches the file system: a PostgreSQL URL must
     // not become a SQLite file under a folder called "postgresql:".
     const std::string path = db_path(db_url);
@@ -632,26 +898,38 @@ int migrate_activate(const std::string& db_url, bool json) {
 
 int migrate_status(const std::string& db_url, bool json) {
   try {
-    std::string path = db_path(db_url);
-    if (!std::filesystem::exists(path)) {
-      std::fprintf(stderr, "mep migrate: no database at %s\n", path.c_str());
-      return exit_code::other;
-    }
-    Db db(path, sqlite::Mode::read_only);
     std::string state = "none";
     std::int64_t kept = 0, renamed = 0, generated = 0, mapped = 0;
-    if (table_exists(db, "settings")) {
-      Use s(db.prepare("SELECT value FROM settings WHERE key = 'migration_state'"));
-      if (s->step()) state = s->text(0);
-    }
-    if (table_exists(db, "migration_rows")) {
-      Use s(db.prepare("SELECT action, count(*) FROM migration_rows GROUP BY action"));
-      while (s->step()) {
-        std::string a = s->text(0);
-        (a == "kept" ? kept : a == "renamed" ? renamed : generated) = s->int64(1);
+    auto count = [&](const std::string& a, std::int64_t n) { (a == "kept" ? kept : a == "renamed" ? renamed : generated) = n; };
+    if (is_postgres(db_url)) {
+      PgTarget db(db_url);
+      if (db.exists("settings")) {
+        auto r = db.conn().exec("SELECT value FROM settings WHERE key = 'migration_state'");
+        if (r.rows()) state = r.text(0, 0);
       }
-      Use m(db.prepare("SELECT count(*) FROM migration_identity_map"));
-      if (m->step()) mapped = m->int64(0);
+      if (db.exists("migration_rows")) {
+        auto r = db.conn().exec("SELECT action, count(*) FROM migration_rows GROUP BY action");
+        for (int i = 0; i < r.rows(); ++i) count(r.text(i, 0), r.int64(i, 1));
+        auto m = db.conn().exec("SELECT count(*) FROM migration_identity_map");
+        if (m.rows()) mapped = m.int64(0, 0);
+      }
+    } else {
+      std::string path = db_path(db_url);
+      if (!std::filesystem::exists(path)) {
+        std::fprintf(stderr, "mep migrate: no database at %s\n", path.c_str());
+        return exit_code::other;
+      }
+      Db db(path, sqlite::Mode::read_only);
+      if (table_exists(db, "settings")) {
+        Use s(db.prepare("SELECT value FROM settings WHERE key = 'migration_state'"));
+        if (s->step()) state = s->text(0);
+      }
+      if (table_exists(db, "migration_rows")) {
+        Use s(db.prepare("SELECT action, count(*) FROM migration_rows GROUP BY action"));
+        while (s->step()) count(s->text(0), s->int64(1));
+        Use m(db.prepare("SELECT count(*) FROM migration_identity_map"));
+        if (m->step()) mapped = m->int64(0);
+      }
     }
     if (json) {
       std::printf("%s\n", json::dump(boost::json::object{{"migration_state", state},

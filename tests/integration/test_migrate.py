@@ -1,4 +1,6 @@
 """mep migrate (SPEC §10) against real binaries: collisions, resumption, the gate, the map.
+ctest runs it on SQLite and on PostgreSQL (MEP_TEST_BACKEND; a fresh database per test), and
+`CrossBackend` runs one input on both and compares the reports.
 
 Every process started here is ended by its PID; every wait is bounded.
 """
@@ -13,6 +15,8 @@ import time
 import unittest
 import urllib.request
 import urllib.error
+
+import pgfixture
 
 MEP = os.environ["MEP_BIN"]
 MEPD = os.environ.get("MEPD_BIN", os.path.join(os.path.dirname(os.path.dirname(MEP)), "daemon", "mepd"))
@@ -37,6 +41,9 @@ def read_report(path):
 
 
 def db_rows(db, sql):
+    """Rows of `sql` on a SQLite path or a pgfixture.PgDb, as tuples."""
+    if isinstance(db, pgfixture.PgDb):
+        return db.query(sql)
     con = sqlite3.connect(f"file:{db}?mode=ro", uri=True)
     try:
         return con.execute(sql).fetchall()
@@ -44,13 +51,30 @@ def db_rows(db, sql):
         con.close()
 
 
+def report_shape(report, given_ids=()):
+    """What two runs of one input must agree on, whatever the random parts: per legacy row,
+    the action, the reason, the kept name or the stem of a suffixed one, and the memory id
+    when the input gave it, else which rows share one (by the smallest legacy id using it)."""
+    first_of = {}
+    for lid in sorted(report, key=lambda x: (len(x), x)):
+        first_of.setdefault(report[lid]["memory_instance_id"], lid)
+    shape = {}
+    for lid, r in report.items():
+        name = r["canonical_name"]
+        if r["action"] != "kept":
+            name = name.rsplit("-", 1)[0]
+        mid = r["memory_instance_id"]
+        shape[lid] = (r["action"], r.get("reason"), name, mid if mid in given_ids else "same as " + first_of[mid])
+    return shape
+
+
 class Server:
     """A real `mep server` on a database, stopped by PID."""
 
-    def __init__(self, db):
-        # Beside the database, in the test's directory, which tearDown removes.
-        self.log = open(os.path.join(os.path.dirname(db), "mep-server.log"), "w+b")
-        self.proc = subprocess.Popen([MEP, "server", "--db", f"sqlite:{db}", "--listen", "127.0.0.1:0"],
+    def __init__(self, url, workdir):
+        # In the test's directory, which tearDown removes.
+        self.log = open(os.path.join(workdir, "mep-server.log"), "w+b")
+        self.proc = subprocess.Popen([MEP, "server", "--db", url, "--listen", "127.0.0.1:0"],
                                      stderr=self.log, stdout=subprocess.DEVNULL)
         deadline = time.monotonic() + 20
         self.url = None
@@ -93,13 +117,32 @@ class MigrateTest(unittest.TestCase):
     def setUp(self):
         self.tmp = tempfile.TemporaryDirectory(prefix="mep-migrate-")
         self.dir = self.tmp.name
-        self.db = os.path.join(self.dir, "control.db")
-        self.url = f"sqlite:{self.db}"
+        self.pg = pgfixture.backend() == "postgresql"
+        if self.pg:
+            self.db = pgfixture.PgDb()
+            self.url = self.db.url
+        else:
+            self.db = os.path.join(self.dir, "control.db")
+            self.url = f"sqlite:{self.db}"
 
     def tearDown(self):
+        if self.pg:
+            self.db.drop()
         self.tmp.cleanup()
 
-    def test_activate_refuses_postgresql_and_a_missing_database_without_creating_anything(self):
+    def snapshot(self):
+        """Everything the database holds."""
+        if self.pg:
+            return self.db.snapshot(ignore_auth_failures=False)
+        with open(self.db, "rb") as f:
+            raw = f.read()
+        con = sqlite3.connect(f"file:{self.db}?mode=ro", uri=True)
+        try:
+            return raw, list(con.iterdump())
+        finally:
+            con.close()
+
+    def test_activate_refuses_an_unreachable_or_missing_database_without_creating_anything(self):
         for url in ("postgresql://mep@127.0.0.1:1/nodb", "sqlite:" + os.path.join(self.dir, "missing.db")):
             p = subprocess.run([MEP, "migrate", "activate", "--db", url], capture_output=True, text=True,
                                timeout=60, cwd=self.dir)
@@ -152,6 +195,23 @@ class MigrateTest(unittest.TestCase):
         sk = [s for (s,) in db_rows(self.db, "SELECT skeleton FROM migration_rows")]
         self.assertEqual(len(sk), len(set(sk)))
 
+    def test_a_losing_name_in_another_script_gets_a_digit_suffix(self):
+        # Hex letters are Latin: "раура-1f3a…" would be mixed-script, and the run used to
+        # draw suffixes forever. Digits belong to every script.
+        rows = [{"legacy_id": str(i), "display_name": name, "created_at": "2020-01-0%dT00:00:00Z" % (1 + i),
+                 "legacy_memory_ref": "r%d" % i}
+                for i, name in enumerate(["раура", "РАУРА", "Ελλάδα", "ελλάδα", "中文", "中文"])]
+        src = os.path.join(self.dir, "legacy.jsonl")
+        write_jsonl(src, rows)
+        report = os.path.join(self.dir, "report.jsonl")
+        mep("migrate", "run", "--db", self.url, "--input", src, "--report", report, timeout=60)
+        r = read_report(report)
+        self.assertEqual([r[k]["action"] for k in "012345"], ["kept", "renamed"] * 3)
+        for k, stem in (("1", "раура"), ("3", "ελλάδα")):
+            self.assertRegex(r[k]["canonical_name"], "^" + stem + r"-[0-9]{8,32}$")
+        # Han may stand beside Latin (UTS #39's highly restrictive level): hex is fine there.
+        self.assertRegex(r["5"]["canonical_name"], r"^中文-[0-9a-f]{8,32}$")
+
     def test_names_that_cannot_be_canonicalized_are_generated(self):
         rows = [
             {"legacy_id": "1", "display_name": "bad!", "created_at": "2020-01-01T00:00:00Z", "legacy_memory_ref": "a"},
@@ -192,47 +252,55 @@ class MigrateTest(unittest.TestCase):
 
     def test_from_table(self):
         mep("token", "create", "--db", self.url, "--tenant", "default")  # creates the database
-        con = sqlite3.connect(self.db)
-        con.execute("CREATE TABLE legacy_agents (legacy_id INTEGER, display_name TEXT, created_at TEXT, legacy_memory_ref TEXT)")
-        con.executemany("INSERT INTO legacy_agents VALUES (?, ?, ?, ?)",
-                        [(1, "Zed", "2020-01-01T00:00:00Z", "z1"), (2, "zed", "2019-01-01T00:00:00Z", "z2")])
-        con.commit()
-        con.close()
+        if self.pg:
+            # The column types a legacy PostgreSQL table would have: ids as integers, times as
+            # timestamptz (read as RFC 3339 in UTC), memory ids as uuid.
+            self.db.execute("CREATE TABLE legacy_agents (legacy_id integer, display_name text, created_at timestamptz, "
+                            "legacy_memory_ref text, memory_instance_id uuid); "
+                            "INSERT INTO legacy_agents VALUES (1, 'Zed', '2020-01-01 00:00:00+00', 'z1', NULL), "
+                            "(2, 'zed', '2019-06-01 02:00:00+02', 'z2', '01890f4e-7a3b-7c2d-8e1f-0a1b2c3d4e5f')")
+        else:
+            con = sqlite3.connect(self.db)
+            con.execute("CREATE TABLE legacy_agents (legacy_id INTEGER, display_name TEXT, created_at TEXT, legacy_memory_ref TEXT)")
+            con.executemany("INSERT INTO legacy_agents VALUES (?, ?, ?, ?)",
+                            [(1, "Zed", "2020-01-01T00:00:00Z", "z1"), (2, "zed", "2019-01-01T00:00:00Z", "z2")])
+            con.commit()
+            con.close()
         report = os.path.join(self.dir, "report.jsonl")
         mep("migrate", "run", "--db", self.url, "--from-table", "legacy_agents", "--report", report)
         r = read_report(report)
         self.assertEqual((r["2"]["action"], r["1"]["action"]), ("kept", "renamed"))
+        if self.pg:
+            self.assertEqual(r["2"]["memory_instance_id"], "01890f4e-7a3b-7c2d-8e1f-0a1b2c3d4e5f")
+            (created,) = db_rows(self.db, "SELECT legacy_created_at FROM migration_rows WHERE legacy_id = '2'")[0]
+            self.assertEqual(created, "2019-06-01T00:00:00.000Z")
         p = mep("migrate", "run", "--db", self.url, "--from-table", "no_such; DROP TABLE x", check=False)
         self.assertEqual(p.returncode, 2)
+        p = mep("migrate", "run", "--db", self.url, "--from-table", "no_such_table", check=False)
+        self.assertEqual(p.returncode, 2)
+        self.assertIn("no table named no_such_table", p.stderr)
 
     def test_dry_run_writes_nothing(self):
         rows = [{"legacy_id": str(i), "display_name": f"agent{i % 5}", "created_at": "2020-01-01T00:00:00Z",
                  "legacy_memory_ref": f"r{i}"} for i in range(50)]
         src = os.path.join(self.dir, "legacy.jsonl")
         write_jsonl(src, rows)
-        # On a database that does not exist: nothing is created.
+        # On a database that does not exist (PostgreSQL: one without the schema): nothing is created.
         p = mep("migrate", "plan", "--db", self.url, "--input", src)
-        self.assertFalse(os.path.exists(self.db))
+        if self.pg:
+            self.assertEqual(self.db.snapshot(), {})
+        else:
+            self.assertFalse(os.path.exists(self.db))
         plan = [json.loads(l) for l in p.stdout.splitlines()]
         self.assertEqual(len(plan), 50)
         self.assertEqual(sum(1 for x in plan if x["action"] == "kept"), 5)
         # On an existing database: the file and every table are unchanged. (A read-only
         # SQLite connection may create the empty -wal/-shm companions of a WAL database.)
         mep("token", "create", "--db", self.url, "--tenant", "default")
-
-        def snapshot():
-            with open(self.db, "rb") as f:
-                raw = f.read()
-            con = sqlite3.connect(f"file:{self.db}?mode=ro", uri=True)
-            try:
-                return raw, list(con.iterdump())
-            finally:
-                con.close()
-
-        before = snapshot()
+        before = self.snapshot()
         report = os.path.join(self.dir, "plan.jsonl")
         mep("migrate", "plan", "--db", self.url, "--input", src, "--report", report)
-        self.assertEqual(before, snapshot())
+        self.assertEqual(before, self.snapshot())
         self.assertEqual(len(read_report(report)), 50)
         self.assertEqual(db_rows(self.db, "SELECT count(*) FROM migration_rows"), [(0,)])
 
@@ -261,10 +329,10 @@ class MigrateTest(unittest.TestCase):
         try:
             deadline = time.monotonic() + 60
             while time.monotonic() < deadline and proc.poll() is None:
-                if os.path.exists(self.db):
+                if self.pg or os.path.exists(self.db):
                     try:
                         (count,) = db_rows(self.db, "SELECT count(*) FROM migration_rows")[0]
-                    except sqlite3.OperationalError:
+                    except (sqlite3.OperationalError, AssertionError):  # not created yet
                         count = 0
                     if count >= 2000:
                         proc.send_signal(signal.SIGKILL)
@@ -299,7 +367,7 @@ class MigrateTest(unittest.TestCase):
         report = os.path.join(self.dir, "report.jsonl")
         mep("migrate", "run", "--db", self.url, "--input", src, "--report", report)
         memory = read_report(report)["1"]["memory_instance_id"]
-        server = Server(self.db)
+        server = Server(self.url, self.dir)
         try:
             body = {"display_name": "Gated", "memory_instance_id": memory, "owner_client_id": "o1"}
             status, headers, problem = server.request("POST", "/v1/leases", token, body, {"Idempotency-Key": "k1"})
@@ -334,7 +402,7 @@ class MigrateTest(unittest.TestCase):
         mep("migrate", "run", "--db", self.url, "--input", src, "--report", report)
         mep("migrate", "activate", "--db", self.url)
         memory = read_report(report)["1"]["memory_instance_id"]
-        server = Server(self.db)
+        server = Server(self.url, self.dir)
         token_file = os.path.join(self.dir, "token")
         with open(token_file, "w") as f:
             f.write(token + "\n")
@@ -382,3 +450,40 @@ class MigrateTest(unittest.TestCase):
 
 if __name__ == "__main__":
     unittest.main()
+
+
+@unittest.skipUnless(pgfixture.backend() == "postgresql", "compares SQLite with PostgreSQL (runs in the _pg variant)")
+class CrossBackend(unittest.TestCase):
+    """One input, one run on SQLite and one on PostgreSQL: the same report."""
+
+    def test_sqlite_and_postgresql_produce_the_same_report(self):
+        tmp = tempfile.TemporaryDirectory(prefix="mep-migrate-x-")
+        self.addCleanup(tmp.cleanup)
+        pgdb = pgfixture.PgDb()
+        self.addCleanup(pgdb.drop)
+        given = "01890f4e-7a3b-7c2d-8e1f-0a1b2c3d4e5f"
+        rows = []
+        for i in range(3000):
+            rows.append({"legacy_id": str(i), "display_name": ["PayPal", "paypal", "ＰＡＹＰＡＬ", "раура", "paypa",
+                                                             "caf\u00e9", "cafe\u0301", "bad!", "", "x" * 80,
+                                                             "Agent %d" % (i % 700), "worker-%d" % i][i % 12],
+                         "created_at": "20%02d-0%d-01T00:00:00Z" % (10 + i % 13, 1 + i % 9),
+                         "legacy_memory_ref": "ref-%d" % (i % 2500),
+                         **({"memory_instance_id": given} if i == 42 else {})})
+        src = os.path.join(tmp.name, "legacy.jsonl")
+        write_jsonl(src, rows)
+        reports = {}
+        for label, url in (("sqlite", "sqlite:" + os.path.join(tmp.name, "c.db")), ("postgresql", pgdb.url)):
+            out = os.path.join(tmp.name, label + ".jsonl")
+            p = mep("--json", "migrate", "run", "--db", url, "--input", src, "--report", out, "--batch", "700")
+            reports[label] = (json.loads(p.stdout), read_report(out))
+        (s_sum, s_rep), (p_sum, p_rep) = reports["sqlite"], reports["postgresql"]
+        self.assertEqual(s_sum, p_sum)
+        self.assertEqual(len(s_rep), 3000)
+        self.assertEqual(report_shape(s_rep, {given}), report_shape(p_rep, {given}))
+        print("\nsame report on both backends: %s" % json.dumps(s_sum))
+        # And the databases agree with their reports.
+        got = dict(db_rows(pgdb, "SELECT legacy_id, canonical_name FROM migration_rows"))
+        self.assertEqual(got, {k: v["canonical_name"] for k, v in p_rep.items()})
+        (mapped,) = db_rows(pgdb, "SELECT count(*) FROM migration_identity_map")[0]
+        self.assertEqual(mapped, 2500)
