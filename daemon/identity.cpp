@@ -8,6 +8,7 @@
 
 #include <openssl/evp.h>
 
+#include <cerrno>
 #include <fcntl.h>
 #include <sys/stat.h>
 #include <sys/sysmacros.h>
@@ -16,9 +17,12 @@
 
 namespace mep::daemon {
 
-std::optional<FileStat> stat_file(const std::filesystem::path& path) {
+namespace {
+
+// statx of `path` relative to `dirfd` (AT_EMPTY_PATH with "": the file `dirfd` is).
+std::optional<FileStat> statx_file(int dirfd, const char* path, int flags) {
   struct statx st {};
-  if (::statx(AT_FDCWD, path.c_str(), 0, STATX_BASIC_STATS | STATX_BTIME, &st) != 0) return std::nullopt;
+  if (::statx(dirfd, path, flags, STATX_BASIC_STATS | STATX_BTIME, &st) != 0) return std::nullopt;
   FileStat f{static_cast<std::uint64_t>(::makedev(st.stx_dev_major, st.stx_dev_minor)),
              static_cast<std::uint64_t>(st.stx_ino), static_cast<std::uint64_t>(st.stx_size), S_ISREG(st.stx_mode),
              std::nullopt};
@@ -26,6 +30,48 @@ std::optional<FileStat> stat_file(const std::filesystem::path& path) {
     f.birth_ns = static_cast<std::int64_t>(st.stx_btime.tv_sec) * 1'000'000'000 + st.stx_btime.tv_nsec;
   return f;
 }
+
+// Content fingerprints stop here: a (sparse) file of terabytes must not keep a worker busy
+// for hours. Larger files are matched by xattr and inode only.
+constexpr std::uint64_t k_max_fingerprinted = 1ULL << 30;
+
+std::optional<std::string> sha256_of_fd(int fd) {
+  EVP_MD_CTX* ctx = EVP_MD_CTX_new();
+  EVP_DigestInit_ex(ctx, EVP_sha256(), nullptr);
+  char buf[1 << 16];
+  ssize_t n;
+  bool ok = true;
+  while ((n = ::read(fd, buf, sizeof buf)) != 0) {
+    if (n < 0) {
+      if (errno == EINTR) continue;
+      ok = false;
+      break;
+    }
+    EVP_DigestUpdate(ctx, buf, static_cast<std::size_t>(n));
+  }
+  unsigned char md[EVP_MAX_MD_SIZE];
+  unsigned int len = 0;
+  EVP_DigestFinal_ex(ctx, md, &len);
+  EVP_MD_CTX_free(ctx);
+  if (!ok) return std::nullopt;
+  return hex_lower(md, len);
+}
+
+// A regular file opened as the peer (no /proc magic link, never blocking on a FIFO), or -1.
+int open_regular(const std::filesystem::path& p) {
+  int fd = open_as_peer(p.c_str(), O_RDONLY | O_NONBLOCK | O_NOCTTY);
+  if (fd < 0) return -1;
+  struct stat st {};
+  if (::fstat(fd, &st) != 0 || !S_ISREG(st.st_mode)) {
+    ::close(fd);
+    return -1;
+  }
+  return fd;
+}
+
+} // namespace
+
+std::optional<FileStat> stat_file(const std::filesystem::path& path) { return statx_file(AT_FDCWD, path.c_str(), 0); }
 
 std::optional<std::string> read_id_xattr(const std::filesystem::path& path) {
   char buf[64];
@@ -43,25 +89,9 @@ bool write_id_xattr(const std::filesystem::path& path, const std::string& id) {
 std::optional<std::string> file_sha256(const std::filesystem::path& path) {
   int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
   if (fd < 0) return std::nullopt;
-  EVP_MD_CTX* ctx = EVP_MD_CTX_new();
-  EVP_DigestInit_ex(ctx, EVP_sha256(), nullptr);
-  char buf[1 << 16];
-  ssize_t n;
-  bool ok = true;
-  while ((n = ::read(fd, buf, sizeof buf)) != 0) {
-    if (n < 0) {
-      ok = false;
-      break;
-    }
-    EVP_DigestUpdate(ctx, buf, static_cast<std::size_t>(n));
-  }
+  auto out = sha256_of_fd(fd);
   ::close(fd);
-  unsigned char md[EVP_MAX_MD_SIZE];
-  unsigned int len = 0;
-  EVP_DigestFinal_ex(ctx, md, &len);
-  EVP_MD_CTX_free(ctx);
-  if (!ok) return std::nullopt;
-  return hex_lower(md, len);
+  return out;
 }
 
 // An inode number names the file it was recorded for only while that file exists: a file
@@ -73,14 +103,18 @@ expected<Resolved, Problem> IdentityResolver::resolve(const std::filesystem::pat
     return make_unexpected(Problem(Code::invalid_request, "no such regular file: create it with 'mep init PATH'"));
   Resolved r;
   std::optional<std::string> id = m_files.read_id(path);
-  if (!id) id = m_db.memory_by_inode(*st);
+  if (!id) id = m_db.memory_by_inode(*st, acting_uid());
   if (!id && st->size > 0) {
     if ((r.sha256 = m_files.sha256(path))) {
-      auto found = m_db.memories_by_content(*r.sha256);
+      auto found = m_db.memories_by_content(*r.sha256, acting_uid());
       if (found.size() == 1) id = found.front();
     }
   }
   if (id) {
+    // System mode: an xattr can be copied or forged onto one's own file; a memory this host
+    // knows only as another local user's is not that user's to use (peer.hpp).
+    if (const uid_t uid = acting_uid(); !acts_for_all(uid) && m_db.memory_of_other_user(*id, uid))
+      return make_unexpected(Problem(Code::forbidden, "this memory belongs to another user of this host"));
     r.memory_id = *id;
     r.unregistered = !m_db.registered(*id);
     return r;
@@ -99,24 +133,50 @@ void IdentityResolver::bind(const std::string& memory_id, const std::filesystem:
   auto st = m_files.stat(path);
   if (!st) return;
   if (hash && !sha256 && st->size > 0) sha256 = m_files.sha256(path);
-  m_db.remember_file(memory_id, path.string(), *st, sha256);
+  m_db.remember_file(memory_id, path.string(), *st, sha256, acting_uid());
 }
 
+// Each call opens the file as the peer (open_as_peer) and works on that descriptor: the
+// kernel checks the peer's rights once, on the file itself, and /proc's magic links are
+// refused. stat needs no read permission (O_PATH); the xattr and the content need it.
 std::optional<FileStat> Files::stat(const std::filesystem::path& p) {
-  AsPeer as;
-  return stat_file(p);
+  int fd = open_as_peer(p.c_str(), O_PATH);
+  if (fd < 0) return std::nullopt;
+  auto st = statx_file(fd, "", AT_EMPTY_PATH);
+  ::close(fd);
+  return st;
 }
 std::optional<std::string> Files::read_id(const std::filesystem::path& p) {
-  AsPeer as;
-  return read_id_xattr(p);
+  int fd = open_regular(p);
+  if (fd < 0) return std::nullopt;
+  char buf[64];
+  ssize_t n;
+  {
+    AsPeer as; // reading an xattr is checked against the caller's rights, even on a descriptor
+    n = ::fgetxattr(fd, k_xattr_name, buf, sizeof buf);
+  }
+  ::close(fd);
+  if (n <= 0) return std::nullopt;
+  auto u = Uuid::parse(std::string_view(buf, static_cast<std::size_t>(n)));
+  if (!u) return std::nullopt;
+  return u->to_string();
 }
 bool Files::write_id(const std::filesystem::path& p, const std::string& id) {
-  AsPeer as;
-  return write_id_xattr(p, id);
+  int fd = open_regular(p);
+  if (fd < 0) return false;
+  AsPeer as; // the xattr is written with the peer's rights on the file
+  const bool ok = ::fsetxattr(fd, k_xattr_name, id.data(), id.size(), 0) == 0;
+  ::close(fd);
+  return ok;
 }
 std::optional<std::string> Files::sha256(const std::filesystem::path& p) {
-  AsPeer as;
-  return file_sha256(p);
+  int fd = open_regular(p);
+  if (fd < 0) return std::nullopt;
+  struct stat st {};
+  std::optional<std::string> out;
+  if (::fstat(fd, &st) == 0 && static_cast<std::uint64_t>(st.st_size) <= k_max_fingerprinted) out = sha256_of_fd(fd);
+  ::close(fd);
+  return out;
 }
 
 } // namespace mep::daemon

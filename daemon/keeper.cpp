@@ -262,6 +262,20 @@ std::unique_lock<std::mutex> Keeper::lock_file(const fs::path& path) {
   return lock;
 }
 
+// System mode: a memory this host knows only as another local user's file is not attached
+// or fetched for the peer (all users of one daemon share its tenant, where a memory id is
+// enough to claim a memory and read its object).
+std::optional<Problem> Keeper::not_another_users(const std::string& memory_id) {
+  const Peer* peer = current_peer();
+  if (!peer || acts_for_all(peer->uid)) return std::nullopt;
+  try {
+    if (!m_state.memory_of_other_user(memory_id, peer->uid)) return std::nullopt;
+  } catch (const sqlite::Error& e) {
+    return state_unwritable(e);
+  }
+  return Problem(Code::forbidden, "this memory belongs to another user of this host");
+}
+
 // POST /v1/memories with a client-minted id; the problem when it is not registered.
 std::optional<Problem> Keeper::register_memory(const std::string& memory_id) {
   m_cp_requests++;
@@ -559,9 +573,10 @@ expected<Identified, Problem> Keeper::identify(const fs::path& path) {
 expected<Initialized, Problem> Keeper::init(const fs::path& path, mode_t mode) {
   int fd, err = 0;
   {
-    AsPeer as; // created where and as the peer could: the file is the peer's
-    fd = ::open(path.c_str(), O_CREAT | O_EXCL | O_WRONLY | O_CLOEXEC, 0600);
+    // Created where and as the peer could: the file is the peer's.
+    fd = open_as_peer(path.c_str(), O_CREAT | O_EXCL | O_WRONLY, 0600);
     err = errno;
+    AsPeer as;
     if (fd >= 0) ::fchmod(fd, mode); // the client's umask, not the daemon's
   }
   if (fd < 0)
@@ -642,9 +657,15 @@ expected<ObjectResult, Problem> Keeper::sync(const std::string& display, uid_t v
   }
   int fd, err = 0;
   {
-    AsPeer as; // the bytes are read with the peer's rights, not the daemon's
-    fd = ::open(h->path.c_str(), O_RDONLY | O_CLOEXEC);
+    // The bytes are read with the peer's rights, not the daemon's; never a FIFO or a device
+    // (a FIFO would block a worker until someone writes to it).
+    fd = open_as_peer(h->path.c_str(), O_RDONLY | O_NONBLOCK | O_NOCTTY);
     err = errno;
+    struct stat st {};
+    if (fd >= 0 && (::fstat(fd, &st) != 0 || !S_ISREG(st.st_mode))) {
+      ::close(fd);
+      return make_unexpected(Problem(Code::invalid_request, "the memory file is no longer a regular file"));
+    }
   }
   if (fd < 0)
     return make_unexpected(Problem(err == EACCES || err == EPERM ? Code::forbidden : Code::invalid_request,
@@ -669,6 +690,7 @@ expected<ObjectResult, Problem> Keeper::fetch(const std::string& memory_id, cons
     return make_unexpected(Problem(Code::store_not_configured, "this mepd has no data plane: start it with --store URL"));
   auto id = Uuid::parse(memory_id);
   if (!id) return make_unexpected(Problem(Code::invalid_request, "memory_instance_id must be a UUID"));
+  if (auto p = not_another_users(id->to_string())) return make_unexpected(std::move(*p));
   std::error_code ec;
   // Every file call here runs as the peer: the new file is created where the peer may, and
   // belongs to it.

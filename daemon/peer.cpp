@@ -4,6 +4,7 @@
 #include <fmt/format.h>
 
 #include <cerrno>
+#include <cstdint>
 #include <cstring>
 #include <fcntl.h>
 #include <fstream>
@@ -12,6 +13,7 @@
 #include <sstream>
 #include <stdexcept>
 #include <string>
+#include <linux/openat2.h>
 #include <sys/fsuid.h>
 #include <sys/syscall.h>
 #include <unistd.h>
@@ -83,9 +85,27 @@ Peer Peer::connected(uid_t uid, gid_t gid, pid_t pid) {
   return p;
 }
 
-Peer Peer::user(uid_t uid, gid_t gid) { return Peer{uid, gid, 0, user_groups(uid, gid)}; }
+Peer Peer::user(uid_t uid, gid_t gid) {
+  if (uid == ::geteuid()) return Peer{uid, gid, 0, {}}; // never switched to: no group lookup
+  return Peer{uid, gid, 0, user_groups(uid, gid)};
+}
 
-bool may_act_on(uid_t viewer, uid_t owner) { return viewer == 0 || viewer == ::getuid() || viewer == owner; }
+bool may_act_on(uid_t viewer, uid_t owner) { return acts_for_all(viewer) || viewer == owner; }
+
+bool acts_for_all(uid_t uid) { return uid == 0 || uid == ::getuid(); }
+
+uid_t acting_uid() { return t_peer ? t_peer->uid : ::geteuid(); }
+
+int open_as_peer(const char* path, int flags, mode_t mode) {
+  AsPeer as;
+  open_how how{};
+  how.flags = static_cast<std::uint64_t>(flags | O_CLOEXEC);
+  how.mode = (flags & (O_CREAT | O_TMPFILE)) ? mode : 0;
+  how.resolve = RESOLVE_NO_MAGICLINKS;
+  int fd = static_cast<int>(::syscall(SYS_openat2, AT_FDCWD, path, &how, sizeof how));
+  if (fd < 0 && errno == ENOSYS) fd = ::open(path, flags | O_CLOEXEC, mode); // a kernel before 5.6
+  return fd;
+}
 
 const Peer* current_peer() { return t_peer; }
 
@@ -137,15 +157,14 @@ std::optional<std::string> check_can_act_as_peers() {
 }
 
 std::optional<Problem> check_peer_may_write(const char* path) {
-  AsPeer as;
   // O_NONBLOCK: a FIFO must not block the daemon; nothing is truncated or written.
-  int fd = ::open(path, O_WRONLY | O_CLOEXEC | O_NOCTTY | O_NONBLOCK);
+  int fd = open_as_peer(path, O_WRONLY | O_NOCTTY | O_NONBLOCK);
   if (fd >= 0) {
     ::close(fd);
     return std::nullopt;
   }
   const int err = errno;
-  if (err == EACCES || err == EPERM || err == EROFS)
+  if (err == EACCES || err == EPERM || err == EROFS || err == ELOOP)
     return Problem(Code::forbidden, "you cannot open this file for writing, so it cannot be attached for you");
   if (err == ENOENT) return Problem(Code::invalid_request, "no such file");
   return Problem(Code::invalid_request, std::string("cannot open the file for writing: ") + std::strerror(err));

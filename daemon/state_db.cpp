@@ -9,6 +9,7 @@
 #include <fmt/format.h>
 
 #include <sys/stat.h>
+#include <unistd.h>
 
 namespace mep::daemon {
 using sqlite::Use;
@@ -56,6 +57,11 @@ StateDb::StateDb(const std::filesystem::path& path) {
     Use q(m_db->prepare("SELECT count(*) FROM pragma_table_info('files') WHERE name = 'btime'"));
     if (q->step() && q->int64(0) == 0) m_db->exec("ALTER TABLE files ADD COLUMN btime INTEGER");
   }
+  // Whose record a path-map row is (system mode: one map per local user).
+  {
+    Use q(m_db->prepare("SELECT count(*) FROM pragma_table_info('files') WHERE name = 'peer_uid'"));
+    if (q->step() && q->int64(0) == 0) m_db->exec("ALTER TABLE files ADD COLUMN peer_uid INTEGER");
+  }
   // The local user that attached a lease or asked for a claim (system mode); rows from
   // before have none: unknown.
   for (const char* table : {"leases", "intents"}) {
@@ -78,32 +84,47 @@ StateDb::StateDb(const std::filesystem::path& path) {
 StateDb::~StateDb() = default;
 
 void StateDb::remember_file(const std::string& memory_id, const std::string& path, const FileStat& st,
-                            const std::optional<std::string>& sha256) {
+                            const std::optional<std::string>& sha256, uid_t uid) {
   std::lock_guard lock(m_mutex);
   // A new fingerprint replaces the old; without one, the old is kept only while the path
   // still names the same memory.
-  Use s(m_db->prepare("INSERT INTO files(path, memory_id, dev, ino, sha256, updated_at, btime) "
-                      "VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7) "
+  Use s(m_db->prepare("INSERT INTO files(path, memory_id, dev, ino, sha256, updated_at, btime, peer_uid) "
+                      "VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8) "
                       "ON CONFLICT(path) DO UPDATE SET memory_id = ?2, dev = ?3, ino = ?4, "
                       "sha256 = coalesce(?5, CASE WHEN files.memory_id = ?2 THEN files.sha256 END), updated_at = ?6, "
-                      "btime = ?7"));
+                      "btime = ?7, peer_uid = ?8"));
   s->bind(1, path).bind(2, memory_id).bind(3, static_cast<std::int64_t>(st.dev))
-      .bind(4, static_cast<std::int64_t>(st.ino)).bind(5, sha256).bind(6, now_unix_ms()).bind(7, st.birth_ns).run();
+      .bind(4, static_cast<std::int64_t>(st.ino)).bind(5, sha256).bind(6, now_unix_ms()).bind(7, st.birth_ns)
+      .bind(8, static_cast<std::int64_t>(uid)).run();
 }
 
-std::optional<std::string> StateDb::memory_by_inode(const FileStat& st) {
+// Rows without a user were made before there were several: the daemon's own user's.
+std::string row_uid() { return "coalesce(peer_uid, " + std::to_string(::getuid()) + ")"; }
+
+std::optional<std::string> StateDb::memory_by_inode(const FileStat& st, uid_t uid) {
   std::lock_guard lock(m_mutex);
-  Use s(m_db->prepare("SELECT memory_id FROM files WHERE dev = ?1 AND ino = ?2 "
-                      "AND (btime IS NULL OR ?3 IS NULL OR btime = ?3) LIMIT 1"));
-  s->bind(1, static_cast<std::int64_t>(st.dev)).bind(2, static_cast<std::int64_t>(st.ino)).bind(3, st.birth_ns);
+  Use s(m_db->prepare(std::string("SELECT memory_id FROM files WHERE dev = ?1 AND ino = ?2 "
+                                  "AND (btime IS NULL OR ?3 IS NULL OR btime = ?3) AND ") +
+                      row_uid() + " = ?4 LIMIT 1"));
+  s->bind(1, static_cast<std::int64_t>(st.dev)).bind(2, static_cast<std::int64_t>(st.ino)).bind(3, st.birth_ns)
+      .bind(4, static_cast<std::int64_t>(uid));
   if (s->step()) return s->text(0);
   return std::nullopt;
 }
 
-std::vector<std::string> StateDb::memories_by_content(const std::string& sha256) {
+bool StateDb::memory_of_other_user(const std::string& memory_id, uid_t uid) {
   std::lock_guard lock(m_mutex);
-  Use s(m_db->prepare("SELECT DISTINCT memory_id FROM files WHERE sha256 = ?1 LIMIT 2"));
-  s->bind(1, sha256);
+  Use s(m_db->prepare(std::string("SELECT count(*) FILTER (WHERE ") + row_uid() + " = ?2), count(*) FROM files " +
+                      "WHERE memory_id = ?1"));
+  s->bind(1, memory_id).bind(2, static_cast<std::int64_t>(uid));
+  return s->step() && s->int64(0) == 0 && s->int64(1) > 0;
+}
+
+std::vector<std::string> StateDb::memories_by_content(const std::string& sha256, uid_t uid) {
+  std::lock_guard lock(m_mutex);
+  Use s(m_db->prepare(std::string("SELECT DISTINCT memory_id FROM files WHERE sha256 = ?1 AND ") + row_uid() +
+                      " = ?2 LIMIT 2"));
+  s->bind(1, sha256).bind(2, static_cast<std::int64_t>(uid));
   std::vector<std::string> found;
   while (s->step()) found.push_back(s->text(0));
   return found;

@@ -71,6 +71,20 @@ private:
   std::vector<gid_t> m_groups;
 };
 
+/// The uid whose records identity resolution uses: the current peer's, else the daemon's.
+/// Each local user has a path map of its own (state_db), so one user's files never lend
+/// their identity to another's, and a lookup tells nothing of another user's files.
+uid_t acting_uid();
+
+/// True when `uid` is root or the daemon's own user (they act on every user's leases).
+bool acts_for_all(uid_t uid);
+
+/// open(2) of `path` as the current peer (AsPeer), refusing to pass through /proc's magic
+/// links (openat2 RESOLVE_NO_MAGICLINKS): /proc/self/fd/N or /proc/PID/cwd would be
+/// resolved in the daemon's own process, past the directories that guard the file. -1 with
+/// errno set (ELOOP for a magic link).
+int open_as_peer(const char* path, int flags, mode_t mode = 0);
+
 /// Checks that this process can act as another user (system mode needs it); the reason
 /// when it cannot.
 std::optional<std::string> check_can_act_as_peers();

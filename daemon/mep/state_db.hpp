@@ -59,12 +59,17 @@ public:
   /// An opaque UUIDv7 minted once per state directory (the first half of owner ids).
   const std::string& daemon_id() const { return m_daemon_id; }
 
-  // The path map: (path → memory id, device/inode/birth time, content SHA-256).
+  // The path map: (path → memory id, device/inode/birth time, content SHA-256), one per
+  // local user (`uid`: who the record was made for; rows from before have none and count as
+  // the daemon's own user's). Lookups see the records of `uid` only.
   void remember_file(const std::string& memory_id, const std::string& path, const FileStat& st,
-                     const std::optional<std::string>& sha256);
-  std::optional<std::string> memory_by_inode(const FileStat& st);
+                     const std::optional<std::string>& sha256, uid_t uid);
+  std::optional<std::string> memory_by_inode(const FileStat& st, uid_t uid);
   /// The distinct memories whose recorded content has this SHA-256 (at most 2: more is ambiguous).
-  std::vector<std::string> memories_by_content(const std::string& sha256);
+  std::vector<std::string> memories_by_content(const std::string& sha256, uid_t uid);
+  /// True when this host knows `memory_id` only as another local user's file (system mode:
+  /// it is not attached or fetched for `uid`).
+  bool memory_of_other_user(const std::string& memory_id, uid_t uid);
 
   /// Memories this daemon registered with (or had confirmed by) its control plane.
   bool registered(const std::string& memory_id);

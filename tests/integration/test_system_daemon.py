@@ -21,6 +21,7 @@ import unittest
 
 from daemonfixture import Proc, clean_env, mepd_bin
 from mephelpers import mep_bin
+from storefixture import MepStore, new_store_token
 
 GROUP = "mep"
 TIMEOUT_S = 30
@@ -126,7 +127,16 @@ class SystemDaemon(unittest.TestCase):
         self.state = os.path.join(self.tmp, "state")
         home = os.path.join(self.tmp, "daemon-home")
         self.env = clean_env(home)
-        argv = [os.path.join(self.bin, "mepd"), "--system", "--socket", self.socket, "--state-dir", self.state]
+        # A data plane, so that sync and fetch are there to be abused.
+        _, hashes = new_store_token(self.tmp)
+        self.store = MepStore(self.tmp, os.path.join(self.tmp, "store-data"), ["--token-file", hashes]).start()
+        self.addCleanup(self.store.stop)
+        store_token = os.path.join(self.tmp, "store.token")
+        os.chmod(store_token, 0o600)
+        if self.daemon_user:
+            os.chown(store_token, self.daemon_user.pw_uid, self.daemon_user.pw_gid)
+        argv = [os.path.join(self.bin, "mepd"), "--system", "--socket", self.socket, "--state-dir", self.state,
+                "--store", "http://127.0.0.1:%d" % self.store.port, "--store-token-file", store_token]
         if self.daemon_user:
             # The packaged unit's set-up: the daemon's own user, with two capabilities only;
             # /run/mep as tmpfiles.d makes it (0750, the daemon's user, the group mep).
@@ -268,8 +278,8 @@ class SystemDaemon(unittest.TestCase):
         self.refused(self.mep_as(b, "init", os.path.join(self.tmp, "planted.uai")), 7, "Permission denied")
         self.assertFalse(os.path.exists(os.path.join(ahome, "planted.uai")))
         self.assertFalse(os.path.exists(os.path.join(self.tmp, "planted.uai")))
-        # Branching alice's lease is not bob's to do (her lease is not his: 404).
-        self.refused(self.mep_as(b, "branch", readable, "copy.uai"), 1, "live lease")
+        # Branching alice's memory is not bob's to do: it is known here as hers.
+        self.refused(self.mep_as(b, "branch", readable, "copy.uai"), 7, "belongs to another user")
         self.assertFalse(os.path.exists(os.path.join(bhome, "copy.uai")))
         # Alice branches her own: the copy is hers.
         self.ok(self.mep_as(a, "branch", "readable.uai", "child.uai"))
@@ -311,6 +321,119 @@ class SystemDaemon(unittest.TestCase):
         self.assertIn("bob-own-name", text)
         self.assertNotIn("alice-secret-name", text)
         self.assertNotIn(self.homes[a.pw_name], text)
+
+
+    # ---- what an audit from outside found (each a way around the isolation before) ----
+
+    def api_as(self, user, method, path, body=None):
+        """One request to the socket as `user`: (status, parsed body)."""
+        script = ("import http.client,json,socket,sys\n"
+                  "class C(http.client.HTTPConnection):\n"
+                  "  def connect(self):\n"
+                  "    self.sock=socket.socket(socket.AF_UNIX); self.sock.connect(sys.argv[1]); self.sock.settimeout(20)\n"
+                  "c=C('localhost'); b=sys.argv[4] or None\n"
+                  "c.request(sys.argv[2],sys.argv[3],body=b,headers={'Content-Type':'application/json'} if b else {})\n"
+                  "r=c.getresponse(); print(json.dumps([r.status, json.loads(r.read() or b'{}')]))\n")
+        p = self.as_user(user, ["python3", "-c", script, self.socket, method, path, json.dumps(body) if body else ""])
+        self.ok(p)
+        return tuple(json.loads(p.stdout))
+
+    def memory_of(self, user, name):
+        for lease in json.loads(self.ok(self.mep_as(user, "status", "--json")).stdout)["leases"]:
+            if lease["canonical_name"] == name:
+                return lease["memory_instance_id"]
+        self.fail("%s holds no lease %s" % (user.pw_name, name))
+
+    def test_no_identity_leaks_to_another_user(self):
+        a, b = self.alice, self.bob
+        ahome, bhome = self.homes[a.pw_name], self.homes[b.pw_name]
+        os.chmod(ahome, 0o711)
+        self.ok(self.mep_as(a, "init", "secret.uai"))  # 0600: bob may stat it, not read it
+        with open(os.path.join(ahome, "secret.uai"), "a") as f:
+            f.write("ALICE-TOP-SECRET\n")
+        self.ok(self.mep_as(a, "claim", "alice-secret", "secret.uai"))
+        self.ok(self.mep_as(a, "sync", "alice-secret"))
+        mid = self.memory_of(a, "alice-secret")
+        # identify and lineage by path: no id for a file bob cannot read (the inode map is
+        # alice's, not his).
+        for path in ("/v1/identify?path=" + os.path.join(ahome, "secret.uai"),
+                     "/v1/lineage?path=" + os.path.join(ahome, "secret.uai")):
+            status, body = self.api_as(b, "GET", path)
+            self.assertNotEqual(status, 200, (path, body))
+            self.assertNotIn(mid, json.dumps(body))
+        # The daemon's own descriptors: /proc/self/fd/N is a magic link, refused.
+        for n in range(0, 48):
+            status, body = self.api_as(b, "GET", "/v1/identify?path=/proc/self/fd/%d" % n)
+            self.assertNotEqual(status, 200, (n, body))
+        # A memory known here as alice's is not fetched for bob, nor claimed through an
+        # xattr copied onto his own file.
+        status, body = self.api_as(b, "POST", "/v1/fetch", {"memory_instance_id": mid,
+                                                             "path": os.path.join(bhome, "stolen.uai")})
+        self.assertEqual((status, body.get("code")), (403, "forbidden"), body)
+        self.assertFalse(os.path.exists(os.path.join(bhome, "stolen.uai")))
+        forged = os.path.join(bhome, "forged.uai")
+        self.ok(self.as_user(b, ["python3", "-c", "import os,sys; open(sys.argv[1],'w').write('BOB\\n'); "
+                                                  "os.setxattr(sys.argv[1],'user.mep.memory_instance_id',sys.argv[2].encode())",
+                                 forged, mid]))
+        self.refused(self.mep_as(b, "claim", "bob-forged", forged), 7, "belongs to another user")
+        # Alice's own fetch still works, and her bytes are hers.
+        self.ok(self.mep_as(a, "fetch", mid, "copy.uai"))
+        with open(os.path.join(ahome, "copy.uai")) as f:
+            self.assertIn("ALICE-TOP-SECRET", f.read())
+
+    def test_one_user_cannot_plant_an_identity_on_anothers_file(self):
+        a, b = self.alice, self.bob
+        ahome, bhome = self.homes[a.pw_name], self.homes[b.pw_name]
+        os.chmod(ahome, 0o711)
+        diary = os.path.join(ahome, "diary.uai")
+        self.as_user(a, ["sh", "-c", "printf 'ALICE-DIARY\\n' > diary.uai"], umask=0o022)
+        self.ok(self.mep_as(b, "init", "b1.uai"))
+        self.ok(self.mep_as(b, "claim", "bob-poison", "b1.uai"))
+        bob_mid = self.memory_of(b, "bob-poison")
+        os.unlink(os.path.join(bhome, "b1.uai"))
+        os.symlink(diary, os.path.join(bhome, "b1.uai"))
+        self.ok(self.mep_as(b, "release", "bob-poison"))  # the release records the file it finds
+        self.ok(self.mep_as(a, "claim", "my-diary", "diary.uai"))
+        self.assertNotEqual(self.memory_of(a, "my-diary"), bob_mid, "alice's file got bob's memory identity")
+
+    def test_a_fifo_or_a_proc_link_does_not_stall_or_open_the_way(self):
+        a, b = self.alice, self.bob
+        ahome, bhome = self.homes[a.pw_name], self.homes[b.pw_name]
+        self.ok(self.mep_as(b, "init", "b.uai"))
+        self.ok(self.mep_as(b, "claim", "bob-fifo", "b.uai"))
+        os.unlink(os.path.join(bhome, "b.uai"))
+        self.as_user(b, ["mkfifo", "b.uai"])
+        started = time.monotonic()
+        for _ in range(20):  # more than the daemon's 16 workers
+            p = self.mep_as(b, "sync", "bob-fifo")
+            self.assertNotEqual(p.returncode, 0)
+        self.assertLess(time.monotonic() - started, TIMEOUT_S)
+        self.ok(self.mep_as(a, "status"))  # the daemon still serves
+        # Alice's working directory, below a 0700 directory: /proc/PID/cwd is a magic link that
+        # would take the daemon past the 0700 directory; bob's sync through it is refused.
+        proj = os.path.join(ahome, "h700", "proj")
+        os.makedirs(proj)
+        for d in (os.path.join(ahome, "h700"), proj):
+            os.chown(d, a.pw_uid, a.pw_gid)
+        os.chmod(os.path.join(ahome, "h700"), 0o700)
+        os.chmod(proj, 0o755)
+        os.chmod(ahome, 0o711)
+        with open(os.path.join(proj, "notes.uai"), "w") as f:
+            f.write("ALICE-NOTES\n")
+        os.chmod(os.path.join(proj, "notes.uai"), 0o644)
+        sleeper = subprocess.Popen(["sleep", "60"], cwd=proj, preexec_fn=lambda: (os.setgid(a.pw_gid), os.setuid(a.pw_uid)))
+        try:
+            self.ok(self.mep_as(b, "init", "car.uai"))
+            self.ok(self.mep_as(b, "claim", "bob-car", "car.uai"))
+            os.unlink(os.path.join(bhome, "car.uai"))
+            os.symlink("/proc/%d/cwd/notes.uai" % sleeper.pid, os.path.join(bhome, "car.uai"))
+            p = self.mep_as(b, "sync", "bob-car")
+            self.assertNotEqual(p.returncode, 0, p.stdout)
+            self.refused(self.mep_as(b, "claim", "bob-car2", os.path.join(bhome, "car.uai")), 7,
+                         "cannot open this file for writing")
+        finally:
+            sleeper.kill()
+            sleeper.wait()
 
 
 class SystemDaemonAsItsOwnUser(SystemDaemon):
