@@ -267,10 +267,17 @@ class FenceRule(StoreCase):
     def test_large_versions_use_the_pool_and_older_layouts_are_read(self):
         # The pool: empty files whose names are durable before an upload takes one, so a
         # large write needs no directory fsync; the version is then named by its etag.
-        deadline = time.monotonic() + 5
-        while not self.pool_files() and time.monotonic() < deadline:
+        # The pool as the store offers it: made, and no longer growing (a refill creates its
+        # files before the directory fsync that lets uploads take them).
+        deadline = time.monotonic() + 10
+        pool, stable_since = set(), time.monotonic()
+        while time.monotonic() < deadline:
+            now = set(self.pool_files())
+            if now != pool:
+                pool, stable_since = now, time.monotonic()
+            elif pool and time.monotonic() - stable_since > 0.3:
+                break
             time.sleep(0.02)
-        pool = set(self.pool_files())
         self.assertTrue(pool, "the store made no pool of version files")
         m = uuid7()
         r = self.client.put(m, b"p" * 100000, 2)
