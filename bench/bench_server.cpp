@@ -867,7 +867,7 @@ static int run(int argc, char** argv) {
     else {
       std::fprintf(stderr, "usage: bench_server [--mep PATH] [--seconds S] [--repeat N] [--rss-leases N] "
                            "[--pg auto|off|URL] [--etcd auto|off] [--keys ordered|random|counter] [--driver threads|epoll] "
-                           "[--only cycles|reclaim|renew:CLIENTS]\n");
+                           "[--only cycles|reclaim|renew:CLIENTS (with --pg URL: on a fresh database there)]\n");
       return 2;
     }
   }
@@ -897,7 +897,18 @@ static int run(int argc, char** argv) {
   };
   Server s;
   if (g_only.mode >= 0) {
-    // One cell, nothing else: no floor, no RSS, no PostgreSQL.
+    // One cell, nothing else: no floor, no RSS. With --pg URL, on a fresh database there
+    // (for A/B pairs of builds on PostgreSQL); else on SQLite.
+    if (pg.rfind("postgresql://", 0) == 0) {
+      std::string name = "mep_bench_only_" + std::to_string(::getpid());
+      psql(pg, "CREATE DATABASE " + name);
+      db = with_db(pg, name);
+      token = field(run_capture(g_mep + " token create --db '" + db + "' --tenant bench --json"), "token");
+      if (token.rfind("mep_", 0) != 0) {
+        std::fprintf(stderr, "cannot create a token on %s\n", db.c_str());
+        return 1;
+      }
+    }
     start_server(s, db);
     row(k_workload_titles[g_only.mode], g_only.clients, run_http(s.port, token, g_only.clients, seconds, g_only.mode));
     std::printf("%s\n", writer_nice_line(s.pid).c_str());

@@ -488,9 +488,20 @@ void PgStore::listen_loop() {
   for (;;) {
     try {
       pg::Conn c(m_url);
-      c.exec("LISTEN mep_lease_freed");
+      c.exec("LISTEN mep_lease_freed; LISTEN mep_tokens");
       if (warned) log::info("listening for releases on the database again");
       warned = false;
+      // From here revocations are heard: verified tokens may be kept. Whatever was kept
+      // before (while nothing was heard) goes.
+      struct Listening {
+        PgStore* s;
+        ~Listening() {
+          s->m_listen_fd = -1; // before the connection closes (it is destroyed after this)
+          s->drop_auth_cache();
+        }
+      } listening{this};
+      drop_auth_cache();
+      m_listen_fd = PQsocket(c.raw());
       for (;;) {
         pollfd p[2] = {{PQsocket(c.raw()), POLLIN, 0}, {m_listen_wake, POLLIN, 0}};
         int n = ::poll(p, 2, 10'000);
@@ -499,7 +510,12 @@ void PgStore::listen_loop() {
         if (!PQconsumeInput(c.raw())) throw std::runtime_error(PQerrorMessage(c.raw()));
         while (PGnotify* note = PQnotifies(c.raw())) {
           std::string extra = note->extra ? note->extra : "";
+          const bool tokens = note->relname && std::string_view(note->relname) == "mep_tokens";
           PQfreemem(note);
+          if (tokens) {
+            drop_auth_cache();
+            continue;
+          }
           auto tab = extra.find('\t');
           std::string name = extra.substr(0, tab), memory = tab == std::string::npos ? "" : extra.substr(tab + 1);
           std::lock_guard lock(m_listener_mutex);
@@ -802,8 +818,26 @@ void PgStore::identity_map(const Ctx& ctx, std::optional<std::string> cursor, st
 
 // ---- authentication, health, maintenance ----------------------------------------------------
 
+void PgStore::drop_auth_cache() {
+  std::lock_guard lock(m_auth_mutex);
+  ++m_auth_gen;
+  m_auth_cache.clear();
+}
+
 std::optional<AuthInfo> PgStore::authenticate(const std::string& token_sha256) {
-  return with_conn<std::optional<AuthInfo>>([&](pg::Conn& c) -> std::optional<AuthInfo> {
+  using SteadyClock = std::chrono::steady_clock;
+  if (const int fd = m_listen_fd.load(); fd >= 0) {
+    // A notification already on its way to the listener (a revocation just committed) is
+    // not trusted to be read first: with bytes waiting there, ask the database.
+    pollfd p{fd, POLLIN, 0};
+    if (::poll(&p, 1, 0) == 0) {
+      std::lock_guard lock(m_auth_mutex);
+      auto it = m_auth_cache.find(token_sha256);
+      if (it != m_auth_cache.end() && SteadyClock::now() - it->second.second < k_auth_lifetime) return it->second.first;
+    }
+  }
+  const std::uint64_t gen = m_auth_gen.load();
+  auto found = with_conn<std::optional<AuthInfo>>([&](pg::Conn& c) -> std::optional<AuthInfo> {
     auto r = c.exec("authenticate",
                     "SELECT token_id, tenant_id, scopes FROM tokens WHERE token_sha256 = $1 AND revoked_at IS NULL",
                     {token_sha256});
@@ -816,6 +850,14 @@ std::optional<AuthInfo> PgStore::authenticate(const std::string& token_sha256) {
     a.scope_lease = scopes.find("lease") != std::string::npos || a.scope_admin;
     return a;
   });
+  if (found && m_listen_fd.load() >= 0) {
+    std::lock_guard lock(m_auth_mutex);
+    if (gen == m_auth_gen.load()) { // no revocation heard since the lookup began
+      if (m_auth_cache.size() >= k_auth_capacity) m_auth_cache.clear();
+      m_auth_cache[token_sha256] = {*found, SteadyClock::now()};
+    }
+  }
+  return found;
 }
 
 void PgStore::audit_auth_failure(const std::string& tenant_id) {
@@ -895,9 +937,12 @@ std::vector<TokenInfo> PgStore::list_tokens(const std::optional<std::string>& te
 
 bool PgStore::revoke_token(const std::string& token_id) {
   return with_conn<bool>([&](pg::Conn& c) {
-    return c.exec({}, "UPDATE tokens SET revoked_at = mep_now_ms() WHERE token_id = $1 AND revoked_at IS NULL",
+    // Every server drops its cached tokens when this commits (LISTEN mep_tokens).
+    return c.exec({},
+                  "WITH r AS (UPDATE tokens SET revoked_at = mep_now_ms() WHERE token_id = $1 AND revoked_at IS NULL "
+                  "RETURNING 1) SELECT (SELECT count(*) FROM r), pg_notify('mep_tokens', '')",
                   {token_id})
-               .affected() > 0;
+               .int64(0, 0) > 0;
   }, false);
 }
 

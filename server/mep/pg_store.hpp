@@ -13,6 +13,7 @@
 #include <memory>
 #include <mutex>
 #include <thread>
+#include <unordered_map>
 #include <vector>
 
 namespace mep::server {
@@ -116,6 +117,7 @@ private:
   bool m_stopping = false;
   std::vector<std::thread> m_workers;
   // LISTEN mep_lease_freed: releases and revocations through any server wake waiters here.
+  // LISTEN mep_tokens: a token revoked through any process drops the cache below.
   void listen_loop();
   std::mutex m_listener_mutex;
   FreedListener m_listener;
@@ -125,6 +127,18 @@ private:
   std::mutex m_spare_mutex;
   std::vector<std::unique_ptr<pg::Conn>> m_spare; // for synchronous calls
   std::atomic<std::int64_t> m_next_sync_attempt_ns{0};
+
+  // Verified tokens, kept at most k_auth_lifetime and only while the listener hears
+  // mep_tokens (m_listen_fd ≥ 0): a hit saves the authentication's round trip. A revocation
+  // (mep_tokens) or a listener that lost its connection drops them all (m_auth_gen moves on:
+  // a lookup that began before does not store its result).
+  static constexpr std::chrono::milliseconds k_auth_lifetime{1000};
+  static constexpr std::size_t k_auth_capacity = 4096;
+  void drop_auth_cache();
+  std::mutex m_auth_mutex;
+  std::unordered_map<std::string, std::pair<AuthInfo, std::chrono::steady_clock::time_point>> m_auth_cache;
+  std::atomic<std::uint64_t> m_auth_gen{0};
+  std::atomic<int> m_listen_fd{-1};
 
   std::atomic<bool> m_healthy{true};
   std::atomic<bool> m_migration_in_progress{false};

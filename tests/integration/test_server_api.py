@@ -25,7 +25,7 @@ import pgfixture
 from mephelpers import read_to_close, send_expecting_continue
 from serverfixture import (HEX64_RE, PROBLEM_BASE, RFC3339_MS_RE, UUID_RE, ApiClient, MepServer,
                            ServerTestCase, create_token, db_execute, db_query, db_url, new_key, parse_rfc3339_ms,
-                           raw_exchange, revoke_token, run_mep, token_id_of, unique_name, uuid7)
+                           drop_db, new_db, raw_exchange, revoke_token, run_mep, token_id_of, unique_name, uuid7)
 
 SHORT_TTL = 5
 EXPIRY_SLACK_S = 0.4      # past expires_at before we rely on expiry (same host clock)
@@ -1897,3 +1897,38 @@ class SqliteFiles(unittest.TestCase):
             rc, out, err = run_mep(["token", "list", "--db", db_url(db)])
             self.assertEqual(rc, 0, err)
             self.assertIn(token_id_of(db, "t")[0], out)
+
+
+@unittest.skipUnless(pgfixture.backend() == "postgresql", "several servers share a database on PostgreSQL only")
+class TokenCacheTwoServers(unittest.TestCase):
+    """PostgreSQL servers keep verified tokens for up to a second (no round trip per
+    request); a revocation through any process reaches every server (LISTEN mep_tokens)
+    before the next request."""
+
+    def test_a_revoked_token_is_refused_on_the_next_request_by_every_server(self):
+        with tempfile.TemporaryDirectory(prefix="mep-tokcache-") as tmp:
+            db = new_db(tmp)
+            self.addCleanup(drop_db, db)
+            create_token(db, "keeper", "lease")
+            servers = [MepServer(tmp, db).start() for _ in range(2)]
+            for s in servers:
+                self.addCleanup(s.stop)
+            keep = create_token(db, "keeper", "lease")
+            for round_ in range(8):
+                tok = create_token(db, "victim-%d" % round_, "lease")
+                clients = [ApiClient(s.port, tok) for s in servers]
+                try:
+                    for _ in range(5):  # warm both caches
+                        for c in clients:
+                            self.assertEqual(c.get("/v1/leases").status, 200)
+                    revoke_token(db, token_id_of(db, "victim-%d" % round_)[0])
+                    for i, c in enumerate(clients):
+                        r = c.get("/v1/leases")
+                        self.assertEqual(r.status, 401, "round %d, server %d still accepted a revoked token" % (round_, i))
+                finally:
+                    for c in clients:
+                        c.close()
+                # Another tenant's token is untouched on both.
+                for s in servers:
+                    with ApiClient(s.port, keep) as c:
+                        self.assertEqual(c.get("/v1/leases").status, 200)
