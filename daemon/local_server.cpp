@@ -52,13 +52,25 @@ constexpr std::size_t k_body_limit = 16 * 1024;
 // working directory, so `curl` and the CLI behave like any other local tool. Read as the
 // peer: /proc/PID/cwd is open to its own user (and a daemon running as `mep` needs no
 // CAP_SYS_PTRACE for it).
-fs::path client_path(const std::string& p, pid_t pid) {
+expected<fs::path, Problem> client_path(const std::string& p, pid_t pid) {
+  if (p.empty()) return make_unexpected(Problem(Code::invalid_request, "the path is empty"));
+  // A NUL ends a path for the kernel: "a\0b" would be the file "a" under another name.
+  if (p.find('\0') != std::string::npos)
+    return make_unexpected(Problem(Code::invalid_request, "the path contains a NUL byte"));
   fs::path path(p);
-  if (path.is_relative() && pid > 0) {
+  if (path.is_relative()) {
     std::error_code ec;
-    AsPeer as;
-    auto cwd = fs::read_symlink("/proc/" + std::to_string(pid) + "/cwd", ec);
-    if (!ec) path = cwd / path;
+    fs::path cwd;
+    if (pid > 0) {
+      AsPeer as;
+      cwd = fs::read_symlink("/proc/" + std::to_string(pid) + "/cwd", ec);
+    }
+    // Never the daemon's own working directory in its place.
+    if (pid <= 0 || ec || cwd.is_relative())
+      return make_unexpected(Problem(Code::invalid_request, "a relative path needs the client's working directory, "
+                                                            "which could not be read (did the client exit?): give an "
+                                                            "absolute path"));
+    path = cwd / path;
   }
   return path.lexically_normal();
 }
@@ -277,7 +289,9 @@ private:
     a.name = *name;
     a.wait = std::chrono::seconds(wait.value_or(0));
     a.cancelled = [this, fd = c.fd] { return agent_gone(fd); };
-    a.path = client_path(*p, c.peer.pid);
+    auto path = client_path(*p, c.peer.pid);
+    if (!path) return make_unexpected(std::move(path.error()));
+    a.path = std::move(*path);
     a.ttl_s = ttl.value_or(lease::k_default_ttl_s);
     a.bind_pid = !bind || *bind == "pid";
     a.pid = c.peer.pid;
@@ -334,10 +348,14 @@ private:
     std::optional<std::string> np;
     if (branch) np = rd.string("new_path", Need::required);
     if (auto ok = rd.finish(); !ok) return make_unexpected(std::move(ok.error()));
+    auto path = client_path(*p, c.peer.pid);
+    if (!path) return make_unexpected(std::move(path.error()));
     if (!branch)
-      return encode(m_keeper.init(client_path(*p, c.peer.pid), client_file_mode(c.peer.pid)), 201,
+      return encode(m_keeper.init(*path, client_file_mode(c.peer.pid)), 201,
                     [](const Initialized& i) { return api::to_json(i); });
-    return encode(m_keeper.branch(client_path(*p, c.peer.pid), client_path(*np, c.peer.pid), c.peer.uid), 201,
+    auto new_path = client_path(*np, c.peer.pid);
+    if (!new_path) return make_unexpected(std::move(new_path.error()));
+    return encode(m_keeper.branch(*path, *new_path, c.peer.uid), 201,
                   [](const BranchedFile& b) { return api::to_json(b); });
   }
   Out on_branch(const Call& c) { return on_branch_or_init(c, true); }
@@ -347,14 +365,22 @@ private:
     auto p = query(c, "path");
     auto id = query(c, "id");
     if (!p && !id) return make_unexpected(Problem(Code::invalid_request, "query parameter path or id is required"));
-    return encode(m_keeper.lineage(p ? std::optional<fs::path>(client_path(*p, c.peer.pid)) : std::nullopt, id.value_or("")),
-                  200, [](const lease::Lineage& l) { return lease::wire::to_json(l); });
+    std::optional<fs::path> path;
+    if (p) {
+      auto resolved = client_path(*p, c.peer.pid);
+      if (!resolved) return make_unexpected(std::move(resolved.error()));
+      path = std::move(*resolved);
+    }
+    return encode(m_keeper.lineage(path, id.value_or("")), 200,
+                  [](const lease::Lineage& l) { return lease::wire::to_json(l); });
   }
 
   Out on_identify(const Call& c) {
     auto p = query(c, "path");
     if (!p || p->empty()) return make_unexpected(Problem(Code::invalid_request, "query parameter path is required"));
-    return encode(m_keeper.identify(client_path(*p, c.peer.pid)), 200, [](const Identified& i) { return api::to_json(i); });
+    auto path = client_path(*p, c.peer.pid);
+    if (!path) return make_unexpected(std::move(path.error()));
+    return encode(m_keeper.identify(*path), 200, [](const Identified& i) { return api::to_json(i); });
   }
 
   // {name}: verify and sync.
@@ -386,7 +412,9 @@ private:
     auto id = rd.uuid("memory_instance_id", Need::required);
     auto p = rd.string("path", Need::required);
     if (auto ok = rd.finish(); !ok) return make_unexpected(std::move(ok.error()));
-    return encode(m_keeper.fetch(*id, client_path(*p, c.peer.pid), client_file_mode(c.peer.pid)), 201,
+    auto path = client_path(*p, c.peer.pid);
+    if (!path) return make_unexpected(std::move(path.error()));
+    return encode(m_keeper.fetch(*id, *path, client_file_mode(c.peer.pid)), 201,
                   [](const ObjectResult& r) { return api::to_json_fetch(r); });
   }
 

@@ -636,6 +636,8 @@ class BasicCases:
             ("mixed-script name", {"name": "pаypal", "path": path}, 422, "invalid-name"),
             ("empty name", {"name": "", "path": path}, 422, "invalid-name"),
             ("missing file", {"name": "bad-agent", "path": os.path.join(self.data, "nope.uai")}, 400, None),
+            ("empty path", {"name": "bad-agent", "path": ""}, 400, "invalid-request"),
+            ("NUL in the path", {"name": "bad-agent", "path": path + "\u0000tail"}, 400, "invalid-request"),
         ]
         for label, body, status, code in cases:
             with self.subTest(label):
@@ -645,6 +647,10 @@ class BasicCases:
                     self.assertProblem(r, r.status)
                 else:
                     self.assertProblem(r, status, code)
+        # init with a NUL: the kernel would have created the file before the NUL under the
+        # name after it; nothing is created.
+        self.assertProblem(self.client.request("POST", "/v1/init", {"path": path + ".nul\u0000x"}), 400, "invalid-request")
+        self.assertFalse(os.path.exists(path + ".nul"))
         r = self.client.request("POST", "/v1/attach", {"name": "bad-agent", "path": path, "colour": "red"})
         self.assertIn("colour", r.json.get("detail", ""))
         for label, method, target, body, status in [
@@ -733,6 +739,28 @@ class BasicCases:
             self.assertProblem(self.server_lease("killme"), 404)
         # The memory is free again.
         self.attach_ok("killme-again", path)
+
+    def test_relative_path_of_a_client_gone_never_means_the_daemons_directory(self):
+        # SO_PEERCRED names the process that connected. Here it connects and exits, and its
+        # child (elsewhere) sends a relative path on the inherited socket: the working
+        # directory of the process that connected can no longer be read. The answer is 400,
+        # never a file in the daemon's own working directory.
+        cwd = os.path.join(self.tmp, "client-cwd")
+        os.makedirs(cwd)
+        script = ("import os,socket,sys,time\n"
+                  "s=socket.socket(socket.AF_UNIX); s.connect(sys.argv[1])\n"
+                  "if os.fork(): os._exit(0)\n"
+                  "time.sleep(0.5)\n"
+                  "b=b'{\"path\":\"gone-client.uai\"}'\n"
+                  "s.sendall(b'POST /v1/init HTTP/1.1\\r\\nHost: x\\r\\nContent-Type: application/json\\r\\n'"
+                  "+b'Content-Length: %d\\r\\n\\r\\n' % len(b) + b)\n"
+                  "print(s.recv(65536).split(b'\\r\\n')[0].decode())\n")
+        p = subprocess.run(["python3", "-c", script, self.mepd.socket_path], cwd=cwd, timeout=30,
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, check=True)
+        # (The pipe stays open until the child ends, so its answer is in stdout.)
+        self.assertIn("HTTP/1.1 400", p.stdout.decode())
+        for d in (self.tmp, cwd, "/"):
+            self.assertFalse(os.path.exists(os.path.join(d, "gone-client.uai")), d)
 
     def test_other_uid_refused(self):
         if os.geteuid() != 0:
