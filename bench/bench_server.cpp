@@ -12,6 +12,7 @@
 // Prints tables. Nothing here asserts a timing.
 #include "etcd_peer.hpp"
 #include "http_conn.hpp"
+#include "run_capture.hpp"
 
 #include <signal.h>
 #include <sqlite3.h>
@@ -101,16 +102,6 @@ struct Server {
     }
   }
 };
-
-std::string run_capture(const std::string& cmd) {
-  std::string out;
-  FILE* p = ::popen(cmd.c_str(), "r");
-  char buf[512];
-  while (p && std::fgets(buf, sizeof buf, p)) out += buf;
-  if (p) ::pclose(p);
-  while (!out.empty() && (out.back() == '\n' || out.back() == '\r')) out.pop_back();
-  return out;
-}
 
 void start_server(Server& s, const std::string& db) {
   int pipefd[2];

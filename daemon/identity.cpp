@@ -111,10 +111,8 @@ expected<Resolved, Problem> IdentityResolver::resolve(const std::filesystem::pat
     }
   }
   if (id) {
-    // System mode: an xattr can be copied or forged onto one's own file; a memory this host
-    // knows only as another local user's is not that user's to use (peer.hpp).
-    if (const uid_t uid = acting_uid(); !acts_for_all(uid) && m_db.memory_of_other_user(*id, uid))
-      return make_unexpected(Problem(Code::forbidden, "this memory belongs to another user of this host"));
+    // An xattr can be copied or forged onto one's own file.
+    if (auto p = foreign(*id)) return make_unexpected(std::move(*p));
     r.memory_id = *id;
     r.unregistered = !m_db.registered(*id);
     return r;
@@ -125,6 +123,12 @@ expected<Resolved, Problem> IdentityResolver::resolve(const std::filesystem::pat
   r.memory_id = uuid_v7().to_string();
   r.fresh = true;
   return r;
+}
+
+std::optional<Problem> IdentityResolver::foreign(const std::string& memory_id) {
+  const uid_t uid = acting_uid();
+  if (acts_for_all(uid) || !m_db.memory_of_other_user(memory_id, uid)) return std::nullopt;
+  return Problem(Code::forbidden, "this memory belongs to another user of this host");
 }
 
 void IdentityResolver::bind(const std::string& memory_id, const std::filesystem::path& path, bool hash,

@@ -262,20 +262,6 @@ std::unique_lock<std::mutex> Keeper::lock_file(const fs::path& path) {
   return lock;
 }
 
-// System mode: a memory this host knows only as another local user's file is not attached
-// or fetched for the peer (all users of one daemon share its tenant, where a memory id is
-// enough to claim a memory and read its object).
-std::optional<Problem> Keeper::not_another_users(const std::string& memory_id) {
-  const Peer* peer = current_peer();
-  if (!peer || acts_for_all(peer->uid)) return std::nullopt;
-  try {
-    if (!m_state.memory_of_other_user(memory_id, peer->uid)) return std::nullopt;
-  } catch (const sqlite::Error& e) {
-    return state_unwritable(e);
-  }
-  return Problem(Code::forbidden, "this memory belongs to another user of this host");
-}
-
 // POST /v1/memories with a client-minted id; the problem when it is not registered.
 std::optional<Problem> Keeper::register_memory(const std::string& memory_id) {
   m_cp_requests++;
@@ -690,7 +676,12 @@ expected<ObjectResult, Problem> Keeper::fetch(const std::string& memory_id, cons
     return make_unexpected(Problem(Code::store_not_configured, "this mepd has no data plane: start it with --store URL"));
   auto id = Uuid::parse(memory_id);
   if (!id) return make_unexpected(Problem(Code::invalid_request, "memory_instance_id must be a UUID"));
-  if (auto p = not_another_users(id->to_string())) return make_unexpected(std::move(*p));
+  // All users of one daemon share its tenant, where a memory id is enough to read an object.
+  try {
+    if (auto p = m_resolver.foreign(id->to_string())) return make_unexpected(std::move(*p));
+  } catch (const sqlite::Error& e) {
+    return make_unexpected(state_unwritable(e));
+  }
   std::error_code ec;
   // Every file call here runs as the peer: the new file is created where the peer may, and
   // belongs to it.

@@ -52,24 +52,13 @@ StateDb::StateDb(const std::filesystem::path& path) {
   m_db->exec("PRAGMA journal_mode=WAL; PRAGMA synchronous=FULL;");
   ::chmod(path.c_str(), 0600);
   m_db->exec(k_schema);
-  {
-    // Databases from before birth times were kept get the column; their rows have none.
-    Use q(m_db->prepare("SELECT count(*) FROM pragma_table_info('files') WHERE name = 'btime'"));
-    if (q->step() && q->int64(0) == 0) m_db->exec("ALTER TABLE files ADD COLUMN btime INTEGER");
-  }
-  // Whose record a path-map row is (system mode: one map per local user).
-  {
-    Use q(m_db->prepare("SELECT count(*) FROM pragma_table_info('files') WHERE name = 'peer_uid'"));
-    if (q->step() && q->int64(0) == 0) m_db->exec("ALTER TABLE files ADD COLUMN peer_uid INTEGER");
-  }
-  // The local user that attached a lease or asked for a claim (system mode); rows from
-  // before have none: unknown.
-  for (const char* table : {"leases", "intents"}) {
-    Use q(m_db->prepare(fmt::format("SELECT count(*) FROM pragma_table_info('{}') WHERE name = 'peer_uid'", table)));
-    if (q->step() && q->int64(0) == 0)
-      m_db->exec(fmt::format("ALTER TABLE {0} ADD COLUMN peer_uid INTEGER; ALTER TABLE {0} ADD COLUMN peer_gid INTEGER",
-                             table));
-  }
+  // Columns newer than the database: its rows have none. The birth time of a file; whose
+  // record a path-map row is (one map per local user); the local user that attached a lease
+  // or asked for a claim (system mode).
+  for (auto [table, column] : {std::pair{"files", "btime"}, {"files", "peer_uid"}, {"leases", "peer_uid"},
+                               {"leases", "peer_gid"}, {"intents", "peer_uid"}, {"intents", "peer_gid"}})
+    if (!sqlite::has_column(*m_db, table, column))
+      m_db->exec(fmt::format("ALTER TABLE {} ADD COLUMN {} INTEGER", table, column));
   {
     Use s(m_db->prepare("SELECT value FROM meta WHERE key = 'daemon_id'"));
     if (s->step()) m_daemon_id = s->text(0);
@@ -158,20 +147,12 @@ void StateDb::save_lease(const SavedLease& l) {
 void StateDb::save_expiries(const std::vector<std::pair<std::string, UnixMs>>& expiries) {
   if (expiries.empty()) return;
   std::lock_guard lock(m_mutex);
-  m_db->exec("BEGIN");
-  try {
+  sqlite::in_transaction(*m_db, "BEGIN", [&] {
     for (const auto& [name, expires] : expiries) {
       Use u(m_db->prepare("UPDATE leases SET expires_at = ?1 WHERE canonical_name = ?2"));
       u->bind(1, expires).bind(2, name).run();
     }
-    m_db->exec("COMMIT");
-  } catch (...) {
-    try {
-      m_db->exec("ROLLBACK");
-    } catch (...) {
-    }
-    throw;
-  }
+  });
 }
 
 void StateDb::forget_lease(const std::string& canonical_name) {

@@ -368,10 +368,8 @@ public:
     while (m->step()) f(m->text(0), m->text(1));
   }
   std::string ensure_tenant(const std::string& name) override {
-    m_db->exec("BEGIN IMMEDIATE");
     Use t(m_db->prepare("INSERT OR IGNORE INTO tenants(tenant_id, name, audit_salt, created_at) VALUES (?1, ?2, ?3, ?4)"));
     t->bind(1, uuid_v7().to_string()).bind(2, name).bind(3, uuid_v7().to_hex() + uuid_v7().to_hex()).bind(4, now_unix_ms()).run();
-    m_db->exec("COMMIT");
     return tenant_id(name);
   }
   void mark_in_progress() override {
@@ -381,8 +379,7 @@ public:
   }
   void write(const std::string& tenant, const std::vector<const Row*>& batch, const std::string& uv,
              const std::string& iv) override {
-    m_db->exec("BEGIN IMMEDIATE");
-    try {
+    sqlite::in_transaction(*m_db, "BEGIN IMMEDIATE", [&] {
       for (const Row* r : batch) {
         UnixMs now = now_unix_ms();
         {
@@ -410,14 +407,7 @@ public:
               .bind(7, now).run();
         }
       }
-      m_db->exec("COMMIT");
-    } catch (...) {
-      try {
-        m_db->exec("ROLLBACK");
-      } catch (...) {
-      }
-      throw;
-    }
+    });
   }
 
 private:

@@ -129,4 +129,10 @@ Stmt& Db::prepare(std::string_view sql) {
   return ref;
 }
 
+bool has_column(Db& db, std::string_view table, std::string_view column) {
+  Use q(db.prepare("SELECT count(*) FROM pragma_table_info(?1) WHERE name = ?2"));
+  q->bind(1, table).bind(2, column);
+  return q->step() && q->int64(0) > 0;
+}
+
 } // namespace mep::sqlite

@@ -68,6 +68,10 @@ public:
   /// with a fresh content fingerprint when `hash` (or the one given).
   void bind(const std::string& memory_id, const std::filesystem::path& path, bool hash,
             std::optional<std::string> sha256 = std::nullopt);
+  /// System mode: 403 when this host knows `memory_id` only as another local user's file
+  /// (the acting user is neither root nor the daemon's): not that user's to attach, branch
+  /// or fetch, whatever xattr its own file carries. May throw sqlite::Error.
+  std::optional<Problem> foreign(const std::string& memory_id);
 
 private:
   StateDb& m_db;

@@ -97,7 +97,6 @@ public:
 private:
   expected<Resolved, Problem> resolve_registered(const std::filesystem::path& path);
   std::optional<Problem> register_memory(const std::string& memory_id);
-  std::optional<Problem> not_another_users(const std::string& memory_id);
   expected<void, Problem> fence(const Held& h);
   void adopt(Held h, bool announce);
   void release_on_server(const Held& h);

@@ -106,4 +106,23 @@ private:
   std::unordered_map<std::string, std::unique_ptr<Stmt>, Hash, std::equal_to<>> m_cache;
 };
 
+/// Runs `fn` between `begin` (BEGIN, BEGIN IMMEDIATE) and COMMIT; on an exception rolls back
+/// (best effort) and rethrows.
+template <class F> void in_transaction(Db& db, std::string_view begin, F&& fn) {
+  db.exec(begin);
+  try {
+    fn();
+    db.exec("COMMIT");
+  } catch (...) {
+    try {
+      db.exec("ROLLBACK");
+    } catch (...) {
+    }
+    throw;
+  }
+}
+
+/// True when `table` has a column named `column`.
+bool has_column(Db& db, std::string_view table, std::string_view column);
+
 } // namespace mep::sqlite
