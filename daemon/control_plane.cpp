@@ -1,17 +1,18 @@
-// Control-plane clients for mepd: remote (libcurl) and embedded (the Router in-process).
-// Both speak the HTTP API of SPEC §6 underneath one exchange() each; the typed operations,
-// their wire forms and the problem of a failed answer are written once, in HttpControlPlane.
+// Control-plane clients for mepd: remote (libcurl, the HTTP API of SPEC §6) and embedded
+// (the lease service in-process, called directly). The remote one's typed operations, their
+// wire forms and the problem of a failed answer are written once, in HttpControlPlane.
 #include "mep/control_plane.hpp"
 
+#include "mep/crypto.hpp"
 #include "mep/http/client.hpp"
 #include "mep/json.hpp"
 #include "mep/lease/wire.hpp"
+#include "mep/lease_service.hpp"
 #include "mep/log.hpp"
-#include "mep/router.hpp"
 #include "mep/sqlite_store.hpp"
 #include "mep/sweeper.hpp"
+#include "mep/uuid.hpp"
 
-#include <boost/beast/http.hpp>
 #include <boost/json/parse.hpp>
 
 #include <cctype>
@@ -22,7 +23,6 @@
 #include <unistd.h>
 
 namespace mep::daemon {
-namespace bhttp = boost::beast::http;
 namespace wire = lease::wire;
 
 Problem unreachable(std::string why) {
@@ -167,55 +167,67 @@ private:
 
 // ---- embedded -------------------------------------------------------------------------------
 
-class EmbeddedControlPlane final : public HttpControlPlane {
+// The lease service in-process, called directly with a local context: no token check, no
+// HTTP, no JSON (SPEC §3 single-host mode). Each call waits for its outcome.
+class EmbeddedControlPlane final : public ControlPlane {
 public:
   explicit EmbeddedControlPlane(const std::filesystem::path& dir)
       : m_store(std::make_unique<server::SqliteStore>("sqlite:" + (dir / "control.db").string(), true, 0,
                                                       /*serving=*/true)),
-        m_router(*m_store, 0) {
+        m_service(std::make_unique<server::LeaseService>(*m_store)) {
+    // The local tenant is the one of the token kept in embedded.token (made on first start,
+    // mode 0600), so a database moved to a `mep server` keeps its tenant and a token for it.
     auto token_file = dir / "embedded.token";
-    std::ifstream in(token_file);
-    std::getline(in, m_token);
-    if (m_token.rfind("mep_", 0) != 0) {
-      m_token = m_store->create_token("local", server::Scope::admin).second;
+    std::string token;
+    {
+      std::ifstream in(token_file);
+      std::getline(in, token);
+    }
+    std::optional<server::AuthInfo> auth;
+    if (token.rfind("mep_", 0) == 0) auth = m_store->authenticate(sha256_hex(token));
+    if (!auth) {
+      token = m_store->create_token("local", server::Scope::admin).second;
       mode_t old = ::umask(077); // the token file is created 0600; the process umask is restored
       {
         std::ofstream out(token_file, std::ios::trunc);
-        out << m_token << "\n";
+        out << token << "\n";
       }
       ::umask(old);
       ::chmod(token_file.c_str(), 0600);
+      auth = m_store->authenticate(sha256_hex(token));
+      if (!auth) throw std::runtime_error("the embedded control plane cannot read back its local token");
     }
+    m_auth = *auth;
     m_describe = "embedded (sqlite:" + (dir / "control.db").string() + ")";
     m_sweeper = std::make_unique<server::Sweeper>(*m_store);
   }
 
   // The sweeper before the store it sweeps; the store (finishing its queued jobs, whose
-  // completions use the router) before the router.
+  // completions use the service) before the service.
   ~EmbeddedControlPlane() override {
     m_sweeper.reset();
+    m_service->end_waits();
     m_store.reset();
   }
 
   std::string describe() const override { return m_describe; }
 
-protected:
-  Raw exchange(std::string_view method, const std::string& target, const std::string& body,
-               const std::string& idempotency_key, std::chrono::milliseconds timeout, const Extra& extra) override {
-    server::HttpRequest req{bhttp::string_to_verb(method), target, 11};
-    req.set(bhttp::field::host, "mepd");
-    req.set(bhttp::field::authorization, "Bearer " + m_token);
-    if (!body.empty()) req.set(bhttp::field::content_type, "application/json");
-    if (!idempotency_key.empty()) req.set("Idempotency-Key", idempotency_key);
-    if (!extra.prefer.empty()) req.set("Prefer", extra.prefer);
-    req.body() = body;
-    req.prepare_payload();
-    auto promise = std::make_shared<std::promise<server::HttpResponse>>();
+  expected<lease::Registered, Problem> register_memory(const std::string& memory_id) override {
+    lease::RegisterRequest req{memory_id};
+    auto idem = key("register-" + memory_id, "/v1/memories", wire::to_json(req));
+    return call<lease::Registered>([&](auto then) { m_service->register_memory(ctx(), idem, req, std::move(then)); });
+  }
+
+  expected<lease::Grant, Problem> claim(const lease::ClaimRequest& req, const std::string& key_text,
+                                        const ClaimWait& wait) override {
+    auto idem = key(key_text, "/v1/leases", wire::to_json(req));
+    auto promise = std::make_shared<std::promise<server::ClaimAnswer>>();
     auto future = promise->get_future();
-    // A waiting claim is watched as a connection would be: the router's wait queue polls
-    // the read end of a pipe, and closing the write end is the client going away.
+    // A waiting claim is watched as a connection would be: the wait queue polls the read
+    // end of a pipe, and closing the write end is the agent going away.
     int pipe_fds[2] = {-1, -1};
-    if (extra.cancelled && ::pipe2(pipe_fds, O_CLOEXEC) != 0) pipe_fds[0] = pipe_fds[1] = -1;
+    const bool waits = wait.wait.count() > 0;
+    if (waits && wait.cancelled && ::pipe2(pipe_fds, O_CLOEXEC) != 0) pipe_fds[0] = pipe_fds[1] = -1;
     struct Closer {
       int* fds;
       ~Closer() {
@@ -223,15 +235,17 @@ protected:
           if (fds[i] >= 0) ::close(fds[i]);
       }
     } closer{pipe_fds};
-    m_router.handle(std::move(req), server::Peer{true},
-                    [promise](server::HttpResponse&& res) { promise->set_value(std::move(res)); }, pipe_fds[0]);
-    const auto limit = std::chrono::steady_clock::now() + (timeout.count() > 0 ? timeout : std::chrono::milliseconds(30000));
+    server::WaitSpec spec{waits ? wait.wait.count() : 0, pipe_fds[0]};
+    m_service->claim(ctx(), idem, req, spec, [promise](server::ClaimAnswer a) { promise->set_value(std::move(a)); });
+    const auto timeout = waits ? std::chrono::duration_cast<std::chrono::milliseconds>(wait.wait + std::chrono::seconds(15))
+                               : k_timeout;
+    const auto limit = std::chrono::steady_clock::now() + timeout;
     for (;;) {
-      auto step = extra.cancelled ? std::chrono::milliseconds(100) : std::chrono::milliseconds(30000);
+      auto step = wait.cancelled ? std::chrono::milliseconds(100) : timeout;
       auto left = std::chrono::duration_cast<std::chrono::milliseconds>(limit - std::chrono::steady_clock::now());
-      if (left.count() <= 0) return Raw{0, {}, {}, "the embedded control plane did not answer in time"};
+      if (left.count() <= 0) return make_unexpected(unreachable("the embedded control plane did not answer in time"));
       if (future.wait_for(std::min(step, left)) == std::future_status::ready) break;
-      if (extra.cancelled && pipe_fds[1] >= 0 && extra.cancelled()) {
+      if (wait.cancelled && pipe_fds[1] >= 0 && wait.cancelled()) {
         ::close(pipe_fds[1]);
         pipe_fds[1] = -1;
         // The queue answers a client that went away at once; wait for that answer so that
@@ -240,24 +254,77 @@ protected:
           log::warn("the embedded control plane did not end a cancelled wait");
           pipe_fds[0] = -1; // left open: the queue may still watch it
         }
-        return Raw{0, {}, {}, "cancelled"};
+        return make_unexpected(unreachable("cancelled"));
       }
     }
-    auto res = future.get();
-    Raw r;
-    r.status = static_cast<int>(res.result_int());
-    r.body = res.body();
-    if (auto it = res.find(bhttp::field::retry_after); it != res.end())
-      r.retry_after = std::atoi(std::string(it->value()).c_str());
-    if (auto it = res.find("Mep-Waited-Ms"); it != res.end()) r.waited_ms = waited_header(it->value());
-    return r;
+    server::ClaimAnswer a = future.get();
+    if (!a.outcome.ok()) return make_unexpected(std::move(a.outcome.value.error()));
+    lease::Grant g = std::move(*a.outcome.value);
+    g.waited_ms = a.waited_ms;
+    return g;
+  }
+
+  expected<lease::RenewBatchResult, Problem> renew_batch(const lease::RenewBatchRequest& req,
+                                                         std::chrono::milliseconds timeout) override {
+    return call<lease::RenewBatchResult>([&](auto then) { m_service->renew_batch(ctx(), req, std::move(then)); },
+                                         timeout.count() > 0 ? timeout : k_timeout);
+  }
+
+  expected<void, Problem> release(const lease::LeaseRef& ref) override {
+    auto r = call<server::Released>([&](auto then) { m_service->release(ctx(), ref, std::move(then)); });
+    if (!r) return make_unexpected(std::move(r.error()));
+    return {};
+  }
+
+  expected<lease::Branched, Problem> branch(const lease::BranchRequest& req, const std::string& key_text) override {
+    auto idem = key(key_text, "/v1/memories/branch", wire::to_json(req));
+    return call<lease::Branched>([&](auto then) { m_service->branch(ctx(), idem, req, std::move(then)); });
+  }
+
+  expected<lease::Memory, Problem> memory(const std::string& memory_id) override {
+    return call<lease::Memory>([&](auto then) { m_service->get_memory(ctx(), memory_id, std::move(then)); });
+  }
+
+  expected<lease::Lineage, Problem> lineage(const std::string& memory_id) override {
+    return call<lease::Lineage>([&](auto then) { m_service->lineage(ctx(), memory_id, std::move(then)); });
+  }
+
+  expected<lease::Verified, Problem> verify(const lease::VerifyRequest& req) override {
+    return call<lease::Verified>([&](auto then) { m_service->verify(ctx(), req, std::move(then)); });
+  }
+
+  expected<lease::IdentityMapPage, Problem> identity_map(const std::optional<std::string>& cursor,
+                                                         std::size_t limit) override {
+    return call<lease::IdentityMapPage>(
+        [&](auto then) { m_service->identity_map(ctx(), cursor, limit, std::move(then)); });
   }
 
 private:
+  static constexpr std::chrono::milliseconds k_timeout{30000};
+
+  server::Ctx ctx() const { return server::Ctx{m_auth, uuid_v7().to_string()}; }
+
+  // The Idempotency-Key as the HTTP edge would bind it (the same method, route and body),
+  // so a key keeps its meaning for a database later served by `mep server`.
+  static server::Idempotency key(const std::string& key_text, std::string_view pattern, const boost::json::object& body) {
+    return server::Idempotency{key_text, server::request_fingerprint("POST", pattern, "", body)};
+  }
+
+  // Starts an operation with a completion and waits for its outcome.
+  template <class T, class Start>
+  expected<T, Problem> call(Start start, std::chrono::milliseconds timeout = k_timeout) {
+    auto promise = std::make_shared<std::promise<server::Outcome<T>>>();
+    auto future = promise->get_future();
+    start(server::Then<T>([promise](server::Outcome<T> o) { promise->set_value(std::move(o)); }));
+    if (future.wait_for(timeout) != std::future_status::ready)
+      return make_unexpected(unreachable("the embedded control plane did not answer in time"));
+    return std::move(future.get().value);
+  }
+
   std::unique_ptr<server::Store> m_store;
-  server::Router m_router;
+  std::unique_ptr<server::LeaseService> m_service;
   std::unique_ptr<server::Sweeper> m_sweeper; // expired leases and records go, as on a server
-  std::string m_token;
+  server::AuthInfo m_auth;
   std::string m_describe;
 };
 

@@ -7,7 +7,6 @@
 #include "mep/log.hpp"
 #include "mep/lease/wire.hpp"
 #include "mep/uuid.hpp"
-#include "mep/wire.hpp"
 
 #include <boost/asio/post.hpp>
 #include <boost/asio/strand.hpp>

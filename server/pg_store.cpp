@@ -16,8 +16,9 @@
 //   attempts are spaced (k_reconnect_gap): a database that is down costs a request one
 //   refused connect at most.
 // * Idempotent replays are byte-identical because the stored outcome is the structured
-//   result of the function, and the body is rendered from it by one deterministic function
-//   (render_*) both the first time and on every replay.
+//   result of the function, read into the typed result by one deterministic function
+//   (grant_of, registered_of, …) both the first time and on every replay; the router
+//   renders both alike (lease/wire.hpp).
 #include "mep/pg_store.hpp"
 
 #include "mep/canonical.hpp"
@@ -27,7 +28,7 @@
 #include "mep/metrics.hpp"
 #include "mep/random.hpp"
 #include "mep/uuid.hpp"
-#include "mep/wire.hpp"
+#include "mep/rows.hpp"
 
 #include <boost/json/array.hpp>
 #include <boost/json/parse.hpp>
@@ -82,52 +83,53 @@ json::object parse_result(const std::string& text) {
 
 bool is_problem(const json::object& r) { return r.contains("code"); }
 
-// A problem from its stored form {code, detail, instance, retry_after?, ext?, outcome?}.
-Reply render_problem(const json::object& r) {
+// A problem from its stored form {code, detail, instance, retry_after?, ext?}.
+Problem problem_of(const json::object& r) {
   Code code = code_from_slug(str(r, "code")).value_or(Code::internal);
   Problem p(code, str(r, "detail"));
+  p.instance = str(r, "instance");
   if (auto* ra = r.if_contains("retry_after")) p.retry_after_s = static_cast<int>(i64(*ra));
   if (auto* ext = r.if_contains("ext"); ext && ext->is_object())
     for (const auto& kv : ext->as_object()) p.extensions[kv.key()] = kv.value();
-  return problem_reply(std::move(p), str(r, "instance"), str(r, "outcome"));
+  return p;
 }
 
 // The stored form of a problem found before the database call (invalid name or TTL).
-json::object problem_record(const Problem& p, const std::string& request_id, std::string outcome) {
+json::object problem_record(const Problem& p, const std::string& request_id) {
   json::object o{{"code", p.slug()}, {"detail", p.detail}, {"instance", request_id}};
   if (p.retry_after_s) o["retry_after"] = *p.retry_after_s;
   if (!p.extensions.empty()) o["ext"] = p.extensions;
-  if (!outcome.empty()) o["outcome"] = std::move(outcome);
   return o;
 }
 
-Reply render_grant(int status, const json::object& r) {
-  LeaseRow l;
-  l.lease_id = str(r, "lease_id");
-  l.canonical_name = str(r, "canonical_name");
-  l.display_name = str(r, "display_name");
-  l.memory_id = str(r, "memory_instance_id");
-  l.fencing_token = i64(r.at("fencing_token"));
-  l.expires_at = i64(r.at("expires_at"));
-  l.ttl_s = i64(r.at("ttl_seconds"));
-  return json_reply(status, grant_json(l, i64(r.at("server_time"))), str(r, "outcome"));
+// The typed results of the server-side functions' answers (times in ms since the epoch).
+// `created`: the call created what it answers (its first answer was a 201).
+lease::Grant grant_of(const json::object& r, bool) {
+  lease::Grant g;
+  g.lease_id = str(r, "lease_id");
+  g.canonical_name = str(r, "canonical_name");
+  g.display_name = str(r, "display_name");
+  g.memory_id = str(r, "memory_instance_id");
+  g.fencing_token = i64(r.at("fencing_token"));
+  g.expires_at = i64(r.at("expires_at"));
+  g.ttl_s = i64(r.at("ttl_seconds"));
+  g.server_time = i64(r.at("server_time"));
+  g.reclaimed = str(r, "outcome") == "reclaimed";
+  return g;
 }
 
-Reply render_memory_created(int status, const json::object& r) {
-  json::object o{{"memory_instance_id", str(r, "memory_instance_id")},
-                 {"created_at", format_rfc3339_ms(i64(r.at("created_at")))}};
-  return json_reply(status, o);
+lease::Registered registered_of(const json::object& r, bool created) {
+  return lease::Registered{str(r, "memory_instance_id"), i64(r.at("created_at")), created};
 }
 
-Reply render_branch(int status, const json::object& r) {
-  json::object o{{"memory_instance_id", str(r, "memory_instance_id")},
-                 {"parent_memory_instance_id", str(r, "parent_memory_instance_id")},
-                 {"branched_at_token", i64(r.at("branched_at_token"))}};
-  return json_reply(status, o, str(r, "outcome"));
+lease::Branched branched_of(const json::object& r, bool created) {
+  return lease::Branched{str(r, "memory_instance_id"), str(r, "parent_memory_instance_id"),
+                         i64(r.at("branched_at_token")), created};
 }
 
-// The answer of a creating function, {status, replayed, result}, rendered by `success`.
-Reply finish_idempotent(const pg::Result& res, Reply (*success)(int, const json::object&)) {
+// The answer of a creating function, {status, replayed, result}, read by `success`.
+template <class T>
+Outcome<T> finish_idempotent(const pg::Result& res, T (*success)(const json::object&, bool created)) {
   auto& metrics = Metrics::global();
   json::object envelope = parse_result(res.text(0, 0));
   int status = static_cast<int>(i64(envelope.at("status")));
@@ -137,18 +139,8 @@ Reply finish_idempotent(const pg::Result& res, Reply (*success)(int, const json:
   metrics.inc("mep_idempotency_lookups_total",
               replayed ? "result=\"hit\"" : mismatch ? "result=\"mismatch\"" : "result=\"miss\"");
   if (!replayed && str(r, "code") == "stale-fence") metrics.inc("mep_fencing_rejections_total");
-  Reply out;
-  if (is_problem(r)) {
-    out = render_problem(r);
-  } else {
-    if (replayed && status == 201) status = 200;
-    out = success(status, r);
-  }
-  if (replayed) {
-    out.replayed = true;
-    out.outcome = "replayed";
-  }
-  return out;
+  if (is_problem(r)) return Outcome<T>(problem_of(r), replayed);
+  return Outcome<T>(success(r, status == 201 && !replayed), replayed);
 }
 
 // SQL text of the hot statements, prepared once per connection.
@@ -294,7 +286,19 @@ void PgStore::migrate() {
   m_spare.push_back(std::move(c));
 }
 
-void PgStore::enqueue(Work work, Done done, std::string request_id, bool repeatable) {
+template <class T>
+void PgStore::submit(std::function<Outcome<T>(pg::Conn&)> op, Then<T> then, std::string request_id, bool repeatable) {
+  // The outcome of the last run (a retried call runs again) until it is handed over.
+  auto kept = std::make_shared<std::optional<Outcome<T>>>();
+  enqueue([op = std::move(op), kept](pg::Conn& c) { kept->emplace(op(c)); },
+          [kept, then = std::move(then)](std::optional<Problem> failure) {
+            if (failure || !*kept) return then(Outcome<T>(failure ? std::move(*failure) : db_unavailable()));
+            then(std::move(**kept));
+          },
+          std::move(request_id), repeatable);
+}
+
+void PgStore::enqueue(Work work, Finish done, std::string request_id, bool repeatable) {
   std::lock_guard lock(m_mutex);
   m_queue.push_back(Job{std::move(work), std::move(done), std::move(request_id), repeatable});
   // Wake the worker that went idle last (LIFO): under light load the same few threads,
@@ -323,8 +327,7 @@ void PgStore::worker_loop() {
       job = std::move(m_queue.front());
       m_queue.pop_front();
     }
-    Reply r = execute(slot, job);
-    job.done(std::move(r));
+    job.done(execute(slot, job));
   }
 }
 
@@ -334,23 +337,20 @@ static Problem bad_text() {
   return Problem(Code::invalid_request, "a text value contains a NUL character or is not valid UTF-8");
 }
 
-void PgStore::read(const Ctx& ctx, Done done, const std::function<Reply(pg::Conn&)>& fn) {
-  Reply r;
+template <class T>
+void PgStore::read(const std::function<Outcome<T>(pg::Conn&)>& fn, const Then<T>& then) {
+  std::optional<Outcome<T>> out;
   try {
-    r = with_conn<Reply>(fn);
+    out.emplace(with_conn<Outcome<T>>(fn));
   } catch (const pg::Error& e) {
     if (e.sqlstate() == "22021" || e.sqlstate() == "22P05") {
-      r = problem_reply(bad_text(), ctx.request_id);
+      out.emplace(bad_text());
     } else {
       log::error("read failed: {}", e.what());
-      r = unavailable(ctx.request_id);
+      out.emplace(db_unavailable());
     }
   }
-  done(std::move(r));
-}
-
-Reply PgStore::unavailable(const std::string& request_id) const {
-  return problem_reply(db_unavailable(), request_id);
+  then(std::move(*out));
 }
 
 void PgStore::backoff(int attempt) const {
@@ -361,25 +361,25 @@ void PgStore::backoff(int attempt) const {
   std::this_thread::sleep_for(std::chrono::microseconds(d(rng)));
 }
 
-Reply PgStore::execute(Slot& slot, Job& job) {
+std::optional<Problem> PgStore::execute(Slot& slot, Job& job) {
   bool resent = false;
   for (int attempt = 1;; ++attempt) {
     if (slot.conn && !slot.conn->usable()) slot.conn.reset(); // e.g. the database restarted
     if (!slot.conn) {
-      if (Clock::now() < slot.next_attempt) return unavailable(job.request_id);
+      if (Clock::now() < slot.next_attempt) return db_unavailable();
       try {
         slot.conn = connect();
         slot.conn->set_timeout(k_worker_timeout);
       } catch (const pg::Error& e) {
         slot.next_attempt = Clock::now() + k_reconnect_gap;
         if (m_healthy.exchange(false)) log::warn("{}", e.what());
-        return unavailable(job.request_id);
+        return db_unavailable();
       }
     }
     try {
-      Reply r = job.work(*slot.conn);
+      job.work(*slot.conn);
       if (!m_healthy.exchange(true)) log::info("database reachable again");
-      return r;
+      return std::nullopt;
     } catch (const pg::Error& e) {
       if (e.connection_lost()) {
         slot.conn.reset();
@@ -388,7 +388,7 @@ Reply PgStore::execute(Slot& slot, Job& job) {
           resent = true;
           continue;
         }
-        return unavailable(job.request_id);
+        return db_unavailable();
       }
       if (e.retryable()) {
         if (attempt < k_max_attempts) {
@@ -398,19 +398,18 @@ Reply PgStore::execute(Slot& slot, Job& job) {
         }
         Problem p(Code::transaction_conflict, "the transaction kept conflicting with concurrent ones; retry");
         p.retry_after_s = 1;
-        return problem_reply(std::move(p), job.request_id);
+        return p;
       }
-      if (e.sqlstate() == "22021" || e.sqlstate() == "22P05")
-        return problem_reply(bad_text(), job.request_id);
+      if (e.sqlstate() == "22021" || e.sqlstate() == "22P05") return bad_text();
       if (e.sqlstate() == "57014" || e.sqlstate() == "55P03") { // statement or lock timeout
         log::warn("request {}: {}", job.request_id, e.what());
-        return unavailable(job.request_id);
+        return db_unavailable();
       }
       log::error("request {} failed: {}", job.request_id, e.what());
-      return problem_reply(Problem(Code::internal, "internal error"), job.request_id);
+      return Problem(Code::internal, "internal error");
     } catch (const std::exception& e) {
       log::error("request {} failed: {}", job.request_id, e.what());
-      return problem_reply(Problem(Code::internal, "internal error"), job.request_id);
+      return Problem(Code::internal, "internal error");
     }
   }
 }
@@ -534,27 +533,27 @@ void PgStore::listen_loop() {
 
 // ---- creating operations ------------------------------------------------------------------
 
-void PgStore::register_memory(const Ctx& ctx, Idempotency idem, RegisterMemory req, Done done) {
+void PgStore::register_memory(const Ctx& ctx, Idempotency idem, RegisterMemory req, Then<lease::Registered> then) {
   std::string id = req.memory_id.value_or(uuid_v7().to_string());
-  enqueue(
+  submit<lease::Registered>(
       [ctx, idem = std::move(idem), id](pg::Conn& c) {
         auto r = c.exec("register", k_sql_register,
                         {ctx.auth.tenant_id, idem.key, idem.fingerprint, ctx.request_id, id});
-        return finish_idempotent(r, render_memory_created);
+        return finish_idempotent(r, registered_of);
       },
-      std::move(done), ctx.request_id);
+      std::move(then), ctx.request_id);
 }
 
-void PgStore::claim(const Ctx& ctx, Idempotency idem, Claim req, Done done) {
+void PgStore::claim(const Ctx& ctx, Idempotency idem, Claim req, Then<lease::Grant> then) {
   // Problems found before the transaction are still recorded under the key (SPEC §6).
   pg::Param pre;
   if (!req.name)
-    pre = mep::json::dump(problem_record(req.name.error().to_problem(), ctx.request_id, "invalid-name"));
+    pre = mep::json::dump(problem_record(req.name.error().to_problem(), ctx.request_id));
   else if (req.ttl_s < k_min_ttl_s || req.ttl_s > k_max_ttl_s)
     pre = mep::json::dump(problem_record(
         Problem(Code::invalid_ttl, fmt::format("ttl_seconds must be between {} and {} (got {})", k_min_ttl_s,
                                                k_max_ttl_s, req.ttl_s)),
-        ctx.request_id, "invalid-ttl"));
+        ctx.request_id));
   std::vector<pg::Param> params{ctx.auth.tenant_id, idem.key, idem.fingerprint, ctx.request_id, pre};
   if (req.name) {
     params.insert(params.end(), {req.name->canonical_name, req.name->display_name, req.name->skeleton});
@@ -563,76 +562,71 @@ void PgStore::claim(const Ctx& ctx, Idempotency idem, Claim req, Done done) {
   }
   params.insert(params.end(), {req.memory_id, req.owner_client_id, to_s(req.ttl_s), uuid_v7().to_string(),
                                std::string(unicode_version()), std::string(icu_version())});
-  enqueue(
+  submit<lease::Grant>(
       [params = std::move(params), record = req.record_refusal](pg::Conn& c) {
-        Reply r = finish_idempotent(c.exec("claim", k_sql_claim, params), render_grant);
+        auto r = finish_idempotent(c.exec("claim", k_sql_claim, params), grant_of);
         // A waiting claim's refusal is not kept under its key (Claim::record_refusal). No
         // other request can have replayed it meanwhile on this server: the wait queue
         // holds the key in flight.
-        if (!record && r.status == 423 && !r.replayed)
+        if (!record && !r.ok() && r.value.error().status() == 423 && !r.replayed)
           c.exec("forget-refusal", k_sql_forget_refusal, {params[0], params[1]});
         return r;
       },
-      std::move(done), ctx.request_id);
+      std::move(then), ctx.request_id);
 }
 
-void PgStore::branch(const Ctx& ctx, Idempotency idem, Branch req, Done done) {
+void PgStore::branch(const Ctx& ctx, Idempotency idem, Branch req, Then<lease::Branched> then) {
   std::string id = req.memory_id.value_or(uuid_v7().to_string());
-  enqueue(
+  submit<lease::Branched>(
       [ctx, idem = std::move(idem), req = std::move(req), id](pg::Conn& c) {
         auto r = c.exec("branch", k_sql_branch,
                         {ctx.auth.tenant_id, idem.key, idem.fingerprint, ctx.request_id, req.parent_memory_id,
                          to_s(req.parent_fencing_token), id});
-        return finish_idempotent(r, render_branch);
+        return finish_idempotent(r, branched_of);
       },
-      std::move(done), ctx.request_id);
+      std::move(then), ctx.request_id);
 }
 
 // ---- lease operations -----------------------------------------------------------------------
 
 namespace {
 
-Reply finish_simple(const pg::Result& res, int status, Reply (*success)(int, const json::object&)) {
+// The answer of a lease function: a problem, or the result `success` reads.
+template <class T>
+Outcome<T> finish_simple(const pg::Result& res, T (*success)(const json::object&)) {
   json::object r = parse_result(res.text(0, 0));
   if (is_problem(r)) {
     if (str(r, "code") == "stale-fence") Metrics::global().inc("mep_fencing_rejections_total");
-    return render_problem(r);
+    return problem_of(r);
   }
-  return success(status, r);
+  return success(r);
 }
 
-Reply render_renew(int status, const json::object& r) {
-  json::object o{{"expires_at", format_rfc3339_ms(i64(r.at("expires_at")))},
-                 {"ttl_seconds", i64(r.at("ttl_seconds"))},
-                 {"server_time", format_rfc3339_ms(i64(r.at("server_time")))}};
-  return json_reply(status, o, "renewed");
+lease::Renewed renewed_of(const json::object& r) {
+  return lease::Renewed{i64(r.at("expires_at")), i64(r.at("ttl_seconds")), i64(r.at("server_time"))};
 }
 
-Reply render_no_content(int, const json::object& r) { return no_content(str(r, "outcome")); }
+Released released_of(const json::object&) { return Released{}; }
 
-Reply render_verify(int status, const json::object& r) {
-  json::object o{{"memory_instance_id", str(r, "memory_instance_id")},
-                 {"fencing_token", i64(r.at("fencing_token"))},
-                 {"canonical_name", str(r, "canonical_name")},
-                 {"expires_at", format_rfc3339_ms(i64(r.at("expires_at")))},
-                 {"server_time", format_rfc3339_ms(i64(r.at("server_time")))}};
-  return json_reply(status, o, "valid");
+lease::Verified verified_of(const json::object& r) {
+  return lease::Verified{str(r, "memory_instance_id"), i64(r.at("fencing_token")), str(r, "canonical_name"),
+                         i64(r.at("expires_at")), i64(r.at("server_time"))};
 }
 
 } // namespace
 
-void PgStore::renew(const Ctx& ctx, LeaseRef ref, Done done) {
-  enqueue(
+void PgStore::renew(const Ctx& ctx, LeaseRef ref, Then<lease::Renewed> then) {
+  submit<lease::Renewed>(
       [ctx, ref = std::move(ref)](pg::Conn& c) {
         auto r = c.exec("renew", k_sql_renew,
                         {ctx.auth.tenant_id, ref.canonical_name, ref.memory_id, to_s(ref.fencing_token),
                          ref.owner_client_id, to_s(ref.ttl_s), ctx.request_id});
-        return finish_simple(r, 200, render_renew);
+        return finish_simple(r, renewed_of);
       },
-      std::move(done), ctx.request_id);
+      std::move(then), ctx.request_id);
 }
 
-void PgStore::renew_batch(const Ctx& ctx, RenewBatch req, Done done) {
+void PgStore::renew_batch(const Ctx& ctx, RenewBatch req, Then<lease::RenewBatchResult> then) {
   std::vector<std::string> names, memories, owners;
   std::vector<std::int64_t> tokens, ttls;
   for (const auto& ref : req.leases) {
@@ -645,84 +639,80 @@ void PgStore::renew_batch(const Ctx& ctx, RenewBatch req, Done done) {
   std::vector<pg::Param> params{ctx.auth.tenant_id, pg::text_array(names), pg::text_array(memories),
                                 pg::int_array(tokens), pg::text_array(owners), pg::int_array(ttls),
                                 ctx.request_id};
-  enqueue(
+  submit<lease::RenewBatchResult>(
       [params = std::move(params), names = std::move(names)](pg::Conn& c) {
         auto res = c.exec("renew_batch", k_sql_renew_batch, params);
         json::value v = json::parse(res.text(0, 0));
         if (!v.is_array() || v.as_array().size() != names.size())
           throw std::runtime_error("mep_renew_batch returned an unexpected result");
-        json::array results;
+        lease::RenewBatchResult out;
+        out.results.reserve(names.size());
         std::size_t i = 0;
         for (const auto& item : v.as_array()) {
           const json::object& r = item.as_object();
-          json::object out{{"canonical_name", names[i++]}};
           if (is_problem(r)) {
-            Code code = code_from_slug(str(r, "code")).value_or(Code::internal);
-            if (code == Code::stale_fence) Metrics::global().inc("mep_fencing_rejections_total");
-            out["status"] = code_info(code).http_status;
-            out["code"] = code_info(code).slug;
+            Problem p = problem_of(r);
+            if (p.code == Code::stale_fence) Metrics::global().inc("mep_fencing_rejections_total");
+            out.results.push_back(renew_item(names[i++], make_unexpected(std::move(p))));
           } else {
-            out["status"] = 200;
-            out["expires_at"] = format_rfc3339_ms(i64(r.at("expires_at")));
+            out.results.push_back(renew_item(names[i++], lease::Renewed{i64(r.at("expires_at")), 0, 0}));
           }
-          results.emplace_back(std::move(out));
         }
-        return json_reply(200, json::object{{"results", std::move(results)}}, "renewed");
+        return Outcome<lease::RenewBatchResult>(std::move(out));
       },
-      std::move(done), ctx.request_id);
+      std::move(then), ctx.request_id);
 }
 
-void PgStore::release(const Ctx& ctx, LeaseRef ref, Done done) {
-  enqueue(
+void PgStore::release(const Ctx& ctx, LeaseRef ref, Then<Released> then) {
+  submit<Released>(
       [ctx, ref = std::move(ref)](pg::Conn& c) {
         auto r = c.exec("release", k_sql_release,
                         {ctx.auth.tenant_id, ref.canonical_name, ref.memory_id, to_s(ref.fencing_token),
                          ref.owner_client_id, ctx.request_id});
-        return finish_simple(r, 204, render_no_content);
+        return finish_simple(r, released_of);
       },
-      std::move(done), ctx.request_id, false);
+      std::move(then), ctx.request_id, false);
 }
 
-void PgStore::verify(const Ctx& ctx, Verify req, Done done) {
-  enqueue(
+void PgStore::verify(const Ctx& ctx, Verify req, Then<lease::Verified> then) {
+  submit<lease::Verified>(
       [ctx, req = std::move(req)](pg::Conn& c) {
         auto r = c.exec("verify", k_sql_verify,
                         {ctx.auth.tenant_id, req.memory_id, to_s(req.fencing_token), ctx.request_id});
-        return finish_simple(r, 200, render_verify);
+        return finish_simple(r, verified_of);
       },
-      std::move(done), ctx.request_id);
+      std::move(then), ctx.request_id);
 }
 
-void PgStore::revoke(const Ctx& ctx, std::string canonical_name, Done done) {
-  enqueue(
-      [ctx, canonical_name = std::move(canonical_name)](pg::Conn& c) {
+void PgStore::revoke(const Ctx& ctx, std::string canonical_name, Then<Revoked> then) {
+  submit<Revoked>(
+      [ctx, canonical_name](pg::Conn& c) -> Outcome<Revoked> {
         auto r = c.exec("revoke", k_sql_revoke, {ctx.auth.tenant_id, canonical_name, ctx.request_id});
-        return finish_simple(r, 204, render_no_content);
+        auto out = finish_simple(r, released_of);
+        if (!out.ok()) return std::move(out.value.error());
+        return Revoked{canonical_name, {}}; // mep_revoke does not say which memory
       },
-      std::move(done), ctx.request_id, false);
+      std::move(then), ctx.request_id, false);
 }
 
 // ---- reads ----------------------------------------------------------------------------------
 
-void PgStore::get_lease(const Ctx& ctx, std::string canonical_name, Done done) {
-  read(ctx, std::move(done), [&](pg::Conn& c) {
+void PgStore::get_lease(const Ctx& ctx, std::string canonical_name, Then<lease::LeaseInfo> then) {
+  read<lease::LeaseInfo>([&](pg::Conn& c) -> Outcome<lease::LeaseInfo> {
       static const std::string sql =
           fmt::format("SELECT {}, mep_now_ms() FROM leases WHERE canonical_name = $1", k_lease_cols);
       auto res = c.exec("get_lease", sql, {canonical_name});
-      if (res.rows() == 0)
-        return problem_reply(Problem(Code::lease_not_found, "no live lease of this tenant under this name"),
-                             ctx.request_id);
+      if (res.rows() == 0) return Problem(Code::lease_not_found, "no live lease of this tenant under this name");
       LeaseRow l = read_lease(res, 0);
       UnixMs now = res.int64(0, 11);
       if (l.tenant_id != ctx.auth.tenant_id || l.expires_at <= now)
-        return problem_reply(Problem(Code::lease_not_found, "no live lease of this tenant under this name"),
-                             ctx.request_id);
-      return json_reply(200, lease_json(l, now));
-  });
+        return Problem(Code::lease_not_found, "no live lease of this tenant under this name");
+      return to_lease_info(l, now);
+  }, then);
 }
 
-void PgStore::list_leases(const Ctx& ctx, ListLeases req, Done done) {
-  read(ctx, std::move(done), [&](pg::Conn& c) {
+void PgStore::list_leases(const Ctx& ctx, ListLeases req, Then<lease::LeasePage> then) {
+  read<lease::LeasePage>([&](pg::Conn& c) -> Outcome<lease::LeasePage> {
       // Two statements, each planned onto its index in name order (schema v2); no name is
       // empty, so "" starts the first page.
       static const std::string by_tenant = fmt::format(
@@ -738,23 +728,22 @@ void PgStore::list_leases(const Ctx& ctx, ListLeases req, Done done) {
                      ? c.exec("list_leases_by_owner", by_owner,
                               {ctx.auth.tenant_id, req.cursor.value_or(""), limit, req.owner_client_id})
                      : c.exec("list_leases", by_tenant, {ctx.auth.tenant_id, req.cursor.value_or(""), limit});
-      LeasePage page(req.limit);
+      LeasePageBuilder page(req.limit);
       for (int i = 0; i < res.rows() && page.add(read_lease(res, i), res.int64(i, 11)); ++i) {
       }
-      return page.reply();
-  });
+      return page.take();
+  }, then);
 }
 
-void PgStore::get_memory(const Ctx& ctx, std::string memory_id, Done done) {
-  read(ctx, std::move(done), [&](pg::Conn& c) {
+void PgStore::get_memory(const Ctx& ctx, std::string memory_id, Then<lease::Memory> then) {
+  read<lease::Memory>([&](pg::Conn& c) -> Outcome<lease::Memory> {
       auto m = find_memory(c, memory_id);
-      if (!m || m->tenant_id != ctx.auth.tenant_id)
-        return problem_reply(Problem(Code::memory_not_found, "no such memory for this tenant"), ctx.request_id);
-      return json_reply(200, memory_json(*m));
-  });
+      if (!m || m->tenant_id != ctx.auth.tenant_id) return Problem(Code::memory_not_found, "no such memory for this tenant");
+      return to_memory(*m);
+  }, then);
 }
 
-void PgStore::lineage(const Ctx& ctx, std::string memory_id, Done done) {
+void PgStore::lineage(const Ctx& ctx, std::string memory_id, Then<lease::Lineage> then) {
   // One round trip: the memory, its ancestors (nearest first, within the tenant) and its
   // children (by id).
   static constexpr const char* k_sql =
@@ -773,47 +762,41 @@ void PgStore::lineage(const Ctx& ctx, std::string memory_id, Done done) {
       "  FROM memories WHERE parent_memory_id = $1 AND tenant_id = $2"
       "   AND EXISTS (SELECT 1 FROM memories WHERE memory_id = $1 AND tenant_id = $2) "
       "ORDER BY kind, ord, k";
-  read(ctx, std::move(done), [&](pg::Conn& c) {
+  read<lease::Lineage>([&](pg::Conn& c) -> Outcome<lease::Lineage> {
       auto res = c.exec("lineage", k_sql, {memory_id, ctx.auth.tenant_id});
       if (res.rows() == 0 || res.int64(0, 0) != 0 || res.int64(0, 1) != 0)
-        return problem_reply(Problem(Code::memory_not_found, "no such memory for this tenant"), ctx.request_id);
+        return Problem(Code::memory_not_found, "no such memory for this tenant");
       auto row = [&](int i) {
         return MemoryRow{res.text(i, 2), res.text(i, 3), res.opt_text(i, 4),
                          res.opt_int64(i, 5), res.int64(i, 6), res.int64(i, 7)};
       };
-      json::array ancestors, children;
+      lease::Lineage out;
+      out.memory_id = memory_id;
+      out.memory = to_memory(row(0));
       for (int i = 1; i < res.rows(); ++i)
-        (res.int64(i, 0) == 0 ? ancestors : children).emplace_back(memory_json(row(i)));
-      json::object o{{"memory_instance_id", memory_id},
-                     {"memory", memory_json(row(0))},
-                     {"ancestors", std::move(ancestors)},
-                     {"children", std::move(children)}};
-      return json_reply(200, o);
-  });
+        (res.int64(i, 0) == 0 ? out.ancestors : out.children).push_back(to_memory(row(i)));
+      return out;
+  }, then);
 }
 
-void PgStore::identity_map(const Ctx& ctx, std::optional<std::string> cursor, std::size_t limit, Done done) {
-  read(ctx, std::move(done), [&](pg::Conn& c) {
+void PgStore::identity_map(const Ctx& ctx, std::optional<std::string> cursor, std::size_t limit,
+                           Then<lease::IdentityMapPage> then) {
+  read<lease::IdentityMapPage>([&](pg::Conn& c) -> Outcome<lease::IdentityMapPage> {
       auto res = c.exec("identity_map",
                         "SELECT legacy_memory_ref, memory_instance_id FROM migration_identity_map "
                         "WHERE tenant_id = $1 AND ($2::text IS NULL OR legacy_memory_ref > $2) "
                         "ORDER BY legacy_memory_ref LIMIT $3::bigint",
                         {ctx.auth.tenant_id, cursor, to_s(static_cast<std::int64_t>(limit + 1))});
-      json::array entries;
-      std::string last;
-      bool more = false;
+      lease::IdentityMapPage page;
       for (int i = 0; i < res.rows(); ++i) {
-        if (entries.size() == limit) {
-          more = true;
+        if (page.entries.size() == limit) {
+          page.next_cursor = page.entries.back().legacy_memory_ref;
           break;
         }
-        last = res.text(i, 0);
-        entries.emplace_back(json::object{{"legacy_memory_ref", last}, {"memory_instance_id", res.text(i, 1)}});
+        page.entries.push_back(lease::IdentityEntry{res.text(i, 0), res.text(i, 1)});
       }
-      json::object o{{"entries", std::move(entries)}};
-      o["next_cursor"] = more ? json::value(last) : json::value(nullptr);
-      return json_reply(200, o);
-  });
+      return page;
+  }, then);
 }
 
 // ---- authentication, health, maintenance ----------------------------------------------------
@@ -864,9 +847,8 @@ void PgStore::audit_auth_failure(const std::string& tenant_id) {
   enqueue(
       [tenant_id](pg::Conn& c) {
         c.exec("audit_auth", "SELECT mep_audit($1, 'AUTH_FAILED', NULL, NULL, NULL, mep_now_ms())", {tenant_id});
-        return Reply{};
       },
-      [](Reply) {}, {});
+      [](std::optional<Problem>) {}, {});
 }
 
 bool PgStore::ready() {

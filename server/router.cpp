@@ -1,16 +1,18 @@
-// Routes and handlers of the control-plane API. Each handler: authenticate, check the
-// scope and the rate limit, decode the JSON body strictly, call the Store, and turn its
-// Reply into the HTTP response (headers: X-Request-Id, Retry-After, Idempotent-Replayed).
+// The control plane's HTTP edge: one route table whose rows say everything about a route
+// (method, pattern, auth scope, Idempotency-Key, migration gate, rate-limit priority, body
+// limit, metric, handler), and handlers that decode the request, call the LeaseService and
+// encode its typed outcome (lease/wire.hpp) with the HTTP status and headers of SPEC §6.
 #include "mep/router.hpp"
 
 #include "mep/canonical.hpp"
 #include "mep/crypto.hpp"
 #include "mep/json.hpp"
+#include "mep/lease/wire.hpp"
 #include "mep/log.hpp"
 #include "mep/metrics.hpp"
+#include "mep/rows.hpp"
 #include "mep/uuid.hpp"
 #include "mep/utf8.hpp"
-#include "mep/wire.hpp"
 
 #include <boost/beast/http.hpp>
 #include <boost/url/parse.hpp>
@@ -21,6 +23,7 @@
 
 namespace mep::server {
 namespace bhttp = boost::beast::http;
+namespace wire = lease::wire;
 using json::Need;
 
 namespace {
@@ -28,42 +31,16 @@ namespace {
 constexpr std::int64_t k_max_token = (std::int64_t{1} << 62);
 constexpr std::int64_t k_any_ttl = std::int64_t{1} << 40; // range checked by the store (422)
 
-enum class Auth { none, lease, admin, metrics };
-enum class Idem { none, required };
-
-struct RouteSpec {
-  bhttp::verb method;
-  std::string_view pattern; // segments; "{x}" matches one segment
-  Auth auth;
-  Idem idem;
+// An HTTP answer before it becomes a response.
+struct Reply {
+  int status = 200;
+  std::string body;     ///< JSON text; empty for 204
+  bool problem = false; ///< body is application/problem+json
+  std::optional<int> retry_after_s;
+  bool replayed = false;
+  std::string allow; ///< for a 405: the methods the path accepts
+  std::vector<std::pair<std::string, std::string>> headers;
 };
-
-// The route table (SPEC §6). Order matters only for equal paths; the first whose
-// pattern and method match wins.
-constexpr RouteSpec k_routes[] = {
-    {bhttp::verb::get, "/healthz", Auth::none, Idem::none},
-    {bhttp::verb::get, "/readyz", Auth::none, Idem::none},
-    {bhttp::verb::get, "/metrics", Auth::metrics, Idem::none},
-    {bhttp::verb::post, "/v1/memories", Auth::lease, Idem::required},
-    {bhttp::verb::post, "/v1/memories/branch", Auth::lease, Idem::required},
-    {bhttp::verb::get, "/v1/memories/{id}", Auth::lease, Idem::none},
-    {bhttp::verb::get, "/v1/memories/{id}/lineage", Auth::lease, Idem::none},
-    {bhttp::verb::post, "/v1/leases", Auth::lease, Idem::required},
-    {bhttp::verb::get, "/v1/leases", Auth::lease, Idem::none},
-    {bhttp::verb::post, "/v1/leases/renew", Auth::lease, Idem::none},
-    {bhttp::verb::post, "/v1/leases/renew-batch", Auth::lease, Idem::none},
-    {bhttp::verb::post, "/v1/leases/release", Auth::lease, Idem::none},
-    {bhttp::verb::get, "/v1/leases/{canonical_name}", Auth::lease, Idem::none},
-    {bhttp::verb::post, "/v1/fence/verify", Auth::lease, Idem::none},
-    {bhttp::verb::post, "/v1/admin/leases/revoke", Auth::admin, Idem::none},
-    {bhttp::verb::get, "/v1/migration/identity-map", Auth::lease, Idem::none},
-};
-
-// Endpoints closed while a legacy migration is in progress (SPEC §10).
-bool gated_by_migration(std::string_view pattern) {
-  return pattern == "/v1/leases" || pattern == "/v1/leases/renew" || pattern == "/v1/leases/renew-batch" ||
-         pattern == "/v1/leases/release" || pattern == "/v1/memories/branch";
-}
 
 std::vector<std::string_view> split_pattern(std::string_view p) {
   std::vector<std::string_view> out;
@@ -94,12 +71,13 @@ bool match(std::string_view pattern, const std::vector<std::string>& segs, std::
 }
 
 // Everything one request carries through the handler chain.
+struct Route;
 struct Call {
   HttpRequest req;
   Peer peer;
   Send send;
   Ctx ctx;
-  const RouteSpec* route = nullptr;
+  const Route* route = nullptr;
   std::vector<std::string> params;
   boost::urls::params_view query;
   std::chrono::steady_clock::time_point start = std::chrono::steady_clock::now();
@@ -107,6 +85,26 @@ struct Call {
   int fd = -1; // the client's socket, watched while a claim waits
 };
 using CallPtr = std::shared_ptr<Call>;
+
+enum class Auth { none, lease, admin, metrics };
+enum class Idem { none, required };
+enum class Gate { open, migration };         // closed while a legacy migration is in progress (SPEC §10)
+enum class Priority { normal, keeps_leases }; // renewals and releases get the rate limit's reserve
+enum class Metric { none, claims, renewals }; // mep_claims_total, mep_lease_renewal_latency_seconds
+
+using HandlerFn = void (*)(const CallPtr&, LeaseService&);
+
+struct Route {
+  bhttp::verb method;
+  std::string_view pattern; // segments; "{x}" matches one segment; also the metric label
+  Auth auth;
+  Idem idem;
+  Gate gate;
+  Priority priority;
+  std::size_t body_limit;
+  Metric metric;
+  HandlerFn handler;
+};
 
 HttpResponse make_response(const Call& c, const Reply& r) {
   HttpResponse res{static_cast<bhttp::status>(r.status), c.req.version()};
@@ -121,34 +119,67 @@ HttpResponse make_response(const Call& c, const Reply& r) {
   if (r.replayed) res.set("Idempotent-Replayed", "true");
   if (r.status == 401) res.set(bhttp::field::www_authenticate, "Bearer realm=\"mep\"");
   if (!r.allow.empty()) res.set(bhttp::field::allow, r.allow);
+  for (const auto& [k, v] : r.headers) res.set(k, v);
   res.keep_alive(c.req.keep_alive());
   res.prepare_payload();
   return res;
 }
 
-using ExtraHeaders = std::vector<std::pair<std::string, std::string>>;
-
-void finish(const CallPtr& c, Reply r, const ExtraHeaders& extra = {}) {
+// `outcome`: the mep_claims_total label of a claim's answer.
+void finish(const CallPtr& c, Reply r, std::string_view outcome = {}) {
   auto& m = Metrics::global();
   double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - c->start).count();
   std::string labels = "route=\"" + c->route_label + "\",code=\"" + std::to_string(r.status) + "\"";
   m.observe("mep_http_request_duration_seconds", labels, secs);
-  if (c->route && c->route->pattern == "/v1/leases" && c->route->method == bhttp::verb::post)
-    m.inc("mep_claims_total", "outcome=\"" + (r.outcome.empty() ? std::to_string(r.status) : r.outcome) + "\"");
-  if (c->route && (c->route->pattern == "/v1/leases/renew" || c->route->pattern == "/v1/leases/renew-batch"))
-    m.observe("mep_lease_renewal_latency_seconds", "", secs);
+  if (c->route && c->route->metric == Metric::claims)
+    m.inc("mep_claims_total", "outcome=\"" + (outcome.empty() ? std::to_string(r.status) : std::string(outcome)) + "\"");
+  if (c->route && c->route->metric == Metric::renewals) m.observe("mep_lease_renewal_latency_seconds", "", secs);
   if (r.status >= 500) log::warn("request {} {} -> {}", c->ctx.request_id, c->route_label, r.status);
   else log::debug("request {} {} -> {} in {:.2f} ms", c->ctx.request_id, c->route_label, r.status, secs * 1000);
-  auto res = make_response(*c, r);
-  for (const auto& [k, v] : extra) res.set(k, v);
-  c->send(std::move(res));
+  c->send(make_response(*c, r));
 }
 
-void fail(const CallPtr& c, Problem p) { finish(c, problem_reply(std::move(p), c->ctx.request_id)); }
+Reply problem_reply(Problem p, const std::string& request_id) {
+  if (p.instance.empty()) p.instance = request_id; // a replayed problem keeps its first request's
+  Reply r;
+  r.status = p.status();
+  r.body = json::dump(p.to_json());
+  r.problem = true;
+  r.retry_after_s = p.retry_after_s;
+  return r;
+}
 
-// The store's completion: it may arrive on the store's thread; `send` posts to the session.
-Done reply_to(CallPtr c) {
-  return [c = std::move(c)](Reply r) { finish(c, std::move(r)); };
+void fail(const CallPtr& c, Problem p) {
+  const std::string_view label = p.slug();
+  finish(c, problem_reply(std::move(p), c->ctx.request_id), label);
+}
+
+// ---- encoding outcomes ----------------------------------------------------------------------
+
+template <class T>
+Reply encode(const CallPtr& c, const Outcome<T>& o, int status) {
+  if (!o.ok()) {
+    Reply r = problem_reply(o.value.error(), c->ctx.request_id);
+    r.replayed = o.replayed;
+    return r;
+  }
+  Reply r;
+  r.status = status;
+  r.replayed = o.replayed;
+  if constexpr (!std::is_same_v<T, Released> && !std::is_same_v<T, Revoked>) r.body = json::dump(wire::to_json(*o.value));
+  return r;
+}
+
+// The answer for an outcome whose success has one status.
+template <class T>
+Then<T> answer(CallPtr c, int status) {
+  return [c = std::move(c), status](Outcome<T> o) { finish(c, encode(c, o, status)); };
+}
+
+// A created resource is 201 the first time and 200 when it existed (or is replayed).
+template <class T>
+Then<T> answer_created(CallPtr c) {
+  return [c = std::move(c)](Outcome<T> o) { finish(c, encode(c, o, o.ok() && o.value->created ? 201 : 200)); };
 }
 
 std::optional<std::string> header_once(const HttpRequest& req, bhttp::field f, bool& doubled) {
@@ -246,9 +277,8 @@ std::optional<Idempotency> idempotency(const CallPtr& c, const boost::json::obje
                     "Idempotency-Key must be 1-255 printable ASCII characters, once"));
     return std::nullopt;
   }
-  std::string material = std::string(c->req.method_string()) + " " + std::string(c->route->pattern) +
-                         " " + (c->params.empty() ? "" : c->params.front()) + "\n" + json::canonical(body);
-  return Idempotency{*key, sha256_hex(material)};
+  return Idempotency{*key, request_fingerprint(c->req.method_string(), c->route->pattern,
+                                               c->params.empty() ? "" : c->params.front(), body)};
 }
 
 bool finish_reader(const CallPtr& c, json::ObjectReader& r) {
@@ -268,13 +298,13 @@ std::optional<std::string> owner_field(json::ObjectReader& r) {
   return owner;
 }
 
-// ---- handlers -----------------------------------------------------------------------------
+// ---- handlers: decode, call the service, encode ------------------------------------------
 
-void on_register(const CallPtr& c, Store& store) {
+void on_register(const CallPtr& c, LeaseService& svc) {
   auto body = body_object(c, true);
   if (!body) return;
   json::ObjectReader r(*body);
-  RegisterMemory req;
+  lease::RegisterRequest req;
   auto id = r.string("memory_instance_id", Need::optional);
   if (id) {
     if (!is_uuid_v7(*id)) r.fail("field \"memory_instance_id\" must be a UUIDv7");
@@ -283,34 +313,10 @@ void on_register(const CallPtr& c, Store& store) {
   if (!finish_reader(c, r)) return;
   auto idem = idempotency(c, *body);
   if (!idem) return;
-  store.register_memory(c->ctx, std::move(*idem), std::move(req), reply_to(c));
+  svc.register_memory(c->ctx, std::move(*idem), std::move(req), answer_created<lease::Registered>(c));
 }
 
-// A 423 says how many claims wait for the resource (`waiters`): the position is not a
-// secret, the holder's identity is.
-Reply with_waiters(Reply r, std::size_t waiters) {
-  if (r.status != 423 || !r.problem || waiters == 0) return r;
-  auto o = json::parse_object(r.body);
-  if (!o) return r;
-  (*o)["waiters"] = static_cast<std::int64_t>(waiters);
-  r.body = json::dump(*o);
-  return r;
-}
-
-// The resources a claim contends for in the wait queue.
-std::vector<std::string> claim_keys(const CanonicalName& name, const std::string& memory_id) {
-  return {name_key(name.skeleton), memory_key(memory_id)};
-}
-
-// 429 for a wait queue at its bound, with the bound in `limit`.
-Problem too_many_waiters(std::string detail, std::size_t limit) {
-  Problem p(Code::rate_limited, std::move(detail));
-  p.extensions["limit"] = static_cast<std::int64_t>(limit);
-  p.retry_after_s = 1;
-  return p;
-}
-
-void on_claim(const CallPtr& c, Store& store, WaitQueue& waits) {
+void on_claim(const CallPtr& c, LeaseService& svc) {
   auto body = body_object(c, false);
   if (!body) return;
   json::ObjectReader r(*body);
@@ -321,73 +327,30 @@ void on_claim(const CallPtr& c, Store& store, WaitQueue& waits) {
   if (!finish_reader(c, r)) return;
   auto idem = idempotency(c, *body);
   if (!idem) return;
-  Claim req{*display, canonicalize(*display), *memory, *owner, ttl.value_or(k_default_ttl_s)};
-  std::optional<std::int64_t> wait_s; // the first wait preference of all Prefer fields
+  lease::ClaimRequest req{*display, *memory, *owner, ttl.value_or(k_default_ttl_s)};
+  WaitSpec wait;
+  wait.watch_fd = c->fd;
+  std::optional<std::int64_t> wait_s; // the first wait preference of all Prefer fields (RFC 7240)
   for (auto [it, end] = c->req.equal_range("Prefer"); it != end && !wait_s; ++it)
     wait_s = parse_prefer_wait(it->value());
-  if (!req.name || !wait_s || *wait_s <= 0) {
-    // No wait: the store answers; a refusal says how many wait for the resource. The same
-    // request waiting here already holds its key in flight.
-    if (waits.in_flight(c->ctx.auth.tenant_id, idem->key)) {
-      Problem p(Code::idempotency_request_in_flight, "a claim under this Idempotency-Key is waiting");
-      p.retry_after_s = 1;
-      return fail(c, std::move(p));
+  wait.seconds = wait_s.value_or(0);
+  svc.claim(c->ctx, std::move(*idem), req, wait, [c](ClaimAnswer a) {
+    const ClaimOutcome& o = a.outcome;
+    // 201 for a grant, 200 for its replay.
+    Reply reply = encode(c, o, o.replayed ? 200 : 201);
+    if (a.applied_wait_s) {
+      reply.headers.emplace_back("Preference-Applied", "wait=" + std::to_string(*a.applied_wait_s));
+      reply.headers.emplace_back("Mep-Waited-Ms", std::to_string(a.waited_ms));
     }
-    std::vector<std::string> keys;
-    if (req.name) keys = claim_keys(*req.name, req.memory_id);
-    return store.claim(c->ctx, std::move(*idem), std::move(req),
-                       [c, &waits, keys = std::move(keys)](Reply reply) {
-                         if (reply.status == 423 && !keys.empty()) reply = with_waiters(std::move(reply), waits.waiting(keys));
-                         finish(c, std::move(reply));
-                       });
-  }
-  // Prefer: wait=N (RFC 7240), at most k_max_wait_s.
-  const std::int64_t applied = std::min(*wait_s, k_max_wait_s);
-  const auto start = WaitQueue::Clock::now();
-  WaitQueue::Waiter w;
-  w.tenant = c->ctx.auth.tenant_id;
-  w.keys = claim_keys(*req.name, req.memory_id);
-  w.idem_key = idem->key;
-  w.fingerprint = idem->fingerprint;
-  w.deadline = start + std::chrono::seconds(applied);
-  w.fd = c->fd;
-  req.record_refusal = false;
-  w.attempt = [&store, ctx = c->ctx, idem = *idem, req](WaitQueue::Callback cb) {
-    store.claim(ctx, idem, req, std::move(cb));
-  };
-  w.answer = [c, applied, start](Reply reply, std::string_view, std::size_t ahead, WaitQueue::Clock::time_point decided) {
-    // Up to the start of the attempt that decided: a grant is no earlier than the request's
-    // arrival plus this, so a client may count its lease from its sending plus this.
-    auto ms = std::max<std::int64_t>(
-        0, std::chrono::duration_cast<std::chrono::milliseconds>(std::max(decided, start) - start).count());
-    ExtraHeaders extra{{"Preference-Applied", "wait=" + std::to_string(applied)},
-                       {"Mep-Waited-Ms", std::to_string(ms)}};
-    finish(c, with_waiters(std::move(reply), ahead), extra);
-  };
-  switch (waits.wait(std::move(w))) {
-  case WaitQueue::Joined::queued:
-  case WaitQueue::Joined::rejoined:
-    return;
-  case WaitQueue::Joined::mismatch:
-    return fail(c, Problem(Code::idempotency_key_reused, "this Idempotency-Key is waiting with a different request"));
-  case WaitQueue::Joined::resource_full:
-    return fail(c, too_many_waiters(fmt::format("at most {} claims may wait for one name or memory",
-                                                k_max_waiters_per_resource),
-                                    k_max_waiters_per_resource));
-  case WaitQueue::Joined::tenant_full:
-    return fail(c, too_many_waiters(fmt::format("at most {} claims of one tenant may wait at once",
-                                                k_max_waiters_per_tenant),
-                                    k_max_waiters_per_tenant));
-  case WaitQueue::Joined::stopped: {
-    Problem p(Code::unavailable, "the server is shutting down; claim again");
-    p.retry_after_s = 1;
-    return fail(c, std::move(p));
-  }
-  }
+    std::string_view label = o.replayed ? "replayed"
+                             : o.ok()   ? (o.value->reclaimed ? "reclaimed" : "granted")
+                                        : o.value.error().slug();
+    finish(c, std::move(reply), label);
+  });
 }
 
-std::optional<LeaseRef> lease_ref(json::ObjectReader& r, bool with_owner, bool with_ttl) {
-  LeaseRef ref;
+std::optional<lease::LeaseRef> lease_ref(json::ObjectReader& r, bool with_owner, bool with_ttl) {
+  lease::LeaseRef ref;
   auto name = r.string("canonical_name", Need::required);
   auto memory = r.uuid("memory_instance_id", Need::required);
   auto token = r.integer("fencing_token", Need::required, 0, k_max_token);
@@ -404,20 +367,20 @@ std::optional<LeaseRef> lease_ref(json::ObjectReader& r, bool with_owner, bool w
   return ref;
 }
 
-void on_renew(const CallPtr& c, Store& store) {
+void on_renew(const CallPtr& c, LeaseService& svc) {
   auto body = body_object(c, false);
   if (!body) return;
   json::ObjectReader r(*body);
   auto ref = lease_ref(r, true, true);
   if (!finish_reader(c, r)) return;
-  store.renew(c->ctx, std::move(*ref), reply_to(c));
+  svc.renew(c->ctx, std::move(*ref), answer<lease::Renewed>(c, 200));
 }
 
-void on_renew_batch(const CallPtr& c, Store& store) {
+void on_renew_batch(const CallPtr& c, LeaseService& svc) {
   auto body = body_object(c, false);
   if (!body) return;
   json::ObjectReader r(*body);
-  RenewBatch req;
+  lease::RenewBatchRequest req;
   auto owner = owner_field(r);
   const auto* items = r.array("leases", Need::required);
   if (items && items->size() > k_max_batch)
@@ -441,36 +404,23 @@ void on_renew_batch(const CallPtr& c, Store& store) {
   }
   if (!finish_reader(c, r)) return;
   req.owner_client_id = *owner;
-  store.renew_batch(c->ctx, std::move(req), reply_to(c));
+  svc.renew_batch(c->ctx, std::move(req), answer<lease::RenewBatchResult>(c, 200));
 }
 
-// After a release or a revocation: the oldest waiters for what it freed are tried.
-std::vector<std::string> freed_keys(const std::string& canonical_name, const std::string& memory_id) {
-  std::vector<std::string> keys;
-  if (auto n = canonicalize(canonical_name)) keys.push_back(name_key(n->skeleton));
-  if (!memory_id.empty()) keys.push_back(memory_key(memory_id));
-  return keys;
-}
-
-void on_release(const CallPtr& c, Store& store, WaitQueue& waits) {
+void on_release(const CallPtr& c, LeaseService& svc) {
   auto body = body_object(c, false);
   if (!body) return;
   json::ObjectReader r(*body);
   auto ref = lease_ref(r, true, false);
   if (!finish_reader(c, r)) return;
-  auto keys = freed_keys(ref->canonical_name, ref->memory_id);
-  store.release(c->ctx, std::move(*ref), [c, &waits, keys = std::move(keys)](Reply reply) {
-    const bool ok = reply.status < 300;
-    finish(c, std::move(reply));
-    if (ok) waits.freed(keys);
-  });
+  svc.release(c->ctx, std::move(*ref), answer<Released>(c, 204));
 }
 
-void on_branch(const CallPtr& c, Store& store) {
+void on_branch(const CallPtr& c, LeaseService& svc) {
   auto body = body_object(c, false);
   if (!body) return;
   json::ObjectReader r(*body);
-  Branch req;
+  lease::BranchRequest req;
   auto parent = r.uuid("parent_memory_instance_id", Need::required);
   auto token = r.integer("parent_fencing_token", Need::required, 0, k_max_token);
   auto id = r.string("memory_instance_id", Need::optional);
@@ -483,53 +433,34 @@ void on_branch(const CallPtr& c, Store& store) {
   if (!idem) return;
   req.parent_memory_id = *parent;
   req.parent_fencing_token = *token;
-  store.branch(c->ctx, std::move(*idem), std::move(req), reply_to(c));
+  svc.branch(c->ctx, std::move(*idem), std::move(req), answer_created<lease::Branched>(c));
 }
 
-void on_verify(const CallPtr& c, Store& store) {
+void on_verify(const CallPtr& c, LeaseService& svc) {
   auto body = body_object(c, false);
   if (!body) return;
   json::ObjectReader r(*body);
   auto memory = r.uuid("memory_instance_id", Need::required);
   auto token = r.integer("fencing_token", Need::required, 0, k_max_token);
   if (!finish_reader(c, r)) return;
-  store.verify(c->ctx, Verify{*memory, *token}, reply_to(c));
+  svc.verify(c->ctx, lease::VerifyRequest{*memory, *token}, answer<lease::Verified>(c, 200));
 }
 
-// A name from a URL or a body: its canonical form when it is a valid name, else as given
-// (then it simply matches no lease).
-std::string lookup_name(const std::string& raw) {
-  auto n = canonicalize(raw);
-  return n ? n->canonical_name : raw;
-}
-
-void on_revoke(const CallPtr& c, Store& store, WaitQueue& waits) {
+void on_revoke(const CallPtr& c, LeaseService& svc) {
   auto body = body_object(c, false);
   if (!body) return;
   json::ObjectReader r(*body);
   auto name = r.string("canonical_name", Need::required);
   if (!finish_reader(c, r)) return;
-  std::string canonical = lookup_name(*name);
-  auto keys = freed_keys(canonical, "");
-  store.revoke(c->ctx, std::move(canonical), [c, &waits, keys = std::move(keys)](Reply reply) {
-    const bool ok = reply.status < 300;
-    std::vector<std::string> all = keys;
-    if (ok) {
-      if (auto o = json::parse_object(reply.body))
-        if (const auto* m = o->if_contains("memory_instance_id"); m && m->is_string())
-          all.push_back(memory_key(std::string(m->as_string())));
-    }
-    finish(c, std::move(reply));
-    if (ok) waits.freed(all);
-  });
+  svc.revoke(c->ctx, *name, answer<Revoked>(c, 204));
 }
 
-void on_get_lease(const CallPtr& c, Store& store) {
+void on_get_lease(const CallPtr& c, LeaseService& svc) {
   // Bytes that are not UTF-8 (or hold NUL) name no lease; no store needs to look.
   const std::string& raw = c->params[0];
   if (!utf8::decode(raw) || raw.find('\0') != std::string::npos)
     return fail(c, Problem(Code::lease_not_found, "no live lease of this tenant under this name"));
-  store.get_lease(c->ctx, lookup_name(raw), reply_to(c));
+  svc.get_lease(c->ctx, raw, answer<lease::LeaseInfo>(c, 200));
 }
 
 // A `limit` query value: digits only (no sign, no spaces), from 1 to `max`.
@@ -541,7 +472,7 @@ std::optional<std::size_t> page_limit(std::string_view v, std::size_t max) {
   return n;
 }
 
-void on_list_leases(const CallPtr& c, Store& store) {
+void on_list_leases(const CallPtr& c, LeaseService& svc) {
   ListLeases req;
   std::vector<std::string> seen;
   for (auto p : c->query) {
@@ -565,7 +496,7 @@ void on_list_leases(const CallPtr& c, Store& store) {
       return fail(c, Problem(Code::invalid_request, "unknown query parameter \"" + std::string(p.key) + "\""));
     }
   }
-  store.list_leases(c->ctx, std::move(req), reply_to(c));
+  svc.list_leases(c->ctx, std::move(req), answer<lease::LeasePage>(c, 200));
 }
 
 bool uuid_param(const CallPtr& c, std::string& out) {
@@ -578,17 +509,17 @@ bool uuid_param(const CallPtr& c, std::string& out) {
   return true;
 }
 
-void on_get_memory(const CallPtr& c, Store& store) {
+void on_get_memory(const CallPtr& c, LeaseService& svc) {
   std::string id;
-  if (uuid_param(c, id)) store.get_memory(c->ctx, id, reply_to(c));
+  if (uuid_param(c, id)) svc.get_memory(c->ctx, id, answer<lease::Memory>(c, 200));
 }
 
-void on_lineage(const CallPtr& c, Store& store) {
+void on_lineage(const CallPtr& c, LeaseService& svc) {
   std::string id;
-  if (uuid_param(c, id)) store.lineage(c->ctx, id, reply_to(c));
+  if (uuid_param(c, id)) svc.lineage(c->ctx, id, answer<lease::Lineage>(c, 200));
 }
 
-void on_identity_map(const CallPtr& c, Store& store) {
+void on_identity_map(const CallPtr& c, LeaseService& svc) {
   std::optional<std::string> cursor;
   std::size_t limit = 1000;
   for (auto q : c->query) {
@@ -602,14 +533,14 @@ void on_identity_map(const CallPtr& c, Store& store) {
       return fail(c, Problem(Code::invalid_request, "unknown query parameter \"" + std::string(q.key) + "\""));
     }
   }
-  store.identity_map(c->ctx, std::move(cursor), limit, reply_to(c));
+  svc.identity_map(c->ctx, std::move(cursor), limit, answer<lease::IdentityMapPage>(c, 200));
 }
 
-void on_metrics(const CallPtr& c, Store& store) {
+void on_metrics(const CallPtr& c, LeaseService& svc) {
   auto& m = Metrics::global();
   try {
-    m.set("mep_leases_active", static_cast<double>(store.active_leases()));
-    m.set("mep_db_transaction_retries_total", static_cast<double>(store.transaction_retries()));
+    m.set("mep_leases_active", static_cast<double>(svc.store().active_leases()));
+    m.set("mep_db_transaction_retries_total", static_cast<double>(svc.store().transaction_retries()));
   } catch (const std::exception& e) {
     log::warn("metrics: {}", e.what());
   }
@@ -621,15 +552,70 @@ void on_metrics(const CallPtr& c, Store& store) {
   c->send(std::move(res));
 }
 
-void on_health(const CallPtr& c, Store& store, bool readiness) {
-  bool ok = !readiness || store.ready();
-  if (ok) return finish(c, json_reply(200, boost::json::object{{"status", "ok"}}));
+void on_health(const CallPtr& c, bool readiness, LeaseService& svc) {
+  bool ok = !readiness || svc.store().ready();
+  if (ok) {
+    Reply r;
+    r.body = json::dump(boost::json::object{{"status", "ok"}});
+    return finish(c, std::move(r));
+  }
   Problem p(Code::unavailable, "the database cannot be read or written (unreachable, full or failing)");
   p.retry_after_s = 1;
   fail(c, std::move(p));
 }
 
+void on_healthz(const CallPtr& c, LeaseService& svc) { on_health(c, false, svc); }
+void on_readyz(const CallPtr& c, LeaseService& svc) { on_health(c, true, svc); }
+
+// ---- the route table (SPEC §6) --------------------------------------------------------------
+
+constexpr std::size_t k_small = k_body_limit;
+constexpr std::size_t k_batch = k_batch_body_limit;
+constexpr bhttp::verb GET = bhttp::verb::get;
+constexpr bhttp::verb POST = bhttp::verb::post;
+
+// The first row whose pattern and method match wins (order matters only for equal paths).
+constexpr Route k_routes[] = {
+    // method, pattern,                        auth,          idempotency,    gate,            priority,               body,    metric,          handler
+    {GET,  "/healthz",                         Auth::none,    Idem::none,     Gate::open,      Priority::normal,       k_small, Metric::none,    on_healthz},
+    {GET,  "/readyz",                          Auth::none,    Idem::none,     Gate::open,      Priority::normal,       k_small, Metric::none,    on_readyz},
+    {GET,  "/metrics",                         Auth::metrics, Idem::none,     Gate::open,      Priority::normal,       k_small, Metric::none,    on_metrics},
+    {POST, "/v1/memories",                     Auth::lease,   Idem::required, Gate::open,      Priority::normal,       k_small, Metric::none,    on_register},
+    {POST, "/v1/memories/branch",              Auth::lease,   Idem::required, Gate::migration, Priority::normal,       k_small, Metric::none,    on_branch},
+    {GET,  "/v1/memories/{id}",                Auth::lease,   Idem::none,     Gate::open,      Priority::normal,       k_small, Metric::none,    on_get_memory},
+    {GET,  "/v1/memories/{id}/lineage",        Auth::lease,   Idem::none,     Gate::open,      Priority::normal,       k_small, Metric::none,    on_lineage},
+    {POST, "/v1/leases",                       Auth::lease,   Idem::required, Gate::migration, Priority::normal,       k_small, Metric::claims,  on_claim},
+    {GET,  "/v1/leases",                       Auth::lease,   Idem::none,     Gate::open,      Priority::normal,       k_small, Metric::none,    on_list_leases},
+    {POST, "/v1/leases/renew",                 Auth::lease,   Idem::none,     Gate::migration, Priority::keeps_leases, k_small, Metric::renewals, on_renew},
+    {POST, "/v1/leases/renew-batch",           Auth::lease,   Idem::none,     Gate::migration, Priority::keeps_leases, k_batch, Metric::renewals, on_renew_batch},
+    {POST, "/v1/leases/release",               Auth::lease,   Idem::none,     Gate::migration, Priority::keeps_leases, k_small, Metric::none,    on_release},
+    {GET,  "/v1/leases/{canonical_name}",      Auth::lease,   Idem::none,     Gate::open,      Priority::normal,       k_small, Metric::none,    on_get_lease},
+    {POST, "/v1/fence/verify",                 Auth::lease,   Idem::none,     Gate::open,      Priority::normal,       k_small, Metric::none,    on_verify},
+    {POST, "/v1/admin/leases/revoke",          Auth::admin,   Idem::none,     Gate::open,      Priority::normal,       k_small, Metric::none,    on_revoke},
+    {GET,  "/v1/migration/identity-map",       Auth::lease,   Idem::none,     Gate::open,      Priority::normal,       k_small, Metric::none,    on_identity_map},
+};
+
+// The path's segments ("" for "/").
+std::vector<std::string> segments_of(const boost::urls::url_view_base& u) {
+  std::vector<std::string> segs;
+  for (auto s : u.segments()) segs.emplace_back(s);
+  if (segs.empty()) segs.emplace_back();
+  return segs;
+}
+
 } // namespace
+
+std::size_t body_limit_for(std::string_view target) {
+  auto u = boost::urls::parse_origin_form(target);
+  if (!u) return k_body_limit;
+  auto segs = segments_of(*u);
+  std::size_t limit = k_body_limit;
+  for (const auto& r : k_routes) {
+    std::vector<std::string> params;
+    if (match(r.pattern, segs, params)) limit = std::max(limit, r.body_limit);
+  }
+  return limit;
+}
 
 std::optional<std::string> parse_idempotency_key(std::string_view v) {
   while (!v.empty() && (v.front() == ' ' || v.front() == '\t')) v.remove_prefix(1);
@@ -658,15 +644,8 @@ std::optional<std::string> parse_idempotency_key(std::string_view v) {
   return out;
 }
 
-Router::Router(Store& store, double rate_limit) : m_store(store), m_limiter(rate_limit), m_auth_failures(5) {
-  // Releases through other servers on the same database wake the claims waiting here.
-  m_store.set_freed_listener([this](const std::string& name, const std::string& memory) {
-    m_waits.freed(freed_keys(name, memory));
-  });
-}
+Router::Router(Store& store, double rate_limit) : m_service(store), m_limiter(rate_limit), m_auth_failures(5) {}
 
-// The store may already be gone (the server closes it first, to finish its queued jobs,
-// whose completions use this router): it stops calling the listener when it closes.
 Router::~Router() = default;
 
 http::BodyPlan Router::plan(const http::RequestHeader& header, const Peer&) {
@@ -698,9 +677,7 @@ void Router::dispatch(HttpRequest&& req, const Peer& peer, Send send, int fd) {
   // 1. Route: 404 for unknown paths, 405 (with Allow) for known paths and other methods.
   auto target = boost::urls::parse_origin_form(c->req.target());
   if (!target) return fail(c, Problem(Code::invalid_request, "malformed request target"));
-  std::vector<std::string> segs;
-  for (auto s : target->segments()) segs.emplace_back(s);
-  if (segs.empty()) segs.emplace_back();
+  std::vector<std::string> segs = segments_of(*target);
   c->query = target->params();
   std::string allow;
   for (const auto& r : k_routes) {
@@ -722,16 +699,15 @@ void Router::dispatch(HttpRequest&& req, const Peer& peer, Send send, int fd) {
     return finish(c, std::move(r));
   }
   c->route_label = std::string(c->route->pattern);
-  const RouteSpec& route = *c->route;
+  const Route& route = *c->route;
 
-  // 16 KiB bodies, except renew-batch (up to 1000 leases in one call).
-  if (c->req.body().size() > body_limit_for(route.pattern))
-    return fail(c, Problem(Code::payload_too_large, "the body exceeds 16 KiB"));
+  if (c->req.body().size() > route.body_limit)
+    return fail(c, Problem(Code::payload_too_large,
+                           route.body_limit == k_body_limit ? "the body exceeds 16 KiB" : "the body is too large"));
 
   // 2. Authentication and scope (metrics are open on loopback only).
-  if (route.auth == Auth::none) return on_health(c, m_store, route.pattern == "/readyz");
-  if (route.auth == Auth::metrics && peer.loopback) return on_metrics(c, m_store);
-  if (!authenticate(c, m_store, m_auth_failures)) return;
+  if (route.auth == Auth::none || (route.auth == Auth::metrics && peer.loopback)) return route.handler(c, m_service);
+  if (!authenticate(c, m_service.store(), m_auth_failures)) return;
   bool need_admin = route.auth == Auth::admin || route.auth == Auth::metrics;
   if ((need_admin && !c->ctx.auth.scope_admin) || (!need_admin && !c->ctx.auth.scope_lease))
     return fail(c, Problem(Code::forbidden, need_admin ? "this endpoint needs the admin scope"
@@ -740,9 +716,7 @@ void Router::dispatch(HttpRequest&& req, const Peer& peer, Send send, int fd) {
   // 3. Rate limit per token. Renewals and releases go first: every other request leaves a
   // fifth of the bucket to them, so a storm of claims (or of waiting claims' retries) from
   // one daemon does not cost it the leases it holds.
-  const bool keeps_leases = route.pattern == "/v1/leases/renew" || route.pattern == "/v1/leases/renew-batch" ||
-                            route.pattern == "/v1/leases/release";
-  const double reserve = keeps_leases ? 0.0 : std::max(1.0, m_limiter.rate() / 5);
+  const double reserve = route.priority == Priority::keeps_leases ? 0.0 : std::max(1.0, m_limiter.rate() / 5);
   if (int wait = m_limiter.acquire(c->ctx.auth.token_id, reserve); wait > 0) {
     Metrics::global().inc("mep_rate_limited_total");
     Problem p(Code::rate_limited, "too many requests for this token");
@@ -751,26 +725,12 @@ void Router::dispatch(HttpRequest&& req, const Peer& peer, Send send, int fd) {
   }
 
   // 4. The migration gate, then the handler.
-  const auto& p = route.pattern;
-  if (route.method == bhttp::verb::post && gated_by_migration(p) && m_store.migration_in_progress()) {
+  if (route.gate == Gate::migration && m_service.store().migration_in_progress()) {
     Problem gate(Code::migration_in_progress, "a legacy migration is in progress; leases resume after 'mep migrate activate'");
     gate.retry_after_s = 5;
     return fail(c, std::move(gate));
   }
-  if (p == "/v1/migration/identity-map") return on_identity_map(c, m_store);
-  if (p == "/metrics") return on_metrics(c, m_store);
-  if (p == "/v1/memories") return on_register(c, m_store);
-  if (p == "/v1/memories/branch") return on_branch(c, m_store);
-  if (p == "/v1/memories/{id}") return on_get_memory(c, m_store);
-  if (p == "/v1/memories/{id}/lineage") return on_lineage(c, m_store);
-  if (p == "/v1/leases") return route.method == bhttp::verb::post ? on_claim(c, m_store, m_waits) : on_list_leases(c, m_store);
-  if (p == "/v1/leases/renew") return on_renew(c, m_store);
-  if (p == "/v1/leases/renew-batch") return on_renew_batch(c, m_store);
-  if (p == "/v1/leases/release") return on_release(c, m_store, m_waits);
-  if (p == "/v1/leases/{canonical_name}") return on_get_lease(c, m_store);
-  if (p == "/v1/fence/verify") return on_verify(c, m_store);
-  if (p == "/v1/admin/leases/revoke") return on_revoke(c, m_store, m_waits);
-  fail(c, Problem(Code::not_found, "no such endpoint"));
+  route.handler(c, m_service);
 }
 
 } // namespace mep::server

@@ -2,8 +2,8 @@
 // requests in groups, read-only connections for reads and authentication.
 //
 // Design notes.
-// * Durability: WAL with synchronous=FULL, so COMMIT returns after fsync. Every reply
-//   of a batch is delivered only after its COMMIT (writer_loop/run_batch): an
+// * Durability: WAL with synchronous=FULL, so COMMIT returns after fsync. Every outcome
+//   of a batch is handed over only after its COMMIT (writer_loop/run_batch): an
 //   acknowledged grant survives a power loss, and a fencing token is never issued twice.
 // * Group commit: run_batch opens one BEGIN IMMEDIATE transaction for all queued jobs
 //   and commits once. Jobs run without savepoints; one that fails after writing sends
@@ -18,9 +18,11 @@
 // * Fencing: the counter lives on the memory row (§12.1) and only grows; classify()
 //   compares a presented token with the lease row *and* that counter, so a superseded
 //   token (409) is told from an expired lease (410) even after the row is gone.
-// * Idempotency (run_idempotent): keyed by (tenant, key) (§12.3); the stored reply is
-//   written in the same transaction as the operation; 4xx outcomes are stored (with
-//   nothing of the operation: it wrote nothing, or its savepoint was rolled back), 5xx never.
+// * Idempotency (run_idempotent): keyed by (tenant, key) (§12.3); the outcome is stored
+//   (stored_outcome.hpp: the API's status and body) in the same transaction as the
+//   operation; 4xx outcomes are stored (with nothing of the operation: it wrote nothing,
+//   or its savepoint was rolled back), 5xx never. A replay reads it back into the typed
+//   outcome.
 #include "mep/sqlite_store.hpp"
 
 #include "mep/crypto.hpp"
@@ -29,7 +31,8 @@
 #include "mep/metrics.hpp"
 #include "mep/random.hpp"
 #include "mep/uuid.hpp"
-#include "mep/wire.hpp"
+#include "mep/rows.hpp"
+#include "mep/stored_outcome.hpp"
 
 #include <boost/json/array.hpp>
 #include <fmt/format.h>
@@ -556,12 +559,38 @@ void SqliteStore::migrate() {
   }
 }
 
-void SqliteStore::enqueue(Work work, Done done, std::string request_id, bool careful) {
+void SqliteStore::enqueue(Work work, Finish done, std::string request_id, bool careful) {
   {
     std::lock_guard lock(m_mutex);
     m_queue.push_back(Job{std::move(work), std::move(done), std::move(request_id), careful});
   }
   m_cv.notify_one();
+}
+
+template <class T>
+void SqliteStore::submit(std::function<Outcome<T>(Db&, UnixMs)> op, Then<T> then, std::string request_id) {
+  // The outcome lives here between the job's run (writer thread) and its hand-over. A
+  // batch run twice (see run_batch) replaces it.
+  auto kept = std::make_shared<std::optional<Outcome<T>>>();
+  enqueue([op = std::move(op), kept](Db& db, UnixMs now) { kept->emplace(op(db, now)); },
+          [kept, then = std::move(then)](std::optional<Problem> failure) {
+            if (failure || !*kept) return then(Outcome<T>(failure ? std::move(*failure) : db_unavailable()));
+            then(std::move(**kept));
+          },
+          std::move(request_id));
+}
+
+template <class T>
+void SqliteStore::read(const std::function<Outcome<T>(Db&, UnixMs)>& op, const Then<T>& then) {
+  std::optional<Outcome<T>> out;
+  try {
+    auto rd = reader();
+    out.emplace(op(rd.db(), m_clock.now()));
+  } catch (const sqlite::Error& e) {
+    log::error("read failed: {}", e.what());
+    out.emplace(db_unavailable());
+  }
+  then(std::move(*out));
 }
 
 void SqliteStore::writer_loop() {
@@ -605,11 +634,10 @@ struct NeedsCarefulRun {};
 // each job in its own SAVEPOINT as before. Nothing was acknowledged in between; counters
 // that the first pass incremented for the jobs before the failing one count them twice.
 void SqliteStore::run_batch(std::vector<Job>& batch) {
-  std::vector<Reply> replies(batch.size());
-  auto unavailable = [](const std::string& rid) { return problem_reply(db_unavailable(), rid); };
+  std::vector<std::optional<Problem>> failures(batch.size());
   auto fail_batch = [&] {
     m_healthy = false;
-    for (auto& job : batch) job.done(unavailable(job.request_id));
+    for (auto& job : batch) job.done(db_unavailable());
   };
   bool careful = std::any_of(batch.begin(), batch.end(), [](const Job& j) { return j.careful; });
   const auto began = std::chrono::steady_clock::now();
@@ -620,12 +648,12 @@ void SqliteStore::run_batch(std::vector<Job>& batch) {
       log::error("database error: {}", e.what());
       return fail_batch();
     }
-    Pass pass = run_jobs(batch, replies, careful);
+    Pass pass = run_jobs(batch, failures, careful);
     // Requests that arrived while the batch ran join it before the COMMIT: one more fsync
     // shared instead of a batch of their own after this one's.
     for (std::size_t n; pass == Pass::done && (n = extend_batch(batch, careful, began)) > 0;) {
-      replies.resize(batch.size());
-      pass = run_jobs(batch, replies, careful, batch.size() - n);
+      failures.resize(batch.size());
+      pass = run_jobs(batch, failures, careful, batch.size() - n);
     }
     if (pass == Pass::done) break;
     if (!::sqlite3_get_autocommit(m_db->handle())) {
@@ -656,26 +684,26 @@ void SqliteStore::run_batch(std::vector<Job>& batch) {
     } catch (...) {
     }
     m_healthy = false;
-    for (std::size_t i = 0; i < batch.size(); ++i) replies[i] = unavailable(batch[i].request_id);
+    for (auto& f : failures) f = db_unavailable();
   }
   if (m_complete) {
     // One hand-over for the whole batch (see Store::set_completion_executor): the replies
     // are rendered and written by the I/O threads, not here. run_sync's callers wait on
     // their own, maybe on an I/O thread: they are answered from here.
-    std::vector<std::pair<Done, Reply>> finished;
+    std::vector<std::pair<Finish, std::optional<Problem>>> finished;
     finished.reserve(batch.size());
     for (std::size_t i = 0; i < batch.size(); ++i) {
       if (batch[i].careful)
-        batch[i].done(std::move(replies[i]));
+        batch[i].done(std::move(failures[i]));
       else
-        finished.emplace_back(std::move(batch[i].done), std::move(replies[i]));
+        finished.emplace_back(std::move(batch[i].done), std::move(failures[i]));
     }
     m_complete([finished = std::move(finished)]() mutable {
-      for (auto& [done, reply] : finished) done(std::move(reply));
+      for (auto& [done, failure] : finished) done(std::move(failure));
     });
     return;
   }
-  for (std::size_t i = 0; i < batch.size(); ++i) batch[i].done(std::move(replies[i]));
+  for (std::size_t i = 0; i < batch.size(); ++i) batch[i].done(std::move(failures[i]));
 }
 
 // Takes waiting requests into the batch while it is open: at most k_max_group in all, for
@@ -696,15 +724,16 @@ std::size_t SqliteStore::extend_batch(std::vector<Job>& batch, bool careful,
   return n;
 }
 
-SqliteStore::Pass SqliteStore::run_jobs(std::vector<Job>& batch, std::vector<Reply>& replies, bool careful,
-                                        std::size_t from) {
+SqliteStore::Pass SqliteStore::run_jobs(std::vector<Job>& batch, std::vector<std::optional<Problem>>& failures,
+                                        bool careful, std::size_t from) {
   m_careful = careful;
   for (std::size_t i = from; i < batch.size(); ++i) {
     const std::int64_t before = m_db->total_changes();
     try {
       if (careful) Use(m_db->prepare("SAVEPOINT job"))->run();
       m_pending_audit.clear();
-      replies[i] = batch[i].work(*m_db, m_clock.now());
+      failures[i].reset();
+      batch[i].work(*m_db, m_clock.now());
       write_pending_audit();
       if (careful) Use(m_db->prepare("RELEASE job"))->run();
     } catch (const NeedsCarefulRun&) {
@@ -727,8 +756,7 @@ SqliteStore::Pass SqliteStore::run_jobs(std::vector<Job>& batch, std::vector<Rep
         }
       }
       bool io = dynamic_cast<const sqlite::Error*>(&e) != nullptr;
-      replies[i] = io ? problem_reply(db_unavailable(), batch[i].request_id)
-                      : problem_reply(Problem(Code::internal, "internal error"), batch[i].request_id);
+      failures[i] = io ? db_unavailable() : Problem(Code::internal, "internal error");
     }
   }
   return Pass::done;
@@ -751,12 +779,11 @@ T SqliteStore::run_sync(std::function<T(Db&, UnixMs)> fn) {
           error = std::current_exception();
           throw; // the job's savepoint is rolled back
         }
-        return Reply{};
       },
-      [&](Reply r) {
+      [&](std::optional<Problem> failure) {
         if (error)
           promise.set_exception(error);
-        else if (r.status >= 500 || !value)
+        else if (failure || !value)
           promise.set_exception(std::make_exception_ptr(sqlite::Error(SQLITE_IOERR, "the database is unavailable")));
         else
           promise.set_value(std::move(*value));
@@ -822,8 +849,9 @@ void SqliteStore::write_pending_audit() {
 
 // ---- idempotency ------------------------------------------------------------------------
 
-Reply SqliteStore::run_idempotent(Db& db, UnixMs now, const Ctx& ctx, const Idempotency& idem,
-                                  const std::function<Reply()>& op, bool record_refusal) {
+template <class T>
+Outcome<T> SqliteStore::run_idempotent(Db& db, UnixMs now, const Ctx& ctx, const Idempotency& idem,
+                                       const std::function<expected<T, Problem>()>& op, bool record_refusal) {
   auto& metrics = Metrics::global();
   std::optional<std::int64_t> expired_record;
   {
@@ -836,60 +864,54 @@ Reply SqliteStore::run_idempotent(Db& db, UnixMs now, const Ctx& ctx, const Idem
     if (found && !expired_record) {
       if (s->text(2) != idem.fingerprint) {
         metrics.inc("mep_idempotency_lookups_total", "result=\"mismatch\"");
-        return problem_reply(Problem(Code::idempotency_key_reused,
-                                     "this Idempotency-Key was used with a different request"),
-                             ctx.request_id);
+        return Outcome<T>(Problem(Code::idempotency_key_reused, "this Idempotency-Key was used with a different request"));
       }
       metrics.inc("mep_idempotency_lookups_total", "result=\"hit\"");
-      Reply r;
-      r.status = static_cast<int>(s->int64(3));
-      if (r.status == 201) r.status = 200;
-      r.body = s->text(4);
-      if (auto ra = s->opt_int64(5)) r.retry_after_s = static_cast<int>(*ra);
-      r.problem = r.status >= 400;
-      r.replayed = true;
-      r.outcome = "replayed";
-      return r;
+      StoredOutcome stored{static_cast<int>(s->int64(3)), s->text(4), std::nullopt};
+      if (auto ra = s->opt_int64(5)) stored.retry_after_s = static_cast<int>(*ra);
+      return replay_outcome<T>(stored);
     }
   }
   metrics.inc("mep_idempotency_lookups_total", "result=\"miss\"");
   // A failed operation leaves nothing behind but its stored outcome. Optimistic pass
   // (run_batch): operations check before they write, and one that wrote anyway sends
   // the batch to its careful pass, where the SAVEPOINT undoes it.
-  Reply reply;
+  std::optional<expected<T, Problem>> result;
   if (m_careful) {
     Use(db.prepare("SAVEPOINT op"))->run();
     try {
-      reply = op();
+      result.emplace(op());
     } catch (...) {
       db.exec("ROLLBACK TO op; RELEASE op");
       throw;
     }
-    if (reply.status >= 400) db.exec("ROLLBACK TO op");
+    if (!*result) db.exec("ROLLBACK TO op");
     Use(db.prepare("RELEASE op"))->run();
   } else {
     const std::int64_t before = db.total_changes();
-    reply = op();
-    if (reply.status >= 400 && db.total_changes() != before) throw NeedsCarefulRun{};
+    result.emplace(op());
+    if (!*result && db.total_changes() != before) throw NeedsCarefulRun{};
   }
-  if (reply.status < 500 && (record_refusal || reply.status != 423)) {
+  const Problem* refused = *result ? nullptr : &result->error();
+  if (!refused || (refused->status() < 500 && (record_refusal || refused->status() != 423))) {
     if (expired_record) {
       Use s(db.prepare("DELETE FROM idempotency WHERE rowid = ?1"));
       s->bind(1, *expired_record).run();
     }
+    StoredOutcome stored = store_outcome(*result, ctx.request_id);
     Use s(db.prepare("INSERT INTO idempotency(tenant_id, idem_key, fingerprint, status, "
                      "body, created_at, expires_at, retry_after) VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8)"));
     s->bind(1, ctx.auth.tenant_id)
         .bind(2, idem.key)
         .bind(3, idem.fingerprint)
-        .bind(4, static_cast<std::int64_t>(reply.status))
-        .bind(5, reply.body)
+        .bind(4, static_cast<std::int64_t>(stored.status))
+        .bind(5, stored.body)
         .bind(6, now)
         .bind(7, now + k_idempotency_retention_ms)
-        .bind(8, reply.retry_after_s ? std::optional<std::int64_t>(*reply.retry_after_s) : std::nullopt)
+        .bind(8, stored.retry_after_s ? std::optional<std::int64_t>(*stored.retry_after_s) : std::nullopt)
         .run();
   }
-  return reply;
+  return Outcome<T>(std::move(*result));
 }
 
 // ---- fencing classification -------------------------------------------------------------
@@ -923,40 +945,35 @@ expected<LeaseRow, Problem> SqliteStore::classify(Db& db, UnixMs now, const Ctx&
 
 // ---- operations -------------------------------------------------------------------------
 
-void SqliteStore::register_memory(const Ctx& ctx, Idempotency idem, RegisterMemory req, Done done) {
-  enqueue(
+void SqliteStore::register_memory(const Ctx& ctx, Idempotency idem, RegisterMemory req, Then<lease::Registered> then) {
+  submit<lease::Registered>(
       [this, ctx, idem = std::move(idem), req = std::move(req)](Db& db, UnixMs now) {
-        return run_idempotent(db, now, ctx, idem, [&] {
+        return run_idempotent<lease::Registered>(db, now, ctx, idem, [&]() -> expected<lease::Registered, Problem> {
           std::string id = req.memory_id.value_or(uuid_v7().to_string());
           if (auto m = find_memory(db, id)) {
             if (m->tenant_id != ctx.auth.tenant_id)
-              return problem_reply(Problem(Code::memory_id_taken, "this memory id is taken"),
-                                   ctx.request_id);
-            boost::json::object o{{"memory_instance_id", id},
-                                  {"created_at", format_rfc3339_ms(m->created_at)}};
-            return json_reply(200, o);
+              return make_unexpected(Problem(Code::memory_id_taken, "this memory id is taken"));
+            return lease::Registered{id, m->created_at, false};
           }
           Use s(db.prepare("INSERT INTO memories(memory_id, tenant_id, fence_counter, created_at) "
                            "VALUES (?1, ?2, 0, ?3)"));
           s->bind(1, id).bind(2, ctx.auth.tenant_id).bind(3, now).run();
           audit(ctx.auth.tenant_id, "MEMORY_REGISTERED", {}, id, std::nullopt);
-          boost::json::object o{{"memory_instance_id", id}, {"created_at", format_rfc3339_ms(now)}};
-          return json_reply(201, o);
+          return lease::Registered{id, now, true};
         });
       },
-      std::move(done), ctx.request_id);
+      std::move(then), ctx.request_id);
 }
 
-Reply SqliteStore::op_claim(Db& db, UnixMs now, const Ctx& ctx, const Claim& req) {
+expected<lease::Grant, Problem> SqliteStore::op_claim(Db& db, UnixMs now, const Ctx& ctx, const Claim& req) {
   // 2. The name (canonicalized before the transaction) and the TTL.
-  if (!req.name) return problem_reply(req.name.error().to_problem(), ctx.request_id, "invalid-name");
-  if (!ttl_ok(req.ttl_s)) return problem_reply(ttl_problem(req.ttl_s), ctx.request_id, "invalid-ttl");
+  if (!req.name) return make_unexpected(req.name.error().to_problem());
+  if (!ttl_ok(req.ttl_s)) return make_unexpected(ttl_problem(req.ttl_s));
   const CanonicalName& name = *req.name;
   // 3. The memory exists and is the tenant's.
   auto mem = find_memory(db, req.memory_id);
   if (!mem || mem->tenant_id != ctx.auth.tenant_id)
-    return problem_reply(Problem(Code::memory_not_found, "no such memory for this tenant"),
-                         ctx.request_id);
+    return make_unexpected(Problem(Code::memory_not_found, "no such memory for this tenant"));
   // 4. Every lease that conflicts on name, skeleton or memory, in one lookup (at most one
   // row per unique column). Takeover: the expired ones are removed and audited with the
   // grant (step 7); a claim refused below writes nothing (see run_batch).
@@ -990,14 +1007,14 @@ Reply SqliteStore::op_claim(Db& db, UnixMs now, const Ctx& ctx, const Claim& req
                         : fmt::format("the name \"{}\" is confusable with a name that is held",
                                       name.canonical_name));
     p.retry_after_s = retry_after_until(l.expires_at, now);
-    return problem_reply(std::move(p), ctx.request_id);
+    return make_unexpected(std::move(p));
   }
   // 6. A live lease on the memory under another name or owner.
   for (const auto& held : live) {
     if (held.memory_id != req.memory_id || (reclaim && held.memory_id == reclaim->memory_id)) continue;
     Problem p(Code::memory_attached, "this memory is attached to another lease");
     p.retry_after_s = retry_after_until(held.expires_at, now);
-    return problem_reply(std::move(p), ctx.request_id);
+    return make_unexpected(std::move(p));
   }
   // 7. Grant: bump the memory's counter, write the lease, the name history and the audit.
   // The row of this memory under this name — held by the same owner (re-claim), released
@@ -1056,72 +1073,58 @@ Reply SqliteStore::op_claim(Db& db, UnixMs now, const Ctx& ctx, const Claim& req
     audit(ctx.auth.tenant_id, "LEASE_TAKEOVER", e.canonical_name, e.memory_id, e.fencing_token);
   }
   audit(ctx.auth.tenant_id, "LEASE_ACQUIRED", l.canonical_name, l.memory_id, l.fencing_token);
-  return json_reply(201, grant_json(l, now), reclaim ? "reclaimed" : "granted");
+  lease::Grant g = to_grant(l, now);
+  g.reclaimed = reclaim.has_value();
+  return g;
 }
 
-void SqliteStore::claim(const Ctx& ctx, Idempotency idem, Claim req, Done done) {
-  enqueue(
+void SqliteStore::claim(const Ctx& ctx, Idempotency idem, Claim req, Then<lease::Grant> then) {
+  submit<lease::Grant>(
       [this, ctx, idem = std::move(idem), req = std::move(req)](Db& db, UnixMs now) {
-        return run_idempotent(db, now, ctx, idem, [&] { return op_claim(db, now, ctx, req); },
-                              req.record_refusal);
+        return run_idempotent<lease::Grant>(db, now, ctx, idem, [&] { return op_claim(db, now, ctx, req); },
+                                            req.record_refusal);
       },
-      std::move(done), ctx.request_id);
+      std::move(then), ctx.request_id);
 }
 
-Reply SqliteStore::op_renew(Db& db, UnixMs now, const Ctx& ctx, const LeaseRef& ref,
-                            boost::json::object* item) {
-  auto fail = [&](Problem p) {
-    if (item) {
-      (*item)["status"] = p.status();
-      (*item)["code"] = p.slug();
-    }
-    return problem_reply(std::move(p), ctx.request_id);
-  };
-  if (!ttl_ok(ref.ttl_s)) return fail(ttl_problem(ref.ttl_s));
+expected<lease::Renewed, Problem> SqliteStore::op_renew(Db& db, UnixMs now, const Ctx& ctx, const LeaseRef& ref) {
+  if (!ttl_ok(ref.ttl_s)) return make_unexpected(ttl_problem(ref.ttl_s));
   auto lease = classify(db, now, ctx, ref.memory_id, ref.fencing_token, Code::lease_not_found);
-  if (!lease) return fail(std::move(lease.error()));
+  if (!lease) return make_unexpected(std::move(lease.error()));
   if (lease->canonical_name != ref.canonical_name || lease->owner_client_id != ref.owner_client_id)
-    return fail(Problem(Code::lease_not_found, "no lease of this owner under this name"));
+    return make_unexpected(Problem(Code::lease_not_found, "no lease of this owner under this name"));
   UnixMs expires = std::max(lease->expires_at, now + ref.ttl_s * 1000);
   Use s(db.prepare("UPDATE leases SET expires_at = ?1, ttl_seconds = ?2 WHERE memory_id = ?3"));
   s->bind(1, expires).bind(2, ref.ttl_s).bind(3, lease->memory_id).run();
-  boost::json::object o{{"expires_at", format_rfc3339_ms(expires)},
-                        {"ttl_seconds", ref.ttl_s},
-                        {"server_time", format_rfc3339_ms(now)}};
-  if (item) {
-    (*item)["status"] = 200;
-    (*item)["expires_at"] = o["expires_at"];
-  }
-  return json_reply(200, o, "renewed");
+  return lease::Renewed{expires, ref.ttl_s, now};
 }
 
-void SqliteStore::renew(const Ctx& ctx, LeaseRef ref, Done done) {
-  enqueue([this, ctx, ref = std::move(ref)](Db& db, UnixMs now) { return op_renew(db, now, ctx, ref, nullptr); },
-          std::move(done), ctx.request_id);
+void SqliteStore::renew(const Ctx& ctx, LeaseRef ref, Then<lease::Renewed> then) {
+  submit<lease::Renewed>(
+      [this, ctx, ref = std::move(ref)](Db& db, UnixMs now) { return Outcome<lease::Renewed>(op_renew(db, now, ctx, ref)); },
+      std::move(then), ctx.request_id);
 }
 
-void SqliteStore::renew_batch(const Ctx& ctx, RenewBatch req, Done done) {
-  enqueue(
+void SqliteStore::renew_batch(const Ctx& ctx, RenewBatch req, Then<lease::RenewBatchResult> then) {
+  submit<lease::RenewBatchResult>(
       [this, ctx, req = std::move(req)](Db& db, UnixMs now) {
-        boost::json::array results;
+        lease::RenewBatchResult out;
+        out.results.reserve(req.leases.size());
         for (auto ref : req.leases) {
           if (ref.owner_client_id.empty()) ref.owner_client_id = req.owner_client_id;
-          boost::json::object item{{"canonical_name", ref.canonical_name}};
-          op_renew(db, now, ctx, ref, &item);
-          results.emplace_back(std::move(item));
+          out.results.push_back(renew_item(ref.canonical_name, op_renew(db, now, ctx, ref)));
         }
-        return json_reply(200, boost::json::object{{"results", std::move(results)}}, "renewed");
+        return Outcome<lease::RenewBatchResult>(std::move(out));
       },
-      std::move(done), ctx.request_id);
+      std::move(then), ctx.request_id);
 }
 
-void SqliteStore::release(const Ctx& ctx, LeaseRef ref, Done done) {
-  enqueue(
-      [this, ctx, ref = std::move(ref)](Db& db, UnixMs now) {
+void SqliteStore::release(const Ctx& ctx, LeaseRef ref, Then<Released> then) {
+  submit<Released>(
+      [this, ctx, ref = std::move(ref)](Db& db, UnixMs now) -> Outcome<Released> {
         auto lease = classify(db, now, ctx, ref.memory_id, ref.fencing_token, Code::lease_not_found);
         if (!lease) {
-          if (lease.error().code != Code::lease_expired)
-            return problem_reply(std::move(lease.error()), ctx.request_id);
+          if (lease.error().code != Code::lease_expired) return std::move(lease.error());
           // Already released or expired with the current token: idempotent success; an
           // expired row left for the sweeper is released now.
           if (auto row = lease_by_memory(db, ref.memory_id);
@@ -1129,42 +1132,34 @@ void SqliteStore::release(const Ctx& ctx, LeaseRef ref, Done done) {
             mark_released(db, row->memory_id);
             audit(row->tenant_id, "LEASE_EXPIRED", row->canonical_name, row->memory_id, row->fencing_token);
           }
-          return no_content("released");
+          return Released{};
         }
         if (lease->canonical_name != ref.canonical_name || lease->owner_client_id != ref.owner_client_id)
-          return problem_reply(Problem(Code::lease_not_found, "no lease of this owner under this name"),
-                               ctx.request_id);
+          return Problem(Code::lease_not_found, "no lease of this owner under this name");
         mark_released(db, lease->memory_id);
         audit(ctx.auth.tenant_id, "LEASE_RELEASED", lease->canonical_name, lease->memory_id,
               lease->fencing_token);
-        return no_content("released");
+        return Released{};
       },
-      std::move(done), ctx.request_id);
+      std::move(then), ctx.request_id);
 }
 
-void SqliteStore::verify(const Ctx& ctx, Verify req, Done done) {
-  enqueue(
-      [this, ctx, req = std::move(req)](Db& db, UnixMs now) {
+void SqliteStore::verify(const Ctx& ctx, Verify req, Then<lease::Verified> then) {
+  submit<lease::Verified>(
+      [this, ctx, req = std::move(req)](Db& db, UnixMs now) -> Outcome<lease::Verified> {
         auto lease = classify(db, now, ctx, req.memory_id, req.fencing_token, Code::memory_not_found);
-        if (!lease) return problem_reply(std::move(lease.error()), ctx.request_id);
-        boost::json::object o{{"memory_instance_id", lease->memory_id},
-                              {"fencing_token", lease->fencing_token},
-                              {"canonical_name", lease->canonical_name},
-                              {"expires_at", format_rfc3339_ms(lease->expires_at)},
-                              {"server_time", format_rfc3339_ms(now)}};
-        return json_reply(200, o, "valid");
+        if (!lease) return std::move(lease.error());
+        return lease::Verified{lease->memory_id, lease->fencing_token, lease->canonical_name, lease->expires_at, now};
       },
-      std::move(done), ctx.request_id);
+      std::move(then), ctx.request_id);
 }
 
-void SqliteStore::branch(const Ctx& ctx, Idempotency idem, Branch req, Done done) {
-  enqueue(
+void SqliteStore::branch(const Ctx& ctx, Idempotency idem, Branch req, Then<lease::Branched> then) {
+  submit<lease::Branched>(
       [this, ctx, idem = std::move(idem), req = std::move(req)](Db& db, UnixMs now) {
-        return run_idempotent(db, now, ctx, idem, [&] {
-          auto body = [&](const std::string& id) {
-            return boost::json::object{{"memory_instance_id", id},
-                                       {"parent_memory_instance_id", req.parent_memory_id},
-                                       {"branched_at_token", req.parent_fencing_token}};
+        return run_idempotent<lease::Branched>(db, now, ctx, idem, [&]() -> expected<lease::Branched, Problem> {
+          auto branched = [&](const std::string& id, bool created) {
+            return lease::Branched{id, req.parent_memory_id, req.parent_fencing_token, created};
           };
           // A client-minted id makes a retry naturally idempotent, as for POST /v1/memories:
           // the same branch again (own tenant, same parent and token) is 200, even under a
@@ -1173,144 +1168,115 @@ void SqliteStore::branch(const Ctx& ctx, Idempotency idem, Branch req, Done done
             if (auto m = find_memory(db, *req.memory_id)) {
               if (m->tenant_id == ctx.auth.tenant_id && m->parent_memory_id == req.parent_memory_id &&
                   m->branched_at_token == req.parent_fencing_token) {
-                return json_reply(200, body(*req.memory_id), "branched");
+                return branched(*req.memory_id, false);
               }
-              return problem_reply(Problem(Code::memory_id_taken, "this memory id is taken"), ctx.request_id);
+              return make_unexpected(Problem(Code::memory_id_taken, "this memory id is taken"));
             }
           }
           auto lease = classify(db, now, ctx, req.parent_memory_id, req.parent_fencing_token,
                                 Code::memory_not_found);
-          if (!lease) return problem_reply(std::move(lease.error()), ctx.request_id);
+          if (!lease) return make_unexpected(std::move(lease.error()));
           std::string id = req.memory_id.value_or(uuid_v7().to_string());
           if (!req.memory_id && find_memory(db, id)) // a client's id was looked up above
-            return problem_reply(Problem(Code::memory_id_taken, "this memory id is taken"), ctx.request_id);
+            return make_unexpected(Problem(Code::memory_id_taken, "this memory id is taken"));
           Use s(db.prepare("INSERT INTO memories(memory_id, tenant_id, parent_memory_id, "
                            "branched_at_token, fence_counter, created_at) VALUES (?1, ?2, ?3, ?4, 0, ?5)"));
           s->bind(1, id).bind(2, ctx.auth.tenant_id).bind(3, req.parent_memory_id)
               .bind(4, req.parent_fencing_token).bind(5, now).run();
           audit(ctx.auth.tenant_id, "MEMORY_BRANCHED", {}, id, req.parent_fencing_token);
-          return json_reply(201, body(id), "branched");
+          return branched(id, true);
         });
       },
-      std::move(done), ctx.request_id);
+      std::move(then), ctx.request_id);
 }
 
-void SqliteStore::revoke(const Ctx& ctx, std::string canonical_name, Done done) {
-  enqueue(
-      [this, ctx, canonical_name = std::move(canonical_name)](Db& db, UnixMs now) {
+void SqliteStore::revoke(const Ctx& ctx, std::string canonical_name, Then<Revoked> then) {
+  submit<Revoked>(
+      [this, ctx, canonical_name = std::move(canonical_name)](Db& db, UnixMs now) -> Outcome<Revoked> {
         auto lease = lease_by_name(db, canonical_name);
         if (!lease || lease->tenant_id != ctx.auth.tenant_id || lease->expires_at <= now)
-          return problem_reply(Problem(Code::lease_not_found, "no live lease under this name"),
-                               ctx.request_id);
+          return Problem(Code::lease_not_found, "no live lease under this name");
         delete_lease(db, lease->memory_id);
         audit(ctx.auth.tenant_id, "LEASE_REVOKED", lease->canonical_name, lease->memory_id,
               lease->fencing_token);
-        return no_content("revoked");
+        return Revoked{lease->canonical_name, lease->memory_id};
       },
-      std::move(done), ctx.request_id);
+      std::move(then), ctx.request_id);
 }
 
 // ---- reads --------------------------------------------------------------------------------
 
-void SqliteStore::get_lease(const Ctx& ctx, std::string canonical_name, Done done) {
-  Reply r;
-  try {
-    auto rd = reader();
-    UnixMs now = m_clock.now();
-    auto lease = lease_by_name(rd.db(), canonical_name);
-    if (!lease || lease->tenant_id != ctx.auth.tenant_id || lease->expires_at <= now)
-      r = problem_reply(Problem(Code::lease_not_found, "no live lease of this tenant under this name"),
-                        ctx.request_id);
-    else
-      r = json_reply(200, lease_json(*lease, now));
-  } catch (const sqlite::Error& e) {
-    r = read_failure(e, ctx.request_id);
-  }
-  done(std::move(r));
+void SqliteStore::get_lease(const Ctx& ctx, std::string canonical_name, Then<lease::LeaseInfo> then) {
+  read<lease::LeaseInfo>(
+      [&](Db& db, UnixMs now) -> Outcome<lease::LeaseInfo> {
+        auto lease = lease_by_name(db, canonical_name);
+        if (!lease || lease->tenant_id != ctx.auth.tenant_id || lease->expires_at <= now)
+          return Problem(Code::lease_not_found, "no live lease of this tenant under this name");
+        return to_lease_info(*lease, now);
+      },
+      then);
 }
 
-void SqliteStore::list_leases(const Ctx& ctx, ListLeases req, Done done) {
-  Reply r;
-  try {
-    auto rd = reader();
-    UnixMs now = m_clock.now();
-    // Two statements, so each is planned onto its index (leases_owner_name or
-    // leases_tenant_name) in name order; no name is empty, so "" starts the first page.
-    static const std::string by_tenant = fmt::format(
-        "SELECT {} FROM leases WHERE tenant_id = ?1 AND canonical_name > ?3 AND expires_at > ?2 "
-        "ORDER BY canonical_name LIMIT ?4",
-        k_lease_cols);
-    static const std::string by_owner = fmt::format(
-        "SELECT {} FROM leases WHERE tenant_id = ?1 AND owner_client_id = ?5 AND canonical_name > ?3 "
-        "AND expires_at > ?2 ORDER BY canonical_name LIMIT ?4",
-        k_lease_cols);
-    Use s(rd.db().prepare(req.owner_client_id ? by_owner : by_tenant));
-    s->bind(1, ctx.auth.tenant_id).bind(2, now).bind(3, req.cursor.value_or(""))
-        .bind(4, static_cast<std::int64_t>(req.limit + 1));
-    if (req.owner_client_id) s->bind(5, *req.owner_client_id);
-    LeasePage page(req.limit);
-    while (s->step() && page.add(read_lease(*s), now)) {
-    }
-    r = page.reply();
-  } catch (const sqlite::Error& e) {
-    r = read_failure(e, ctx.request_id);
-  }
-  done(std::move(r));
+void SqliteStore::list_leases(const Ctx& ctx, ListLeases req, Then<lease::LeasePage> then) {
+  read<lease::LeasePage>(
+      [&](Db& db, UnixMs now) -> Outcome<lease::LeasePage> {
+        // Two statements, so each is planned onto its index (leases_owner_name or
+        // leases_tenant_name) in name order; no name is empty, so "" starts the first page.
+        static const std::string by_tenant = fmt::format(
+            "SELECT {} FROM leases WHERE tenant_id = ?1 AND canonical_name > ?3 AND expires_at > ?2 "
+            "ORDER BY canonical_name LIMIT ?4",
+            k_lease_cols);
+        static const std::string by_owner = fmt::format(
+            "SELECT {} FROM leases WHERE tenant_id = ?1 AND owner_client_id = ?5 AND canonical_name > ?3 "
+            "AND expires_at > ?2 ORDER BY canonical_name LIMIT ?4",
+            k_lease_cols);
+        Use s(db.prepare(req.owner_client_id ? by_owner : by_tenant));
+        s->bind(1, ctx.auth.tenant_id).bind(2, now).bind(3, req.cursor.value_or(""))
+            .bind(4, static_cast<std::int64_t>(req.limit + 1));
+        if (req.owner_client_id) s->bind(5, *req.owner_client_id);
+        LeasePageBuilder page(req.limit);
+        while (s->step() && page.add(read_lease(*s), now)) {
+        }
+        return page.take();
+      },
+      then);
 }
 
-void SqliteStore::get_memory(const Ctx& ctx, std::string memory_id, Done done) {
-  Reply r;
-  try {
-    auto rd = reader();
-    auto m = find_memory(rd.db(), memory_id);
-    if (!m || m->tenant_id != ctx.auth.tenant_id)
-      r = problem_reply(Problem(Code::memory_not_found, "no such memory for this tenant"), ctx.request_id);
-    else
-      r = json_reply(200, memory_json(*m));
-  } catch (const sqlite::Error& e) {
-    r = read_failure(e, ctx.request_id);
-  }
-  done(std::move(r));
+void SqliteStore::get_memory(const Ctx& ctx, std::string memory_id, Then<lease::Memory> then) {
+  read<lease::Memory>(
+      [&](Db& db, UnixMs) -> Outcome<lease::Memory> {
+        auto m = find_memory(db, memory_id);
+        if (!m || m->tenant_id != ctx.auth.tenant_id) return Problem(Code::memory_not_found, "no such memory for this tenant");
+        return to_memory(*m);
+      },
+      then);
 }
 
-void SqliteStore::lineage(const Ctx& ctx, std::string memory_id, Done done) {
-  Reply r;
-  try {
-    auto rd = reader();
-    auto m = find_memory(rd.db(), memory_id);
-    if (!m || m->tenant_id != ctx.auth.tenant_id) {
-      r = problem_reply(Problem(Code::memory_not_found, "no such memory for this tenant"), ctx.request_id);
-    } else {
-      boost::json::array ancestors;
-      auto cur = m;
-      for (int depth = 0; cur->parent_memory_id && depth < 100000; ++depth) {
-        cur = find_memory(rd.db(), *cur->parent_memory_id);
-        if (!cur || cur->tenant_id != ctx.auth.tenant_id) break;
-        ancestors.emplace_back(memory_json(*cur));
-      }
-      boost::json::array children;
-      Use s(rd.db().prepare("SELECT memory_id FROM memories WHERE parent_memory_id = ?1 AND tenant_id = ?2 "
-                            "ORDER BY memory_id"));
-      s->bind(1, memory_id).bind(2, ctx.auth.tenant_id);
-      std::vector<std::string> ids;
-      while (s->step()) ids.push_back(s->text(0));
-      for (const auto& id : ids)
-        if (auto c = find_memory(rd.db(), id)) children.emplace_back(memory_json(*c));
-      boost::json::object o{{"memory_instance_id", memory_id},
-                            {"memory", memory_json(*m)},
-                            {"ancestors", std::move(ancestors)},
-                            {"children", std::move(children)}};
-      r = json_reply(200, o);
-    }
-  } catch (const sqlite::Error& e) {
-    r = read_failure(e, ctx.request_id);
-  }
-  done(std::move(r));
-}
-
-Reply SqliteStore::read_failure(const sqlite::Error& e, const std::string& request_id) {
-  log::error("read failed: {}", e.what());
-  return problem_reply(db_unavailable(), request_id);
+void SqliteStore::lineage(const Ctx& ctx, std::string memory_id, Then<lease::Lineage> then) {
+  read<lease::Lineage>(
+      [&](Db& db, UnixMs) -> Outcome<lease::Lineage> {
+        auto m = find_memory(db, memory_id);
+        if (!m || m->tenant_id != ctx.auth.tenant_id) return Problem(Code::memory_not_found, "no such memory for this tenant");
+        lease::Lineage out;
+        out.memory_id = memory_id;
+        out.memory = to_memory(*m);
+        std::string parent = m->parent_memory_id.value_or("");
+        for (int depth = 0; !parent.empty() && depth < 100000; ++depth) {
+          auto p = find_memory(db, parent);
+          if (!p || p->tenant_id != ctx.auth.tenant_id) break;
+          out.ancestors.push_back(to_memory(*p));
+          parent = p->parent_memory_id.value_or("");
+        }
+        Use s(db.prepare("SELECT memory_id FROM memories WHERE parent_memory_id = ?1 AND tenant_id = ?2 "
+                         "ORDER BY memory_id"));
+        s->bind(1, memory_id).bind(2, ctx.auth.tenant_id);
+        std::vector<std::string> ids;
+        while (s->step()) ids.push_back(s->text(0));
+        for (const auto& id : ids)
+          if (auto c = find_memory(db, id)) out.children.push_back(to_memory(*c));
+        return out;
+      },
+      then);
 }
 
 std::optional<AuthInfo> SqliteStore::authenticate(const std::string& token_sha256) {
@@ -1334,11 +1300,8 @@ std::optional<AuthInfo> SqliteStore::authenticate(const std::string& token_sha25
 
 void SqliteStore::audit_auth_failure(const std::string& tenant_id) {
   enqueue(
-      [this, tenant_id](Db&, UnixMs) {
-        audit(tenant_id, "AUTH_FAILED", {}, {}, std::nullopt);
-        return Reply{};
-      },
-      [](Reply) {}, {});
+      [this, tenant_id](Db&, UnixMs) { audit(tenant_id, "AUTH_FAILED", {}, {}, std::nullopt); },
+      [](std::optional<Problem>) {}, {});
 }
 
 bool SqliteStore::ready() {
@@ -1379,32 +1342,25 @@ void SqliteStore::refresh_migration_state(Db& db) {
 
 bool SqliteStore::migration_in_progress() { return m_migration_in_progress; }
 
-void SqliteStore::identity_map(const Ctx& ctx, std::optional<std::string> cursor, std::size_t limit, Done done) {
-  Reply r;
-  try {
-    auto rd = reader();
-    Use s(rd.db().prepare("SELECT legacy_memory_ref, memory_instance_id FROM migration_identity_map "
-                          "WHERE tenant_id = ?1 AND (?2 IS NULL OR legacy_memory_ref > ?2) "
-                          "ORDER BY legacy_memory_ref LIMIT ?3"));
-    s->bind(1, ctx.auth.tenant_id).bind(2, cursor).bind(3, static_cast<std::int64_t>(limit + 1));
-    boost::json::array entries;
-    std::string last;
-    bool more = false;
-    while (s->step()) {
-      if (entries.size() == limit) {
-        more = true;
-        break;
-      }
-      last = s->text(0);
-      entries.emplace_back(boost::json::object{{"legacy_memory_ref", last}, {"memory_instance_id", s->text(1)}});
-    }
-    boost::json::object o{{"entries", std::move(entries)}};
-    o["next_cursor"] = more ? boost::json::value(last) : boost::json::value(nullptr);
-    r = json_reply(200, o);
-  } catch (const sqlite::Error& e) {
-    r = read_failure(e, ctx.request_id);
-  }
-  done(std::move(r));
+void SqliteStore::identity_map(const Ctx& ctx, std::optional<std::string> cursor, std::size_t limit,
+                               Then<lease::IdentityMapPage> then) {
+  read<lease::IdentityMapPage>(
+      [&](Db& db, UnixMs) -> Outcome<lease::IdentityMapPage> {
+        Use s(db.prepare("SELECT legacy_memory_ref, memory_instance_id FROM migration_identity_map "
+                         "WHERE tenant_id = ?1 AND (?2 IS NULL OR legacy_memory_ref > ?2) "
+                         "ORDER BY legacy_memory_ref LIMIT ?3"));
+        s->bind(1, ctx.auth.tenant_id).bind(2, cursor).bind(3, static_cast<std::int64_t>(limit + 1));
+        lease::IdentityMapPage page;
+        while (s->step()) {
+          if (page.entries.size() == limit) {
+            page.next_cursor = page.entries.back().legacy_memory_ref;
+            break;
+          }
+          page.entries.push_back(lease::IdentityEntry{s->text(0), s->text(1)});
+        }
+        return page;
+      },
+      then);
 }
 
 std::int64_t SqliteStore::sweep() {

@@ -3,7 +3,6 @@
 
 #include "mep/log.hpp"
 #include "mep/metrics.hpp"
-#include "mep/wire.hpp"
 
 #include <algorithm>
 #include <cerrno>
@@ -53,7 +52,7 @@ std::string memory_key(std::string_view memory_id) { return "m:" + std::string(m
 namespace {
 
 // A client's answer, run outside the lock, with the wait metric.
-std::function<void()> answer_later(WaitQueue::Answer answer, Reply r, std::string outcome, std::size_t ahead,
+std::function<void()> answer_later(WaitQueue::Answer answer, ClaimOutcome r, std::string outcome, std::size_t ahead,
                                    WaitQueue::Clock::time_point start,
                                    WaitQueue::Clock::time_point decided = WaitQueue::Clock::now()) {
   return [answer = std::move(answer), r = std::move(r), outcome = std::move(outcome), ahead, start, decided]() mutable {
@@ -140,7 +139,7 @@ void WaitQueue::update_gauge() {
   Metrics::global().set("mep_lease_waiters", static_cast<double>(n));
 }
 
-Reply WaitQueue::refusal_for(const Entry& e) const {
+ClaimOutcome WaitQueue::refusal_for(const Entry& e) const {
   if (e.last_refusal) return *e.last_refusal;
   // Never tried (it queued behind others): the refusal of a waiter ahead of it.
   for (const auto& k : e.keys) {
@@ -151,7 +150,7 @@ Reply WaitQueue::refusal_for(const Entry& e) const {
   }
   Problem p(Code::name_held, "the name or the memory is held, and earlier claims are waiting for it");
   p.retry_after_s = 1;
-  return problem_reply(std::move(p), "", "name-held");
+  return ClaimOutcome(std::move(p));
 }
 
 WaitQueue::Joined WaitQueue::wait(Waiter w) {
@@ -222,7 +221,7 @@ void WaitQueue::erase(const EntryPtr& e) {
   if (auto it = m_per_tenant.find(e->tenant); it != m_per_tenant.end() && --it->second == 0) m_per_tenant.erase(it);
 }
 
-void WaitQueue::resolve(const EntryPtr& e, const Reply& r, std::string_view outcome, Later& later) {
+void WaitQueue::resolve(const EntryPtr& e, const ClaimOutcome& r, std::string_view outcome, Later& later) {
   e->done = true;
   for (auto& c : e->clients)
     later.push_back(answer_later(std::move(c.answer), r, std::string(outcome), 0, c.start, e->attempt_started));
@@ -238,28 +237,28 @@ void WaitQueue::start_attempt(const EntryPtr& e, Later& later) {
   e->attempt_started = Clock::now();
   later.push_back([this, e, attempt = e->attempt] {
     try {
-      attempt([this, e](Reply r) { on_attempt(e, std::move(r)); });
+      attempt([this, e](ClaimOutcome r) { on_attempt(e, std::move(r)); });
     } catch (const std::exception& ex) {
       log::error("a waiting claim's attempt failed: {}", ex.what());
-      on_attempt(e, problem_reply(Problem(Code::internal, "internal error"), ""));
+      on_attempt(e, ClaimOutcome(Problem(Code::internal, "internal error")));
     }
   });
 }
 
-void WaitQueue::on_attempt(const EntryPtr& e, Reply r) {
+void WaitQueue::on_attempt(const EntryPtr& e, ClaimOutcome r) {
   Later later;
   {
     std::lock_guard lock(m_mutex);
     e->attempting = false;
     if (e->done) return; // ended meanwhile (shutdown)
-    if (r.status == 423 && !r.replayed) {
+    if (!r.ok() && r.value.error().status() == 423 && !r.replayed) {
       // Still held: tried again when the holder's lease ends, or when it is released.
-      int after = std::max(1, r.retry_after_s.value_or(1));
+      int after = std::max(1, r.value.error().retry_after_s.value_or(1));
       e->retry_at = Clock::now() + std::chrono::seconds(after);
       e->last_refusal = std::move(r);
       notify();
     } else if (e->live()) {
-      resolve(e, r, r.status < 300 ? "granted" : "refused", later);
+      resolve(e, r, r.ok() ? "granted" : "refused", later);
     } else {
       // Its clients went away during the attempt. A grant stays recorded under the
       // Idempotency-Key (a retry replays it) and otherwise lapses at its TTL.
@@ -279,7 +278,7 @@ void WaitQueue::shutdown() {
     m_stopped = true;
     Problem p(Code::unavailable, "the server is shutting down; claim again");
     p.retry_after_s = 1;
-    Reply r = problem_reply(std::move(p), "");
+    ClaimOutcome r(std::move(p));
     for (auto& [seq, e] : m_entries) {
       e->done = true;
       for (auto& c : e->clients) later.push_back(answer_later(std::move(c.answer), r, "shutdown", 0, c.start));

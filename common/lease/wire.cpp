@@ -157,6 +157,15 @@ json::object to_json(const LeaseInfo& l) {
   return o;
 }
 
+json::object to_json(const LeasePage& p) {
+  json::array leases;
+  leases.reserve(p.leases.size());
+  for (const auto& l : p.leases) leases.emplace_back(to_json(l));
+  json::object o{{"leases", std::move(leases)}};
+  o["next_cursor"] = opt(p.next_cursor);
+  return o;
+}
+
 json::object to_json(const LeaseRef& r, RefForm form) {
   json::object o{{"canonical_name", r.canonical_name},
                  {"memory_instance_id", r.memory_id},
@@ -275,6 +284,32 @@ expected<Grant, Problem> decode_grant(const json::object& o) {
   g.ttl_s = f.int64("ttl_seconds");
   g.server_time = f.time("server_time");
   return f.done(std::move(g));
+}
+
+expected<LeaseInfo, Problem> decode_lease_info(const json::object& o) {
+  auto g = decode_grant(o);
+  if (!g) return make_unexpected(std::move(g.error()));
+  Fields f(o);
+  LeaseInfo l{std::move(*g), f.str("owner_client_id")};
+  return f.done(std::move(l));
+}
+
+expected<LeasePage, Problem> decode_lease_page(const json::object& o) {
+  Fields f(o);
+  LeasePage p;
+  if (const json::array* a = f.array("leases")) {
+    for (const auto& v : *a) {
+      auto l = v.is_object() ? decode_lease_info(v.get_object())
+                             : expected<LeaseInfo, Problem>(make_unexpected(Problem(Code::invalid_request, "")));
+      if (!l) {
+        f.complain("leases holds an entry that is not a lease");
+        break;
+      }
+      p.leases.push_back(std::move(*l));
+    }
+  }
+  p.next_cursor = f.opt_str("next_cursor");
+  return f.done(std::move(p));
 }
 
 expected<Renewed, Problem> decode_renewed(const json::object& o) {

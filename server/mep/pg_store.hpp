@@ -28,18 +28,18 @@ public:
   /// Finishes every queued job, then stops the workers.
   ~PgStore() override;
 
-  void register_memory(const Ctx&, Idempotency, RegisterMemory, Done) override;
-  void claim(const Ctx&, Idempotency, Claim, Done) override;
-  void branch(const Ctx&, Idempotency, Branch, Done) override;
-  void renew(const Ctx&, LeaseRef, Done) override;
-  void renew_batch(const Ctx&, RenewBatch, Done) override;
-  void release(const Ctx&, LeaseRef, Done) override;
-  void verify(const Ctx&, Verify, Done) override;
-  void revoke(const Ctx&, std::string canonical_name, Done) override;
-  void get_lease(const Ctx&, std::string canonical_name, Done) override;
-  void list_leases(const Ctx&, ListLeases, Done) override;
-  void get_memory(const Ctx&, std::string memory_id, Done) override;
-  void lineage(const Ctx&, std::string memory_id, Done) override;
+  void register_memory(const Ctx&, Idempotency, RegisterMemory, Then<lease::Registered>) override;
+  void claim(const Ctx&, Idempotency, Claim, Then<lease::Grant>) override;
+  void branch(const Ctx&, Idempotency, Branch, Then<lease::Branched>) override;
+  void renew(const Ctx&, LeaseRef, Then<lease::Renewed>) override;
+  void renew_batch(const Ctx&, RenewBatch, Then<lease::RenewBatchResult>) override;
+  void release(const Ctx&, LeaseRef, Then<Released>) override;
+  void verify(const Ctx&, Verify, Then<lease::Verified>) override;
+  void revoke(const Ctx&, std::string canonical_name, Then<Revoked>) override;
+  void get_lease(const Ctx&, std::string canonical_name, Then<lease::LeaseInfo>) override;
+  void list_leases(const Ctx&, ListLeases, Then<lease::LeasePage>) override;
+  void get_memory(const Ctx&, std::string memory_id, Then<lease::Memory>) override;
+  void lineage(const Ctx&, std::string memory_id, Then<lease::Lineage>) override;
   std::optional<AuthInfo> authenticate(const std::string& token_sha256) override;
   void audit_auth_failure(const std::string& tenant_id) override;
   bool ready() override;
@@ -47,17 +47,20 @@ public:
   std::int64_t sweep() override;
   std::int64_t transaction_retries() override { return m_retries.load(); }
   bool migration_in_progress() override { return m_migration_in_progress.load(); }
-  void identity_map(const Ctx&, std::optional<std::string> cursor, std::size_t limit, Done) override;
+  void identity_map(const Ctx&, std::optional<std::string> cursor, std::size_t limit, Then<lease::IdentityMapPage>) override;
   std::pair<std::string, std::string> create_token(const std::string& tenant_name, Scope) override;
   std::vector<TokenInfo> list_tokens(const std::optional<std::string>& tenant_name) override;
   bool revoke_token(const std::string& token_id) override;
   std::vector<AuditRow> list_audit(const std::optional<std::string>& tenant_name, std::size_t limit) override;
 
 private:
-  using Work = std::function<Reply(pg::Conn&)>;
+  // A job runs its call on a worker's connection and keeps the outcome; `done` hands it to
+  // the caller, or hands over `failure` instead (no answer, a conflict retried too often).
+  using Work = std::function<void(pg::Conn&)>;
+  using Finish = std::function<void(std::optional<Problem> failure)>;
   struct Job {
     Work work;
-    Done done;
+    Finish done;
     std::string request_id;
     /// Whether running it twice is harmless, so that a call cut off with its outcome
     /// unknown may be sent again on a fresh connection: creating calls (replayed through
@@ -86,19 +89,21 @@ private:
   };
 
   void migrate();
-  void enqueue(Work work, Done done, std::string request_id, bool repeatable = true);
+  void enqueue(Work work, Finish done, std::string request_id, bool repeatable = true);
+  template <class T>
+  void submit(std::function<Outcome<T>(pg::Conn&)> op, Then<T> then, std::string request_id, bool repeatable = true);
   void worker_loop();
-  Reply execute(Slot& slot, Job& job);
+  std::optional<Problem> execute(Slot& slot, Job& job);
   /// Runs `fn` on a borrowed connection in the calling thread, with the same retry and
   /// reconnection rules as the workers (`repeatable` as for Job). Throws pg::Error when the
   /// database is unavailable.
   template <typename T>
   T with_conn(const std::function<T(pg::Conn&)>& fn, bool repeatable = true);
   std::unique_ptr<pg::Conn> connect();
-  Reply unavailable(const std::string& request_id) const;
   /// Runs a read on a borrowed connection in the calling thread and answers `done`: the
   /// reply, 400 for text PostgreSQL cannot hold, or 503 when the database is unavailable.
-  void read(const Ctx& ctx, Done done, const std::function<Reply(pg::Conn&)>& fn);
+  template <class T>
+  void read(const std::function<Outcome<T>(pg::Conn&)>& fn, const Then<T>& then);
   void backoff(int attempt) const;
 
   std::string m_url;

@@ -1,10 +1,11 @@
-// The control plane's route table and handlers: HTTP request in, Store call, HTTP
-// response out (SPEC §6). Handlers decode and validate; the Store runs the transaction.
+// The control plane's HTTP edge (SPEC §6): the route table and its handlers. A handler
+// decodes and validates the request, calls the LeaseService (which calls the Store, where
+// the transaction runs) and encodes the typed outcome.
 #pragma once
 #include "mep/http/edge.hpp"
+#include "mep/lease_service.hpp"
 #include "mep/rate_limit.hpp"
 #include "mep/store.hpp"
-#include "mep/waiters.hpp"
 
 #include <functional>
 #include <string>
@@ -23,15 +24,15 @@ inline constexpr std::size_t k_body_limit = 16 * 1024;
 inline constexpr std::size_t k_batch_body_limit = 512 * 1024;
 inline constexpr std::size_t k_header_limit = 8 * 1024;
 
-/// The largest body a request to `target` (a path, maybe with a query) may carry.
-inline std::size_t body_limit_for(std::string_view target) {
-  return target.substr(0, target.find('?')) == "/v1/leases/renew-batch" ? k_batch_body_limit : k_body_limit;
-}
+/// The largest body a request to `target` (a path, maybe with a query) may carry: the
+/// largest of the routes its path matches.
+std::size_t body_limit_for(std::string_view target);
 
 class Router final : public http::Handler {
 public:
-  /// Listens to the store's releases (Store::set_freed_listener); the store must be closed
-  /// (or its listener cleared) before the router is destroyed.
+  /// Serves `store` through a LeaseService of its own, which listens to the store's
+  /// releases (Store::set_freed_listener): the store must be closed (or its listener
+  /// cleared) before the router is destroyed.
   Router(Store& store, double rate_limit);
   ~Router() override;
 
@@ -50,15 +51,14 @@ public:
 
   /// Ends the claims that wait (Prefer: wait) with 503 and Retry-After; new ones get 503.
   /// The server calls it when it begins to shut down.
-  void end_waits() { m_waits.shutdown(); }
+  void end_waits() { m_service.end_waits(); }
 
 private:
-  Store& m_store;
+  LeaseService m_service;
   RateLimiter m_limiter;
   // AUTH_FAILED audit rows are written at most 5 a second: an unauthenticated flood must
   // not turn into unbounded database writes (every failure still counts in the metric).
   RateLimiter m_auth_failures;
-  WaitQueue m_waits;
 
   void dispatch(HttpRequest&& req, const Peer& peer, Send send, int fd);
 };

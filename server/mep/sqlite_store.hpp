@@ -4,7 +4,7 @@
 #include "mep/sqlite.hpp"
 #include "mep/store.hpp"
 #include "mep/token_cache.hpp"
-#include "mep/wire.hpp"
+#include "mep/rows.hpp"
 
 #include <atomic>
 #include <chrono>
@@ -31,18 +31,18 @@ public:
   /// Finishes every queued job, then stops the writer.
   ~SqliteStore() override;
 
-  void register_memory(const Ctx&, Idempotency, RegisterMemory, Done) override;
-  void claim(const Ctx&, Idempotency, Claim, Done) override;
-  void branch(const Ctx&, Idempotency, Branch, Done) override;
-  void renew(const Ctx&, LeaseRef, Done) override;
-  void renew_batch(const Ctx&, RenewBatch, Done) override;
-  void release(const Ctx&, LeaseRef, Done) override;
-  void verify(const Ctx&, Verify, Done) override;
-  void revoke(const Ctx&, std::string canonical_name, Done) override;
-  void get_lease(const Ctx&, std::string canonical_name, Done) override;
-  void list_leases(const Ctx&, ListLeases, Done) override;
-  void get_memory(const Ctx&, std::string memory_id, Done) override;
-  void lineage(const Ctx&, std::string memory_id, Done) override;
+  void register_memory(const Ctx&, Idempotency, RegisterMemory, Then<lease::Registered>) override;
+  void claim(const Ctx&, Idempotency, Claim, Then<lease::Grant>) override;
+  void branch(const Ctx&, Idempotency, Branch, Then<lease::Branched>) override;
+  void renew(const Ctx&, LeaseRef, Then<lease::Renewed>) override;
+  void renew_batch(const Ctx&, RenewBatch, Then<lease::RenewBatchResult>) override;
+  void release(const Ctx&, LeaseRef, Then<Released>) override;
+  void verify(const Ctx&, Verify, Then<lease::Verified>) override;
+  void revoke(const Ctx&, std::string canonical_name, Then<Revoked>) override;
+  void get_lease(const Ctx&, std::string canonical_name, Then<lease::LeaseInfo>) override;
+  void list_leases(const Ctx&, ListLeases, Then<lease::LeasePage>) override;
+  void get_memory(const Ctx&, std::string memory_id, Then<lease::Memory>) override;
+  void lineage(const Ctx&, std::string memory_id, Then<lease::Lineage>) override;
   std::optional<AuthInfo> authenticate(const std::string& token_sha256) override;
   void audit_auth_failure(const std::string& tenant_id) override;
   bool ready() override;
@@ -50,7 +50,8 @@ public:
   std::int64_t sweep() override;
   bool migration_in_progress() override;
   void set_completion_executor(CompletionExecutor executor) override { m_complete = std::move(executor); }
-  void identity_map(const Ctx&, std::optional<std::string> cursor, std::size_t limit, Done) override;
+  void identity_map(const Ctx&, std::optional<std::string> cursor, std::size_t limit,
+                    Then<lease::IdentityMapPage>) override;
   /// The database file (for tools that work on it directly, such as mep migrate).
   const std::string& path() const { return m_path; }
   std::pair<std::string, std::string> create_token(const std::string& tenant_name, Scope) override;
@@ -59,10 +60,14 @@ public:
   std::vector<AuditRow> list_audit(const std::optional<std::string>& tenant_name, std::size_t limit) override;
 
 private:
-  using Work = std::function<Reply(sqlite::Db&, UnixMs)>;
+  // A job runs its operation on the writer thread and keeps the outcome; `done` hands it
+  // to the caller after the COMMIT, or hands over `failure` instead (the job threw, or the
+  // commit failed: nothing of it is on disk).
+  using Work = std::function<void(sqlite::Db&, UnixMs)>;
+  using Finish = std::function<void(std::optional<Problem> failure)>;
   struct Job {
     Work work;
-    Done done;
+    Finish done;
     std::string request_id;
     bool careful = false; // its work must not run twice (run_sync): savepoints from the start
   };
@@ -88,7 +93,14 @@ private:
 
   void migrate();
   void refresh_migration_state(sqlite::Db& db);
-  void enqueue(Work work, Done done, std::string request_id = {}, bool careful = false);
+  void enqueue(Work work, Finish done, std::string request_id = {}, bool careful = false);
+  /// Queues an operation whose outcome goes to `then`.
+  template <class T>
+  void submit(std::function<Outcome<T>(sqlite::Db&, UnixMs)> op, Then<T> then, std::string request_id);
+  /// Runs a read on a pooled read-only connection in the calling thread and answers `then`
+  /// (503 when the database cannot be read).
+  template <class T>
+  void read(const std::function<Outcome<T>(sqlite::Db&, UnixMs)>& op, const Then<T>& then);
   void writer_loop();
   void run_batch(std::vector<Job>& batch);
   enum class Pass { done, run_carefully, aborted };
@@ -97,21 +109,24 @@ private:
   /// an idempotent operation failed, after writing). aborted: SQLite ended the
   /// transaction itself (disk full, I/O error), so no job's writes are left.
   /// Jobs from index `from` on.
-  Pass run_jobs(std::vector<Job>& batch, std::vector<Reply>& replies, bool careful, std::size_t from = 0);
+  Pass run_jobs(std::vector<Job>& batch, std::vector<std::optional<Problem>>& failures, bool careful,
+                std::size_t from = 0);
   /// Moves requests that are waiting into the open batch (see run_batch); their count.
   std::size_t extend_batch(std::vector<Job>& batch, bool careful, std::chrono::steady_clock::time_point began);
   template <typename T>
   T run_sync(std::function<T(sqlite::Db&, UnixMs)> fn);
   ReaderLease reader();
-  Reply read_failure(const sqlite::Error& e, const std::string& request_id);
 
   /// `record_refusal` false: a 423 outcome is not recorded (Claim::record_refusal).
-  Reply run_idempotent(sqlite::Db& db, UnixMs now, const Ctx& ctx, const Idempotency& idem,
-                       const std::function<Reply()>& op, bool record_refusal = true);
+  /// The operation runs unless an outcome is stored under the key; its outcome is stored
+  /// (as the body the HTTP API answers, rendered by lease/wire.hpp) unless it is a 5xx.
+  template <class T>
+  Outcome<T> run_idempotent(sqlite::Db& db, UnixMs now, const Ctx& ctx, const Idempotency& idem,
+                            const std::function<expected<T, Problem>()>& op, bool record_refusal = true);
   expected<LeaseRow, Problem> classify(sqlite::Db& db, UnixMs now, const Ctx& ctx,
                                        const std::string& memory_id, std::int64_t token, Code not_found);
-  Reply op_claim(sqlite::Db& db, UnixMs now, const Ctx& ctx, const Claim& req);
-  Reply op_renew(sqlite::Db& db, UnixMs now, const Ctx& ctx, const LeaseRef& ref, boost::json::object* item);
+  expected<lease::Grant, Problem> op_claim(sqlite::Db& db, UnixMs now, const Ctx& ctx, const Claim& req);
+  expected<lease::Renewed, Problem> op_renew(sqlite::Db& db, UnixMs now, const Ctx& ctx, const LeaseRef& ref);
 
   // Audit rows are collected while a job runs and written after its savepoint is
   // resolved, so rejected requests (stale fences, name conflicts) are audited too.

@@ -1,9 +1,12 @@
 // The control plane's storage interface (SPEC §6, §9). Every lease operation is one
-// whole transaction behind it; the SQLite and PostgreSQL backends implement it, and
-// the HTTP handlers and the daemon's embedded mode call it. No SQL outside a store.
+// whole transaction behind it; the SQLite and PostgreSQL backends implement it, and the
+// LeaseService (lease_service.hpp) calls it for the HTTP router and for the daemon's
+// embedded mode. Requests and results are the typed operations of lease/types.hpp. No SQL
+// outside a store.
 #pragma once
 #include "mep/canonical.hpp"
 #include "mep/expected.hpp"
+#include "mep/lease/types.hpp"
 #include "mep/problem.hpp"
 #include "mep/time.hpp"
 
@@ -30,21 +33,32 @@ struct Ctx {
   std::string request_id;
 };
 
-/// A finished HTTP-level answer. For idempotent operations the exact bytes are stored
-/// and replayed, so the store produces them.
-struct Reply {
-  int status = 200;
-  std::string body;     ///< JSON text; empty for 204
-  bool problem = false; ///< body is application/problem+json
-  std::optional<int> retry_after_s;
+/// What a store decided for one operation: the typed result or the problem, and whether
+/// it is the replay of an outcome stored under the request's Idempotency-Key. The store
+/// decides outcomes; the HTTP edge (router.cpp) and the embedded control plane choose
+/// statuses, headers and metric labels from them.
+template <class T>
+struct Outcome {
+  expected<T, Problem> value;
   bool replayed = false;
-  /// The outcome label for metrics (`granted`, `name-held`, …); empty when unused.
-  std::string outcome;
-  /// For a 405: the methods the path accepts (the Allow header).
-  std::string allow;
+
+  Outcome(T v, bool replay = false) : value(std::move(v)), replayed(replay) {}
+  Outcome(Problem p, bool replay = false) : value(make_unexpected(std::move(p))), replayed(replay) {}
+  Outcome(expected<T, Problem> v, bool replay = false) : value(std::move(v)), replayed(replay) {}
+  bool ok() const { return value.has_value(); }
 };
 
-using Done = std::function<void(Reply)>;
+/// Called once with an operation's outcome, from a store thread, after it is durable.
+template <class T>
+using Then = std::function<void(Outcome<T>)>;
+
+/// The answer of a release: nothing (204).
+struct Released {};
+/// The lease a revocation ended (not on the wire: revoke answers 204).
+struct Revoked {
+  std::string canonical_name;
+  std::string memory_id;
+};
 
 /// Idempotency-Key and the request fingerprint (SHA-256 of method, path, canonical body).
 struct Idempotency {
@@ -52,18 +66,16 @@ struct Idempotency {
   std::string fingerprint;
 };
 
-inline constexpr std::int64_t k_default_ttl_s = 30;
-inline constexpr std::int64_t k_min_ttl_s = 5;
-inline constexpr std::int64_t k_max_ttl_s = 300;
+using lease::k_default_ttl_s;
+using lease::k_max_ttl_s;
+using lease::k_min_ttl_s;
 inline constexpr std::int64_t k_idempotency_retention_ms = 24LL * 3600 * 1000;
 /// Leases one Store::sweep removes at most (pg_schema.cpp's mep_sweep says 1000 too); a
 /// sweep that removed this many rows is followed by the next one after 10 ms, not 1 s.
 inline constexpr std::int64_t k_sweep_batch = 1000;
-inline constexpr std::size_t k_max_batch = 1000;
+using lease::k_max_batch;
 
-struct RegisterMemory {
-  std::optional<std::string> memory_id; ///< a client-minted UUIDv7, else the server mints one
-};
+using RegisterMemory = lease::RegisterRequest;
 
 struct Claim {
   std::string display_name;
@@ -77,30 +89,11 @@ struct Claim {
   bool record_refusal = true;
 };
 
-/// The identity of a held lease as a client presents it (renew, release).
-struct LeaseRef {
-  std::string canonical_name;
-  std::string memory_id;
-  std::int64_t fencing_token = 0;
-  std::string owner_client_id;
-  std::int64_t ttl_s = k_default_ttl_s;
-};
-
-struct RenewBatch {
-  std::string owner_client_id;
-  std::vector<LeaseRef> leases;
-};
-
-struct Branch {
-  std::string parent_memory_id;
-  std::int64_t parent_fencing_token = 0;
-  std::optional<std::string> memory_id;
-};
-
-struct Verify {
-  std::string memory_id;
-  std::int64_t fencing_token = 0;
-};
+/// A held lease as its holder presents it (renew, release; an item of renew-batch).
+using LeaseRef = lease::LeaseRef;
+using RenewBatch = lease::RenewBatchRequest;
+using Branch = lease::BranchRequest;
+using Verify = lease::VerifyRequest;
 
 struct ListLeases {
   std::optional<std::string> owner_client_id;
@@ -130,29 +123,31 @@ struct AuditRow {
 
 enum class Scope { lease, admin };
 
-/// The storage interface. Asynchronous operations call `done` exactly once, from a
-/// store thread, after the outcome is durable. Synchronous ones may block briefly.
+/// The storage interface. Asynchronous operations call `then` exactly once, from a store
+/// thread (reads: from the caller's), after the outcome is durable, with a typed Outcome:
+/// the store decides outcomes; statuses, headers and metric labels are the edge's.
+/// Synchronous ones may block briefly.
 class Store {
 public:
   virtual ~Store() = default;
 
   // Creating operations (Idempotency-Key required).
-  virtual void register_memory(const Ctx&, Idempotency, RegisterMemory, Done) = 0;
-  virtual void claim(const Ctx&, Idempotency, Claim, Done) = 0;
-  virtual void branch(const Ctx&, Idempotency, Branch, Done) = 0;
+  virtual void register_memory(const Ctx&, Idempotency, RegisterMemory, Then<lease::Registered>) = 0;
+  virtual void claim(const Ctx&, Idempotency, Claim, Then<lease::Grant>) = 0;
+  virtual void branch(const Ctx&, Idempotency, Branch, Then<lease::Branched>) = 0;
 
   // Lease operations on a held lease.
-  virtual void renew(const Ctx&, LeaseRef, Done) = 0;
-  virtual void renew_batch(const Ctx&, RenewBatch, Done) = 0;
-  virtual void release(const Ctx&, LeaseRef, Done) = 0;
-  virtual void verify(const Ctx&, Verify, Done) = 0;
-  virtual void revoke(const Ctx&, std::string canonical_name, Done) = 0;
+  virtual void renew(const Ctx&, LeaseRef, Then<lease::Renewed>) = 0;
+  virtual void renew_batch(const Ctx&, RenewBatch, Then<lease::RenewBatchResult>) = 0;
+  virtual void release(const Ctx&, LeaseRef, Then<Released>) = 0;
+  virtual void verify(const Ctx&, Verify, Then<lease::Verified>) = 0;
+  virtual void revoke(const Ctx&, std::string canonical_name, Then<Revoked>) = 0;
 
   // Reads.
-  virtual void get_lease(const Ctx&, std::string canonical_name, Done) = 0;
-  virtual void list_leases(const Ctx&, ListLeases, Done) = 0;
-  virtual void get_memory(const Ctx&, std::string memory_id, Done) = 0;
-  virtual void lineage(const Ctx&, std::string memory_id, Done) = 0;
+  virtual void get_lease(const Ctx&, std::string canonical_name, Then<lease::LeaseInfo>) = 0;
+  virtual void list_leases(const Ctx&, ListLeases, Then<lease::LeasePage>) = 0;
+  virtual void get_memory(const Ctx&, std::string memory_id, Then<lease::Memory>) = 0;
+  virtual void lineage(const Ctx&, std::string memory_id, Then<lease::Lineage>) = 0;
 
   /// The token whose SHA-256 is `token_sha256`, if it exists and is not revoked.
   virtual std::optional<AuthInfo> authenticate(const std::string& token_sha256) = 0;
@@ -166,7 +161,7 @@ public:
   /// k_sweep_batch leases per call; returns how many rows were removed.
   virtual std::int64_t sweep() = 0;
   /// Where to run completion callbacks: given, a store that finishes many operations at
-  /// once (SQLite group commit) hands them over in one call instead of calling each `done`
+  /// once (SQLite group commit) hands them over in one call instead of calling each `then`
   /// on its own thread, so a batch costs the server one cross-thread wake-up, not one per
   /// request. Set before the first operation.
   using CompletionExecutor = std::function<void(std::function<void()>)>;
@@ -183,7 +178,8 @@ public:
   /// endpoints answer 503 migration-in-progress. Refreshed at least once a second.
   virtual bool migration_in_progress() = 0;
   /// GET /v1/migration/identity-map: the tenant's legacy_memory_ref → memory id entries.
-  virtual void identity_map(const Ctx&, std::optional<std::string> cursor, std::size_t limit, Done) = 0;
+  virtual void identity_map(const Ctx&, std::optional<std::string> cursor, std::size_t limit,
+                            Then<lease::IdentityMapPage>) = 0;
 
   // Administration (the `mep token` and `mep server audit` commands).
   /// Creates the tenant if new and a token for it; returns {tenant_id, token}.

@@ -48,16 +48,19 @@ std::optional<std::int64_t> parse_prefer_wait(std::string_view value);
 std::string name_key(std::string_view skeleton);
 std::string memory_key(std::string_view memory_id);
 
+/// What one claim attempt decided (a grant, a 423 while held, another problem).
+using ClaimOutcome = Outcome<lease::Grant>;
+
 class WaitQueue {
 public:
   using Clock = std::chrono::steady_clock;
-  using Callback = std::function<void(Reply)>;
+  using Callback = std::function<void(ClaimOutcome)>;
   /// Runs one claim attempt and calls its argument once with the store's reply.
   using Attempt = std::function<void(Callback)>;
   /// Answers one waiting request; `outcome` labels the wait metric (granted, refused,
   /// timeout, disconnected, shutdown), `ahead` is the live waiters ahead of it, and
   /// `decided` is when the attempt that decided began (a grant is no earlier), or now.
-  using Answer = std::function<void(Reply, std::string_view outcome, std::size_t ahead, Clock::time_point decided)>;
+  using Answer = std::function<void(ClaimOutcome, std::string_view outcome, std::size_t ahead, Clock::time_point decided)>;
 
   struct Waiter {
     std::string tenant;
@@ -111,7 +114,7 @@ private:
     std::string fingerprint;
     Attempt attempt;
     std::vector<Client> clients;
-    std::optional<Reply> last_refusal;
+    std::optional<ClaimOutcome> last_refusal;
     Clock::time_point retry_at = Clock::time_point::max(); ///< when the holder's lease ends
     Clock::time_point abandoned_until{};                   ///< no clients: kept until then
     bool wake = false;       ///< try it when it is the head
@@ -130,10 +133,10 @@ private:
   std::size_t live_on(const std::string& key) const;
   void wake_heads(const std::vector<std::string>& keys);
   void start_attempt(const EntryPtr& e, Later& later);
-  void on_attempt(const EntryPtr& e, Reply r);
-  void resolve(const EntryPtr& e, const Reply& r, std::string_view outcome, Later& later);
+  void on_attempt(const EntryPtr& e, ClaimOutcome r);
+  void resolve(const EntryPtr& e, const ClaimOutcome& r, std::string_view outcome, Later& later);
   void erase(const EntryPtr& e);
-  Reply refusal_for(const Entry& e) const;
+  ClaimOutcome refusal_for(const Entry& e) const;
   void update_gauge();
 
   mutable std::mutex m_mutex;

@@ -6,7 +6,6 @@
 #include "mep/crypto.hpp"
 #include "mep/store.hpp"
 #include "mep/uuid.hpp"
-#include "mep/wire.hpp"
 
 #include <atomic>
 #include <mutex>
@@ -18,80 +17,87 @@ namespace mep::test {
 class FakeStore final : public server::Store {
 public:
   static constexpr const char* k_token = "mep_test";
+  static constexpr UnixMs k_now = 1767225600000; // 2026-01-01T00:00:00Z
 
   // Calls counted; with fail_at > 0 the call of that number throws (a database error).
   std::atomic<int> calls{0};
   int fail_at = 0;
+  // Set by a test: claims answer this problem; outcomes are replays of stored ones.
+  std::optional<Problem> claim_problem;
+  bool replay = false;
 
-  void register_memory(const server::Ctx& ctx, server::Idempotency, server::RegisterMemory req, server::Done done) override {
+  void register_memory(const server::Ctx&, server::Idempotency, server::RegisterMemory req,
+                       server::Then<lease::Registered> then) override {
     step();
     std::string id = req.memory_id.value_or(uuid_v7().to_string());
     {
       std::lock_guard lock(m_mutex);
       m_memories.insert(id);
     }
-    done(server::json_reply(201, boost::json::object{{"memory_instance_id", id}, {"created_at", "2026-01-01T00:00:00.000Z"}}));
-    (void)ctx;
+    then(server::Outcome<lease::Registered>(lease::Registered{id, k_now, !replay}, replay));
   }
-  void claim(const server::Ctx& ctx, server::Idempotency, server::Claim req, server::Done done) override {
+  void claim(const server::Ctx&, server::Idempotency, server::Claim req, server::Then<lease::Grant> then) override {
     step();
-    if (!req.name) return done(server::problem_reply(req.name.error().to_problem(), ctx.request_id));
+    if (!req.name) return then(req.name.error().to_problem());
     if (req.ttl_s < server::k_min_ttl_s || req.ttl_s > server::k_max_ttl_s)
-      return done(server::problem_reply(Problem(Code::invalid_ttl, "ttl out of range"), ctx.request_id));
-    if (!known(req.memory_id))
-      return done(server::problem_reply(Problem(Code::memory_not_found, "no such memory"), ctx.request_id));
-    server::LeaseRow l;
-    l.lease_id = uuid_v7().to_string();
-    l.canonical_name = req.name->canonical_name;
-    l.display_name = req.display_name;
-    l.memory_id = req.memory_id;
-    l.fencing_token = 1;
-    l.owner_client_id = req.owner_client_id;
-    l.ttl_s = req.ttl_s;
-    l.expires_at = 1767225600000 + req.ttl_s * 1000;
-    done(server::json_reply(201, server::grant_json(l, 1767225600000), "granted"));
+      return then(Problem(Code::invalid_ttl, "ttl out of range"));
+    if (!known(req.memory_id)) return then(Problem(Code::memory_not_found, "no such memory"));
+    if (claim_problem) return then(server::Outcome<lease::Grant>(*claim_problem, replay));
+    lease::Grant g;
+    g.lease_id = uuid_v7().to_string();
+    g.canonical_name = req.name->canonical_name;
+    g.display_name = req.display_name;
+    g.memory_id = req.memory_id;
+    g.fencing_token = 1;
+    g.ttl_s = req.ttl_s;
+    g.expires_at = k_now + req.ttl_s * 1000;
+    g.server_time = k_now;
+    then(server::Outcome<lease::Grant>(std::move(g), replay));
   }
-  void branch(const server::Ctx& ctx, server::Idempotency, server::Branch req, server::Done done) override {
+  void branch(const server::Ctx&, server::Idempotency, server::Branch req, server::Then<lease::Branched> then) override {
     step();
-    if (!known(req.parent_memory_id))
-      return done(server::problem_reply(Problem(Code::memory_not_found, "no such memory"), ctx.request_id));
-    done(server::json_reply(201, boost::json::object{{"memory_instance_id", req.memory_id.value_or(uuid_v7().to_string())},
-                                                     {"parent_memory_instance_id", req.parent_memory_id},
-                                                     {"branched_at_token", req.parent_fencing_token}}));
+    if (!known(req.parent_memory_id)) return then(Problem(Code::memory_not_found, "no such memory"));
+    then(lease::Branched{req.memory_id.value_or(uuid_v7().to_string()), req.parent_memory_id, req.parent_fencing_token, true});
   }
-  void renew(const server::Ctx& ctx, server::LeaseRef, server::Done done) override { gone(ctx, done); }
-  void renew_batch(const server::Ctx&, server::RenewBatch req, server::Done done) override {
+  void renew(const server::Ctx&, server::LeaseRef, server::Then<lease::Renewed> then) override { gone(then); }
+  void renew_batch(const server::Ctx&, server::RenewBatch req, server::Then<lease::RenewBatchResult> then) override {
     step();
-    boost::json::array results;
-    for (const auto& l : req.leases)
-      results.emplace_back(boost::json::object{{"canonical_name", l.canonical_name}, {"status", 410}, {"code", "lease-expired"}});
-    done(server::json_reply(200, boost::json::object{{"results", std::move(results)}}));
+    lease::RenewBatchResult out;
+    for (const auto& l : req.leases) out.results.push_back(lease::RenewItem{l.canonical_name, 410, std::nullopt, "lease-expired"});
+    then(std::move(out));
   }
-  void release(const server::Ctx&, server::LeaseRef, server::Done done) override {
+  void release(const server::Ctx&, server::LeaseRef, server::Then<server::Released> then) override {
     step();
-    done(server::no_content("released"));
+    then(server::Released{});
   }
-  void verify(const server::Ctx& ctx, server::Verify, server::Done done) override { gone(ctx, done); }
-  void revoke(const server::Ctx& ctx, std::string, server::Done done) override {
+  void verify(const server::Ctx&, server::Verify, server::Then<lease::Verified> then) override { gone(then); }
+  void revoke(const server::Ctx&, std::string, server::Then<server::Revoked> then) override {
     step();
-    done(server::problem_reply(Problem(Code::lease_not_found, "no live lease under this name"), ctx.request_id));
+    then(Problem(Code::lease_not_found, "no live lease under this name"));
   }
-  void get_lease(const server::Ctx& ctx, std::string, server::Done done) override {
+  void get_lease(const server::Ctx&, std::string, server::Then<lease::LeaseInfo> then) override {
     step();
-    done(server::problem_reply(Problem(Code::lease_not_found, "no live lease"), ctx.request_id));
+    then(Problem(Code::lease_not_found, "no live lease"));
   }
-  void list_leases(const server::Ctx&, server::ListLeases req, server::Done done) override {
+  void list_leases(const server::Ctx&, server::ListLeases, server::Then<lease::LeasePage> then) override {
     step();
-    done(server::LeasePage(req.limit).reply());
+    then(lease::LeasePage{});
   }
-  void get_memory(const server::Ctx& ctx, std::string id, server::Done done) override {
+  void get_memory(const server::Ctx&, std::string id, server::Then<lease::Memory> then) override {
     step();
-    if (!known(id)) return done(server::problem_reply(Problem(Code::memory_not_found, "no such memory"), ctx.request_id));
-    server::MemoryRow m;
+    if (!known(id)) return then(Problem(Code::memory_not_found, "no such memory"));
+    lease::Memory m;
     m.memory_id = id;
-    done(server::json_reply(200, server::memory_json(m)));
+    then(std::move(m));
   }
-  void lineage(const server::Ctx& ctx, std::string id, server::Done done) override { get_memory(ctx, std::move(id), std::move(done)); }
+  void lineage(const server::Ctx&, std::string id, server::Then<lease::Lineage> then) override {
+    step();
+    if (!known(id)) return then(Problem(Code::memory_not_found, "no such memory"));
+    lease::Lineage l;
+    l.memory_id = id;
+    l.memory.memory_id = id;
+    then(std::move(l));
+  }
   std::optional<server::AuthInfo> authenticate(const std::string& token_sha256) override {
     if (token_sha256 != sha256_hex(k_token)) return std::nullopt;
     return server::AuthInfo{"tenant-test", "token-test", true, true};
@@ -101,9 +107,10 @@ public:
   std::int64_t active_leases() override { return 0; }
   std::int64_t sweep() override { return 0; }
   bool migration_in_progress() override { return m_migrating; }
-  void identity_map(const server::Ctx&, std::optional<std::string>, std::size_t, server::Done done) override {
+  void identity_map(const server::Ctx&, std::optional<std::string>, std::size_t,
+                    server::Then<lease::IdentityMapPage> then) override {
     step();
-    done(server::json_reply(200, boost::json::object{{"entries", boost::json::array{}}, {"next_cursor", nullptr}}));
+    then(lease::IdentityMapPage{});
   }
   std::pair<std::string, std::string> create_token(const std::string&, server::Scope) override { return {"t", k_token}; }
   std::vector<server::TokenInfo> list_tokens(const std::optional<std::string>&) override { return {}; }
@@ -121,9 +128,10 @@ private:
     std::lock_guard lock(m_mutex);
     return m_memories.count(id) > 0;
   }
-  void gone(const server::Ctx& ctx, const server::Done& done) {
+  template <class T>
+  void gone(const server::Then<T>& then) {
     step();
-    done(server::problem_reply(Problem(Code::lease_expired, "the lease expired"), ctx.request_id));
+    then(Problem(Code::lease_expired, "the lease expired"));
   }
 
   std::mutex m_mutex;

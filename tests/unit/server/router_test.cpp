@@ -221,3 +221,63 @@ TEST_CASE("router: a query parameter that is not UTF-8 is quoted as valid JSON",
   REQUIRE(h.code(a) == "invalid-request");
   REQUIRE(std::string(a.body.at("detail").as_string()).find("own\xEF\xBF\xBD" "er") != std::string::npos);
 }
+
+TEST_CASE("router: typed outcomes become the API's statuses, bodies and headers", "[router]") {
+  Harness h;
+  const std::string mem = h.new_memory();
+  const std::string body = R"({"display_name":"Alpha","memory_instance_id":")" + mem + R"(","owner_client_id":"o"})";
+  auto granted = h.call(bhttp::verb::post, "/v1/leases", body, FakeStore::k_token, "g1");
+  REQUIRE(granted.status == 201);
+  REQUIRE(granted.res["Idempotent-Replayed"].empty());
+  REQUIRE(granted.body.at("canonical_name").as_string() == "alpha");
+  REQUIRE(granted.body.at("expires_at").as_string() == "2026-01-01T00:00:30.000Z");
+  REQUIRE(granted.body.at("server_time").as_string() == "2026-01-01T00:00:00.000Z");
+  REQUIRE(granted.body.at("fencing_token").as_int64() == 1);
+
+  // A replay: 200 (nothing was created this time) and Idempotent-Replayed.
+  h.store.replay = true;
+  auto replayed = h.call(bhttp::verb::post, "/v1/leases", body, FakeStore::k_token, "g1");
+  REQUIRE(replayed.status == 200);
+  REQUIRE(replayed.res["Idempotent-Replayed"] == "true");
+  auto existing = h.call(bhttp::verb::post, "/v1/memories", "{}", FakeStore::k_token, "m1");
+  REQUIRE(existing.status == 200);
+
+  // A refusal keeps its status, its Retry-After, its extensions and the request id.
+  h.store.replay = false;
+  mep::Problem held(mep::Code::name_held, "held by another owner");
+  held.retry_after_s = 7;
+  held.extensions["reason"] = "test";
+  h.store.claim_problem = held;
+  auto refused = h.call(bhttp::verb::post, "/v1/leases", body, FakeStore::k_token, "g2");
+  REQUIRE(refused.status == 423);
+  REQUIRE(refused.res[bhttp::field::retry_after] == "7");
+  REQUIRE(refused.body.at("reason").as_string() == "test");
+  REQUIRE(refused.body.at("detail").as_string() == "held by another owner");
+
+  // 204 without a body; a batch is 200 with one result per lease.
+  auto released = h.call(bhttp::verb::post, "/v1/leases/release",
+                         R"({"canonical_name":"a","memory_instance_id":")" + mem + R"(","fencing_token":1,"owner_client_id":"o"})");
+  REQUIRE(released.status == 204);
+  REQUIRE(released.res.body().empty());
+  auto batch = h.call(bhttp::verb::post, "/v1/leases/renew-batch",
+                      R"({"owner_client_id":"o","leases":[{"canonical_name":"a","memory_instance_id":")" + mem +
+                          R"(","fencing_token":1}]})");
+  REQUIRE(batch.status == 200);
+  REQUIRE(batch.body.at("results").as_array().size() == 1);
+  REQUIRE(batch.body.at("results").as_array()[0].at("status").as_int64() == 410);
+  REQUIRE(batch.body.at("results").as_array()[0].at("code").as_string() == "lease-expired");
+}
+
+TEST_CASE("router: each route's body limit is the row's", "[router]") {
+  using mep::server::body_limit_for;
+  REQUIRE(body_limit_for("/v1/leases") == mep::server::k_body_limit);
+  REQUIRE(body_limit_for("/v1/leases/renew-batch") == mep::server::k_batch_body_limit);
+  REQUIRE(body_limit_for("/v1/leases/renew-batch?x=1") == mep::server::k_batch_body_limit);
+  REQUIRE(body_limit_for("/no/such/route") == mep::server::k_body_limit);
+  Harness h;
+  const std::string big(mep::server::k_body_limit + 1, ' ');
+  REQUIRE(h.call(bhttp::verb::post, "/v1/leases/renew", "{}" + big).status == 413);
+  // renew-batch takes more than 16 KiB (the edge holds it to 512 KiB).
+  auto a = h.call(bhttp::verb::post, "/v1/leases/renew-batch", R"({"owner_client_id":"o","leases":[]})" + big);
+  REQUIRE(a.status == 200);
+}

@@ -2,7 +2,6 @@
 // order in which waiters are tried, granted and answered is visible.
 #include "mep/waiters.hpp"
 
-#include "mep/wire.hpp"
 
 #include <catch2/catch.hpp>
 
@@ -18,19 +17,16 @@ using namespace std::chrono_literals;
 
 namespace {
 
-Reply held(int retry_after = 30) {
+ClaimOutcome held(int retry_after = 30) {
   Problem p(Code::name_held, "held");
   p.retry_after_s = retry_after;
-  return problem_reply(std::move(p), "", "name-held");
+  return ClaimOutcome(std::move(p));
 }
 
-Reply granted() {
-  Reply r;
-  r.status = 201;
-  r.body = "{}";
-  r.outcome = "granted";
-  return r;
-}
+ClaimOutcome granted() { return ClaimOutcome(lease::Grant{}); }
+
+// The status the HTTP edge would answer: 201 for a grant, else the problem's.
+int status_of(const ClaimOutcome& r) { return r.ok() ? 201 : r.value.error().status(); }
 
 // A resource that is free or held; attempts succeed only when free, and take it.
 struct World {
@@ -50,7 +46,7 @@ struct World {
     w.deadline = WaitQueue::Clock::now() + wait;
     w.fd = fd;
     w.attempt = [this, who](WaitQueue::Callback cb) {
-      Reply r;
+      std::optional<ClaimOutcome> r;
       {
         std::lock_guard lock(m);
         attempts.push_back(who);
@@ -61,11 +57,11 @@ struct World {
           r = held();
         }
       }
-      cb(std::move(r));
+      cb(std::move(*r));
     };
-    w.answer = [this, who](Reply r, std::string_view, std::size_t, WaitQueue::Clock::time_point) {
+    w.answer = [this, who](ClaimOutcome r, std::string_view, std::size_t, WaitQueue::Clock::time_point) {
       std::lock_guard lock(m);
-      answers.emplace_back(who, r.status);
+      answers.emplace_back(who, status_of(r));
       cv.notify_all();
     };
     return w;

@@ -26,6 +26,8 @@ struct RegisterRequest {
 struct Registered {
   std::string memory_id;
   UnixMs created_at = 0;
+  /// Not on the wire: true when this call created the memory (201), false when it existed (200).
+  bool created = false;
 };
 
 /// POST /v1/leases: the atomic claim of a name and a memory.
@@ -50,12 +52,21 @@ struct Grant {
   /// received it the granting attempt began (its Mep-Waited-Ms). The grant is no earlier
   /// than the request's sending plus this, which is what a local deadline may count from.
   std::int64_t waited_ms = 0;
+  /// Not on the wire: the same owner claimed its live lease again (a re-claim).
+  bool reclaimed = false;
 };
 
 /// GET /v1/leases/{name}: a grant and its owner.
 struct LeaseInfo {
   Grant grant;
   std::string owner_client_id;
+};
+
+/// GET /v1/leases: one page in name order; next_cursor is the page's last name when
+/// another page follows.
+struct LeasePage {
+  std::vector<LeaseInfo> leases;
+  std::optional<std::string> next_cursor;
 };
 
 /// A held lease as its holder presents it (renew, release; one item of renew-batch).
@@ -101,6 +112,9 @@ struct Branched {
   std::string memory_id;
   std::string parent_memory_id;
   std::int64_t branched_at_token = 0;
+  /// Not on the wire: true when this call created the branch (201), false for the same
+  /// branch again (200).
+  bool created = false;
 };
 
 /// GET /v1/memories/{id}.

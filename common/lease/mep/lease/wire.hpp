@@ -16,6 +16,7 @@ boost::json::object to_json(const Registered& r);
 boost::json::object to_json(const ClaimRequest& r);
 boost::json::object to_json(const Grant& g);
 boost::json::object to_json(const LeaseInfo& l);
+boost::json::object to_json(const LeasePage& p);
 /// A LeaseRef as each endpoint takes it: renew (owner and ttl), an item of renew-batch
 /// (ttl, and the owner only when it differs from the batch's), release (owner, no ttl).
 enum class RefForm { renew, batch_item, release };
@@ -34,6 +35,8 @@ boost::json::object to_json(const IdentityMapPage& p);
 expected<Registered, Problem> decode_registered(const boost::json::object& o);
 expected<ClaimRequest, Problem> decode_claim_request(const boost::json::object& o);
 expected<Grant, Problem> decode_grant(const boost::json::object& o);
+expected<LeaseInfo, Problem> decode_lease_info(const boost::json::object& o);
+expected<LeasePage, Problem> decode_lease_page(const boost::json::object& o);
 expected<Renewed, Problem> decode_renewed(const boost::json::object& o);
 expected<RenewBatchResult, Problem> decode_renew_batch_result(const boost::json::object& o);
 expected<Branched, Problem> decode_branched(const boost::json::object& o);

@@ -1,13 +1,10 @@
-// Wire forms of the control-plane API (SPEC §6): the JSON bodies of leases, memories
-// and problems, shared by the stores (which must produce replayable bytes), the HTTP
-// handlers and the daemon.
+// The control plane's rows as the stores read them, and the typed results (lease/types.hpp)
+// made from them. No JSON here: lease/wire.hpp renders results for the HTTP edge.
 #pragma once
+#include "mep/expected.hpp"
+#include "mep/lease/types.hpp"
 #include "mep/problem.hpp"
-#include "mep/store.hpp"
 #include "mep/time.hpp"
-
-#include <boost/json/array.hpp>
-#include <boost/json/object.hpp>
 
 #include <cstdint>
 #include <optional>
@@ -40,37 +37,29 @@ struct MemoryRow {
   UnixMs created_at = 0;
 };
 
-/// The claim's 201 body: lease_id, canonical_name, display_name, memory_instance_id,
-/// fencing_token, expires_at, ttl_seconds, server_time.
-boost::json::object grant_json(const LeaseRow& l, UnixMs now);
-/// GET /v1/leases/{name}: the grant fields plus owner_client_id.
-boost::json::object lease_json(const LeaseRow& l, UnixMs now);
+/// The claim's grant of a lease row, read at `now`.
+lease::Grant to_grant(const LeaseRow& l, UnixMs now);
+/// GET /v1/leases/{name}: the grant and its owner.
+lease::LeaseInfo to_lease_info(const LeaseRow& l, UnixMs now);
 /// GET /v1/memories/{id}.
-boost::json::object memory_json(const MemoryRow& m);
+lease::Memory to_memory(const MemoryRow& m);
 
 /// GET /v1/leases: one page, from rows read in name order with LIMIT limit + 1 (the extra
 /// row only says that another page follows; next_cursor is then the page's last name).
-class LeasePage {
+class LeasePageBuilder {
 public:
-  explicit LeasePage(std::size_t limit) : m_limit(limit) {}
+  explicit LeasePageBuilder(std::size_t limit) : m_limit(limit) {}
   /// Adds a row; false when the page was already full (stop reading).
   bool add(const LeaseRow& l, UnixMs now);
-  /// 200 {"leases": [...], "next_cursor": name or null}.
-  Reply reply() const;
+  lease::LeasePage take() { return std::move(m_page); }
 
 private:
   std::size_t m_limit;
-  boost::json::array m_leases;
-  std::string m_last;
-  bool m_more = false;
+  lease::LeasePage m_page;
 };
 
-/// A JSON reply with `status`.
-Reply json_reply(int status, const boost::json::object& body, std::string outcome = {});
-/// A problem reply; `instance` is the request id.
-Reply problem_reply(Problem p, const std::string& request_id, std::string outcome = {});
-/// 204 No Content.
-Reply no_content(std::string outcome = {});
+/// One lease's outcome in a renew-batch: its new expiry, or the problem's status and code.
+lease::RenewItem renew_item(std::string canonical_name, const expected<lease::Renewed, Problem>& r);
 
 /// 503 unavailable with Retry-After: 1, for a database that cannot be used right now.
 Problem db_unavailable();
