@@ -1,10 +1,12 @@
 // SQLite RAII wrappers.
 #include "mep/sqlite.hpp"
 
+#include <atomic>
 #include <memory>
 
 namespace mep::sqlite {
 namespace {
+std::atomic<std::int64_t> g_fail_countdown{0}; // see fault::fail_step
 [[noreturn]] void fail(sqlite3* db, int rc, std::string_view what) {
   std::string msg(what);
   msg += ": ";
@@ -45,6 +47,8 @@ Stmt& Stmt::bind_null(int i) {
 }
 
 bool Stmt::step() {
+  if (g_fail_countdown.load(std::memory_order_relaxed) > 0 && g_fail_countdown.fetch_sub(1) == 1)
+    throw Error(SQLITE_IOERR, "step: disk I/O error (injected by a test)");
   int rc = sqlite3_step(m_stmt);
   if (rc == SQLITE_ROW) return true;
   if (rc == SQLITE_DONE) return false;
@@ -128,6 +132,9 @@ Stmt& Db::prepare(std::string_view sql) {
   m_cache.emplace(std::string(sql), std::move(stmt));
   return ref;
 }
+
+void fault::fail_step(std::int64_t n) { g_fail_countdown.store(n); }
+std::int64_t fault::left() { return g_fail_countdown.load(); }
 
 bool has_column(Db& db, std::string_view table, std::string_view column) {
   Use q(db.prepare("SELECT count(*) FROM pragma_table_info(?1) WHERE name = ?2"));

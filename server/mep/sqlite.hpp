@@ -122,6 +122,14 @@ template <class F> void in_transaction(Db& db, std::string_view begin, F&& fn) {
   }
 }
 
+/// Fault injection for tests (Beast's fail_count): the `n`th Stmt::step from now, on any
+/// connection of the process, throws Error(SQLITE_IOERR) without running; 0 disarms it.
+namespace fault {
+void fail_step(std::int64_t n);
+/// Steps left before the injected failure (0: it happened, or none is armed).
+std::int64_t left();
+} // namespace fault
+
 /// True when `table` has a column named `column`.
 bool has_column(Db& db, std::string_view table, std::string_view column);
 
