@@ -286,14 +286,19 @@ void PgStore::migrate() {
   m_spare.push_back(std::move(c));
 }
 
-template <class T>
-void PgStore::submit(std::function<Outcome<T>(pg::Conn&)> op, Then<T> then, std::string request_id, bool repeatable) {
+template <class T, class Op>
+void PgStore::submit(Op op, Then<T> then, std::string request_id, bool repeatable) {
   // The outcome of the last run (a retried call runs again) until it is handed over.
-  auto kept = std::make_shared<std::optional<Outcome<T>>>();
-  enqueue([op = std::move(op), kept](pg::Conn& c) { kept->emplace(op(c)); },
-          [kept, then = std::move(then)](std::optional<Problem> failure) {
-            if (failure || !*kept) return then(Outcome<T>(failure ? std::move(*failure) : db_unavailable()));
-            then(std::move(**kept));
+  struct Kept {
+    std::optional<Outcome<T>> outcome;
+    Then<T> then;
+  };
+  auto kept = std::make_shared<Kept>(Kept{std::nullopt, std::move(then)});
+  enqueue([op = std::move(op), kept](pg::Conn& c) { kept->outcome.emplace(op(c)); },
+          [kept](std::optional<Problem> failure) {
+            if (failure || !kept->outcome)
+              return kept->then(Outcome<T>(failure ? std::move(*failure) : db_unavailable()));
+            kept->then(std::move(*kept->outcome));
           },
           std::move(request_id), repeatable);
 }

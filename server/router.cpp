@@ -42,31 +42,39 @@ struct Reply {
   std::vector<std::pair<std::string, std::string>> headers;
 };
 
-std::vector<std::string_view> split_pattern(std::string_view p) {
-  std::vector<std::string_view> out;
-  std::size_t i = 1;
-  while (i <= p.size()) {
-    std::size_t j = p.find('/', i);
-    if (j == std::string_view::npos) j = p.size();
-    out.push_back(p.substr(i, j - i));
+// Calls fn(segment) for each '/'-separated segment of a pattern ("/a/{x}" → "a", "{x}").
+template <class F>
+bool each_segment(std::string_view pattern, F&& fn) {
+  for (std::size_t i = 1; i <= pattern.size();) {
+    std::size_t j = pattern.find('/', i);
+    if (j == std::string_view::npos) j = pattern.size();
+    if (!fn(pattern.substr(i, j - i))) return false;
     i = j + 1;
   }
-  return out;
+  return true;
 }
 
-bool match(std::string_view pattern, const std::vector<std::string>& segs, std::vector<std::string>& params) {
-  auto pat = split_pattern(pattern);
-  if (pat.size() != segs.size()) return false;
-  std::vector<std::string> found;
-  for (std::size_t i = 0; i < pat.size(); ++i) {
-    if (pat[i].size() > 2 && pat[i].front() == '{') {
-      if (segs[i].empty()) return false;
-      found.push_back(segs[i]);
-    } else if (pat[i] != segs[i]) {
-      return false;
-    }
+bool is_param(std::string_view seg) { return seg.size() > 2 && seg.front() == '{'; }
+
+// Whether a pattern matches the path's segments (no allocation); `params`, when given, gets
+// the segments its "{x}" parts matched.
+bool match(std::string_view pattern, const std::vector<std::string>& segs, std::vector<std::string>* params = nullptr) {
+  std::size_t n = 0;
+  bool ok = each_segment(pattern, [&](std::string_view seg) {
+    if (n >= segs.size()) return false;
+    const std::string& s = segs[n++];
+    return is_param(seg) ? !s.empty() : seg == s;
+  });
+  if (!ok || n != segs.size()) return false;
+  if (params) {
+    params->clear();
+    n = 0;
+    each_segment(pattern, [&](std::string_view seg) {
+      if (is_param(seg)) params->push_back(segs[n]);
+      ++n;
+      return true;
+    });
   }
-  params = std::move(found);
   return true;
 }
 
@@ -170,10 +178,11 @@ Reply encode(const CallPtr& c, const Outcome<T>& o, int status) {
   return r;
 }
 
-// The answer for an outcome whose success has one status.
-template <class T>
-Then<T> answer(CallPtr c, int status) {
-  return [c = std::move(c), status](Outcome<T> o) { finish(c, encode(c, o, status)); };
+// The answer for an outcome whose success has one status (a template argument: the
+// closure then holds only the call, and fits in std::function without an allocation).
+template <class T, int Status>
+Then<T> answer(CallPtr c) {
+  return [c = std::move(c)](Outcome<T> o) { finish(c, encode(c, o, Status)); };
 }
 
 // A created resource is 201 the first time and 200 when it existed (or is replayed).
@@ -373,7 +382,7 @@ void on_renew(const CallPtr& c, LeaseService& svc) {
   json::ObjectReader r(*body);
   auto ref = lease_ref(r, true, true);
   if (!finish_reader(c, r)) return;
-  svc.renew(c->ctx, std::move(*ref), answer<lease::Renewed>(c, 200));
+  svc.renew(c->ctx, std::move(*ref), answer<lease::Renewed, 200>(c));
 }
 
 void on_renew_batch(const CallPtr& c, LeaseService& svc) {
@@ -404,7 +413,7 @@ void on_renew_batch(const CallPtr& c, LeaseService& svc) {
   }
   if (!finish_reader(c, r)) return;
   req.owner_client_id = *owner;
-  svc.renew_batch(c->ctx, std::move(req), answer<lease::RenewBatchResult>(c, 200));
+  svc.renew_batch(c->ctx, std::move(req), answer<lease::RenewBatchResult, 200>(c));
 }
 
 void on_release(const CallPtr& c, LeaseService& svc) {
@@ -413,7 +422,7 @@ void on_release(const CallPtr& c, LeaseService& svc) {
   json::ObjectReader r(*body);
   auto ref = lease_ref(r, true, false);
   if (!finish_reader(c, r)) return;
-  svc.release(c->ctx, std::move(*ref), answer<Released>(c, 204));
+  svc.release(c->ctx, std::move(*ref), answer<Released, 204>(c));
 }
 
 void on_branch(const CallPtr& c, LeaseService& svc) {
@@ -443,7 +452,7 @@ void on_verify(const CallPtr& c, LeaseService& svc) {
   auto memory = r.uuid("memory_instance_id", Need::required);
   auto token = r.integer("fencing_token", Need::required, 0, k_max_token);
   if (!finish_reader(c, r)) return;
-  svc.verify(c->ctx, lease::VerifyRequest{*memory, *token}, answer<lease::Verified>(c, 200));
+  svc.verify(c->ctx, lease::VerifyRequest{*memory, *token}, answer<lease::Verified, 200>(c));
 }
 
 void on_revoke(const CallPtr& c, LeaseService& svc) {
@@ -452,7 +461,7 @@ void on_revoke(const CallPtr& c, LeaseService& svc) {
   json::ObjectReader r(*body);
   auto name = r.string("canonical_name", Need::required);
   if (!finish_reader(c, r)) return;
-  svc.revoke(c->ctx, *name, answer<Revoked>(c, 204));
+  svc.revoke(c->ctx, *name, answer<Revoked, 204>(c));
 }
 
 void on_get_lease(const CallPtr& c, LeaseService& svc) {
@@ -460,7 +469,7 @@ void on_get_lease(const CallPtr& c, LeaseService& svc) {
   const std::string& raw = c->params[0];
   if (!utf8::decode(raw) || raw.find('\0') != std::string::npos)
     return fail(c, Problem(Code::lease_not_found, "no live lease of this tenant under this name"));
-  svc.get_lease(c->ctx, raw, answer<lease::LeaseInfo>(c, 200));
+  svc.get_lease(c->ctx, raw, answer<lease::LeaseInfo, 200>(c));
 }
 
 // A `limit` query value: digits only (no sign, no spaces), from 1 to `max`.
@@ -496,7 +505,7 @@ void on_list_leases(const CallPtr& c, LeaseService& svc) {
       return fail(c, Problem(Code::invalid_request, "unknown query parameter \"" + std::string(p.key) + "\""));
     }
   }
-  svc.list_leases(c->ctx, std::move(req), answer<lease::LeasePage>(c, 200));
+  svc.list_leases(c->ctx, std::move(req), answer<lease::LeasePage, 200>(c));
 }
 
 bool uuid_param(const CallPtr& c, std::string& out) {
@@ -511,12 +520,12 @@ bool uuid_param(const CallPtr& c, std::string& out) {
 
 void on_get_memory(const CallPtr& c, LeaseService& svc) {
   std::string id;
-  if (uuid_param(c, id)) svc.get_memory(c->ctx, id, answer<lease::Memory>(c, 200));
+  if (uuid_param(c, id)) svc.get_memory(c->ctx, id, answer<lease::Memory, 200>(c));
 }
 
 void on_lineage(const CallPtr& c, LeaseService& svc) {
   std::string id;
-  if (uuid_param(c, id)) svc.lineage(c->ctx, id, answer<lease::Lineage>(c, 200));
+  if (uuid_param(c, id)) svc.lineage(c->ctx, id, answer<lease::Lineage, 200>(c));
 }
 
 void on_identity_map(const CallPtr& c, LeaseService& svc) {
@@ -533,7 +542,7 @@ void on_identity_map(const CallPtr& c, LeaseService& svc) {
       return fail(c, Problem(Code::invalid_request, "unknown query parameter \"" + std::string(q.key) + "\""));
     }
   }
-  svc.identity_map(c->ctx, std::move(cursor), limit, answer<lease::IdentityMapPage>(c, 200));
+  svc.identity_map(c->ctx, std::move(cursor), limit, answer<lease::IdentityMapPage, 200>(c));
 }
 
 void on_metrics(const CallPtr& c, LeaseService& svc) {
@@ -575,6 +584,7 @@ constexpr bhttp::verb GET = bhttp::verb::get;
 constexpr bhttp::verb POST = bhttp::verb::post;
 
 // The first row whose pattern and method match wins (order matters only for equal paths).
+// clang-format off
 constexpr Route k_routes[] = {
     // method, pattern,                        auth,          idempotency,    gate,            priority,               body,    metric,          handler
     {GET,  "/healthz",                         Auth::none,    Idem::none,     Gate::open,      Priority::normal,       k_small, Metric::none,    on_healthz},
@@ -594,6 +604,7 @@ constexpr Route k_routes[] = {
     {POST, "/v1/admin/leases/revoke",          Auth::admin,   Idem::none,     Gate::open,      Priority::normal,       k_small, Metric::none,    on_revoke},
     {GET,  "/v1/migration/identity-map",       Auth::lease,   Idem::none,     Gate::open,      Priority::normal,       k_small, Metric::none,    on_identity_map},
 };
+// clang-format on
 
 // The path's segments ("" for "/").
 std::vector<std::string> segments_of(const boost::urls::url_view_base& u) {
@@ -606,13 +617,17 @@ std::vector<std::string> segments_of(const boost::urls::url_view_base& u) {
 } // namespace
 
 std::size_t body_limit_for(std::string_view target) {
-  auto u = boost::urls::parse_origin_form(target);
-  if (!u) return k_body_limit;
-  auto segs = segments_of(*u);
+  // Asked for every request before its body is read: only the rows with a larger limit are
+  // looked at, and a pattern without parameters is compared with the path as it came.
+  const std::string_view path = target.substr(0, target.find('?'));
   std::size_t limit = k_body_limit;
   for (const auto& r : k_routes) {
-    std::vector<std::string> params;
-    if (match(r.pattern, segs, params)) limit = std::max(limit, r.body_limit);
+    if (r.body_limit <= limit) continue;
+    if (r.pattern.find('{') == std::string_view::npos) {
+      if (path == r.pattern) limit = r.body_limit;
+    } else if (auto u = boost::urls::parse_origin_form(target); u && match(r.pattern, segments_of(*u))) {
+      limit = r.body_limit;
+    }
   }
   return limit;
 }
@@ -681,11 +696,10 @@ void Router::dispatch(HttpRequest&& req, const Peer& peer, Send send, int fd) {
   c->query = target->params();
   std::string allow;
   for (const auto& r : k_routes) {
-    std::vector<std::string> params;
-    if (!match(r.pattern, segs, params)) continue;
+    if (!match(r.pattern, segs)) continue;
     if (r.method == method) {
       c->route = &r;
-      c->params = std::move(params);
+      match(r.pattern, segs, &c->params);
       break;
     }
     if (!allow.empty()) allow += ", ";

@@ -567,15 +567,20 @@ void SqliteStore::enqueue(Work work, Finish done, std::string request_id, bool c
   m_cv.notify_one();
 }
 
-template <class T>
-void SqliteStore::submit(std::function<Outcome<T>(Db&, UnixMs)> op, Then<T> then, std::string request_id) {
+template <class T, class Op>
+void SqliteStore::submit(Op op, Then<T> then, std::string request_id) {
   // The outcome lives here between the job's run (writer thread) and its hand-over. A
   // batch run twice (see run_batch) replaces it.
-  auto kept = std::make_shared<std::optional<Outcome<T>>>();
-  enqueue([op = std::move(op), kept](Db& db, UnixMs now) { kept->emplace(op(db, now)); },
-          [kept, then = std::move(then)](std::optional<Problem> failure) {
-            if (failure || !*kept) return then(Outcome<T>(failure ? std::move(*failure) : db_unavailable()));
-            then(std::move(**kept));
+  struct Kept {
+    std::optional<Outcome<T>> outcome;
+    Then<T> then;
+  };
+  auto kept = std::make_shared<Kept>(Kept{std::nullopt, std::move(then)});
+  enqueue([op = std::move(op), kept](Db& db, UnixMs now) { kept->outcome.emplace(op(db, now)); },
+          [kept](std::optional<Problem> failure) {
+            if (failure || !kept->outcome)
+              return kept->then(Outcome<T>(failure ? std::move(*failure) : db_unavailable()));
+            kept->then(std::move(*kept->outcome));
           },
           std::move(request_id));
 }

@@ -90,8 +90,8 @@ private:
 
   void migrate();
   void enqueue(Work work, Finish done, std::string request_id, bool repeatable = true);
-  template <class T>
-  void submit(std::function<Outcome<T>(pg::Conn&)> op, Then<T> then, std::string request_id, bool repeatable = true);
+  template <class T, class Op> // Op: Outcome<T>(pg::Conn&)
+  void submit(Op op, Then<T> then, std::string request_id, bool repeatable = true);
   void worker_loop();
   std::optional<Problem> execute(Slot& slot, Job& job);
   /// Runs `fn` on a borrowed connection in the calling thread, with the same retry and

@@ -95,8 +95,8 @@ private:
   void refresh_migration_state(sqlite::Db& db);
   void enqueue(Work work, Finish done, std::string request_id = {}, bool careful = false);
   /// Queues an operation whose outcome goes to `then`.
-  template <class T>
-  void submit(std::function<Outcome<T>(sqlite::Db&, UnixMs)> op, Then<T> then, std::string request_id);
+  template <class T, class Op> // Op: Outcome<T>(sqlite::Db&, UnixMs)
+  void submit(Op op, Then<T> then, std::string request_id);
   /// Runs a read on a pooled read-only connection in the calling thread and answers `then`
   /// (503 when the database cannot be read).
   template <class T>

@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# A/B of two mep binaries on the server benchmark's cells, interleaved A B A B … in one run
+# on this machine: bench/ab_server.sh A_MEP B_MEP [ROUNDS] [SECONDS] [CELL ...]
+# (CELL: cycles|reclaim|renew:CLIENTS, default cycles:1 cycles:8 reclaim:64 renew:64).
+# Prints, per cell, each binary's median ops/s over the rounds with its range, and the
+# median of the per-round ratios B/A. Needs bench_server built (bench/run.sh builds it).
+set -euo pipefail
+root="$(cd "$(dirname "$0")/.." && pwd)"
+a="${1:?usage: bench/ab_server.sh A_MEP B_MEP [ROUNDS] [SECONDS] [CELL ...]}"
+b="${2:?usage: bench/ab_server.sh A_MEP B_MEP [ROUNDS] [SECONDS] [CELL ...]}"
+rounds="${3:-5}"
+seconds="${4:-4}"
+shift $(( $# < 4 ? $# : 4 ))
+cells=("$@")
+[[ ${#cells[@]} -gt 0 ]] || cells=(cycles:1 cycles:8 reclaim:64 renew:64)
+bench="${MEP_BUILD_DIR:-$root/build}/bench/bench_server"
+[[ -x "$bench" ]] || { echo "ab_server: $bench not built (bench/run.sh server --help builds it)" >&2; exit 2; }
+
+one() { # MEP CELL -> ops/s
+  "$bench" --mep "$1" --only "$2" --seconds "$seconds" 2>/dev/null |
+    awk '$0 ~ /^HTTP/ { for (i = 1; i <= NF; ++i) if ($i ~ /^[0-9]+$/ && $(i+1) ~ /^[0-9]+$/) { print $(i+1); exit } }'
+}
+
+printf '%-14s %8s %22s %22s %14s\n' cell rounds "A ops/s median (range)" "B ops/s median (range)" "B/A median"
+for cell in "${cells[@]}"; do
+  as=() bs=() ratios=()
+  for ((r = 0; r < rounds; ++r)); do
+    x="$(one "$a" "$cell")"; y="$(one "$b" "$cell")"
+    as+=("$x"); bs+=("$y"); ratios+=("$(awk -v x="$x" -v y="$y" 'BEGIN { printf "%.3f", (x > 0 ? y / x : 0) }')")
+  done
+  stats() { printf '%s\n' "$@" | sort -g | awk '{ v[NR] = $1 } END { m = (NR % 2) ? v[(NR + 1) / 2] : (v[NR / 2] + v[NR / 2 + 1]) / 2; printf "%s (%s-%s)", m, v[1], v[NR] }'; }
+  med() { printf '%s\n' "$@" | sort -g | awk '{ v[NR] = $1 } END { printf "%.3f", (NR % 2) ? v[(NR + 1) / 2] : (v[NR / 2] + v[NR / 2 + 1]) / 2 }'; }
+  printf '%-14s %8s %22s %22s %14s\n' "$cell" "$rounds" "$(stats "${as[@]}")" "$(stats "${bs[@]}")" "$(med "${ratios[@]}")"
+done
