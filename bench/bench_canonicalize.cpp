@@ -41,9 +41,9 @@ namespace {
 
 using Clock = std::chrono::steady_clock;
 
-constexpr double k_min_ratio = 0.5;             // mep ≥ 50 % of the ICU baseline
-constexpr double k_min_ascii_rate = 500'000.0;  // ASCII names per second on one core
-constexpr double k_max_cli_seconds = 5.0;       // `mep canonicalize --json -`, 1M names
+constexpr double k_min_ratio = 0.5;            // mep ≥ 50 % of the ICU baseline
+constexpr double k_min_ascii_rate = 500'000.0; // ASCII names per second on one core
+constexpr double k_max_cli_seconds = 5.0;      // `mep canonicalize --json -`, 1M names
 
 // ---- deterministic corpora ----------------------------------------------------------------
 
@@ -71,11 +71,10 @@ private:
   std::uint64_t m_state;
 };
 
-
-constexpr std::array<std::string_view, 24> k_words = {
-    "agent",  "bot",     "build",   "claude",  "review", "ci",     "runner",  "deploy",
-    "test",   "alpha",   "beta",    "scout",   "planner", "coder", "helper",  "writer",
-    "indexer", "crawler", "memory", "triage",  "docs",   "sentry", "night",   "ops"};
+constexpr std::array<std::string_view, 24> k_words = {"agent",   "bot",    "build",  "claude", "review",  "ci",
+                                                      "runner",  "deploy", "test",   "alpha",  "beta",    "scout",
+                                                      "planner", "coder",  "helper", "writer", "indexer", "crawler",
+                                                      "memory",  "triage", "docs",   "sentry", "night",   "ops"};
 
 // Agent-like ASCII names: 1–3 words in some case style, joined by nothing, a space, `-`
 // or `_`, often with a number; about 3 % carry punctuation and are invalid.
@@ -106,8 +105,7 @@ std::string ascii_name(Rng& rng) {
 }
 
 // `n` code points drawn from [lo, hi], skipping `skip`.
-void letters(std::string& out, Rng& rng, unsigned n, char32_t lo, char32_t hi,
-             char32_t skip = 0) {
+void letters(std::string& out, Rng& rng, unsigned n, char32_t lo, char32_t hi, char32_t skip = 0) {
   for (unsigned i = 0; i < n; ++i) {
     char32_t c;
     do {
@@ -161,10 +159,9 @@ std::string mixed_name(Rng& rng) {
       if (rng.chance(60)) letters(out, rng, 1, 0x93E, 0x94C);
     }
   } else if (kind < 75) { // Latin with diacritics, composed or decomposed
-    constexpr std::array<std::string_view, 16> k_latin = {
-        "é", "è", "ê", "ü", "ö", "ä", "ñ", "ç", "ø", "å", "ß", "ł", "ž", "š", "É", "Ü"};
-    constexpr std::array<std::string_view, 4> k_decomposed = {"e\u0301", "u\u0308", "n\u0303",
-                                                              "A\u030A"};
+    constexpr std::array<std::string_view, 16> k_latin = {"é", "è", "ê", "ü", "ö", "ä", "ñ", "ç",
+                                                          "ø", "å", "ß", "ł", "ž", "š", "É", "Ü"};
+    constexpr std::array<std::string_view, 4> k_decomposed = {"e\u0301", "u\u0308", "n\u0303", "A\u030A"};
     for (unsigned i = rng.range(4, 10); i > 0; --i) {
       unsigned what = rng.range(0, 9);
       if (what < 5)
@@ -182,21 +179,42 @@ std::string mixed_name(Rng& rng) {
     if (rng.chance(40)) letters(out, rng, rng.range(1, 2), 0xFF10, 0xFF19);
   } else { // invalid
     switch (rng.range(0, 7)) {
-    case 0: out = "my"; mep::utf8::append(out, 0x430); out += "gent"; break;          // Latin + Cyrillic а
-    case 1: out = "bot"; mep::utf8::append(out, rng.range(0x1F600, 0x1F64F)); break; // emoji
-    case 2: out = ascii_name(rng) + "!"; break;
-    case 3: out = "ab"; out.push_back('\xFF'); out += "cd"; break;      // invalid UTF-8
-    case 4: out = "agent\u200D"; break;                                 // ZWJ
-    case 5: out = "abc"; letters(out, rng, 3, 0x5D0, 0x5EA); break;     // Latin + Hebrew
-    case 6: out = "\uFB01le"; break;                                    // ligature
-    default: letters(out, rng, 70, 0x3B1, 0x3C9, 0x3C2); break;          // 70 code points
+    case 0:
+      out = "my";
+      mep::utf8::append(out, 0x430);
+      out += "gent";
+      break; // Latin + Cyrillic а
+    case 1:
+      out = "bot";
+      mep::utf8::append(out, rng.range(0x1F600, 0x1F64F));
+      break; // emoji
+    case 2:
+      out = ascii_name(rng) + "!";
+      break;
+    case 3:
+      out = "ab";
+      out.push_back('\xFF');
+      out += "cd";
+      break; // invalid UTF-8
+    case 4:
+      out = "agent\u200D";
+      break; // ZWJ
+    case 5:
+      out = "abc";
+      letters(out, rng, 3, 0x5D0, 0x5EA);
+      break; // Latin + Hebrew
+    case 6:
+      out = "\uFB01le";
+      break; // ligature
+    default:
+      letters(out, rng, 70, 0x3B1, 0x3C9, 0x3C2);
+      break; // 70 code points
     }
   }
   return out;
 }
 
-std::vector<std::string> make_corpus(std::size_t n, std::uint64_t seed,
-                                     std::string (*gen)(Rng&)) {
+std::vector<std::string> make_corpus(std::size_t n, std::uint64_t seed, std::string (*gen)(Rng&)) {
   Rng rng(seed);
   std::vector<std::string> out;
   out.reserve(n);
@@ -286,26 +304,22 @@ double time_cli(const std::filesystem::path& mep, const std::filesystem::path& i
   posix_spawn_file_actions_addopen(&fa, 1, "/dev/null", O_WRONLY, 0);
   std::string exe = mep.string();
   std::array<std::string, 4> args = {exe, "canonicalize", "--json", "-"};
-  std::array<char*, 5> argv = {args[0].data(), args[1].data(), args[2].data(), args[3].data(),
-                               nullptr};
+  std::array<char*, 5> argv = {args[0].data(), args[1].data(), args[2].data(), args[3].data(), nullptr};
   pid_t pid = 0;
   const auto t0 = Clock::now();
   int rc = posix_spawn(&pid, exe.c_str(), &fa, nullptr, argv.data(), environ);
   posix_spawn_file_actions_destroy(&fa);
   if (rc != 0) return -1;
   int status = 0;
-  while (waitpid(pid, &status, 0) < 0) {
-  }
+  while (waitpid(pid, &status, 0) < 0) {}
   const std::chrono::duration<double> dt = Clock::now() - t0;
   if (!WIFEXITED(status) || (WEXITSTATUS(status) != 0 && WEXITSTATUS(status) != 6)) return -1;
   return dt.count();
 }
 
-std::filesystem::path write_names(const std::vector<std::string>& corpus, std::size_t n,
-                                  const char* tag) {
+std::filesystem::path write_names(const std::vector<std::string>& corpus, std::size_t n, const char* tag) {
   namespace fs = std::filesystem;
-  fs::path p = fs::temp_directory_path() /
-               ("bench_canonicalize_" + std::to_string(getpid()) + "_" + tag + ".txt");
+  fs::path p = fs::temp_directory_path() / ("bench_canonicalize_" + std::to_string(getpid()) + "_" + tag + ".txt");
   std::FILE* f = std::fopen(p.c_str(), "wb");
   if (!f) throw std::runtime_error("cannot write " + p.string());
   for (std::size_t i = 0; i < n; ++i) {
@@ -352,8 +366,8 @@ Options parse(int argc, char** argv) {
       o.reps = std::max(1, std::atoi(argv[++i]));
     } else if (a == "--quick") {
       o.quick = true;
-    } else if (a == "--only" && i + 1 < argc && (argv[i + 1] == std::string_view("ascii") ||
-                                                 argv[i + 1] == std::string_view("mixed"))) {
+    } else if (a == "--only" && i + 1 < argc &&
+               (argv[i + 1] == std::string_view("ascii") || argv[i + 1] == std::string_view("mixed"))) {
       o.only = argv[++i];
     } else {
       std::fprintf(stderr, "usage: bench_canonicalize [--mep PATH] [--reps N] [--quick] "
@@ -376,20 +390,20 @@ int main(int argc, char** argv) {
   // 2. The corpora, the same on every run.
   const auto ascii = make_corpus(corpus_size, 0xA5C11, ascii_name);
   const auto mixed = make_corpus(corpus_size, 0x5C817, mixed_name);
-  std::printf("bench_canonicalize: ICU %s, Unicode %s, one thread, best of %d runs\n\n",
-              mep::icu_version().c_str(), mep::unicode_version().c_str(), opt.reps);
+  std::printf("bench_canonicalize: ICU %s, Unicode %s, one thread, best of %d runs\n\n", mep::icu_version().c_str(),
+              mep::unicode_version().c_str(), opt.reps);
 
   // 3. In process: mep::canonicalize against the ICU baseline, same inputs.
   if (!opt.only.empty()) {
     const auto& corpus = opt.only == "ascii" ? ascii : mixed;
-    std::printf("%-7s %8s %15s\n%-7s %8s %15s\n", "corpus", "names", "mep names/s",
-                opt.only.c_str(), thousands(static_cast<double>(corpus.size())).c_str(),
+    std::printf("%-7s %8s %15s\n%-7s %8s %15s\n", "corpus", "names", "mep names/s", opt.only.c_str(),
+                thousands(static_cast<double>(corpus.size())).c_str(),
                 thousands(best_rate(corpus, opt.reps, run_mep)).c_str());
     return 0;
   }
   const Baseline baseline;
-  std::printf("%-7s %8s %6s %15s %19s %6s  %s\n", "corpus", "names", "valid", "mep names/s",
-              "baseline names/s", "ratio", "target");
+  std::printf("%-7s %8s %6s %15s %19s %6s  %s\n", "corpus", "names", "valid", "mep names/s", "baseline names/s",
+              "ratio", "target");
   struct Row {
     const char* name;
     const std::vector<std::string>* corpus;
@@ -403,9 +417,8 @@ int main(int argc, char** argv) {
     std::string target = row.ascii ? "ratio >= 0.50, >= 500,000/s" : "ratio >= 0.50";
     target += met ? ": met" : ": MISSED";
     std::printf("%-7s %8s %5.1f%% %15s %19s %6.2f  %s\n", row.name,
-                thousands(static_cast<double>(row.corpus->size())).c_str(),
-                100 * valid_fraction(*row.corpus), thousands(mep_rate).c_str(),
-                thousands(base_rate).c_str(), ratio, target.c_str());
+                thousands(static_cast<double>(row.corpus->size())).c_str(), 100 * valid_fraction(*row.corpus),
+                thousands(mep_rate).c_str(), thousands(base_rate).c_str(), ratio, target.c_str());
   }
 
   // 4. The real binary: `mep canonicalize --json -` on a file of names, output discarded.
@@ -425,15 +438,14 @@ int main(int argc, char** argv) {
     }
     std::filesystem::remove(file);
     if (best < 0) {
-      std::printf("%-7s %9s  failed to run %s\n", row.name,
-                  thousands(static_cast<double>(cli_names)).c_str(), mep.c_str());
+      std::printf("%-7s %9s  failed to run %s\n", row.name, thousands(static_cast<double>(cli_names)).c_str(),
+                  mep.c_str());
       continue;
     }
     const double scaled = best * 1'000'000.0 / static_cast<double>(cli_names);
-    std::printf("%-7s %9s %9.2f %12s  <= 5 s per 1,000,000: %s\n", row.name,
-                thousands(static_cast<double>(cli_names)).c_str(), best,
-                thousands(static_cast<double>(cli_names) / best).c_str(),
-                scaled <= k_max_cli_seconds ? "met" : "MISSED");
+    std::printf(
+        "%-7s %9s %9.2f %12s  <= 5 s per 1,000,000: %s\n", row.name, thousands(static_cast<double>(cli_names)).c_str(),
+        best, thousands(static_cast<double>(cli_names) / best).c_str(), scaled <= k_max_cli_seconds ? "met" : "MISSED");
   }
   std::printf("\nmep: %s\n", mep.c_str());
   return 0;

@@ -39,7 +39,8 @@ std::string g_mepd = MEPD_BIN_DEFAULT;
 class UnixConn {
 public:
   explicit UnixConn(const std::string& path) : m_http(mep::bench::HttpConn::unix_socket(path)) {}
-  std::pair<int, std::string> request(const std::string& method, const std::string& target, const std::string& body = {}) {
+  std::pair<int, std::string> request(const std::string& method, const std::string& target,
+                                      const std::string& body = {}) {
     return m_http.request(method, target, body);
   }
 
@@ -133,13 +134,19 @@ int main(int argc, char** argv) {
   double hold = 120;
   for (int i = 1; i < argc; ++i) {
     std::string a = argv[i];
-    if (a == "--mep" && i + 1 < argc) g_mep = argv[++i];
-    else if (a == "--mepd" && i + 1 < argc) g_mepd = argv[++i];
-    else if (a == "--ops" && i + 1 < argc) ops = std::atoi(argv[++i]);
-    else if (a == "--leases" && i + 1 < argc) leases = std::atoi(argv[++i]);
-    else if (a == "--hold-seconds" && i + 1 < argc) hold = std::atof(argv[++i]);
+    if (a == "--mep" && i + 1 < argc)
+      g_mep = argv[++i];
+    else if (a == "--mepd" && i + 1 < argc)
+      g_mepd = argv[++i];
+    else if (a == "--ops" && i + 1 < argc)
+      ops = std::atoi(argv[++i]);
+    else if (a == "--leases" && i + 1 < argc)
+      leases = std::atoi(argv[++i]);
+    else if (a == "--hold-seconds" && i + 1 < argc)
+      hold = std::atof(argv[++i]);
     else {
-      std::fprintf(stderr, "usage: bench_daemon [--mep PATH] [--mepd PATH] [--ops N] [--leases N] [--hold-seconds S]\n");
+      std::fprintf(stderr,
+                   "usage: bench_daemon [--mep PATH] [--mepd PATH] [--ops N] [--leases N] [--hold-seconds S]\n");
       return 2;
     }
   }
@@ -165,7 +172,8 @@ int main(int argc, char** argv) {
     }
     for (int i = 0; i < ops; ++i) {
       auto t0 = Clock::now();
-      auto [s1, b1] = c.request("POST", "/v1/attach", "{\"name\":\"bench\",\"path\":\"" + file + "\",\"bind\":\"none\"}");
+      auto [s1, b1] =
+          c.request("POST", "/v1/attach", "{\"name\":\"bench\",\"path\":\"" + file + "\",\"bind\":\"none\"}");
       auto [s2, b2] = c.request("POST", "/v1/detach", "{\"name\":\"bench\"}");
       if (s1 != 201 || s2 != 204) std::fprintf(stderr, "attach %d detach %d: %s\n", s1, s2, b1.c_str());
       cycle.push_back(std::chrono::duration<double, std::milli>(Clock::now() - t0).count());
@@ -191,7 +199,8 @@ int main(int argc, char** argv) {
     }
     std::ofstream(dir / "token") << token << "\n";
     std::string slog = (dir / "server.log").string();
-    pid_t server = spawn({g_mep, "server", "--db", db, "--listen", "127.0.0.1:0", "--rate-limit", "0", "--log-level", "warn"}, slog);
+    pid_t server = spawn(
+        {g_mep, "server", "--db", db, "--listen", "127.0.0.1:0", "--rate-limit", "0", "--log-level", "warn"}, slog);
     std::string url = "http://" + wait_for_line(slog, "listening on http://");
     std::string sock = (dir / "remote.sock").string();
     pid_t d = spawn({g_mepd, "--socket", sock, "--state-dir", (dir / "remote").string(), "--control-plane", url,
@@ -223,14 +232,16 @@ int main(int argc, char** argv) {
     long renewed = metric(sock, "mepd_renewed_leases_total") - renewed0;
     long lost = metric(sock, "mepd_leases_lost_total");
     double per_lease = static_cast<double>(leases) / 10.0; // renewals/s needed at ttl/3
-    std::printf("%d leases (ttl 30 s) held %.0f s against a remote mep server (attached in %.1f s):\n", leases, secs, attach_s);
+    std::printf("%d leases (ttl 30 s) held %.0f s against a remote mep server (attached in %.1f s):\n", leases, secs,
+                attach_s);
     std::printf("  %-46s %12s %12s\n", "measure", "measured", "target");
     std::printf("  %-46s %12.1f %12s\n", "daemon RSS (MiB)", static_cast<double>(rss_kib(d)) / 1024, "<= 50");
     std::printf("  %-46s %12.2f %12s\n", "daemon CPU (% of one core)", 100 * cpu / secs, "<= 2");
     std::printf("  %-46s %12.1f %12s\n", "lease renewals per second", static_cast<double>(renewed) / secs, "");
     std::printf("  %-46s %12.2f %12.2f\n", "control-plane requests per second", static_cast<double>(req) / secs,
                 per_lease / std::max(1.0, static_cast<double>(renewed) / std::max(1L, batches)));
-    std::printf("  %-46s %12.1f %12s\n", "leases per renew-batch call", static_cast<double>(renewed) / std::max(1L, batches), "");
+    std::printf("  %-46s %12.1f %12s\n", "leases per renew-batch call",
+                static_cast<double>(renewed) / std::max(1L, batches), "");
     std::printf("  %-46s %12.2f %12s\n", "without batching it would be (requests/s)", per_lease, "");
     std::printf("  %-46s %12ld %12s\n", "leases lost", lost, "0");
     stop(d);

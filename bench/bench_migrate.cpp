@@ -61,9 +61,12 @@ int main(int argc, char** argv) {
   std::string pg = "auto";
   for (int i = 1; i < argc; ++i) {
     std::string a = argv[i];
-    if (a == "--mep" && i + 1 < argc) mep = argv[++i];
-    else if (a == "--rows" && i + 1 < argc) rows = std::atol(argv[++i]);
-    else if (a == "--pg" && i + 1 < argc) pg = argv[++i];
+    if (a == "--mep" && i + 1 < argc)
+      mep = argv[++i];
+    else if (a == "--rows" && i + 1 < argc)
+      rows = std::atol(argv[++i]);
+    else if (a == "--pg" && i + 1 < argc)
+      pg = argv[++i];
     else {
       std::fprintf(stderr, "usage: bench_migrate [--mep PATH] [--rows N] [--pg auto|off|URL]\n");
       return 2;
@@ -82,9 +85,12 @@ int main(int argc, char** argv) {
       if (i % 20 == 19) base = i - 7; // a collision with an earlier row
       name = "Agent" + std::to_string(base);
       if (i % 20 == 19) {
-        if (i % 3 == 0) name = "AGENT" + std::to_string(base);         // case
-        else if (i % 3 == 1) name = "agent " + std::to_string(base);   // spaces
-        else name = "agent" + std::to_string(base) + "";                // exact duplicate
+        if (i % 3 == 0)
+          name = "AGENT" + std::to_string(base); // case
+        else if (i % 3 == 1)
+          name = "agent " + std::to_string(base); // spaces
+        else
+          name = "agent" + std::to_string(base) + ""; // exact duplicate
       }
       int year = 2000 + static_cast<int>(i % 20);
       out << "{\"legacy_id\":\"" << i << "\",\"display_name\":\"" << name << "\",\"created_at\":\"" << year
@@ -113,13 +119,14 @@ int main(int argc, char** argv) {
               pg_url.empty() ? "" : " and PostgreSQL (fsync, synchronous_commit on), in the same run");
   std::printf("%-12s %-40s %10s %12s %14s %8s\n", "backend", "command", "seconds", "rows/s", "peak RSS MiB", "exit");
   auto row = [&](const char* backend, const char* what, const Run& r) {
-    std::printf("%-12s %-40s %10.2f %12.0f %14.1f %8d\n", backend, what, r.seconds, static_cast<double>(rows) / r.seconds,
-                static_cast<double>(r.max_rss_kib) / 1024, r.status);
+    std::printf("%-12s %-40s %10.2f %12.0f %14.1f %8d\n", backend, what, r.seconds,
+                static_cast<double>(rows) / r.seconds, static_cast<double>(r.max_rss_kib) / 1024, r.status);
     std::fflush(stdout);
   };
   int failures = 0;
   auto measure = [&](const char* backend, const std::string& db) {
-    Run plan = run({mep, "migrate", "plan", "--db", db, "--input", input.string(), "--report", (dir / "plan.jsonl").string()});
+    Run plan =
+        run({mep, "migrate", "plan", "--db", db, "--input", input.string(), "--report", (dir / "plan.jsonl").string()});
     row(backend, "mep migrate plan (baseline: no writes)", plan);
     Run first = run({mep, "migrate", "run", "--db", db, "--input", input.string()});
     row(backend, "mep migrate run --batch 10000", first);

@@ -1,7 +1,8 @@
 // bench_server: control-plane throughput and latency over real HTTP (keep-alive), next
 // to the same claim transaction run directly on SQLite at the same durability.
 //
-//   build/bench/bench_server [--mep PATH] [--seconds S] [--repeat N] [--rss-leases N] [--pg auto|off|URL] [--etcd auto|off]
+//   build/bench/bench_server [--mep PATH] [--seconds S] [--repeat N] [--rss-leases N] [--pg auto|off|URL] [--etcd
+//   auto|off]
 //                            [--keys ordered|random|counter] [--driver threads|epoll] [--only WORKLOAD:CLIENTS]
 //
 // Starts the real `mep server` on a fresh SQLite file (on disk, synchronous=FULL), runs
@@ -58,9 +59,8 @@ std::string api_headers(const std::string& token, const std::string& idem = {}) 
 class Conn {
 public:
   explicit Conn(int port) : m_http(mep::bench::HttpConn::tcp(port)) {}
-  std::pair<int, std::string> request(const std::string& method, const std::string& path,
-                                      const std::string& token, const std::string& body,
-                                      const std::string& idem = {}) {
+  std::pair<int, std::string> request(const std::string& method, const std::string& path, const std::string& token,
+                                      const std::string& body, const std::string& idem = {}) {
     return m_http.request(method, path, body, api_headers(token, idem));
   }
 
@@ -110,8 +110,8 @@ void start_server(Server& s, const std::string& db) {
   if (s.pid == 0) {
     ::dup2(pipefd[1], 2);
     ::close(pipefd[0]);
-    ::execl(g_mep.c_str(), g_mep.c_str(), "server", "--db", db.c_str(), "--listen", "127.0.0.1:0",
-            "--rate-limit", "0", "--log-level", "warn", "--threads", "2", nullptr);
+    ::execl(g_mep.c_str(), g_mep.c_str(), "server", "--db", db.c_str(), "--listen", "127.0.0.1:0", "--rate-limit", "0",
+            "--log-level", "warn", "--threads", "2", nullptr);
     _exit(127);
   }
   ::close(pipefd[1]);
@@ -134,8 +134,7 @@ void start_server(Server& s, const std::string& db) {
   // Keep draining stderr in the background so the server never blocks on it.
   std::thread([fd = pipefd[0]] {
     char b[4096];
-    while (::read(fd, b, sizeof b) > 0) {
-    }
+    while (::read(fd, b, sizeof b) > 0) {}
     ::close(fd);
   }).detach();
   if (!s.port) throw std::runtime_error("mep server did not become ready:\n" + before + line);
@@ -223,10 +222,14 @@ Keys g_keys = Keys::ordered;
 
 // --keys VALUE; false for a value it does not know.
 bool parse_keys(std::string_view v) {
-  if (v == "ordered") g_keys = Keys::ordered;
-  else if (v == "random") g_keys = Keys::random;
-  else if (v == "counter") g_keys = Keys::counter;
-  else return false;
+  if (v == "ordered")
+    g_keys = Keys::ordered;
+  else if (v == "random")
+    g_keys = Keys::random;
+  else if (v == "counter")
+    g_keys = Keys::counter;
+  else
+    return false;
   return true;
 }
 
@@ -234,8 +237,8 @@ std::string request_key(const char* prefix, const std::string& tag, long k) {
   char buf[48];
   if (g_keys == Keys::ordered) {
     static std::atomic<std::uint32_t> seq{0};
-    auto ns = std::chrono::duration_cast<std::chrono::nanoseconds>(
-                  std::chrono::system_clock::now().time_since_epoch()).count();
+    auto ns = std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::system_clock::now().time_since_epoch())
+                  .count();
     std::snprintf(buf, sizeof buf, "%016llx%08x", static_cast<unsigned long long>(ns), seq++);
     return std::string(prefix) + buf;
   }
@@ -262,9 +265,12 @@ enum class Driver { threads, epoll };
 Driver g_driver = Driver::threads;
 
 bool parse_driver(std::string_view v) {
-  if (v == "threads") g_driver = Driver::threads;
-  else if (v == "epoll") g_driver = Driver::epoll;
-  else return false;
+  if (v == "threads")
+    g_driver = Driver::threads;
+  else if (v == "epoll")
+    g_driver = Driver::epoll;
+  else
+    return false;
   return true;
 }
 
@@ -286,10 +292,14 @@ bool parse_only(std::string_view v) {
   std::string_view w = v.substr(0, colon);
   int clients = std::atoi(std::string(v.substr(colon + 1)).c_str());
   if (clients < 1 || clients > 1024) return false;
-  if (w == "cycles") g_only = {0, clients};
-  else if (w == "reclaim") g_only = {2, clients};
-  else if (w == "renew") g_only = {1, clients};
-  else return false;
+  if (w == "cycles")
+    g_only = {0, clients};
+  else if (w == "reclaim")
+    g_only = {2, clients};
+  else if (w == "renew")
+    g_only = {1, clients};
+  else
+    return false;
   return true;
 }
 
@@ -375,8 +385,10 @@ void drive_one(Shared& sh, int port, const std::string& token, int i, int mode, 
         auto [st, body] = c.raw().request_bytes(script.next());
         step = script.on_response(st, body);
       } while (step == Script::Step::more);
-      if (step == Script::Step::failed) ++sh.errors;
-      else lat.push_back(std::chrono::duration<double, std::milli>(Clock::now() - t0).count());
+      if (step == Script::Step::failed)
+        ++sh.errors;
+      else
+        lat.push_back(std::chrono::duration<double, std::milli>(Clock::now() - t0).count());
     }
   } catch (const std::exception&) {
     ++sh.errors;
@@ -452,7 +464,8 @@ void drive_many(Shared& sh, int port, const std::string& token, int first, int l
         auto now = Clock::now();
         if (step == Script::Step::failed) ++sh.errors;
         if (step == Script::Step::done)
-          sh.lat[k + static_cast<std::size_t>(first)].push_back(std::chrono::duration<double, std::milli>(now - c.t0).count());
+          sh.lat[k + static_cast<std::size_t>(first)].push_back(
+              std::chrono::duration<double, std::milli>(now - c.t0).count());
         if (step != Script::Step::more) {
           if (now >= sh.end_time) {
             drop(c);
@@ -480,9 +493,8 @@ Result run_http_once(int port, const std::string& token, int clients, double sec
   } else {
     const int loops = std::min(clients, 2);
     for (int t = 0; t < loops; ++t)
-      threads.emplace_back([&, t] {
-        drive_many(sh, port, token, clients * t / loops, clients * (t + 1) / loops, mode, clients, run);
-      });
+      threads.emplace_back(
+          [&, t] { drive_many(sh, port, token, clients * t / loops, clients * (t + 1) / loops, mode, clients, run); });
   }
   while (sh.ready < clients) std::this_thread::sleep_for(std::chrono::milliseconds(5));
   sh.end_time = Clock::now() + std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(seconds));
@@ -520,28 +532,31 @@ void exec_sql(sqlite3* db, const char* sql) {
 Result run_direct_sqlite(const std::string& path, double seconds) {
   sqlite3* db = nullptr;
   sqlite3_open(path.c_str(), &db);
-  exec_sql(db, "PRAGMA journal_mode=WAL; PRAGMA synchronous=FULL;"
-               "CREATE TABLE memories(memory_id TEXT PRIMARY KEY, tenant_id TEXT, fence_counter INTEGER, created_at INTEGER);"
-               "CREATE TABLE leases(lease_id TEXT PRIMARY KEY, tenant_id TEXT, canonical_name TEXT UNIQUE, skeleton TEXT UNIQUE,"
-               " memory_id TEXT UNIQUE, fencing_token INTEGER, owner_client_id TEXT, expires_at INTEGER);"
-               "CREATE INDEX le ON leases(expires_at);"
-               "CREATE TABLE audit_events(event_id TEXT PRIMARY KEY, event_type TEXT, h TEXT, created_at INTEGER);"
-               "INSERT INTO memories VALUES ('m1', 't', 0, 0);");
+  exec_sql(
+      db,
+      "PRAGMA journal_mode=WAL; PRAGMA synchronous=FULL;"
+      "CREATE TABLE memories(memory_id TEXT PRIMARY KEY, tenant_id TEXT, fence_counter INTEGER, created_at INTEGER);"
+      "CREATE TABLE leases(lease_id TEXT PRIMARY KEY, tenant_id TEXT, canonical_name TEXT UNIQUE, skeleton TEXT UNIQUE,"
+      " memory_id TEXT UNIQUE, fencing_token INTEGER, owner_client_id TEXT, expires_at INTEGER);"
+      "CREATE INDEX le ON leases(expires_at);"
+      "CREATE TABLE audit_events(event_id TEXT PRIMARY KEY, event_type TEXT, h TEXT, created_at INTEGER);"
+      "INSERT INTO memories VALUES ('m1', 't', 0, 0);");
   auto prep = [&](const char* sql) {
     sqlite3_stmt* s = nullptr;
     sqlite3_prepare_v2(db, sql, -1, &s, nullptr);
     return s;
   };
   sqlite3_stmt* sel_mem = prep("SELECT tenant_id, fence_counter FROM memories WHERE memory_id='m1'");
-  sqlite3_stmt* del_exp = prep("DELETE FROM leases WHERE (canonical_name='n' OR skeleton='n' OR memory_id='m1') AND expires_at <= ?1");
-  sqlite3_stmt* sel_live = prep("SELECT lease_id FROM leases WHERE canonical_name='n' OR skeleton='n' OR memory_id='m1'");
+  sqlite3_stmt* del_exp =
+      prep("DELETE FROM leases WHERE (canonical_name='n' OR skeleton='n' OR memory_id='m1') AND expires_at <= ?1");
+  sqlite3_stmt* sel_live =
+      prep("SELECT lease_id FROM leases WHERE canonical_name='n' OR skeleton='n' OR memory_id='m1'");
   sqlite3_stmt* upd = prep("UPDATE memories SET fence_counter = fence_counter + 1 WHERE memory_id='m1'");
   sqlite3_stmt* ins = prep("INSERT INTO leases VALUES (?1, 't', 'n', 'n', 'm1', 1, 'o', ?2)");
   sqlite3_stmt* aud = prep("INSERT INTO audit_events VALUES (?1, 'LEASE_ACQUIRED', 'h', ?2)");
   sqlite3_stmt* rel = prep("DELETE FROM leases WHERE memory_id='m1'");
   auto step = [](sqlite3_stmt* s) {
-    while (sqlite3_step(s) == SQLITE_ROW) {
-    }
+    while (sqlite3_step(s) == SQLITE_ROW) {}
     sqlite3_reset(s);
   };
   std::vector<std::vector<double>> lat(1);
@@ -550,7 +565,9 @@ Result run_direct_sqlite(const std::string& path, double seconds) {
   auto end = start + std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(seconds));
   while (Clock::now() < end) {
     auto t0 = Clock::now();
-    long now = std::chrono::duration_cast<std::chrono::milliseconds>(std::chrono::system_clock::now().time_since_epoch()).count();
+    long now =
+        std::chrono::duration_cast<std::chrono::milliseconds>(std::chrono::system_clock::now().time_since_epoch())
+            .count();
     exec_sql(db, "BEGIN IMMEDIATE");
     step(sel_mem);
     sqlite3_bind_int64(del_exp, 1, now);
@@ -622,9 +639,9 @@ int g_pgbench_failures = 0;
 
 Result run_pgbench(const std::string& url, const std::string& script_path, int clients, double seconds) {
   int secs = std::max(1, static_cast<int>(seconds + 0.5));
-  std::string out = run_capture("pgbench -n -M prepared -f '" + script_path + "' -c " + std::to_string(clients) +
-                                " -j " + std::to_string(std::min(clients, 2)) + " -T " + std::to_string(secs) + " '" +
-                                url + "' 2>&1");
+  std::string out =
+      run_capture("pgbench -n -M prepared -f '" + script_path + "' -c " + std::to_string(clients) + " -j " +
+                  std::to_string(std::min(clients, 2)) + " -T " + std::to_string(secs) + " '" + url + "' 2>&1");
   Result r;
   auto tps = out.find("tps = ");
   auto lat = out.find("latency average = ");
@@ -648,8 +665,8 @@ Result run_pgbench(const std::string& url, const std::string& script_path, int c
   return r;
 }
 
-void compare_with_etcd(Server& s, const std::string& token, const fs::path& dir, double seconds, const std::string& mode,
-                       bool postgresql);
+void compare_with_etcd(Server& s, const std::string& token, const fs::path& dir, double seconds,
+                       const std::string& mode, bool postgresql);
 
 // Returns false when the PostgreSQL run could not be made (the smoke test then fails).
 bool run_postgresql(const std::string& pg_arg, double seconds, const fs::path& scratch, const std::string& etcd_mode) {
@@ -686,7 +703,8 @@ bool run_postgresql(const std::string& pg_arg, double seconds, const fs::path& s
   std::string cycle = (dir / "cycle.sql").string(), reclaim = (dir / "reclaim.sql").string();
   {
     std::ofstream f(cycle);
-    f << "\\set k random(1, 1000000000000)\n" << claim << " \\gset\n"
+    f << "\\set k random(1, 1000000000000)\n"
+      << claim << " \\gset\n"
       << "SELECT mep_release('" << tenant << "', 'pgb' || :client_id, 'pgb-' || :client_id, :tok, 'pgbench', 'rid');\n";
   }
   {
@@ -709,12 +727,17 @@ bool run_postgresql(const std::string& pg_arg, double seconds, const fs::path& s
   };
   const int counts[] = {1, 8, 64};
   Result floor_cycle[3], floor_reclaim[3], http_cycle[3], http_reclaim[3];
-  for (int i = 0; i < 3; ++i) row("pgbench claim+release (floor)", counts[i], floor_cycle[i] = run_pgbench(url, cycle, counts[i], seconds));
+  for (int i = 0; i < 3; ++i)
+    row("pgbench claim+release (floor)", counts[i], floor_cycle[i] = run_pgbench(url, cycle, counts[i], seconds));
   Server s;
   start_server(s, url);
-  for (int i = 0; i < 3; ++i) row("HTTP claim+release (cycles)", counts[i], http_cycle[i] = run_http(s.port, token, counts[i], seconds, 0));
-  for (int i = 0; i < 3; ++i) row("pgbench claim (re-claim, floor)", counts[i], floor_reclaim[i] = run_pgbench(url, reclaim, counts[i], seconds));
-  for (int i = 0; i < 3; ++i) row("HTTP claim (same-owner re-claim)", counts[i], http_reclaim[i] = run_http(s.port, token, counts[i], seconds, 2));
+  for (int i = 0; i < 3; ++i)
+    row("HTTP claim+release (cycles)", counts[i], http_cycle[i] = run_http(s.port, token, counts[i], seconds, 0));
+  for (int i = 0; i < 3; ++i)
+    row("pgbench claim (re-claim, floor)", counts[i], floor_reclaim[i] = run_pgbench(url, reclaim, counts[i], seconds));
+  for (int i = 0; i < 3; ++i)
+    row("HTTP claim (same-owner re-claim)", counts[i],
+        http_reclaim[i] = run_http(s.port, token, counts[i], seconds, 2));
   for (int c : counts) row("HTTP renew", c, run_http(s.port, token, c, seconds, 1));
   std::printf("\nTarget: claims at >= 50%% of pgbench's rate; distinct claims scale from 1 to 8 clients.\n");
   for (int i = 0; i < 3; ++i)
@@ -736,7 +759,6 @@ bool run_postgresql(const std::string& pg_arg, double seconds, const fs::path& s
   }
   return true;
 }
-
 
 double median(std::vector<double> v) {
   if (v.empty()) return 0;
@@ -769,8 +791,8 @@ mep::bench::EtcdPeer* etcd_peer(const fs::path& dir, const std::string& mode) {
   return g_etcd.get();
 }
 
-void compare_with_etcd(Server& s, const std::string& token, const fs::path& dir, double seconds, const std::string& mode,
-                       bool postgresql) {
+void compare_with_etcd(Server& s, const std::string& token, const fs::path& dir, double seconds,
+                       const std::string& mode, bool postgresql) {
   mep::bench::EtcdPeer* etcd = etcd_peer(dir, mode);
   if (!etcd) return;
   const int rounds = g_repeat > 1 ? g_repeat : 3;
@@ -829,8 +851,10 @@ void compare_with_etcd(Server& s, const std::string& token, const fs::path& dir,
   auto met = [](bool ok) { return ok ? "met" : "NOT met"; };
   std::printf("\ntargets (issue 22), from this run:\n");
   if (postgresql) {
-    std::printf("  PostgreSQL claims,  8 clients >= 1.0x etcd:  %.2fx  %s\n", claim_ratio[1], met(claim_ratio[1] >= 1.0));
-    std::printf("  PostgreSQL claims, 64 clients >= 1.25x etcd: %.2fx  %s\n", claim_ratio[2], met(claim_ratio[2] >= 1.25));
+    std::printf("  PostgreSQL claims,  8 clients >= 1.0x etcd:  %.2fx  %s\n", claim_ratio[1],
+                met(claim_ratio[1] >= 1.0));
+    std::printf("  PostgreSQL claims, 64 clients >= 1.25x etcd: %.2fx  %s\n", claim_ratio[2],
+                met(claim_ratio[2] >= 1.25));
     return;
   }
   std::printf("  SQLite claims,  8 clients >= 3.0x etcd: %.2fx  %s\n", claim_ratio[1], met(claim_ratio[1] >= 3.0));
@@ -846,19 +870,29 @@ static int run(int argc, char** argv) {
   std::string etcd_mode = "auto";
   for (int i = 1; i < argc; ++i) {
     std::string a = argv[i];
-    if (a == "--mep" && i + 1 < argc) g_mep = argv[++i];
-    else if (a == "--seconds" && i + 1 < argc) seconds = std::atof(argv[++i]);
-    else if (a == "--rss-leases" && i + 1 < argc) rss_leases = std::atoi(argv[++i]);
-    else if (a == "--pg" && i + 1 < argc) pg = argv[++i];
-    else if (a == "--etcd" && i + 1 < argc) etcd_mode = argv[++i];
-    else if (a == "--repeat" && i + 1 < argc) g_repeat = std::max(1, std::atoi(argv[++i]));
-    else if (a == "--keys" && i + 1 < argc && parse_keys(argv[i + 1])) ++i;
-    else if (a == "--driver" && i + 1 < argc && parse_driver(argv[i + 1])) ++i;
-    else if (a == "--only" && i + 1 < argc && parse_only(argv[i + 1])) ++i;
+    if (a == "--mep" && i + 1 < argc)
+      g_mep = argv[++i];
+    else if (a == "--seconds" && i + 1 < argc)
+      seconds = std::atof(argv[++i]);
+    else if (a == "--rss-leases" && i + 1 < argc)
+      rss_leases = std::atoi(argv[++i]);
+    else if (a == "--pg" && i + 1 < argc)
+      pg = argv[++i];
+    else if (a == "--etcd" && i + 1 < argc)
+      etcd_mode = argv[++i];
+    else if (a == "--repeat" && i + 1 < argc)
+      g_repeat = std::max(1, std::atoi(argv[++i]));
+    else if (a == "--keys" && i + 1 < argc && parse_keys(argv[i + 1]))
+      ++i;
+    else if (a == "--driver" && i + 1 < argc && parse_driver(argv[i + 1]))
+      ++i;
+    else if (a == "--only" && i + 1 < argc && parse_only(argv[i + 1]))
+      ++i;
     else {
-      std::fprintf(stderr, "usage: bench_server [--mep PATH] [--seconds S] [--repeat N] [--rss-leases N] "
-                           "[--pg auto|off|URL] [--etcd auto|off] [--keys ordered|random|counter] [--driver threads|epoll] "
-                           "[--only cycles|reclaim|renew:CLIENTS (with --pg URL: on a fresh database there)]\n");
+      std::fprintf(stderr,
+                   "usage: bench_server [--mep PATH] [--seconds S] [--repeat N] [--rss-leases N] "
+                   "[--pg auto|off|URL] [--etcd auto|off] [--keys ordered|random|counter] [--driver threads|epoll] "
+                   "[--only cycles|reclaim|renew:CLIENTS (with --pg URL: on a fresh database there)]\n");
       return 2;
     }
   }
@@ -872,11 +906,11 @@ static int run(int argc, char** argv) {
     return 1;
   }
 
-  std::printf("mep server benchmark — SQLite, WAL, synchronous=FULL, keep-alive HTTP on loopback, %g s per cell\n", seconds);
+  std::printf("mep server benchmark — SQLite, WAL, synchronous=FULL, keep-alive HTTP on loopback, %g s per cell\n",
+              seconds);
   std::printf("%ld CPUs, %s; clients: --driver %s\n", ::sysconf(_SC_NPROCESSORS_ONLN), cpu_idle_policy().c_str(),
               g_driver == Driver::threads ? "threads" : "epoll");
-  if (g_repeat > 1)
-    std::printf("HTTP cells run %d times each: the median run, then the range of ops/s\n", g_repeat);
+  if (g_repeat > 1) std::printf("HTTP cells run %d times each: the median run, then the range of ops/s\n", g_repeat);
   std::printf("\n");
   std::printf("%-34s %8s %12s %10s %10s %8s\n", "workload", "clients", "ops/s", "p50 ms", "p99 ms", "errors");
   auto row = [](const char* w, int c, const Result& r) {

@@ -82,8 +82,8 @@ public:
       ::close(err[0]);
       ::close(err[1]);
       const std::string data = (dir / "data").string(), hashes = (dir / "hashes").string();
-      ::execl(o.mep.c_str(), o.mep.c_str(), "store", "--listen", "127.0.0.1:0", "--dir", data.c_str(),
-              "--token-file", hashes.c_str(), "--log-level", "warn", static_cast<char*>(nullptr));
+      ::execl(o.mep.c_str(), o.mep.c_str(), "store", "--listen", "127.0.0.1:0", "--dir", data.c_str(), "--token-file",
+              hashes.c_str(), "--log-level", "warn", static_cast<char*>(nullptr));
       ::_exit(127);
     }
     ::close(err[1]);
@@ -198,8 +198,10 @@ Cell floor_cell(const fs::path& dir, std::size_t size, int clients, double secon
     bool ok = true;
     for (std::size_t off = 0; off < size && ok;) {
       ssize_t w = ::write(fd, body.data() + off, size - off);
-      if (w <= 0) ok = false;
-      else off += static_cast<std::size_t>(w);
+      if (w <= 0)
+        ok = false;
+      else
+        off += static_cast<std::size_t>(w);
     }
     ok = ok && ::fsync(fd) == 0;
     ::close(fd);
@@ -233,12 +235,18 @@ int main(int argc, char** argv) {
   for (int i = 1; i < argc; ++i) {
     std::string a = argv[i];
     auto next = [&]() -> std::string { return i + 1 < argc ? argv[++i] : ""; };
-    if (a == "--mep") o.mep = next();
-    else if (a == "--seconds") o.seconds = std::atof(next().c_str());
-    else if (a == "--rounds") o.rounds = std::atoi(next().c_str());
-    else if (a == "--dir") o.dir = next();
-    else if (a == "--rss-clients") o.rss_clients = std::atoi(next().c_str());
-    else if (a == "--rss-object-mib") o.rss_object = static_cast<std::size_t>(std::atoi(next().c_str())) << 20;
+    if (a == "--mep")
+      o.mep = next();
+    else if (a == "--seconds")
+      o.seconds = std::atof(next().c_str());
+    else if (a == "--rounds")
+      o.rounds = std::atoi(next().c_str());
+    else if (a == "--dir")
+      o.dir = next();
+    else if (a == "--rss-clients")
+      o.rss_clients = std::atoi(next().c_str());
+    else if (a == "--rss-object-mib")
+      o.rss_object = static_cast<std::size_t>(std::atoi(next().c_str())) << 20;
     else if (a == "--clients") {
       o.clients.clear();
       std::string v = next();
@@ -253,19 +261,23 @@ int main(int argc, char** argv) {
       o.clients = {1, 4};
       o.rss_clients = 4;
       o.rss_object = 8u << 20;
-    } else return usage();
+    } else
+      return usage();
   }
   if (o.seconds <= 0 || o.rounds < 1 || o.clients.empty()) return usage();
   std::signal(SIGPIPE, SIG_IGN);
-  const fs::path dir = o.dir.empty() ? fs::path("/var/tmp") / ("mep-bench-store-" + std::to_string(::getpid())) : fs::path(o.dir);
+  const fs::path dir =
+      o.dir.empty() ? fs::path("/var/tmp") / ("mep-bench-store-" + std::to_string(::getpid())) : fs::path(o.dir);
   fs::create_directories(dir);
   int rc = 0;
   try {
     Store store(o, dir / "store");
-    std::printf("mep store benchmark — fenced PUTs (keep-alive HTTP on loopback) against write + fsync + rename of the\n"
-                "same bytes, on the same file system (%s), %g s per cell, %d round%s interleaved; %u CPUs\n",
-                dir.c_str(), o.seconds, o.rounds, o.rounds == 1 ? "" : "s", std::thread::hardware_concurrency());
-    std::printf("each client writes its own memory (token 1); the table gives the median round and the range of ratios\n\n");
+    std::printf(
+        "mep store benchmark — fenced PUTs (keep-alive HTTP on loopback) against write + fsync + rename of the\n"
+        "same bytes, on the same file system (%s), %g s per cell, %d round%s interleaved; %u CPUs\n",
+        dir.c_str(), o.seconds, o.rounds, o.rounds == 1 ? "" : "s", std::thread::hardware_concurrency());
+    std::printf(
+        "each client writes its own memory (token 1); the table gives the median round and the range of ratios\n\n");
     std::printf("%-7s %7s | %10s %9s %8s %8s | %10s %9s %8s %8s | %6s %s\n", "object", "clients", "store/s", "MiB/s",
                 "p50 ms", "p99 ms", "floor/s", "MiB/s", "p50 ms", "p99 ms", "ratio", "range");
     struct Row {
@@ -323,7 +335,8 @@ int main(int argc, char** argv) {
       // no RSS cell asked for
     } else if (free_bytes < need) {
       std::printf("\nRSS cell skipped: it needs %llu MiB free in %s, %llu MiB are\n",
-                  static_cast<unsigned long long>(need >> 20), dir.c_str(), static_cast<unsigned long long>(free_bytes >> 20));
+                  static_cast<unsigned long long>(need >> 20), dir.c_str(),
+                  static_cast<unsigned long long>(free_bytes >> 20));
     } else {
       std::atomic<bool> done{false};
       std::atomic<long> peak{rss_kib(store.pid())};
@@ -346,8 +359,7 @@ int main(int argc, char** argv) {
             std::string chunk(1 << 20, 'r');
             for (std::size_t sent = 0; sent < o.rss_object; sent += chunk.size()) c.send_all(chunk);
             if (c.request_bytes(std::string()).first == 200) ++ok;
-          } catch (const std::exception&) {
-          }
+          } catch (const std::exception&) {}
         });
       }
       for (auto& t : up) t.join();

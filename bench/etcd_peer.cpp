@@ -184,7 +184,8 @@ EtcdResult EtcdPeer::run(int clients, double seconds, int mode) {
   // on one HTTP/2 connection (on this 2-core machine etcd did more with one than with one
   // per client: its clients then cost less CPU). MEP_BENCH_ETCD_CONNS=N uses N.
   int conns = 1;
-  if (const char* e = std::getenv("MEP_BENCH_ETCD_CONNS"); e && std::atoi(e) > 0) conns = std::min(clients, std::atoi(e));
+  if (const char* e = std::getenv("MEP_BENCH_ETCD_CONNS"); e && std::atoi(e) > 0)
+    conns = std::min(clients, std::atoi(e));
   std::vector<std::shared_ptr<grpc::Channel>> channels;
   for (int i = 0; i < conns; ++i) channels.push_back(m->channel());
   std::vector<std::thread> threads;

@@ -61,8 +61,8 @@ void append_steps_human(std::string& o, const std::vector<ExplainStep>& steps) {
   }
 }
 
-void append_error(std::string& o, const CanonicalizeOptions& opt, std::string_view input,
-                  const NameError& err, const std::vector<ExplainStep>& steps) {
+void append_error(std::string& o, const CanonicalizeOptions& opt, std::string_view input, const NameError& err,
+                  const std::vector<ExplainStep>& steps) {
   if (opt.json) {
     o += "{\"input\":";
     json::append_string(o, input);
@@ -195,15 +195,12 @@ int run(const CanonicalizeOptions& opt) {
 
 void register_canonicalize(CLI::App& app, GlobalOptions& g, Action& action) {
   auto opt = std::make_shared<CanonicalizeOptions>();
-  auto* cmd = app.add_subcommand("canonicalize",
-                                 "Print the canonical form and skeleton of agent names (offline)");
+  auto* cmd = app.add_subcommand("canonicalize", "Print the canonical form and skeleton of agent names (offline)");
   cmd->add_flag("--json", opt->json, "One JSON object per name, one per line");
   cmd->add_flag("--explain", opt->explain, "Show the string after each step of the pipeline");
-  cmd->add_option("--profile", opt->profile,
-                  "agent (SPEC §5, the default) or usernamecasemapped (RFC 8265 alone)")
+  cmd->add_option("--profile", opt->profile, "agent (SPEC §5, the default) or usernamecasemapped (RFC 8265 alone)")
       ->check(CLI::IsMember({"agent", "usernamecasemapped"}));
-  cmd->add_option("names", opt->names, "Names to canonicalize; '-' reads one per line from stdin")
-      ->required();
+  cmd->add_option("names", opt->names, "Names to canonicalize; '-' reads one per line from stdin")->required();
   cmd->footer("Exit status: 0 all names valid, 6 some name invalid, 2 usage error.");
   cmd->callback([opt, &g, &action] {
     opt->json = opt->json || g.json;

@@ -34,7 +34,8 @@ std::string url_encode(const std::string& s) {
   static constexpr char hex[] = "0123456789ABCDEF";
   std::string out;
   for (unsigned char c : s) {
-    if (std::isalnum(c) || c == '-' || c == '_' || c == '.' || c == '~' || c == '/') out.push_back(static_cast<char>(c));
+    if (std::isalnum(c) || c == '-' || c == '_' || c == '.' || c == '~' || c == '/')
+      out.push_back(static_cast<char>(c));
     else {
       out.push_back('%');
       out.push_back(hex[c >> 4]);
@@ -88,8 +89,10 @@ int call(const GlobalOptions& g, const std::string& method, const std::string& t
   std::string socket = resolve_socket(g.socket, g.config_file);
   DaemonReply r = daemon_request(socket, method, target, body);
   if (r.status < 200 || r.status >= 300) return report_problem(r, socket, g.json);
-  if (g.json) std::printf("%s\n", r.body.empty() ? "{}" : r.body.c_str());
-  else human(r.json());
+  if (g.json)
+    std::printf("%s\n", r.body.empty() ? "{}" : r.body.c_str());
+  else
+    human(r.json());
   return exit_code::ok;
 }
 
@@ -145,19 +148,22 @@ void register_lease_commands(CLI::App& app, GlobalOptions& g, Action& action) {
     std::string wait = "0";
   };
   auto c = std::make_shared<Claim>();
-  auto* claim = app.add_subcommand("claim", "Claim NAME for the memory file PATH; held by mepd until 'mep release NAME'");
+  auto* claim =
+      app.add_subcommand("claim", "Claim NAME for the memory file PATH; held by mepd until 'mep release NAME'");
   claim->add_option("name", c->name, "Agent name")->required();
   claim->add_option("path", c->path, "The .uai memory file")->required();
   claim->add_option("--ttl", c->ttl, "Lease TTL in seconds (5-300); mepd renews it")->capture_default_str();
-  claim->add_option("--wait", c->wait,
-                    "Seconds to wait for a held name or memory, first come first served (0: fail at once; inf: "
-                    "until interrupted); exit 3 if it stays held")
+  claim
+      ->add_option("--wait", c->wait,
+                   "Seconds to wait for a held name or memory, first come first served (0: fail at once; inf: "
+                   "until interrupted); exit 3 if it stays held")
       ->capture_default_str();
   claim->callback([c, &g, &action] {
     auto wait = parse_wait(c->wait);
     if (!wait) throw CLI::ValidationError("--wait", "must be a number of seconds or inf (got \"" + c->wait + "\")");
     action = [c, &g, wait = *wait] {
-      boost::json::object body{{"name", c->name}, {"path", absolute(c->path)}, {"ttl_seconds", c->ttl}, {"bind", "none"}};
+      boost::json::object body{
+          {"name", c->name}, {"path", absolute(c->path)}, {"ttl_seconds", c->ttl}, {"bind", "none"}};
       std::string socket = resolve_socket(g.socket, g.config_file);
       DaemonReply r = attach(socket, std::move(body), wait);
       if (r.status < 200 || r.status >= 300) return report_problem(r, socket, g.json);
@@ -191,7 +197,8 @@ void register_lease_commands(CLI::App& app, GlobalOptions& g, Action& action) {
     action = [init_path, &g] {
       return call(g, "POST", "/v1/init", json::dump(boost::json::object{{"path", absolute(*init_path)}}),
                   [](const boost::json::object& o) {
-                    std::printf("created %s  memory=%s\n", str(o, "path").c_str(), str(o, "memory_instance_id").c_str());
+                    std::printf("created %s  memory=%s\n", str(o, "path").c_str(),
+                                str(o, "memory_instance_id").c_str());
                   });
     };
   });
@@ -203,7 +210,8 @@ void register_lease_commands(CLI::App& app, GlobalOptions& g, Action& action) {
   branch->add_option("new_path", br->second, "Where the branch is written")->required();
   branch->callback([br, &g, &action] {
     action = [br, &g] {
-      std::string body = json::dump(boost::json::object{{"path", absolute(br->first)}, {"new_path", absolute(br->second)}});
+      std::string body =
+          json::dump(boost::json::object{{"path", absolute(br->first)}, {"new_path", absolute(br->second)}});
       return call(g, "POST", "/v1/branch", body, [](const boost::json::object& o) {
         std::printf("branched %s  memory=%s  parent=%s  at token %s\n", str(o, "path").c_str(),
                     str(o, "memory_instance_id").c_str(), str(o, "parent_memory_instance_id").c_str(),
@@ -214,7 +222,8 @@ void register_lease_commands(CLI::App& app, GlobalOptions& g, Action& action) {
 
   // mep sync NAME
   auto sync_name = std::make_shared<std::string>();
-  auto* sync = app.add_subcommand("sync", "Upload the memory file of the lease on NAME to the data plane, fenced by its token");
+  auto* sync =
+      app.add_subcommand("sync", "Upload the memory file of the lease on NAME to the data plane, fenced by its token");
   sync->add_option("name", *sync_name, "Agent name (a lease mepd holds)")->required();
   sync->callback([sync_name, &g, &action] {
     action = [sync_name, &g] {
@@ -229,12 +238,15 @@ void register_lease_commands(CLI::App& app, GlobalOptions& g, Action& action) {
 
   // mep fetch ID PATH
   auto fe = std::make_shared<std::pair<std::string, std::string>>();
-  auto* fetch = app.add_subcommand("fetch", "Download the latest object of memory ID from the data plane into the new file PATH");
+  auto* fetch =
+      app.add_subcommand("fetch", "Download the latest object of memory ID from the data plane into the new file PATH");
   fetch->add_option("id", fe->first, "The memory id (mep identify shows it)")->required();
-  fetch->add_option("path", fe->second, "The new .uai file (must not exist); it gets the memory's identity")->required();
+  fetch->add_option("path", fe->second, "The new .uai file (must not exist); it gets the memory's identity")
+      ->required();
   fetch->callback([fe, &g, &action] {
     action = [fe, &g] {
-      std::string body = json::dump(boost::json::object{{"memory_instance_id", fe->first}, {"path", absolute(fe->second)}});
+      std::string body =
+          json::dump(boost::json::object{{"memory_instance_id", fe->first}, {"path", absolute(fe->second)}});
       return call(g, "POST", "/v1/fetch", body, [](const boost::json::object& o) {
         std::printf("fetched %s  memory=%s  token=%s  size=%s\n", str(o, "path").c_str(),
                     str(o, "memory_instance_id").c_str(), str(o, "fencing_token").c_str(), str(o, "size").c_str());
@@ -270,11 +282,12 @@ void register_lease_commands(CLI::App& app, GlobalOptions& g, Action& action) {
   identify->add_option("path", *id_path, "A .uai file")->required();
   identify->callback([id_path, &g, &action] {
     action = [id_path, &g] {
-      return call(g, "GET", "/v1/identify?path=" + url_encode(absolute(*id_path)), "", [](const boost::json::object& o) {
-        std::string parent = str(o, "parent_memory_instance_id");
-        std::printf("%s  memory=%s  parent=%s\n", str(o, "path").c_str(), str(o, "memory_instance_id").c_str(),
-                    parent.empty() ? "-" : parent.c_str());
-      });
+      return call(g, "GET", "/v1/identify?path=" + url_encode(absolute(*id_path)), "",
+                  [](const boost::json::object& o) {
+                    std::string parent = str(o, "parent_memory_instance_id");
+                    std::printf("%s  memory=%s  parent=%s\n", str(o, "path").c_str(),
+                                str(o, "memory_instance_id").c_str(), parent.empty() ? "-" : parent.c_str());
+                  });
     };
   });
 
@@ -286,7 +299,8 @@ void register_lease_commands(CLI::App& app, GlobalOptions& g, Action& action) {
   auto* lineage = app.add_subcommand("lineage", "Show a memory's ancestors and branches");
   lineage->add_option("what", ln->what, "A .uai file or a memory id")->required();
   lineage->add_option("--format", ln->format, "tree, dot (Graphviz) or json")
-      ->check(CLI::IsMember({"tree", "dot", "json"}))->capture_default_str();
+      ->check(CLI::IsMember({"tree", "dot", "json"}))
+      ->capture_default_str();
   lineage->callback([ln, &g, &action] {
     action = [ln, &g] {
       bool is_id = ln->what.size() == 36 && ln->what[8] == '-' && !fs::exists(ln->what);
@@ -294,8 +308,10 @@ void register_lease_commands(CLI::App& app, GlobalOptions& g, Action& action) {
       GlobalOptions local = g;
       if (ln->format == "json") local.json = true;
       return call(local, "GET", target, "", [ln](const boost::json::object& o) {
-        if (ln->format == "dot") print_dot(o);
-        else print_tree(o, ::isatty(1));
+        if (ln->format == "dot")
+          print_dot(o);
+        else
+          print_tree(o, ::isatty(1));
       });
     };
   });
@@ -306,14 +322,18 @@ void register_lease_commands(CLI::App& app, GlobalOptions& g, Action& action) {
     action = [&g] {
       auto cfg = Config::load(g.config_file);
       if (!cfg) {
-        if (g.json) std::printf("%s\n", json::dump(Problem(Code::invalid_request, cfg.error()).to_json()).c_str());
-        else std::fprintf(stderr, "mep: %s\n", cfg.error().c_str());
+        if (g.json)
+          std::printf("%s\n", json::dump(Problem(Code::invalid_request, cfg.error()).to_json()).c_str());
+        else
+          std::fprintf(stderr, "mep: %s\n", cfg.error().c_str());
         return exit_code::usage;
       }
-      std::string rt = !xdg_runtime_dir().empty() ? (xdg_runtime_dir() / "mep" / "mepd.sock").string() : "/run/mep/mepd.sock";
+      std::string rt =
+          !xdg_runtime_dir().empty() ? (xdg_runtime_dir() / "mep" / "mepd.sock").string() : "/run/mep/mepd.sock";
       // mepd's own default: /var/lib/mep for root without XDG_STATE_HOME (daemon/main.cpp).
-      std::string state = ::getuid() == 0 && !std::getenv("XDG_STATE_HOME") ? "/var/lib/mep"
-                                                                           : (xdg_state_home() / "mep" / "mepd").string();
+      std::string state = ::getuid() == 0 && !std::getenv("XDG_STATE_HOME")
+                              ? "/var/lib/mep"
+                              : (xdg_state_home() / "mep" / "mepd").string();
       std::optional<std::string> sock_flag = g.socket.empty() ? std::nullopt : std::optional(g.socket);
       std::vector<std::pair<std::string, Setting>> rows = {
           {"socket", cfg->get("socket", sock_flag, "--socket", rt)},

@@ -14,8 +14,9 @@ void register_migrate(CLI::App& app, GlobalOptions& g, Action& action) {
   auto add_common = [&](CLI::App* sub, server::MigrateOptions& o) {
     sub->add_option("--db", o.db_url, "Control-plane database (default sqlite:$XDG_STATE_HOME/mep/control.db)")
         ->envname("MEP_DB");
-    auto* in = sub->add_option("--input", o.input_file, "Legacy rows as JSON Lines or CSV: legacy_id, display_name, "
-                                                        "created_at, legacy_memory_ref[, memory_instance_id]");
+    auto* in = sub->add_option("--input", o.input_file,
+                               "Legacy rows as JSON Lines or CSV: legacy_id, display_name, "
+                               "created_at, legacy_memory_ref[, memory_instance_id]");
     auto* tab = sub->add_option("--from-table", o.from_table, "Read the same columns from this table of the database");
     in->excludes(tab);
     sub->add_option("--report", o.report_file, "Write one JSON line per legacy row to FILE");
@@ -44,7 +45,8 @@ void register_migrate(CLI::App& app, GlobalOptions& g, Action& action) {
     };
   });
   auto act_db = std::make_shared<std::string>();
-  auto* a = cmd->add_subcommand("activate", "Open the lease endpoints (they answer 503 while a migration is in progress)");
+  auto* a =
+      cmd->add_subcommand("activate", "Open the lease endpoints (they answer 503 while a migration is in progress)");
   a->add_option("--db", *act_db, "Control-plane database")->envname("MEP_DB");
   a->callback([act_db, &g, &action] {
     action = [act_db, &g] { return server::migrate_activate(resolve_db_url(*act_db, g), g.json); };

@@ -69,8 +69,8 @@ struct LeaseWatch {
   std::vector<std::string> early; // lines seen before the name was known
   std::atomic<bool> lost{false};
   std::string lost_reason;
-  Clock::time_point deadline;   // local backup deadline
-  Clock::time_point expiry;     // local estimate of the server-side expiry
+  Clock::time_point deadline; // local backup deadline
+  Clock::time_point expiry;   // local estimate of the server-side expiry
   std::int64_t ttl_s = 30;
 };
 
@@ -163,7 +163,9 @@ int run(const RunOptions& o, const GlobalOptions& g) {
   auto field = [&](std::string_view k) {
     auto* x = lease.if_contains(k);
     if (!x) return std::string();
-    return x->is_string() ? std::string(x->get_string()) : x->is_int64() ? std::to_string(x->get_int64()) : std::string();
+    return x->is_string()  ? std::string(x->get_string())
+           : x->is_int64() ? std::to_string(x->get_int64())
+                           : std::string();
   };
   {
     std::lock_guard lock(watch.mutex);
@@ -296,8 +298,8 @@ int run(const RunOptions& o, const GlobalOptions& g) {
   const bool was_lost = lost || watch.lost; // before our own release emits `released`
   int sync_status = exit_code::ok;
   if (o.sync_on_exit && !was_lost) {
-    DaemonReply synced = daemon_request(socket, "POST", "/v1/sync",
-                                        json::dump(boost::json::object{{"name", field("canonical_name")}}));
+    DaemonReply synced =
+        daemon_request(socket, "POST", "/v1/sync", json::dump(boost::json::object{{"name", field("canonical_name")}}));
     if (synced.status != 200) {
       std::fprintf(stderr, "mep: the memory was not synced:\n");
       sync_status = report_problem(synced, socket, g.json);
@@ -322,8 +324,10 @@ void register_run(CLI::App& app, GlobalOptions& g, Action& action) {
   cmd->add_option("name", o->name, "Agent name")->required();
   cmd->add_option("path", o->path, "The .uai memory file")->required();
   cmd->add_option("--ttl", o->ttl, "Lease TTL in seconds (5-300)")->capture_default_str();
-  cmd->add_option("--on-loss", o->on_loss, "When the lease is lost: term (SIGTERM, then SIGKILL after --grace), kill, ignore")
-      ->check(CLI::IsMember({"term", "kill", "ignore"}))->capture_default_str();
+  cmd->add_option("--on-loss", o->on_loss,
+                  "When the lease is lost: term (SIGTERM, then SIGKILL after --grace), kill, ignore")
+      ->check(CLI::IsMember({"term", "kill", "ignore"}))
+      ->capture_default_str();
   cmd->add_option("--wait", o->wait,
                   "Seconds to wait for a held name or memory, first come first served (0: fail at once; inf: until "
                   "interrupted); exit 3 if it stays held")

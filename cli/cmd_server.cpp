@@ -46,8 +46,7 @@ void register_server(CLI::App& app, GlobalOptions& g, Action& action) {
   cmd->add_option("--db-pool", opt->store.pool, "PostgreSQL connections running lease operations")
       ->capture_default_str()
       ->check(CLI::Range(1, 256));
-  cmd->add_option("--listen", opt->listen, "HOST:PORT to listen on; port 0 picks a free port")
-      ->capture_default_str();
+  cmd->add_option("--listen", opt->listen, "HOST:PORT to listen on; port 0 picks a free port")->capture_default_str();
   cmd->add_option("--tls-cert", opt->tls_cert, "PEM certificate chain; enables HTTPS (TLS 1.3 only)");
   cmd->add_option("--tls-key", opt->tls_key, "PEM private key for --tls-cert");
   cmd->add_flag("--insecure-plaintext", opt->insecure_plaintext,
@@ -75,8 +74,7 @@ void register_server(CLI::App& app, GlobalOptions& g, Action& action) {
       server::StoreOptions options;
       options.create = false; // a listing makes no database
       auto store = open_store_or_explain(resolve_db_url(*audit_db, g), options);
-      auto rows = store->list_audit(audit_tenant->empty() ? std::nullopt : std::optional(*audit_tenant),
-                                    *audit_limit);
+      auto rows = store->list_audit(audit_tenant->empty() ? std::nullopt : std::optional(*audit_tenant), *audit_limit);
       if (g.json) {
         boost::json::array arr;
         for (const auto& r : rows) {

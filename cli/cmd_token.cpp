@@ -41,7 +41,8 @@ void register_token(CLI::App& app, GlobalOptions& g, Action& action) {
   create->add_option("--db", c->db, "Database URL (default sqlite:$XDG_STATE_HOME/mep/control.db)")->envname("MEP_DB");
   create->add_option("--tenant", c->tenant, "Tenant name")->required();
   create->add_option("--scope", c->scope, "lease or admin (admin includes lease)")
-      ->check(CLI::IsMember({"lease", "admin"}))->capture_default_str();
+      ->check(CLI::IsMember({"lease", "admin"}))
+      ->capture_default_str();
   create->add_flag("--admin", c->admin, "Same as --scope admin");
   create->add_flag("--json", g.json, "Print {\"tenant_id\", \"token\"}");
   create->callback([c, &g, &action] {
@@ -70,8 +71,11 @@ void register_token(CLI::App& app, GlobalOptions& g, Action& action) {
       if (g.json) {
         boost::json::array arr;
         for (const auto& t : tokens) {
-          boost::json::object o{{"token_id", t.token_id}, {"tenant_id", t.tenant_id}, {"tenant", t.tenant_name},
-                                {"scopes", t.scopes}, {"created_at", format_rfc3339_ms(t.created_at)}};
+          boost::json::object o{{"token_id", t.token_id},
+                                {"tenant_id", t.tenant_id},
+                                {"tenant", t.tenant_name},
+                                {"scopes", t.scopes},
+                                {"created_at", format_rfc3339_ms(t.created_at)}};
           o["revoked_at"] = t.revoked_at ? boost::json::value(format_rfc3339_ms(*t.revoked_at)) : nullptr;
           arr.emplace_back(std::move(o));
         }
@@ -79,8 +83,8 @@ void register_token(CLI::App& app, GlobalOptions& g, Action& action) {
       } else {
         std::printf("%-36s  %-20s  %-12s  %-24s  %s\n", "TOKEN ID", "TENANT", "SCOPES", "CREATED", "REVOKED");
         for (const auto& t : tokens)
-          std::printf("%-36s  %-20s  %-12s  %-24s  %s\n", t.token_id.c_str(), t.tenant_name.c_str(),
-                      t.scopes.c_str(), format_rfc3339_ms(t.created_at).c_str(),
+          std::printf("%-36s  %-20s  %-12s  %-24s  %s\n", t.token_id.c_str(), t.tenant_name.c_str(), t.scopes.c_str(),
+                      format_rfc3339_ms(t.created_at).c_str(),
                       t.revoked_at ? format_rfc3339_ms(*t.revoked_at).c_str() : "-");
       }
       return exit_code::ok;

@@ -108,7 +108,8 @@ DaemonReply daemon_request(const std::string& socket, const std::string& method,
   // sending may then fail, and the answer is still there to read.
   const bool sent = send_all(fd, request_text(method, target, body));
   std::size_t head = std::string::npos;
-  bool ok = read_until(fd, buf, [&](const std::string& b) { return (head = b.find("\r\n\r\n")) != std::string::npos; }, timeout_ms);
+  bool ok = read_until(
+      fd, buf, [&](const std::string& b) { return (head = b.find("\r\n\r\n")) != std::string::npos; }, timeout_ms);
   if (!ok) {
     r.error = sent ? "no answer from the daemon" : "the daemon closed the connection";
     ::close(fd);
@@ -117,8 +118,10 @@ DaemonReply daemon_request(const std::string& socket, const std::string& method,
   std::size_t length = 0;
   std::string lower = buf.substr(0, head);
   for (auto& ch : lower) ch = static_cast<char>(std::tolower(static_cast<unsigned char>(ch)));
-  if (auto cl = lower.find("content-length:"); cl != std::string::npos) length = std::strtoul(lower.c_str() + cl + 15, nullptr, 10);
-  read_until(fd, buf, [&](const std::string& b) { return b.size() >= head + 4 + length; }, 60000);
+  if (auto cl = lower.find("content-length:"); cl != std::string::npos)
+    length = std::strtoul(lower.c_str() + cl + 15, nullptr, 10);
+  read_until(
+      fd, buf, [&](const std::string& b) { return b.size() >= head + 4 + length; }, 60000);
   ::close(fd);
   r.status = std::atoi(buf.c_str() + 9);
   r.body = buf.substr(head + 4, length);
@@ -144,7 +147,8 @@ DaemonReply attach(const std::string& socket, boost::json::object body, std::int
     DaemonReply first = daemon_request(socket, "POST", "/v1/attach", json::dump(body));
     if (first.status != 423) return first;
     std::string code, name = body.contains("name") && body.at("name").is_string()
-                                 ? std::string(body.at("name").get_string()) : std::string();
+                                 ? std::string(body.at("name").get_string())
+                                 : std::string();
     std::int64_t ahead = 0;
     if (auto o = json::parse_object(first.body)) {
       if (auto* c = o->if_contains("code"); c && c->is_string()) code = c->get_string();

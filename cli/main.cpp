@@ -22,8 +22,9 @@ int main(int argc, char** argv) {
   GlobalOptions g;
   app.add_flag("--json", g.json, "Print one JSON document on stdout, for machines");
   app.add_flag("-v,--verbose", g.verbosity, "More output on stderr (repeat for more)");
-  app.add_option("--socket", g.socket, "Path of the mepd socket (default: $MEP_SOCKET, "
-                                       "$XDG_RUNTIME_DIR/mep/mepd.sock, /run/mep/mepd.sock)");
+  app.add_option("--socket", g.socket,
+                 "Path of the mepd socket (default: $MEP_SOCKET, "
+                 "$XDG_RUNTIME_DIR/mep/mepd.sock, /run/mep/mepd.sock)");
   app.add_option("--config", g.config_file, "Config file (default ~/.config/mep/config.toml)");
   app.footer("Exit status: 0 ok, 1 other error, 2 usage, 3 held/locked, 4 lost/stale/expired, 5 unavailable\n"
              "(mepd not running), 6 invalid name, 7 auth. 'man mep' has the details.");
@@ -42,10 +43,14 @@ int main(int argc, char** argv) {
   int run = 1; // the command: the first argument that is not a global option
   while (run < argc) {
     std::string_view a = argv[run];
-    if (a == "--socket" || a == "--config") run += 2;
-    else if (a == "--json" || a == "--verbose" || (a.size() > 1 && a[0] == '-' && a.find_first_not_of('v', 1) == a.npos) ||
-             a.rfind("--socket=", 0) == 0 || a.rfind("--config=", 0) == 0) ++run;
-    else break;
+    if (a == "--socket" || a == "--config")
+      run += 2;
+    else if (a == "--json" || a == "--verbose" ||
+             (a.size() > 1 && a[0] == '-' && a.find_first_not_of('v', 1) == a.npos) || a.rfind("--socket=", 0) == 0 ||
+             a.rfind("--config=", 0) == 0)
+      ++run;
+    else
+      break;
   }
   if (run < argc && std::string_view(argv[run]) == "run") {
     for (int i = run + 1; i < argc; ++i) {

@@ -48,8 +48,7 @@ struct Spoof {
   Spoof() {
     UErrorCode st = U_ZERO_ERROR;
     checker = uspoof_open(&st);
-    uspoof_setChecks(checker, USPOOF_RESTRICTION_LEVEL | USPOOF_MIXED_NUMBERS | USPOOF_INVISIBLE,
-                     &st);
+    uspoof_setChecks(checker, USPOOF_RESTRICTION_LEVEL | USPOOF_MIXED_NUMBERS | USPOOF_INVISIBLE, &st);
     uspoof_setRestrictionLevel(checker, USPOOF_HIGHLY_RESTRICTIVE);
     if (U_FAILURE(st)) throw std::runtime_error("ICU spoof checker unavailable");
     for (int c = 0x20; c < 0x7F; ++c) {
@@ -65,13 +64,13 @@ struct Spoof {
   std::string skeleton_icu(std::string_view utf8) const {
     UErrorCode st = U_ZERO_ERROR;
     std::string out(utf8.size() * 3 + 16, '\0');
-    int32_t n = uspoof_getSkeletonUTF8(checker, 0, utf8.data(), static_cast<int32_t>(utf8.size()),
-                                       out.data(), static_cast<int32_t>(out.size()), &st);
+    int32_t n = uspoof_getSkeletonUTF8(checker, 0, utf8.data(), static_cast<int32_t>(utf8.size()), out.data(),
+                                       static_cast<int32_t>(out.size()), &st);
     if (st == U_BUFFER_OVERFLOW_ERROR) {
       st = U_ZERO_ERROR;
       out.assign(static_cast<std::size_t>(n) + 1, '\0');
-      n = uspoof_getSkeletonUTF8(checker, 0, utf8.data(), static_cast<int32_t>(utf8.size()),
-                                 out.data(), static_cast<int32_t>(out.size()), &st);
+      n = uspoof_getSkeletonUTF8(checker, 0, utf8.data(), static_cast<int32_t>(utf8.size()), out.data(),
+                                 static_cast<int32_t>(out.size()), &st);
     }
     if (U_FAILURE(st)) return {};
     out.resize(static_cast<std::size_t>(n));
@@ -134,24 +133,28 @@ const LevelChecker& level_checker(AllowedSet which) {
 
 RestrictionLevel from_icu(URestrictionLevel l) {
   switch (l) {
-  case USPOOF_ASCII: return RestrictionLevel::ascii;
-  case USPOOF_SINGLE_SCRIPT_RESTRICTIVE: return RestrictionLevel::single_script_restrictive;
-  case USPOOF_HIGHLY_RESTRICTIVE: return RestrictionLevel::highly_restrictive;
-  case USPOOF_MODERATELY_RESTRICTIVE: return RestrictionLevel::moderately_restrictive;
-  case USPOOF_MINIMALLY_RESTRICTIVE: return RestrictionLevel::minimally_restrictive;
-  default: return RestrictionLevel::unrestrictive;
+  case USPOOF_ASCII:
+    return RestrictionLevel::ascii;
+  case USPOOF_SINGLE_SCRIPT_RESTRICTIVE:
+    return RestrictionLevel::single_script_restrictive;
+  case USPOOF_HIGHLY_RESTRICTIVE:
+    return RestrictionLevel::highly_restrictive;
+  case USPOOF_MODERATELY_RESTRICTIVE:
+    return RestrictionLevel::moderately_restrictive;
+  case USPOOF_MINIMALLY_RESTRICTIVE:
+    return RestrictionLevel::minimally_restrictive;
+  default:
+    return RestrictionLevel::unrestrictive;
   }
 }
 
 // Runs `checker` (which must have USPOOF_RESTRICTION_LEVEL set) on `utf8`: the result
 // bits and the level; nullopt when ICU reports an error.
-std::optional<std::pair<int32_t, RestrictionLevel>> run_checker(const USpoofChecker* checker,
-                                                                std::string_view utf8) {
+std::optional<std::pair<int32_t, RestrictionLevel>> run_checker(const USpoofChecker* checker, std::string_view utf8) {
   UErrorCode st = U_ZERO_ERROR;
   icu::LocalUSpoofCheckResultPointer result(uspoof_openCheckResult(&st));
   if (U_FAILURE(st)) throw std::runtime_error("ICU spoof check result unavailable");
-  int32_t bits = uspoof_check2UTF8(checker, utf8.data(), static_cast<int32_t>(utf8.size()),
-                                   result.getAlias(), &st);
+  int32_t bits = uspoof_check2UTF8(checker, utf8.data(), static_cast<int32_t>(utf8.size()), result.getAlias(), &st);
   if (U_FAILURE(st)) return std::nullopt;
   URestrictionLevel level = uspoof_getCheckResultRestrictionLevel(result.getAlias(), &st);
   if (U_FAILURE(st)) return std::nullopt;
@@ -160,9 +163,7 @@ std::optional<std::pair<int32_t, RestrictionLevel>> run_checker(const USpoofChec
 
 // ---- helpers -----------------------------------------------------------------------------
 
-bool is_category(char32_t c, uint32_t mask) {
-  return (U_GET_GC_MASK(static_cast<UChar32>(c)) & mask) != 0;
-}
+bool is_category(char32_t c, uint32_t mask) { return (U_GET_GC_MASK(static_cast<UChar32>(c)) & mask) != 0; }
 
 std::vector<std::string> scripts_of(std::u32string_view s) {
   std::vector<int> codes;
@@ -184,8 +185,7 @@ std::vector<std::string> scripts_of(std::u32string_view s) {
 // point is mapped on its own (spaces dropped, width map, lower case), the pieces are
 // split where NFC may not combine across, and each piece's NFC is lined up with the
 // mapped string.
-std::size_t locate_in_input(std::u32string_view input, std::size_t lead, bool remove_spaces,
-                            std::size_t j) {
+std::size_t locate_in_input(std::u32string_view input, std::size_t lead, bool remove_spaces, std::size_t j) {
   struct Unit {
     char32_t cp;
     std::size_t origin;
@@ -208,16 +208,14 @@ std::size_t locate_in_input(std::u32string_view input, std::size_t lead, bool re
     std::u32string seg;
     for (std::size_t k = s; k < e; ++k) seg.push_back(pre[k].cp);
     std::size_t produced = precis::nfc(seg).size();
-    if (j < out_pos + produced)
-      return lead + (produced == e - s ? pre[s + (j - out_pos)].origin : pre[s].origin);
+    if (j < out_pos + produced) return lead + (produced == e - s ? pre[s + (j - out_pos)].origin : pre[s].origin);
     out_pos += produced;
     s = e;
   }
   return lead + (input.empty() ? 0 : std::min(j, input.size() - 1));
 }
 
-NameError from_precis(const precis::Error& e, std::u32string_view input, std::size_t lead,
-                      bool remove_spaces) {
+NameError from_precis(const precis::Error& e, std::u32string_view input, std::size_t lead, bool remove_spaces) {
   NameError err{NameReason::disallowed_character, std::nullopt, std::nullopt, std::string(e.name)};
   if (e.name == "empty") {
     err.reason = NameReason::empty;
@@ -231,9 +229,7 @@ NameError from_precis(const precis::Error& e, std::u32string_view input, std::si
   return err;
 }
 
-NameError char_error(NameReason r, char32_t cp, std::size_t index) {
-  return NameError{r, cp, index, {}};
-}
+NameError char_error(NameReason r, char32_t cp, std::size_t index) { return NameError{r, cp, index, {}}; }
 
 // Step 4: letters, marks after a base, decimal digits, and - _ inside the name.
 std::optional<std::size_t> policy_violation(std::u32string_view s) {
@@ -284,13 +280,11 @@ expected<CanonicalName, NameError> canonicalize_ascii(std::string_view in) {
   }
   for (std::size_t i = 0; i < name.size(); ++i) {
     char c = name[i];
-    bool ok = (c >= 'a' && c <= 'z') || (c >= '0' && c <= '9') ||
-              ((c == '-' || c == '_') && i > 0 && i + 1 < name.size());
-    if (!ok) return make_unexpected(char_error(NameReason::disallowed_character,
-                                               static_cast<char32_t>(c), origin[i]));
+    bool ok =
+        (c >= 'a' && c <= 'z') || (c >= '0' && c <= '9') || ((c == '-' || c == '_') && i > 0 && i + 1 < name.size());
+    if (!ok) return make_unexpected(char_error(NameReason::disallowed_character, static_cast<char32_t>(c), origin[i]));
   }
-  if (name.size() > k_max_name_code_points)
-    return make_unexpected(NameError{NameReason::too_long, {}, {}, {}});
+  if (name.size() > k_max_name_code_points) return make_unexpected(NameError{NameReason::too_long, {}, {}, {}});
   out.skeleton = spoof().skeleton(name);
   bool letters = false;
   for (char c : name) letters = letters || (c >= 'a' && c <= 'z');
@@ -304,15 +298,24 @@ std::string show(std::u32string_view s) { return utf8::encode(s); }
 
 std::string_view to_string(NameReason r) {
   switch (r) {
-  case NameReason::empty: return "empty";
-  case NameReason::too_long: return "too-long";
-  case NameReason::invalid_utf8: return "invalid-utf8";
-  case NameReason::disallowed_character: return "disallowed-character";
-  case NameReason::context_rule: return "context-rule";
-  case NameReason::bidi_rule: return "bidi-rule";
-  case NameReason::mixed_script: return "mixed-script";
-  case NameReason::mixed_numbers: return "mixed-numbers";
-  case NameReason::invisible_character: return "invisible-character";
+  case NameReason::empty:
+    return "empty";
+  case NameReason::too_long:
+    return "too-long";
+  case NameReason::invalid_utf8:
+    return "invalid-utf8";
+  case NameReason::disallowed_character:
+    return "disallowed-character";
+  case NameReason::context_rule:
+    return "context-rule";
+  case NameReason::bidi_rule:
+    return "bidi-rule";
+  case NameReason::mixed_script:
+    return "mixed-script";
+  case NameReason::mixed_numbers:
+    return "mixed-numbers";
+  case NameReason::invisible_character:
+    return "invisible-character";
   }
   return "disallowed-character";
 }
@@ -321,30 +324,34 @@ std::string format_codepoint(char32_t cp) { return fmt::format("U+{:04X}", stati
 
 std::string NameError::message() const {
   switch (reason) {
-  case NameReason::empty: return "empty name";
+  case NameReason::empty:
+    return "empty name";
   case NameReason::too_long:
     return fmt::format("name too long (at most {} bytes in, {} code points out)", k_max_name_bytes,
                        k_max_name_code_points);
   case NameReason::invalid_utf8:
     return fmt::format("invalid UTF-8 at byte {}", index.value_or(0));
-  case NameReason::bidi_rule: return "violates the Bidi Rule (RFC 5893)";
-  case NameReason::mixed_script: return "mixes scripts (UTS #39 Highly Restrictive)";
-  case NameReason::mixed_numbers: return "mixes digits of different numbering systems";
-  case NameReason::invisible_character: return "holds an invisible character sequence";
+  case NameReason::bidi_rule:
+    return "violates the Bidi Rule (RFC 5893)";
+  case NameReason::mixed_script:
+    return "mixes scripts (UTS #39 Highly Restrictive)";
+  case NameReason::mixed_numbers:
+    return "mixes digits of different numbering systems";
+  case NameReason::invisible_character:
+    return "holds an invisible character sequence";
   case NameReason::disallowed_character:
   case NameReason::context_rule:
     break;
   }
-  std::string what = reason == NameReason::context_rule ? "character not allowed in this context"
-                                                        : "disallowed character";
+  std::string what =
+      reason == NameReason::context_rule ? "character not allowed in this context" : "disallowed character";
   if (!codepoint) return what;
   char32_t cp = *codepoint;
   std::string glyph;
-  bool printable = !(u_charType(static_cast<UChar32>(cp)) == U_CONTROL_CHAR ||
-                     u_charType(static_cast<UChar32>(cp)) == U_FORMAT_CHAR ||
-                     u_charType(static_cast<UChar32>(cp)) == U_UNASSIGNED ||
-                     u_charType(static_cast<UChar32>(cp)) == U_SURROGATE ||
-                     is_category(cp, U_GC_Z_MASK | U_GC_M_MASK));
+  bool printable =
+      !(u_charType(static_cast<UChar32>(cp)) == U_CONTROL_CHAR ||
+        u_charType(static_cast<UChar32>(cp)) == U_FORMAT_CHAR || u_charType(static_cast<UChar32>(cp)) == U_UNASSIGNED ||
+        u_charType(static_cast<UChar32>(cp)) == U_SURROGATE || is_category(cp, U_GC_Z_MASK | U_GC_M_MASK));
   if (printable) {
     glyph = " '";
     utf8::append(glyph, cp);
@@ -413,8 +420,7 @@ bool uts39_cannot_fail(std::u32string_view s) {
 
 } // namespace
 
-expected<CanonicalName, NameError> canonicalize(std::string_view utf8,
-                                                std::vector<ExplainStep>* explain) {
+expected<CanonicalName, NameError> canonicalize(std::string_view utf8, std::vector<ExplainStep>* explain) {
   auto step = [&](std::string_view name, std::string value) {
     if (explain) explain->push_back({std::string(name), std::move(value)});
   };
@@ -463,15 +469,15 @@ expected<CanonicalName, NameError> canonicalize(std::string_view utf8,
 
   // 4. Agent-name policy.
   if (auto at = policy_violation(mapped))
-    return make_unexpected(char_error(NameReason::disallowed_character, mapped[*at],
-                                      locate_in_input(trimmed, b, true, *at)));
-  if (mapped.size() > k_max_name_code_points)
-    return make_unexpected(NameError{NameReason::too_long, {}, {}, {}});
+    return make_unexpected(
+        char_error(NameReason::disallowed_character, mapped[*at], locate_in_input(trimmed, b, true, *at)));
+  if (mapped.size() > k_max_name_code_points) return make_unexpected(NameError{NameReason::too_long, {}, {}, {}});
   out.canonical_name = utf8::encode(mapped);
   if (explain) step("agent-name policy", "ok");
 
   // 5. UTS #39 restriction level, digits, invisibles.
-  if (auto r = uts39_cannot_fail(mapped) ? std::nullopt : spoof_check(out.canonical_name)) return make_unexpected(NameError{*r, {}, {}, {}});
+  if (auto r = uts39_cannot_fail(mapped) ? std::nullopt : spoof_check(out.canonical_name))
+    return make_unexpected(NameError{*r, {}, {}, {}});
   if (explain) step("UTS #39 Highly Restrictive", "ok");
 
   // 6. Skeleton.
@@ -482,8 +488,7 @@ expected<CanonicalName, NameError> canonicalize(std::string_view utf8,
   return out;
 }
 
-expected<std::string, NameError> username_case_mapped(std::string_view utf8,
-                                                      std::vector<ExplainStep>* explain) {
+expected<std::string, NameError> username_case_mapped(std::string_view utf8, std::vector<ExplainStep>* explain) {
   auto step = [&](std::string_view name, std::string value) {
     if (explain) explain->push_back({std::string(name), std::move(value)});
   };
@@ -509,28 +514,32 @@ std::optional<Uts39Checks> uts39_checks(std::string_view utf8) {
   auto r = run_checker(spoof().checker, utf8);
   if (!r) return std::nullopt;
   const auto [bits, level] = *r;
-  return Uts39Checks{level, (bits & USPOOF_RESTRICTION_LEVEL) == 0,
-                     (bits & USPOOF_MIXED_NUMBERS) != 0, (bits & USPOOF_INVISIBLE) != 0};
+  return Uts39Checks{level, (bits & USPOOF_RESTRICTION_LEVEL) == 0, (bits & USPOOF_MIXED_NUMBERS) != 0,
+                     (bits & USPOOF_INVISIBLE) != 0};
 }
 
 std::string_view to_string(RestrictionLevel level) {
   switch (level) {
-  case RestrictionLevel::ascii: return "ASCII";
-  case RestrictionLevel::single_script_restrictive: return "SINGLE_SCRIPT_RESTRICTIVE";
-  case RestrictionLevel::highly_restrictive: return "HIGHLY_RESTRICTIVE";
-  case RestrictionLevel::moderately_restrictive: return "MODERATELY_RESTRICTIVE";
-  case RestrictionLevel::minimally_restrictive: return "MINIMALLY_RESTRICTIVE";
-  case RestrictionLevel::unrestrictive: return "UNRESTRICTIVE";
+  case RestrictionLevel::ascii:
+    return "ASCII";
+  case RestrictionLevel::single_script_restrictive:
+    return "SINGLE_SCRIPT_RESTRICTIVE";
+  case RestrictionLevel::highly_restrictive:
+    return "HIGHLY_RESTRICTIVE";
+  case RestrictionLevel::moderately_restrictive:
+    return "MODERATELY_RESTRICTIVE";
+  case RestrictionLevel::minimally_restrictive:
+    return "MINIMALLY_RESTRICTIVE";
+  case RestrictionLevel::unrestrictive:
+    return "UNRESTRICTIVE";
   }
   return "UNRESTRICTIVE";
 }
 
-RestrictionLevel restriction_level(std::string_view utf8, AllowedSet allowed,
-                                   std::u32string_view also_allowed) {
+RestrictionLevel restriction_level(std::string_view utf8, AllowedSet allowed, std::u32string_view also_allowed) {
   std::optional<std::pair<int32_t, RestrictionLevel>> r;
   if (also_allowed.empty()) {
-    r = run_checker(allowed == AllowedSet::all ? spoof().checker : level_checker(allowed).checker,
-                    utf8);
+    r = run_checker(allowed == AllowedSet::all ? spoof().checker : level_checker(allowed).checker, utf8);
   } else {
     icu::UnicodeSet set = allowed_set(allowed);
     for (char32_t c : also_allowed) set.add(static_cast<UChar32>(c));

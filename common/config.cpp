@@ -107,8 +107,7 @@ expected<std::string, std::string> ascii_toml(std::string_view t) {
       out += c;
       ++i;
     } else if (c == '#') {
-      for (; i < t.size() && t[i] != '\n'; ++i)
-        out += static_cast<unsigned char>(t[i]) >= 0x80 ? ' ' : t[i];
+      for (; i < t.size() && t[i] != '\n'; ++i) out += static_cast<unsigned char>(t[i]) >= 0x80 ? ' ' : t[i];
     } else if (c == '"' || c == '\'') {
       const bool literal = c == '\'';
       const bool multi = at(i + 1) == c && at(i + 2) == c;
@@ -178,24 +177,27 @@ expected<Config, std::string> Config::parse(std::string_view text, const std::st
     std::string value;
     // By type, not node.value<T>(): that converts a float to an integer, with undefined
     // behaviour when it does not fit (toml++ 3.3.0; found by tests/fuzz/fuzz_config.cpp).
-    if (const auto* s = node.as_string()) value = s->get();
-    else if (const auto* i = node.as_integer()) value = std::to_string(i->get());
-    else if (const auto* b = node.as_boolean()) value = b->get() ? "true" : "false";
-    else return make_unexpected("config file " + label + ": key \"" + std::string(key.str()) +
-                                "\" must be a string, integer or boolean");
+    if (const auto* s = node.as_string())
+      value = s->get();
+    else if (const auto* i = node.as_integer())
+      value = std::to_string(i->get());
+    else if (const auto* b = node.as_boolean())
+      value = b->get() ? "true" : "false";
+    else
+      return make_unexpected("config file " + label + ": key \"" + std::string(key.str()) +
+                             "\" must be a string, integer or boolean");
     cfg.m_values.emplace(std::string(key.str()), std::move(value));
   }
   return cfg;
 }
 
-Setting Config::get(std::string_view key, const std::optional<std::string>& flag,
-                    std::string_view flag_name, std::string_view fallback) const {
+Setting Config::get(std::string_view key, const std::optional<std::string>& flag, std::string_view flag_name,
+                    std::string_view fallback) const {
   if (flag) return {*flag, "flag " + std::string(flag_name)};
   std::string env = "MEP_";
   for (char c : key) env.push_back(c >= 'a' && c <= 'z' ? static_cast<char>(c - 32) : c);
   if (const char* v = std::getenv(env.c_str()); v && *v) return {v, "env " + env};
-  if (auto it = m_values.find(key); it != m_values.end())
-    return {it->second, "file " + m_file.string()};
+  if (auto it = m_values.find(key); it != m_values.end()) return {it->second, "file " + m_file.string()};
   return {std::string(fallback), "default"};
 }
 

@@ -29,7 +29,7 @@ struct DuplicateKeyFinder {
   using sv = boost::json::string_view;
 
   std::vector<std::vector<std::string>> objects; // the keys of each open object
-  std::string key;                              // the key being read
+  std::string key;                               // the key being read
   std::optional<std::string> duplicate;
   bool too_large = false;
 
@@ -98,8 +98,7 @@ expected<boost::json::object, Problem> parse_object(std::string_view text) {
   }
   boost::json::value v = boost::json::parse(text, ec, {}, opts);
   if (ec) return make_unexpected(Problem(Code::invalid_request, "malformed JSON: " + ec.message()));
-  if (!v.is_object())
-    return make_unexpected(Problem(Code::invalid_request, "the request body must be a JSON object"));
+  if (!v.is_object()) return make_unexpected(Problem(Code::invalid_request, "the request body must be a JSON object"));
   return std::move(v.get_object());
 }
 
@@ -183,11 +182,21 @@ void append_string(std::string& out, std::string_view s) {
     }
     if (c < 0x80) {
       switch (c) {
-      case '"': out += "\\\""; break;
-      case '\\': out += "\\\\"; break;
-      case '\n': out += "\\n"; break;
-      case '\r': out += "\\r"; break;
-      case '\t': out += "\\t"; break;
+      case '"':
+        out += "\\\"";
+        break;
+      case '\\':
+        out += "\\\\";
+        break;
+      case '\n':
+        out += "\\n";
+        break;
+      case '\r':
+        out += "\\r";
+        break;
+      case '\t':
+        out += "\\t";
+        break;
       default:
         out += "\\u00";
         out.push_back(hex[c >> 4]);
@@ -204,8 +213,7 @@ void append_string(std::string& out, std::string_view s) {
       unsigned v = (c & 0x0Fu) << 12 | (p[i + 1] & 0x3Fu) << 6 | (p[i + 2] & 0x3Fu);
       ok = v >= 0x800 && (v < 0xD800 || v > 0xDFFF);
     } else if (ok && len == 4) {
-      unsigned v = (c & 0x07u) << 18 | (p[i + 1] & 0x3Fu) << 12 | (p[i + 2] & 0x3Fu) << 6 |
-                   (p[i + 3] & 0x3Fu);
+      unsigned v = (c & 0x07u) << 18 | (p[i + 1] & 0x3Fu) << 12 | (p[i + 2] & 0x3Fu) << 6 | (p[i + 3] & 0x3Fu);
       ok = v >= 0x10000 && v <= 0x10FFFF;
     }
     if (ok) {
@@ -226,8 +234,7 @@ void canonical_into(const boost::json::value& v, std::string& out) {
     std::vector<const boost::json::key_value_pair*> members;
     members.reserve(o.size());
     for (const auto& kv : o) members.push_back(&kv);
-    std::sort(members.begin(), members.end(),
-              [](auto* a, auto* b) { return a->key() < b->key(); });
+    std::sort(members.begin(), members.end(), [](auto* a, auto* b) { return a->key() < b->key(); });
     out.push_back('{');
     bool first = true;
     for (auto* kv : members) {
@@ -283,9 +290,12 @@ std::optional<std::int64_t> ObjectReader::seconds(std::string_view key, Need nee
   const auto* v = find(key, need);
   if (!v) return std::nullopt;
   double d = -1;
-  if (v->is_int64()) d = static_cast<double>(v->get_int64());
-  else if (v->is_uint64()) d = static_cast<double>(v->get_uint64());
-  else if (v->is_double()) d = v->get_double();
+  if (v->is_int64())
+    d = static_cast<double>(v->get_int64());
+  else if (v->is_uint64())
+    d = static_cast<double>(v->get_uint64());
+  else if (v->is_double())
+    d = v->get_double();
   if (!(d >= 0) || d > static_cast<double>(max)) {
     m_errors.push_back("field \"" + std::string(key) + "\" must be a number of seconds between 0 and " +
                        std::to_string(max));
@@ -294,8 +304,7 @@ std::optional<std::int64_t> ObjectReader::seconds(std::string_view key, Need nee
   return static_cast<std::int64_t>(std::ceil(d));
 }
 
-std::optional<std::int64_t> ObjectReader::integer(std::string_view key, Need need,
-                                                  std::int64_t min, std::int64_t max) {
+std::optional<std::int64_t> ObjectReader::integer(std::string_view key, Need need, std::int64_t min, std::int64_t max) {
   const auto* v = find(key, need);
   if (!v) return std::nullopt;
   std::optional<std::int64_t> value;
@@ -315,8 +324,8 @@ std::optional<std::int64_t> ObjectReader::integer(std::string_view key, Need nee
     return std::nullopt;
   }
   if (!value || *value < min || *value > max) {
-    m_errors.push_back("field \"" + std::string(key) + "\" must be an integer between " +
-                       std::to_string(min) + " and " + std::to_string(max));
+    m_errors.push_back("field \"" + std::string(key) + "\" must be an integer between " + std::to_string(min) +
+                       " and " + std::to_string(max));
     return std::nullopt;
   }
   return value;
@@ -346,8 +355,7 @@ const boost::json::array* ObjectReader::array(std::string_view key, Need need) {
 expected<void, Problem> ObjectReader::finish() {
   std::vector<std::string> unknown;
   for (const auto& kv : m_obj)
-    if (std::find(m_seen.begin(), m_seen.end(), kv.key()) == m_seen.end())
-      unknown.emplace_back(kv.key());
+    if (std::find(m_seen.begin(), m_seen.end(), kv.key()) == m_seen.end()) unknown.emplace_back(kv.key());
   if (!unknown.empty()) {
     std::string msg = unknown.size() == 1 ? "unknown field " : "unknown fields ";
     for (std::size_t i = 0; i < unknown.size(); ++i) {

@@ -16,11 +16,16 @@ std::string g_program = "mep";
 void set_level(Level l) { g_level = static_cast<int>(l); }
 
 bool parse_level(std::string_view text, Level& out) {
-  if (text == "debug") out = Level::debug;
-  else if (text == "info") out = Level::info;
-  else if (text == "warn" || text == "warning") out = Level::warn;
-  else if (text == "error") out = Level::error;
-  else return false;
+  if (text == "debug")
+    out = Level::debug;
+  else if (text == "info")
+    out = Level::info;
+  else if (text == "warn" || text == "warning")
+    out = Level::warn;
+  else if (text == "error")
+    out = Level::error;
+  else
+    return false;
   return true;
 }
 

@@ -23,16 +23,38 @@
 namespace mep::precis {
 namespace {
 
-constexpr std::array<std::string_view, 15> k_reasons = {
-    "exceptions",  "backward_compatible",         "unassigned", "ascii7",
-    "join_control", "old_hangul_jamo", "precis_ignorable_properties", "controls",
-    "has_compat",  "letter_digits",               "other_letter_digits", "spaces",
-    "symbols",     "punctuation",                 "other"};
+constexpr std::array<std::string_view, 15> k_reasons = {"exceptions",
+                                                        "backward_compatible",
+                                                        "unassigned",
+                                                        "ascii7",
+                                                        "join_control",
+                                                        "old_hangul_jamo",
+                                                        "precis_ignorable_properties",
+                                                        "controls",
+                                                        "has_compat",
+                                                        "letter_digits",
+                                                        "other_letter_digits",
+                                                        "spaces",
+                                                        "symbols",
+                                                        "punctuation",
+                                                        "other"};
 
 enum Reason : std::uint8_t {
-  r_exceptions, r_backward_compatible, r_unassigned, r_ascii7, r_join_control,
-  r_old_hangul_jamo, r_ignorable, r_controls, r_has_compat, r_letter_digits,
-  r_other_letter_digits, r_spaces, r_symbols, r_punctuation, r_other
+  r_exceptions,
+  r_backward_compatible,
+  r_unassigned,
+  r_ascii7,
+  r_join_control,
+  r_old_hangul_jamo,
+  r_ignorable,
+  r_controls,
+  r_has_compat,
+  r_letter_digits,
+  r_other_letter_digits,
+  r_spaces,
+  r_symbols,
+  r_punctuation,
+  r_other
 };
 
 const icu::Normalizer2& nfc_instance() {
@@ -55,19 +77,34 @@ const icu::Normalizer2& nfkc_instance() {
   return *n;
 }
 
-bool is_noncharacter(char32_t cp) {
-  return (cp & 0xFFFE) == 0xFFFE || (cp >= 0xFDD0 && cp <= 0xFDEF);
-}
+bool is_noncharacter(char32_t cp) { return (cp & 0xFFFE) == 0xFFFE || (cp >= 0xFDD0 && cp <= 0xFDEF); }
 
 // RFC 5892 §2.6 exceptions.
 std::optional<Property> exception_property(char32_t cp) {
   switch (cp) {
-  case 0x00DF: case 0x03C2: case 0x06FD: case 0x06FE: case 0x0F0B: case 0x3007:
+  case 0x00DF:
+  case 0x03C2:
+  case 0x06FD:
+  case 0x06FE:
+  case 0x0F0B:
+  case 0x3007:
     return Property::pvalid;
-  case 0x00B7: case 0x0375: case 0x05F3: case 0x05F4: case 0x30FB:
+  case 0x00B7:
+  case 0x0375:
+  case 0x05F3:
+  case 0x05F4:
+  case 0x30FB:
     return Property::contexto;
-  case 0x0640: case 0x07FA: case 0x302E: case 0x302F: case 0x3031: case 0x3032:
-  case 0x3033: case 0x3034: case 0x3035: case 0x303B:
+  case 0x0640:
+  case 0x07FA:
+  case 0x302E:
+  case 0x302F:
+  case 0x3031:
+  case 0x3032:
+  case 0x3033:
+  case 0x3034:
+  case 0x3035:
+  case 0x303B:
     return Property::disallowed;
   default:
     if ((cp >= 0x0660 && cp <= 0x0669) || (cp >= 0x06F0 && cp <= 0x06F9)) return Property::contexto;
@@ -89,29 +126,44 @@ std::pair<Property, Reason> derived_property_uncached(char32_t cp) {
   if (cp >= 0x21 && cp <= 0x7E) return {Property::pvalid, r_ascii7};
   if (cp == 0x200C || cp == 0x200D) return {Property::contextj, r_join_control};
   switch (u_getIntPropertyValue(static_cast<UChar32>(cp), UCHAR_HANGUL_SYLLABLE_TYPE)) {
-  case U_HST_LEADING_JAMO: case U_HST_VOWEL_JAMO: case U_HST_TRAILING_JAMO:
+  case U_HST_LEADING_JAMO:
+  case U_HST_VOWEL_JAMO:
+  case U_HST_TRAILING_JAMO:
     return {Property::disallowed, r_old_hangul_jamo};
   default:
     break;
   }
-  if (u_hasBinaryProperty(static_cast<UChar32>(cp), UCHAR_DEFAULT_IGNORABLE_CODE_POINT) ||
-      is_noncharacter(cp))
+  if (u_hasBinaryProperty(static_cast<UChar32>(cp), UCHAR_DEFAULT_IGNORABLE_CODE_POINT) || is_noncharacter(cp))
     return {Property::disallowed, r_ignorable};
   if (gc == U_CONTROL_CHAR) return {Property::disallowed, r_controls};
   if (has_compat(cp)) return {Property::free_pval, r_has_compat};
   switch (gc) {
-  case U_LOWERCASE_LETTER: case U_UPPERCASE_LETTER: case U_OTHER_LETTER:
-  case U_DECIMAL_DIGIT_NUMBER: case U_MODIFIER_LETTER: case U_NON_SPACING_MARK:
+  case U_LOWERCASE_LETTER:
+  case U_UPPERCASE_LETTER:
+  case U_OTHER_LETTER:
+  case U_DECIMAL_DIGIT_NUMBER:
+  case U_MODIFIER_LETTER:
+  case U_NON_SPACING_MARK:
   case U_COMBINING_SPACING_MARK:
     return {Property::pvalid, r_letter_digits};
-  case U_TITLECASE_LETTER: case U_LETTER_NUMBER: case U_OTHER_NUMBER: case U_ENCLOSING_MARK:
+  case U_TITLECASE_LETTER:
+  case U_LETTER_NUMBER:
+  case U_OTHER_NUMBER:
+  case U_ENCLOSING_MARK:
     return {Property::free_pval, r_other_letter_digits};
   case U_SPACE_SEPARATOR:
     return {Property::free_pval, r_spaces};
-  case U_MATH_SYMBOL: case U_CURRENCY_SYMBOL: case U_MODIFIER_SYMBOL: case U_OTHER_SYMBOL:
+  case U_MATH_SYMBOL:
+  case U_CURRENCY_SYMBOL:
+  case U_MODIFIER_SYMBOL:
+  case U_OTHER_SYMBOL:
     return {Property::free_pval, r_symbols};
-  case U_CONNECTOR_PUNCTUATION: case U_DASH_PUNCTUATION: case U_START_PUNCTUATION:
-  case U_END_PUNCTUATION: case U_INITIAL_PUNCTUATION: case U_FINAL_PUNCTUATION:
+  case U_CONNECTOR_PUNCTUATION:
+  case U_DASH_PUNCTUATION:
+  case U_START_PUNCTUATION:
+  case U_END_PUNCTUATION:
+  case U_INITIAL_PUNCTUATION:
+  case U_FINAL_PUNCTUATION:
   case U_OTHER_PUNCTUATION:
     return {Property::free_pval, r_punctuation};
   default:
@@ -127,9 +179,7 @@ int script_of(char32_t cp) {
   return uscript_getScript(static_cast<UChar32>(cp), &st);
 }
 
-int joining_type(char32_t cp) {
-  return u_getIntPropertyValue(static_cast<UChar32>(cp), UCHAR_JOINING_TYPE);
-}
+int joining_type(char32_t cp) { return u_getIntPropertyValue(static_cast<UChar32>(cp), UCHAR_JOINING_TYPE); }
 
 bool is_virama(char32_t cp) { return u_getCombiningClass(static_cast<UChar32>(cp)) == 9; }
 
@@ -175,15 +225,12 @@ std::string_view context_rule_error(std::u32string_view s, std::size_t i) {
   case 0x200D:
     return has_before && is_virama(s[i - 1]) ? std::string_view{} : "zero_width_joiner";
   case 0x00B7:
-    return has_before && has_after && s[i - 1] == 0x6C && s[i + 1] == 0x6C ? std::string_view{}
-                                                                            : "middle_dot";
+    return has_before && has_after && s[i - 1] == 0x6C && s[i + 1] == 0x6C ? std::string_view{} : "middle_dot";
   case 0x0375:
-    return has_after && script_of(s[i + 1]) == USCRIPT_GREEK ? std::string_view{}
-                                                             : "greek_keraia";
+    return has_after && script_of(s[i + 1]) == USCRIPT_GREEK ? std::string_view{} : "greek_keraia";
   case 0x05F3:
   case 0x05F4:
-    return has_before && script_of(s[i - 1]) == USCRIPT_HEBREW ? std::string_view{}
-                                                               : "hebrew_punctuation";
+    return has_before && script_of(s[i - 1]) == USCRIPT_HEBREW ? std::string_view{} : "hebrew_punctuation";
   case 0x30FB:
     for (char32_t c : s) {
       int sc = script_of(c);
@@ -198,15 +245,13 @@ std::string_view context_rule_error(std::u32string_view s, std::size_t i) {
 std::u32string to_u32(const icu::UnicodeString& us) {
   std::u32string out(static_cast<std::size_t>(us.countChar32()), U'\0');
   UErrorCode st = U_ZERO_ERROR;
-  int32_t n = us.toUTF32(reinterpret_cast<UChar32*>(out.data()),
-                         static_cast<int32_t>(out.size()), st);
+  int32_t n = us.toUTF32(reinterpret_cast<UChar32*>(out.data()), static_cast<int32_t>(out.size()), st);
   out.resize(static_cast<std::size_t>(n));
   return out;
 }
 
 icu::UnicodeString from_u32(std::u32string_view s) {
-  return icu::UnicodeString::fromUTF32(reinterpret_cast<const UChar32*>(s.data()),
-                                       static_cast<int32_t>(s.size()));
+  return icu::UnicodeString::fromUTF32(reinterpret_cast<const UChar32*>(s.data()), static_cast<int32_t>(s.size()));
 }
 
 } // namespace
@@ -224,21 +269,26 @@ Derived derived_property(char32_t cp) {
 
 std::string_view property_name(Property p) {
   switch (p) {
-  case Property::pvalid: return "PVALID";
-  case Property::free_pval: return "FREE_PVAL";
-  case Property::disallowed: return "DISALLOWED";
-  case Property::unassigned: return "UNASSIGNED";
-  case Property::contextj: return "CONTEXTJ";
-  case Property::contexto: return "CONTEXTO";
+  case Property::pvalid:
+    return "PVALID";
+  case Property::free_pval:
+    return "FREE_PVAL";
+  case Property::disallowed:
+    return "DISALLOWED";
+  case Property::unassigned:
+    return "UNASSIGNED";
+  case Property::contextj:
+    return "CONTEXTJ";
+  case Property::contexto:
+    return "CONTEXTO";
   }
   return "DISALLOWED";
 }
 
 bool Error::is_context_rule() const {
-  static constexpr std::string_view k_rules[] = {
-      "zero_width_joiner", "zero_width_nonjoiner", "middle_dot", "greek_keraia",
-      "hebrew_punctuation", "katakana_middle_dot", "arabic_indic", "extended_arabic_indic",
-      "context"};
+  static constexpr std::string_view k_rules[] = {"zero_width_joiner", "zero_width_nonjoiner",  "middle_dot",
+                                                 "greek_keraia",      "hebrew_punctuation",    "katakana_middle_dot",
+                                                 "arabic_indic",      "extended_arabic_indic", "context"};
   for (auto r : k_rules)
     if (name == r) return true;
   return false;
@@ -279,13 +329,19 @@ bool bidi_rule(std::u32string_view s) {
   if (!ltr && !rtl) return false; // condition 1
   auto allowed = [&](UCharDirection d) {
     switch (d) {
-    case U_EUROPEAN_NUMBER: case U_EUROPEAN_NUMBER_SEPARATOR: case U_COMMON_NUMBER_SEPARATOR:
-    case U_EUROPEAN_NUMBER_TERMINATOR: case U_OTHER_NEUTRAL: case U_BOUNDARY_NEUTRAL:
+    case U_EUROPEAN_NUMBER:
+    case U_EUROPEAN_NUMBER_SEPARATOR:
+    case U_COMMON_NUMBER_SEPARATOR:
+    case U_EUROPEAN_NUMBER_TERMINATOR:
+    case U_OTHER_NEUTRAL:
+    case U_BOUNDARY_NEUTRAL:
     case U_DIR_NON_SPACING_MARK:
       return true;
     case U_LEFT_TO_RIGHT:
       return ltr;
-    case U_RIGHT_TO_LEFT: case U_RIGHT_TO_LEFT_ARABIC: case U_ARABIC_NUMBER:
+    case U_RIGHT_TO_LEFT:
+    case U_RIGHT_TO_LEFT_ARABIC:
+    case U_ARABIC_NUMBER:
       return rtl;
     default:
       return false;
@@ -297,8 +353,8 @@ bool bidi_rule(std::u32string_view s) {
   if (last == 0) return false;
   const auto end = dir(s[last - 1]);
   if (ltr && end != U_LEFT_TO_RIGHT && end != U_EUROPEAN_NUMBER) return false;
-  if (rtl && end != U_RIGHT_TO_LEFT && end != U_RIGHT_TO_LEFT_ARABIC &&
-      end != U_EUROPEAN_NUMBER && end != U_ARABIC_NUMBER)
+  if (rtl && end != U_RIGHT_TO_LEFT && end != U_RIGHT_TO_LEFT_ARABIC && end != U_EUROPEAN_NUMBER &&
+      end != U_ARABIC_NUMBER)
     return false;
   // Conditions 2 and 5, and 4 for RTL: EN and AN exclusive.
   bool seen_en = false, seen_an = false;

@@ -10,10 +10,10 @@ namespace ec = exit_code;
 
 constexpr std::array k_codes = {
     CodeInfo{Code::invalid_request, "invalid-request", 400, "Invalid request", ec::usage},
-    CodeInfo{Code::idempotency_key_missing, "idempotency-key-missing", 400,
-             "Idempotency-Key header missing", ec::other},
-    CodeInfo{Code::idempotency_key_invalid, "idempotency-key-invalid", 400,
-             "Idempotency-Key header invalid", ec::other},
+    CodeInfo{Code::idempotency_key_missing, "idempotency-key-missing", 400, "Idempotency-Key header missing",
+             ec::other},
+    CodeInfo{Code::idempotency_key_invalid, "idempotency-key-invalid", 400, "Idempotency-Key header invalid",
+             ec::other},
     CodeInfo{Code::unauthenticated, "unauthenticated", 401, "Authentication required", ec::auth},
     CodeInfo{Code::forbidden, "forbidden", 403, "Forbidden", ec::auth},
     CodeInfo{Code::not_found, "not-found", 404, "Not found", ec::other},
@@ -26,33 +26,32 @@ constexpr std::array k_codes = {
              "Request with this Idempotency-Key still in flight", ec::unavailable},
     CodeInfo{Code::lease_expired, "lease-expired", 410, "Lease expired", ec::lost},
     CodeInfo{Code::payload_too_large, "payload-too-large", 413, "Payload too large", ec::usage},
-    CodeInfo{Code::unsupported_media_type, "unsupported-media-type", 415,
-             "Unsupported media type", ec::usage},
+    CodeInfo{Code::unsupported_media_type, "unsupported-media-type", 415, "Unsupported media type", ec::usage},
     CodeInfo{Code::invalid_name, "invalid-name", 422, "Invalid agent name", ec::invalid_name},
     CodeInfo{Code::invalid_ttl, "invalid-ttl", 422, "Invalid TTL", ec::usage},
-    CodeInfo{Code::idempotency_key_reused, "idempotency-key-reused", 422,
-             "Idempotency-Key reused with another request", ec::other},
+    CodeInfo{Code::idempotency_key_reused, "idempotency-key-reused", 422, "Idempotency-Key reused with another request",
+             ec::other},
     CodeInfo{Code::name_held, "name-held", 423, "Name held", ec::held},
     CodeInfo{Code::name_confusable, "name-confusable", 423, "Confusable name held", ec::held},
     CodeInfo{Code::memory_attached, "memory-attached", 423, "Memory attached", ec::held},
     CodeInfo{Code::rate_limited, "rate-limited", 429, "Rate limited", ec::unavailable},
     CodeInfo{Code::internal, "internal", 500, "Internal error", ec::other},
-    CodeInfo{Code::transaction_conflict, "transaction-conflict", 503, "Transaction conflict",
-             ec::unavailable},
+    CodeInfo{Code::transaction_conflict, "transaction-conflict", 503, "Transaction conflict", ec::unavailable},
     CodeInfo{Code::unavailable, "unavailable", 503, "Service unavailable", ec::unavailable},
-    CodeInfo{Code::migration_in_progress, "migration-in-progress", 503, "Migration in progress",
-             ec::unavailable},
+    CodeInfo{Code::migration_in_progress, "migration-in-progress", 503, "Migration in progress", ec::unavailable},
     CodeInfo{Code::precondition_failed, "precondition-failed", 412, "Precondition failed", ec::other},
     CodeInfo{Code::store_unavailable, "store-unavailable", 503, "Data plane unavailable", ec::unavailable},
     CodeInfo{Code::insufficient_storage, "insufficient-storage", 507, "Insufficient storage", ec::unavailable},
     CodeInfo{Code::store_not_configured, "store-not-configured", 501, "No data plane configured", ec::other},
 };
 
-static_assert([] {
-  for (std::size_t i = 0; i < k_codes.size(); ++i)
-    if (static_cast<std::size_t>(k_codes[i].code) != i) return false;
-  return true;
-}(), "k_codes must be in the order of enum Code");
+static_assert(
+    [] {
+      for (std::size_t i = 0; i < k_codes.size(); ++i)
+        if (static_cast<std::size_t>(k_codes[i].code) != i) return false;
+      return true;
+    }(),
+    "k_codes must be in the order of enum Code");
 
 } // namespace
 

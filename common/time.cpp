@@ -49,8 +49,7 @@ constexpr UnixMs k_max_ms = days_from_civil(10000, 1, 1) * 86400000LL - 1;
 } // namespace
 
 UnixMs now_unix_ms() {
-  return std::chrono::duration_cast<std::chrono::milliseconds>(
-             std::chrono::system_clock::now().time_since_epoch())
+  return std::chrono::duration_cast<std::chrono::milliseconds>(std::chrono::system_clock::now().time_since_epoch())
       .count();
 }
 
@@ -62,9 +61,8 @@ std::string format_rfc3339_ms(UnixMs ms) {
   Civil c = civil_from_days(days);
   const auto r = static_cast<std::uint32_t>(rem); // 0 .. 86399999
   char buf[64];
-  std::snprintf(buf, sizeof buf, "%04u-%02u-%02uT%02u:%02u:%02u.%03uZ",
-                static_cast<unsigned>(c.y), c.m, c.d, r / 3600000 % 24, r / 60000 % 60,
-                r / 1000 % 60, r % 1000);
+  std::snprintf(buf, sizeof buf, "%04u-%02u-%02uT%02u:%02u:%02u.%03uZ", static_cast<unsigned>(c.y), c.m, c.d,
+                r / 3600000 % 24, r / 60000 % 60, r / 1000 % 60, r % 1000);
   return buf;
 }
 
@@ -79,14 +77,13 @@ std::optional<UnixMs> parse_rfc3339(std::string_view t) {
     return v;
   };
   // full-date "T" partial-time
-  if (t.size() < 20 || t[4] != '-' || t[7] != '-' || (t[10] != 'T' && t[10] != 't') ||
-      t[13] != ':' || t[16] != ':')
+  if (t.size() < 20 || t[4] != '-' || t[7] != '-' || (t[10] != 'T' && t[10] != 't') || t[13] != ':' || t[16] != ':')
     return std::nullopt;
   auto y = digits(0, 4), mo = digits(5, 2), d = digits(8, 2);
   auto h = digits(11, 2), mi = digits(14, 2), s = digits(17, 2);
   if (!y || !mo || !d || !h || !mi || !s) return std::nullopt;
-  if (*mo < 1 || *mo > 12 || *d < 1 || static_cast<unsigned>(*d) > days_in_month(*y, *mo) ||
-      *h > 23 || *mi > 59 || *s > 60)
+  if (*mo < 1 || *mo > 12 || *d < 1 || static_cast<unsigned>(*d) > days_in_month(*y, *mo) || *h > 23 || *mi > 59 ||
+      *s > 60)
     return std::nullopt;
   std::size_t pos = 19;
   int ms = 0;
@@ -106,8 +103,7 @@ std::optional<UnixMs> parse_rfc3339(std::string_view t) {
     ++pos;
   } else if (t[pos] == '+' || t[pos] == '-') {
     auto oh = digits(pos + 1, 2), om = digits(pos + 4, 2);
-    if (!oh || !om || pos + 3 >= t.size() || t[pos + 3] != ':' || *oh > 23 || *om > 59)
-      return std::nullopt;
+    if (!oh || !om || pos + 3 >= t.size() || t[pos + 3] != ':' || *oh > 23 || *om > 59) return std::nullopt;
     offset_min = (*oh * 60 + *om) * (t[pos] == '+' ? 1 : -1);
     pos += 6;
   } else {
@@ -135,7 +131,8 @@ std::string boot_id() {
 
 namespace {
 std::int64_t steady_ns() {
-  return std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now().time_since_epoch()).count();
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now().time_since_epoch())
+      .count();
 }
 } // namespace
 

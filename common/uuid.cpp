@@ -89,8 +89,7 @@ Uuid uuid_v7() {
   static std::uint64_t counter_lo = 0; // low 64 bits
 
   std::uint64_t now_ms = static_cast<std::uint64_t>(
-      std::chrono::duration_cast<std::chrono::milliseconds>(
-          std::chrono::system_clock::now().time_since_epoch())
+      std::chrono::duration_cast<std::chrono::milliseconds>(std::chrono::system_clock::now().time_since_epoch())
           .count());
   std::uint64_t rnd[2];
   random_bytes_pooled(rnd, sizeof rnd);

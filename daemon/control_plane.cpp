@@ -62,7 +62,8 @@ public:
 
   expected<lease::Grant, Problem> claim(const lease::ClaimRequest& req, const std::string& key,
                                         const ClaimWait& wait) override {
-    if (wait.wait.count() <= 0) return call<lease::Grant>("POST", "/v1/leases", wire::to_json(req), key, {}, wire::decode_grant);
+    if (wait.wait.count() <= 0)
+      return call<lease::Grant>("POST", "/v1/leases", wire::to_json(req), key, {}, wire::decode_grant);
     // The server answers within the wait; the exchange may take that long and then some.
     Extra extra{"wait=" + std::to_string(wait.wait.count()), wait.cancelled};
     std::int64_t waited = 0;
@@ -108,8 +109,10 @@ public:
       static constexpr char hex[] = "0123456789ABCDEF";
       target += "&cursor=";
       for (unsigned char ch : *cursor) {
-        if (std::isalnum(ch) || ch == '-' || ch == '_' || ch == '.' || ch == '~') target.push_back(static_cast<char>(ch));
-        else target += {'%', hex[ch >> 4], hex[ch & 0xF]};
+        if (std::isalnum(ch) || ch == '-' || ch == '_' || ch == '.' || ch == '~')
+          target.push_back(static_cast<char>(ch));
+        else
+          target += {'%', hex[ch >> 4], hex[ch & 0xF]};
       }
     }
     return call<lease::IdentityMapPage>("GET", target, std::nullopt, {}, {}, wire::decode_identity_map_page);
@@ -123,8 +126,7 @@ protected:
   };
   /// Sends one request; status 0 when there was no answer.
   virtual Raw exchange(std::string_view method, const std::string& target, const std::string& body,
-                       const std::string& idempotency_key, std::chrono::milliseconds timeout,
-                       const Extra& extra) = 0;
+                       const std::string& idempotency_key, std::chrono::milliseconds timeout, const Extra& extra) = 0;
 
 private:
   template <class T, class Decode>
@@ -145,7 +147,8 @@ private:
   // A control plane that answered with something other than this API: treated as no
   // answer (the outcome is unknown), with what was wrong in the log's detail.
   static Problem answer_unreadable(const Raw& r) {
-    Problem p(Code::unavailable, "the control plane's answer (status " + std::to_string(r.status) + ") is not the API's");
+    Problem p(Code::unavailable,
+              "the control plane's answer (status " + std::to_string(r.status) + ") is not the API's");
     p.retry_after_s = 1;
     return p;
   }
@@ -159,8 +162,10 @@ private:
       p = Problem(r.status >= 500 ? Code::unavailable : Code::internal,
                   "the control plane answered " + std::to_string(r.status));
     }
-    if (r.retry_after) p.retry_after_s = r.retry_after;
-    else if (p.status() >= 500 && !p.retry_after_s) p.retry_after_s = 1;
+    if (r.retry_after)
+      p.retry_after_s = r.retry_after;
+    else if (p.status() >= 500 && !p.retry_after_s)
+      p.retry_after_s = 1;
     return p;
   }
 };
@@ -237,8 +242,8 @@ public:
     } closer{pipe_fds};
     server::WaitSpec spec{waits ? wait.wait.count() : 0, pipe_fds[0]};
     m_service->claim(ctx(), idem, req, spec, [promise](server::ClaimAnswer a) { promise->set_value(std::move(a)); });
-    const auto timeout = waits ? std::chrono::duration_cast<std::chrono::milliseconds>(wait.wait + std::chrono::seconds(15))
-                               : k_timeout;
+    const auto timeout =
+        waits ? std::chrono::duration_cast<std::chrono::milliseconds>(wait.wait + std::chrono::seconds(15)) : k_timeout;
     const auto limit = std::chrono::steady_clock::now() + timeout;
     for (;;) {
       auto step = wait.cancelled ? std::chrono::milliseconds(100) : timeout;
@@ -306,7 +311,8 @@ private:
 
   // The Idempotency-Key as the HTTP edge would bind it (the same method, route and body),
   // so a key keeps its meaning for a database later served by `mep server`.
-  static server::Idempotency key(const std::string& key_text, std::string_view pattern, const boost::json::object& body) {
+  static server::Idempotency key(const std::string& key_text, std::string_view pattern,
+                                 const boost::json::object& body) {
     return server::Idempotency{key_text, server::request_fingerprint("POST", pattern, "", body)};
   }
 

@@ -49,7 +49,9 @@ json::object to_json(const Identified& i) {
   return o;
 }
 
-json::object to_json(const Initialized& i) { return json::object{{"memory_instance_id", i.memory_id}, {"path", i.path}}; }
+json::object to_json(const Initialized& i) {
+  return json::object{{"memory_instance_id", i.memory_id}, {"path", i.path}};
+}
 
 json::object to_json(const VerifiedLease& v) {
   return json::object{{"canonical_name", v.canonical_name},

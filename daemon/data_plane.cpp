@@ -33,8 +33,9 @@ DataPlane::DataPlane(const std::string& url, std::string token)
 Problem DataPlane::problem_of(const http::ClientResponse& r) const {
   if (r.status == 0) return store_unavailable("the data plane at " + m_url + " is unreachable: " + r.error);
   auto o = json::parse_object(r.body);
-  Problem p = o && o->contains("code") ? Problem::from_json(*o)
-                                       : Problem(Code::unavailable, "the data plane answered " + std::to_string(r.status));
+  Problem p = o && o->contains("code")
+                  ? Problem::from_json(*o)
+                  : Problem(Code::unavailable, "the data plane answered " + std::to_string(r.status));
   p.instance.clear();
   if (r.status == 401 || r.status == 403)
     return store_unavailable("the data plane refused this daemon's token (check mepd --store-token-file)");
@@ -60,7 +61,7 @@ expected<std::int64_t, Problem> DataPlane::advance(const std::string& memory_id,
 }
 
 expected<StoredObject, Problem> DataPlane::put(const std::string& memory_id, std::int64_t token, int fd,
-                                              std::uint64_t size) {
+                                               std::uint64_t size) {
   http::ClientRequest req;
   req.method = "PUT";
   req.url = m_url + "/v1/objects/" + memory_id;

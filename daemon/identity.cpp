@@ -118,8 +118,8 @@ expected<Resolved, Problem> IdentityResolver::resolve(const std::filesystem::pat
     return r;
   }
   if (!mint)
-    return make_unexpected(
-        Problem(Code::memory_not_found, "this file has no memory identity yet (attach it, or create one with mep init)"));
+    return make_unexpected(Problem(Code::memory_not_found,
+                                   "this file has no memory identity yet (attach it, or create one with mep init)"));
   r.memory_id = uuid_v7().to_string();
   r.fresh = true;
   return r;

@@ -47,16 +47,25 @@ using Clock = SteadyClock;
 namespace {
 
 Problem state_unwritable(const std::exception& e) {
-  Problem p(Code::unavailable, std::string("the daemon's state directory cannot be written (full or read-only?): ") +
-                                   e.what());
+  Problem p(Code::unavailable,
+            std::string("the daemon's state directory cannot be written (full or read-only?): ") + e.what());
   p.retry_after_s = 5;
   return p;
 }
 
 SavedLease saved(const Held& h) {
-  return SavedLease{h.canonical_name, h.display_name, h.memory_id, h.lease_id, h.owner_client_id,
-                    h.fencing_token,  h.ttl_s,        h.expires_at, h.path,    h.bind_pid,
-                    h.uid,            h.gid};
+  return SavedLease{h.canonical_name,
+                    h.display_name,
+                    h.memory_id,
+                    h.lease_id,
+                    h.owner_client_id,
+                    h.fencing_token,
+                    h.ttl_s,
+                    h.expires_at,
+                    h.path,
+                    h.bind_pid,
+                    h.uid,
+                    h.gid};
 }
 
 // For work on a lease's file outside its owner's request (a release when the agent exits,
@@ -79,8 +88,10 @@ std::string canonical_or(const std::string& display) {
 class StateHealth {
 public:
   void failed(std::string_view what, const std::exception& e) {
-    if (!m_failing.exchange(true)) log::error("cannot write the state database ({}): {}; new work is refused until it "
-                                              "can be written again, held leases are still renewed", what, e.what());
+    if (!m_failing.exchange(true))
+      log::error("cannot write the state database ({}): {}; new work is refused until it "
+                 "can be written again, held leases are still renewed",
+                 what, e.what());
   }
   void ok() {
     if (m_failing.exchange(false)) log::info("the state database can be written again");
@@ -342,8 +353,12 @@ expected<Held, Problem> Keeper::attach(const AttachRequest& req) {
     auto file_lock = lock_file(req.path);
     auto ident = resolve_registered(req.path);
     if (!ident) return make_unexpected(std::move(ident.error()));
-    intent = Intent{"claim-" + attach_id, lease::ClaimRequest{req.name, ident->memory_id, owner, req.ttl_s}, path, bound,
-                    req.uid, req.gid};
+    intent = Intent{"claim-" + attach_id,
+                    lease::ClaimRequest{req.name, ident->memory_id, owner, req.ttl_s},
+                    path,
+                    bound,
+                    req.uid,
+                    req.gid};
     // Exactly once: the intent is on disk before the claim leaves.
     {
       std::lock_guard lock(m_attaching_mutex);
@@ -375,8 +390,8 @@ expected<Held, Problem> Keeper::attach(const AttachRequest& req) {
     const auto until = Clock::now() + d;
     while (Clock::now() < until) {
       if (cancelled()) return false;
-      std::this_thread::sleep_for(std::min(std::chrono::milliseconds(100),
-                                           std::chrono::duration_cast<std::chrono::milliseconds>(until - Clock::now())));
+      std::this_thread::sleep_for(std::min(
+          std::chrono::milliseconds(100), std::chrono::duration_cast<std::chrono::milliseconds>(until - Clock::now())));
     }
     return true;
   };
@@ -472,8 +487,9 @@ expected<void, Problem> Keeper::detach(const std::string& display, const std::op
   // Only the lease looked at: another that replaced it meanwhile is not taken.
   auto h = seen ? m_book.take(key, lease_id ? lease_id : std::optional<std::string>(seen->lease_id)) : std::nullopt;
   if (!h)
-    return make_unexpected(Problem(Code::lease_not_found, lease_id ? "this daemon holds no lease with that id under that name"
-                                                                   : "this daemon holds no lease under that name"));
+    return make_unexpected(
+        Problem(Code::lease_not_found, lease_id ? "this daemon holds no lease with that id under that name"
+                                                : "this daemon holds no lease under that name"));
   forget({key});
   try {
     // The fingerprint is refreshed at release, so a copy made later is recognized.
@@ -514,7 +530,8 @@ expected<BranchedFile, Problem> Keeper::branch(const fs::path& path, const fs::p
   if (!live && lost)
     return make_unexpected(Problem(Code::lease_expired, "the lease on the source was lost: attach it again to branch"));
   if (!live)
-    return make_unexpected(Problem(Code::lease_not_found, "branching needs a live lease on the source: attach it first"));
+    return make_unexpected(
+        Problem(Code::lease_not_found, "branching needs a live lease on the source: attach it first"));
   std::error_code ec;
   {
     AsPeer as; // the copy is the peer's: read and created with its rights
@@ -608,9 +625,10 @@ expected<Held, Problem> live_lease(const LeaseBook& book, const std::string& nam
   auto h = book.get(name);
   if (!h || !may_act_on(viewer, h->uid)) return make_unexpected(not_yours());
   if (h->state == LeaseState::lost || Clock::now() >= h->local_deadline)
-    return make_unexpected(Problem(Code::lease_expired, "the lease was lost (" +
-                                                            (h->lost_reason.empty() ? std::string("deadline") : h->lost_reason) +
-                                                            "): attach it again"));
+    return make_unexpected(
+        Problem(Code::lease_expired, "the lease was lost (" +
+                                         (h->lost_reason.empty() ? std::string("deadline") : h->lost_reason) +
+                                         "): attach it again"));
   return *h;
 }
 } // namespace
@@ -635,7 +653,8 @@ expected<ObjectResult, Problem> Keeper::sync(const std::string& display, uid_t v
   auto h = live_lease(m_book, name, viewer);
   if (!h) return make_unexpected(std::move(h.error()));
   if (!m_dp)
-    return make_unexpected(Problem(Code::store_not_configured, "this mepd has no data plane: start it with --store URL"));
+    return make_unexpected(
+        Problem(Code::store_not_configured, "this mepd has no data plane: start it with --store URL"));
   if (!h->fenced) {
     Problem p(Code::store_unavailable, "the data plane's fence has not been advanced to this lease's token yet");
     p.retry_after_s = 1;
@@ -673,7 +692,8 @@ expected<ObjectResult, Problem> Keeper::sync(const std::string& display, uid_t v
 
 expected<ObjectResult, Problem> Keeper::fetch(const std::string& memory_id, const fs::path& path, mode_t mode) {
   if (!m_dp)
-    return make_unexpected(Problem(Code::store_not_configured, "this mepd has no data plane: start it with --store URL"));
+    return make_unexpected(
+        Problem(Code::store_not_configured, "this mepd has no data plane: start it with --store URL"));
   auto id = Uuid::parse(memory_id);
   if (!id) return make_unexpected(Problem(Code::invalid_request, "memory_instance_id must be a UUID"));
   // All users of one daemon share its tenant, where a memory id is enough to read an object.
@@ -720,9 +740,9 @@ expected<ObjectResult, Problem> Keeper::fetch(const std::string& memory_id, cons
     if (::link(tmp.c_str(), path.c_str()) != 0) {
       err = errno;
       ::unlink(tmp.c_str());
-      return make_unexpected(Problem(Code::invalid_request, err == EEXIST ? std::string("the path already exists")
-                                                                          : std::string("cannot create the file: ") +
-                                                                                std::strerror(err)));
+      return make_unexpected(
+          Problem(Code::invalid_request, err == EEXIST ? std::string("the path already exists")
+                                                       : std::string("cannot create the file: ") + std::strerror(err)));
     }
     ::unlink(tmp.c_str());
   }
@@ -775,9 +795,10 @@ void Keeper::renew_due() {
   std::vector<std::pair<std::string, UnixMs>> renewed;
   std::vector<std::string> lost;
   static const std::vector<lease::RenewItem> none;
-  std::string why = r ? std::string() : (r.error().status() == 503 && r.error().detail.find("unreachable") != std::string::npos
-                                             ? std::string("unreachable")
-                                             : std::to_string(r.error().status()));
+  std::string why = r ? std::string()
+                      : (r.error().status() == 503 && r.error().detail.find("unreachable") != std::string::npos
+                             ? std::string("unreachable")
+                             : std::to_string(r.error().status()));
   m_book.apply(due, r ? r->results : none, r.has_value(), why, sent, Clock::now(), renewed, lost);
   forget(lost);
   try {
@@ -876,9 +897,11 @@ std::string Keeper::metrics() const {
   return fmt::format(
       "# HELP mepd_leases Leases this daemon keeps, by state\n# TYPE mepd_leases gauge\n"
       "mepd_leases{{state=\"held\"}} {}\nmepd_leases{{state=\"degraded\"}} {}\nmepd_leases{{state=\"lost\"}} {}\n"
-      "# HELP mepd_grants_total Leases granted through this daemon\n# TYPE mepd_grants_total counter\nmepd_grants_total {}\n"
+      "# HELP mepd_grants_total Leases granted through this daemon\n# TYPE mepd_grants_total "
+      "counter\nmepd_grants_total {}\n"
       "# HELP mepd_leases_lost_total Leases lost\n# TYPE mepd_leases_lost_total counter\nmepd_leases_lost_total {}\n"
-      "# HELP mepd_renew_batches_total renew-batch calls\n# TYPE mepd_renew_batches_total counter\nmepd_renew_batches_total {}\n"
+      "# HELP mepd_renew_batches_total renew-batch calls\n# TYPE mepd_renew_batches_total "
+      "counter\nmepd_renew_batches_total {}\n"
       "# HELP mepd_renewed_leases_total Leases sent in renew-batch calls\n# TYPE mepd_renewed_leases_total counter\n"
       "mepd_renewed_leases_total {}\n"
       "# HELP mepd_control_plane_requests_total Requests sent to the control plane\n"

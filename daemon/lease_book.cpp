@@ -21,9 +21,12 @@ namespace mep::daemon {
 
 std::string_view to_string(LeaseState s) {
   switch (s) {
-  case LeaseState::held: return "held";
-  case LeaseState::degraded: return "degraded";
-  case LeaseState::lost: return "lost";
+  case LeaseState::held:
+    return "held";
+  case LeaseState::degraded:
+    return "degraded";
+  case LeaseState::lost:
+    return "lost";
   }
   return "lost";
 }
@@ -131,8 +134,10 @@ std::optional<Held> LeaseBook::live_on_memory(const std::string& memory_id, bool
   std::optional<Held> live;
   for (const auto& [name, h] : m_leases) {
     if (h.memory_id != memory_id) continue;
-    if (h.state == LeaseState::lost) lost_one = true;
-    else live = h;
+    if (h.state == LeaseState::lost)
+      lost_one = true;
+    else
+      live = h;
   }
   return live;
 }
@@ -194,7 +199,8 @@ std::vector<Due> LeaseBook::due(SteadyTime now, std::size_t max, std::chrono::mi
   if (out.empty()) return out;
   for (const auto& [name, h] : m_leases) {
     if (h.state == LeaseState::lost || now >= h.next_renew || out.size() >= max) continue;
-    auto lookahead = std::min<SteadyClock::duration>(std::chrono::seconds(1), std::chrono::milliseconds(h.ttl_s * 1000 / 6));
+    auto lookahead =
+        std::min<SteadyClock::duration>(std::chrono::seconds(1), std::chrono::milliseconds(h.ttl_s * 1000 / 6));
     if (now >= h.next_renew - lookahead) add(h);
   }
   timeout = std::clamp(std::chrono::duration_cast<std::chrono::milliseconds>(earliest - now) / 2,
@@ -239,7 +245,8 @@ void LeaseBook::apply(const std::vector<Due>& due, const std::vector<lease::Rene
           events.push_back(Event{"degraded", h, status ? std::to_string(status) : std::string(why)});
         }
         auto left = h.local_deadline - now;
-        auto backoff = std::min<SteadyClock::duration>(std::chrono::milliseconds(250 << std::min(h.failures, 5)), left / 4);
+        auto backoff =
+            std::min<SteadyClock::duration>(std::chrono::milliseconds(250 << std::min(h.failures, 5)), left / 4);
         h.next_renew = now + std::max<SteadyClock::duration>(backoff, std::chrono::milliseconds(100));
       }
     }
@@ -262,9 +269,12 @@ LeaseBook::Counts LeaseBook::counts() const {
   std::lock_guard lock(m_mutex);
   Counts c;
   for (const auto& [n, h] : m_leases) {
-    if (h.state == LeaseState::held) ++c.held;
-    else if (h.state == LeaseState::degraded) ++c.degraded;
-    else ++c.lost;
+    if (h.state == LeaseState::held)
+      ++c.held;
+    else if (h.state == LeaseState::degraded)
+      ++c.degraded;
+    else
+      ++c.lost;
   }
   return c;
 }

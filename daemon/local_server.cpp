@@ -450,9 +450,12 @@ LocalServer::LocalServer(net::io_context& ioc, Keeper& keeper, const fs::path& s
                          bool system)
     : m_ioc(ioc), m_keeper(keeper), m_path(socket_path), m_system(system) {
   local::acceptor acceptor(net::make_strand(ioc));
-  if (inherited_fd >= 0) acceptor.assign(local(), inherited_fd);
-  else bind_socket(acceptor);
-  m_handler = std::make_unique<DaemonHandler>(keeper, [this](const http::Peer& p) { return peer_allowed(p.uid, p.gid); });
+  if (inherited_fd >= 0)
+    acceptor.assign(local(), inherited_fd);
+  else
+    bind_socket(acceptor);
+  m_handler =
+      std::make_unique<DaemonHandler>(keeper, [this](const http::Peer& p) { return peer_allowed(p.uid, p.gid); });
   http::EdgeOptions options;
   options.server_name = "mepd";
   options.io_timeout = k_io_timeout;
@@ -469,9 +472,10 @@ void LocalServer::bind_socket(local::acceptor& acceptor) {
   if (m_system) {
     const struct group* g = ::getgrnam(k_system_group);
     if (!g)
-      throw std::runtime_error(fmt::format("--system serves the members of the group {}, which does not exist (create it "
-                                           "with systemd-sysusers or groupadd --system {})",
-                                           k_system_group, k_system_group));
+      throw std::runtime_error(
+          fmt::format("--system serves the members of the group {}, which does not exist (create it "
+                      "with systemd-sysusers or groupadd --system {})",
+                      k_system_group, k_system_group));
     sock_gid = g->gr_gid;
   }
   if (!dir.empty() && !fs::exists(dir, ec)) {
@@ -479,10 +483,10 @@ void LocalServer::bind_socket(local::acceptor& acceptor) {
     if (ec) throw std::runtime_error("cannot create " + dir.string() + ": " + ec.message());
     ::chmod(dir.c_str(), m_system ? 0750 : 0700);
     if (m_system && ::chown(dir.c_str(), static_cast<uid_t>(-1), sock_gid) != 0)
-      throw std::runtime_error(fmt::format("cannot give {} to the group {}: {}", dir.string(), k_system_group,
-                                           std::strerror(errno)));
-  } else if (struct stat st {}; !dir.empty() && ::stat(dir.c_str(), &st) == 0 &&
-             (st.st_mode & (S_IWGRP | S_IWOTH)) != 0 && (st.st_mode & S_ISVTX) == 0) {
+      throw std::runtime_error(
+          fmt::format("cannot give {} to the group {}: {}", dir.string(), k_system_group, std::strerror(errno)));
+  } else if (struct stat st{}; !dir.empty() && ::stat(dir.c_str(), &st) == 0 &&
+                               (st.st_mode & (S_IWGRP | S_IWOTH)) != 0 && (st.st_mode & S_ISVTX) == 0) {
     // Whoever may write there may replace the socket with their own.
     throw std::runtime_error(fmt::format("the socket's directory {} is writable by others (mode {:04o}); make it 0700",
                                          dir.string(), st.st_mode & 07777));
@@ -503,8 +507,8 @@ void LocalServer::bind_socket(local::acceptor& acceptor) {
   if (bec) throw std::runtime_error("cannot bind " + socket_path.string() + ": " + bec.message());
   ::chmod(socket_path.c_str(), m_system ? 0660 : 0600);
   if (m_system && ::chown(socket_path.c_str(), static_cast<uid_t>(-1), sock_gid) != 0)
-    throw std::runtime_error(fmt::format("cannot give {} to the group {}: {}", socket_path.string(), k_system_group,
-                                         std::strerror(errno)));
+    throw std::runtime_error(
+        fmt::format("cannot give {} to the group {}: {}", socket_path.string(), k_system_group, std::strerror(errno)));
   acceptor.listen(net::socket_base::max_listen_connections, bec);
   if (bec) throw std::runtime_error("cannot listen on " + socket_path.string() + ": " + bec.message());
   m_owns_path = true;

@@ -85,7 +85,8 @@ int main(int argc, char** argv) {
   app.add_option("--socket", socket,
                  "Socket path (default $MEP_SOCKET, $XDG_RUNTIME_DIR/mep/mepd.sock, /run/mep/mepd.sock; "
                  "with --system /run/mep/mepd.sock)");
-  app.add_option("--state-dir", state_dir, "State directory (default $XDG_STATE_HOME/mep/mepd; with --system /var/lib/mep/mepd)");
+  app.add_option("--state-dir", state_dir,
+                 "State directory (default $XDG_STATE_HOME/mep/mepd; with --system /var/lib/mep/mepd)");
   app.add_flag("--system", system,
                "One daemon for a shared host: serves root and the members of the group mep (socket 0660), each "
                "seeing only the leases it attached, and touches files only with the asking user's rights "
@@ -150,8 +151,10 @@ int main(int argc, char** argv) {
     if (cp_url.empty()) {
       cp = mep::daemon::make_embedded_control_plane(state);
     } else {
-      if (!tok_file.empty()) token = read_token(tok_file);
-      else if (const char* t = std::getenv("MEP_TOKEN")) token = t;
+      if (!tok_file.empty())
+        token = read_token(tok_file);
+      else if (const char* t = std::getenv("MEP_TOKEN"))
+        token = t;
       cp = mep::daemon::make_remote_control_plane(cp_url, token);
     }
     std::string describe = cp->describe();
@@ -160,7 +163,8 @@ int main(int argc, char** argv) {
     if (!store_url.empty()) {
       std::string store_token = !store_tok_file.empty() ? read_token(store_tok_file) : token;
       if (store_token.empty())
-        throw std::runtime_error("--store needs --store-token-file (the embedded control plane has no token a store accepts)");
+        throw std::runtime_error(
+            "--store needs --store-token-file (the embedded control plane has no token a store accepts)");
       dp = std::make_unique<mep::daemon::DataPlane>(store_url, store_token);
       describe += ", data plane: " + dp->url();
     }

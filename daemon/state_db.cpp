@@ -36,8 +36,10 @@ CREATE TABLE IF NOT EXISTS intents (
 
 // A lease's or intent's local user in columns `col` and `col + 1` (NULL: unknown).
 void bind_owner(sqlite::Stmt& s, int col, uid_t uid, gid_t gid) {
-  if (uid == static_cast<uid_t>(-1)) s.bind_null(col).bind_null(col + 1);
-  else s.bind(col, static_cast<std::int64_t>(uid)).bind(col + 1, static_cast<std::int64_t>(gid));
+  if (uid == static_cast<uid_t>(-1))
+    s.bind_null(col).bind_null(col + 1);
+  else
+    s.bind(col, static_cast<std::int64_t>(uid)).bind(col + 1, static_cast<std::int64_t>(gid));
 }
 void read_owner(sqlite::Stmt& s, int col, uid_t& uid, gid_t& gid) {
   if (s.is_null(col)) return;
@@ -55,8 +57,12 @@ StateDb::StateDb(const std::filesystem::path& path) {
   // Columns newer than the database: its rows have none. The birth time of a file; whose
   // record a path-map row is (one map per local user); the local user that attached a lease
   // or asked for a claim (system mode).
-  for (auto [table, column] : {std::pair{"files", "btime"}, {"files", "peer_uid"}, {"leases", "peer_uid"},
-                               {"leases", "peer_gid"}, {"intents", "peer_uid"}, {"intents", "peer_gid"}})
+  for (auto [table, column] : {std::pair{"files", "btime"},
+                               {"files", "peer_uid"},
+                               {"leases", "peer_uid"},
+                               {"leases", "peer_gid"},
+                               {"intents", "peer_uid"},
+                               {"intents", "peer_gid"}})
     if (!sqlite::has_column(*m_db, table, column))
       m_db->exec(fmt::format("ALTER TABLE {} ADD COLUMN {} INTEGER", table, column));
   {
@@ -82,9 +88,15 @@ void StateDb::remember_file(const std::string& memory_id, const std::string& pat
                       "ON CONFLICT(path) DO UPDATE SET memory_id = ?2, dev = ?3, ino = ?4, "
                       "sha256 = coalesce(?5, CASE WHEN files.memory_id = ?2 THEN files.sha256 END), updated_at = ?6, "
                       "btime = ?7, peer_uid = ?8"));
-  s->bind(1, path).bind(2, memory_id).bind(3, static_cast<std::int64_t>(st.dev))
-      .bind(4, static_cast<std::int64_t>(st.ino)).bind(5, sha256).bind(6, now_unix_ms()).bind(7, st.birth_ns)
-      .bind(8, static_cast<std::int64_t>(uid)).run();
+  s->bind(1, path)
+      .bind(2, memory_id)
+      .bind(3, static_cast<std::int64_t>(st.dev))
+      .bind(4, static_cast<std::int64_t>(st.ino))
+      .bind(5, sha256)
+      .bind(6, now_unix_ms())
+      .bind(7, st.birth_ns)
+      .bind(8, static_cast<std::int64_t>(uid))
+      .run();
 }
 
 // Rows without a user were made before there were several: the daemon's own user's.
@@ -95,7 +107,9 @@ std::optional<std::string> StateDb::memory_by_inode(const FileStat& st, uid_t ui
   Use s(m_db->prepare(std::string("SELECT memory_id FROM files WHERE dev = ?1 AND ino = ?2 "
                                   "AND (btime IS NULL OR ?3 IS NULL OR btime = ?3) AND ") +
                       row_uid() + " = ?4 LIMIT 1"));
-  s->bind(1, static_cast<std::int64_t>(st.dev)).bind(2, static_cast<std::int64_t>(st.ino)).bind(3, st.birth_ns)
+  s->bind(1, static_cast<std::int64_t>(st.dev))
+      .bind(2, static_cast<std::int64_t>(st.ino))
+      .bind(3, st.birth_ns)
       .bind(4, static_cast<std::int64_t>(uid));
   if (s->step()) return s->text(0);
   return std::nullopt;
@@ -137,9 +151,16 @@ void StateDb::save_lease(const SavedLease& l) {
   Use s(m_db->prepare("INSERT OR REPLACE INTO leases(canonical_name, display_name, memory_id, lease_id, "
                       "owner_client_id, fencing_token, ttl_seconds, expires_at, path, bind_pid, peer_uid, peer_gid) "
                       "VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12)"));
-  s->bind(1, l.canonical_name).bind(2, l.display_name).bind(3, l.memory_id).bind(4, l.lease_id)
-      .bind(5, l.owner_client_id).bind(6, l.fencing_token).bind(7, l.ttl_s).bind(8, l.expires_at)
-      .bind(9, l.path).bind(10, static_cast<std::int64_t>(l.bind_pid));
+  s->bind(1, l.canonical_name)
+      .bind(2, l.display_name)
+      .bind(3, l.memory_id)
+      .bind(4, l.lease_id)
+      .bind(5, l.owner_client_id)
+      .bind(6, l.fencing_token)
+      .bind(7, l.ttl_s)
+      .bind(8, l.expires_at)
+      .bind(9, l.path)
+      .bind(10, static_cast<std::int64_t>(l.bind_pid));
   bind_owner(*s, 11, l.uid, l.gid);
   s->run();
 }
@@ -178,8 +199,11 @@ void StateDb::add_intent(const Intent& in) {
   std::lock_guard lock(m_mutex);
   Use s(m_db->prepare("INSERT INTO intents(idem_key, body, path, bind_pid, created_at, peer_uid, peer_gid) "
                       "VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7)"));
-  s->bind(1, in.key).bind(2, json::dump(lease::wire::to_json(in.request))).bind(3, in.path)
-      .bind(4, static_cast<std::int64_t>(in.bind_pid)).bind(5, now_unix_ms());
+  s->bind(1, in.key)
+      .bind(2, json::dump(lease::wire::to_json(in.request)))
+      .bind(3, in.path)
+      .bind(4, static_cast<std::int64_t>(in.bind_pid))
+      .bind(5, now_unix_ms());
   bind_owner(*s, 6, in.uid, in.gid);
   s->run();
 }

@@ -6,6 +6,8 @@ set -euo pipefail
 packages=(
   # toolchain
   build-essential cmake ninja-build ccache pkg-config clang libclang-rt-14-dev
+  # the house format and lints (.clang-format: the lint_format test; .clang-tidy: ninja tidy)
+  clang-format clang-tidy
   # libraries
   libboost1.81-dev libboost-json1.81-dev libboost-url1.81-dev
   libicu-dev libsqlite3-dev libpq-dev libssl-dev libcurl4-openssl-dev

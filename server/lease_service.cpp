@@ -61,9 +61,8 @@ std::string lookup_name(const std::string& raw) {
 
 LeaseService::LeaseService(Store& store) : m_store(store) {
   // Releases through other servers on the same database wake the claims waiting here.
-  m_store.set_freed_listener([this](const std::string& name, const std::string& memory) {
-    m_waits.freed(freed_keys(name, memory));
-  });
+  m_store.set_freed_listener(
+      [this](const std::string& name, const std::string& memory) { m_waits.freed(freed_keys(name, memory)); });
 }
 
 // The store may already be gone (the server closes it first, to finish its queued jobs,
@@ -118,13 +117,13 @@ void LeaseService::claim(const Ctx& ctx, Idempotency idem, const lease::ClaimReq
   case WaitQueue::Joined::mismatch:
     return refuse(Problem(Code::idempotency_key_reused, "this Idempotency-Key is waiting with a different request"));
   case WaitQueue::Joined::resource_full:
-    return refuse(too_many_waiters(
-        fmt::format("at most {} claims may wait for one name or memory", k_max_waiters_per_resource),
-        k_max_waiters_per_resource));
+    return refuse(
+        too_many_waiters(fmt::format("at most {} claims may wait for one name or memory", k_max_waiters_per_resource),
+                         k_max_waiters_per_resource));
   case WaitQueue::Joined::tenant_full:
-    return refuse(too_many_waiters(
-        fmt::format("at most {} claims of one tenant may wait at once", k_max_waiters_per_tenant),
-        k_max_waiters_per_tenant));
+    return refuse(
+        too_many_waiters(fmt::format("at most {} claims of one tenant may wait at once", k_max_waiters_per_tenant),
+                         k_max_waiters_per_tenant));
   case WaitQueue::Joined::stopped: {
     Problem p(Code::unavailable, "the server is shutting down; claim again");
     p.retry_after_s = 1;

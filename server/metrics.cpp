@@ -8,8 +8,7 @@
 namespace mep::server {
 namespace {
 
-constexpr std::array k_buckets = {0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025,
-                                  0.05,   0.1,   0.25,   0.5,   1.0,  2.5, 5.0};
+constexpr std::array k_buckets = {0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0};
 // Waits for a lease last up to 300 s (Prefer: wait).
 constexpr std::array k_wait_buckets = {0.01, 0.1, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0};
 
@@ -127,18 +126,16 @@ std::string Metrics::render() const {
         double cum = 0;
         for (std::size_t i = 0; i < buckets.size(); ++i) {
           cum += it->second.counts[i];
-          out += std::string(f.name) + "_bucket{" + labels + sep + "le=\"" + fmt_double(buckets[i]) +
-                 "\"} " + fmt_double(cum) + "\n";
+          out += std::string(f.name) + "_bucket{" + labels + sep + "le=\"" + fmt_double(buckets[i]) + "\"} " +
+                 fmt_double(cum) + "\n";
         }
-        out += std::string(f.name) + "_bucket{" + labels + sep + "le=\"+Inf\"} " +
-               fmt_double(it->second.count) + "\n";
+        out += std::string(f.name) + "_bucket{" + labels + sep + "le=\"+Inf\"} " + fmt_double(it->second.count) + "\n";
         std::string lb = labels.empty() ? "" : "{" + labels + "}";
         out += std::string(f.name) + "_sum" + lb + " " + fmt_double(it->second.sum) + "\n";
         out += std::string(f.name) + "_count" + lb + " " + fmt_double(it->second.count) + "\n";
       }
       if (!any) {
-        for (double b : buckets)
-          out += std::string(f.name) + "_bucket{le=\"" + fmt_double(b) + "\"} 0\n";
+        for (double b : buckets) out += std::string(f.name) + "_bucket{le=\"" + fmt_double(b) + "\"} 0\n";
         out += std::string(f.name) + "_bucket{le=\"+Inf\"} 0\n";
         out += std::string(f.name) + "_sum 0\n" + std::string(f.name) + "_count 0\n";
       }

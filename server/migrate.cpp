@@ -64,7 +64,9 @@ struct Row {
     bad_memory = !memory.empty() && !has_memory;
   }
   std::string created_at() const { return created_raw.empty() ? format_rfc3339_ms(created_ms) : created_raw; }
-  std::string reason() const { return reason_code ? std::string(to_string(static_cast<NameReason>(reason_code - 1))) : std::string(); }
+  std::string reason() const {
+    return reason_code ? std::string(to_string(static_cast<NameReason>(reason_code - 1))) : std::string();
+  }
 
   std::string legacy_id, display_name, legacy_memory_ref, created_raw;
   std::string canonical, skeleton;
@@ -86,7 +88,9 @@ using Rows = std::deque<Row>;
 // the UNIQUE constraints of migration_rows stay the final word.
 class HashSet64 {
 public:
-  explicit HashSet64(std::size_t expected) { m_slots.assign(std::max<std::size_t>(64, std::bit_ceil(expected * 2 + 1)), 0); }
+  explicit HashSet64(std::size_t expected) {
+    m_slots.assign(std::max<std::size_t>(64, std::bit_ceil(expected * 2 + 1)), 0);
+  }
   bool contains(std::uint64_t h) const {
     h = h ? h : 1;
     for (std::size_t i = h & (m_slots.size() - 1);; i = (i + 1) & (m_slots.size() - 1)) {
@@ -197,7 +201,8 @@ expected<Rows, std::string> read_rows(std::istream& in, const std::string& path)
         if (v->is_string()) return std::string(v->get_string());
         return json::dump(*v);
       };
-      Row r{get("legacy_id"), get("display_name"), get("created_at"), get("legacy_memory_ref"), get("memory_instance_id")};
+      Row r{get("legacy_id"), get("display_name"), get("created_at"), get("legacy_memory_ref"),
+            get("memory_instance_id")};
       if (r.legacy_id.empty()) return make_unexpected(fmt::format("{}:{}: legacy_id is missing", path, lineno));
       if (r.bad_memory) return make_unexpected(fmt::format("{}:{}: memory_instance_id is not a UUID", path, lineno));
       rows.push_back(std::move(r));
@@ -219,7 +224,8 @@ expected<Rows, std::string> read_rows(std::istream& in, const std::string& path)
       auto it = col.find(k);
       return it != col.end() && it->second < f.size() ? f[it->second] : std::string();
     };
-    Row r{get("legacy_id"), get("display_name"), get("created_at"), get("legacy_memory_ref"), get("memory_instance_id")};
+    Row r{get("legacy_id"), get("display_name"), get("created_at"), get("legacy_memory_ref"),
+          get("memory_instance_id")};
     if (r.legacy_id.empty()) return make_unexpected(fmt::format("{}:{}: legacy_id is missing", path, lineno));
     if (r.bad_memory) return make_unexpected(fmt::format("{}:{}: memory_instance_id is not a UUID", path, lineno));
     rows.push_back(std::move(r));
@@ -234,8 +240,9 @@ expected<Rows, std::string> read_file(const std::string& path) {
 }
 
 expected<Rows, std::string> read_table(Db& db, const std::string& table) {
-  if (table.empty() || table.find_first_not_of("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_") !=
-                           std::string::npos || std::isdigit(static_cast<unsigned char>(table[0])))
+  if (table.empty() ||
+      table.find_first_not_of("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_") != std::string::npos ||
+      std::isdigit(static_cast<unsigned char>(table[0])))
     return make_unexpected("--from-table must be a plain table name");
   bool has_mid = false;
   {
@@ -253,8 +260,7 @@ expected<Rows, std::string> read_table(Db& db, const std::string& table) {
     Use s(db.prepare(fmt::format("SELECT CAST(legacy_id AS TEXT), display_name, CAST(created_at AS TEXT), "
                                  "CAST(legacy_memory_ref AS TEXT), {} FROM \"{}\"",
                                  has_mid ? "memory_instance_id" : "NULL", table)));
-    while (s->step())
-      rows.push_back(Row{s->text(0), s->text(1), s->text(2), s->text(3), s->opt_text(4).value_or("")});
+    while (s->step()) rows.push_back(Row{s->text(0), s->text(1), s->text(2), s->text(3), s->opt_text(4).value_or("")});
   } catch (const sqlite::Error& e) {
     return make_unexpected(std::string("cannot read the table: ") + e.what());
   }
@@ -281,7 +287,8 @@ public:
                    std::string(static_cast<std::size_t>(30 - filled), '-').c_str(), pct, done, m_total, rate, eta);
       if (final) std::fputc('\n', stderr);
     } else {
-      std::fprintf(stderr, "mep migrate: %s %zu/%zu rows (%d%%), %.0f rows/s\n", m_what.c_str(), done, m_total, pct, rate);
+      std::fprintf(stderr, "mep migrate: %s %zu/%zu rows (%d%%), %.0f rows/s\n", m_what.c_str(), done, m_total, pct,
+                   rate);
     }
   }
 
@@ -295,10 +302,14 @@ private:
 
 const char* action_name(Row::Action a) {
   switch (a) {
-  case Row::kept: return "kept";
-  case Row::renamed: return "renamed";
-  case Row::generated: return "generated";
-  case Row::done: return "done";
+  case Row::kept:
+    return "kept";
+  case Row::renamed:
+    return "renamed";
+  case Row::generated:
+    return "generated";
+  case Row::done:
+    return "done";
   }
   return "kept";
 }
@@ -342,7 +353,8 @@ bool is_postgres(const std::string& url) {
 // `--from-table`: a plain identifier only (it is spliced into the query).
 bool plain_identifier(const std::string& table) {
   return !table.empty() &&
-         table.find_first_not_of("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_") == std::string::npos &&
+         table.find_first_not_of("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_") ==
+             std::string::npos &&
          !std::isdigit(static_cast<unsigned char>(table[0]));
 }
 
@@ -350,7 +362,9 @@ class SqliteTarget final : public Target {
 public:
   explicit SqliteTarget(std::unique_ptr<Db> db) : m_db(std::move(db)) {}
   bool has_tables() override { return table_exists(*m_db, "migration_rows"); }
-  expected<Rows, std::string> read_table(const std::string& table) override { return mep::server::read_table(*m_db, table); }
+  expected<Rows, std::string> read_table(const std::string& table) override {
+    return mep::server::read_table(*m_db, table);
+  }
   std::string tenant_id(const std::string& name) override {
     if (!table_exists(*m_db, "tenants")) return {};
     Use s(m_db->prepare("SELECT tenant_id FROM tenants WHERE name = ?1"));
@@ -358,23 +372,31 @@ public:
     return s->step() ? s->text(0) : std::string();
   }
   void each_migrated(const std::function<void(Migrated&&)>& f) override {
-    Use s(m_db->prepare("SELECT legacy_id, canonical_name, skeleton, action, reason, memory_instance_id FROM migration_rows"));
+    Use s(m_db->prepare(
+        "SELECT legacy_id, canonical_name, skeleton, action, reason, memory_instance_id FROM migration_rows"));
     while (s->step())
       f(Migrated{s->text(0), s->text(1), s->text(2), s->text(3), s->opt_text(4).value_or(""), s->text(5)});
   }
   void each_identity(const std::string& tenant, const std::function<void(std::string, std::string)>& f) override {
-    Use m(m_db->prepare("SELECT legacy_memory_ref, memory_instance_id FROM migration_identity_map WHERE tenant_id = ?1"));
+    Use m(
+        m_db->prepare("SELECT legacy_memory_ref, memory_instance_id FROM migration_identity_map WHERE tenant_id = ?1"));
     m->bind(1, tenant);
     while (m->step()) f(m->text(0), m->text(1));
   }
   std::string ensure_tenant(const std::string& name) override {
-    Use t(m_db->prepare("INSERT OR IGNORE INTO tenants(tenant_id, name, audit_salt, created_at) VALUES (?1, ?2, ?3, ?4)"));
-    t->bind(1, uuid_v7().to_string()).bind(2, name).bind(3, uuid_v7().to_hex() + uuid_v7().to_hex()).bind(4, now_unix_ms()).run();
+    Use t(m_db->prepare(
+        "INSERT OR IGNORE INTO tenants(tenant_id, name, audit_salt, created_at) VALUES (?1, ?2, ?3, ?4)"));
+    t->bind(1, uuid_v7().to_string())
+        .bind(2, name)
+        .bind(3, uuid_v7().to_hex() + uuid_v7().to_hex())
+        .bind(4, now_unix_ms())
+        .run();
     return tenant_id(name);
   }
   void mark_in_progress() override {
-    Use s(m_db->prepare("INSERT INTO settings(key, value) VALUES ('migration_state', 'in-progress') "
-                        "ON CONFLICT(key) DO UPDATE SET value = CASE WHEN value = 'active' THEN 'active' ELSE 'in-progress' END"));
+    Use s(m_db->prepare(
+        "INSERT INTO settings(key, value) VALUES ('migration_state', 'in-progress') "
+        "ON CONFLICT(key) DO UPDATE SET value = CASE WHEN value = 'active' THEN 'active' ELSE 'in-progress' END"));
     s->run();
   }
   void write(const std::string& tenant, const std::vector<const Row*>& batch, const std::string& uv,
@@ -383,28 +405,47 @@ public:
       for (const Row* r : batch) {
         UnixMs now = now_unix_ms();
         {
-          Use s(m_db->prepare("INSERT INTO migration_rows(legacy_id, tenant_id, display_name, canonical_name, skeleton, action, "
-                              "reason, memory_instance_id, legacy_memory_ref, legacy_created_at, migrated_at) "
-                              "VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11)"));
-          s->bind(1, r->legacy_id).bind(2, tenant).bind(3, r->display_name).bind(4, r->canonical).bind(5, r->skeleton)
-              .bind(6, action_name(r->action)).bind(7, r->reason_code ? std::optional<std::string>(r->reason()) : std::nullopt)
-              .bind(8, r->memory_id.to_string()).bind(9, r->legacy_memory_ref).bind(10, r->created_at()).bind(11, now).run();
+          Use s(m_db->prepare(
+              "INSERT INTO migration_rows(legacy_id, tenant_id, display_name, canonical_name, skeleton, action, "
+              "reason, memory_instance_id, legacy_memory_ref, legacy_created_at, migrated_at) "
+              "VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11)"));
+          s->bind(1, r->legacy_id)
+              .bind(2, tenant)
+              .bind(3, r->display_name)
+              .bind(4, r->canonical)
+              .bind(5, r->skeleton)
+              .bind(6, action_name(r->action))
+              .bind(7, r->reason_code ? std::optional<std::string>(r->reason()) : std::nullopt)
+              .bind(8, r->memory_id.to_string())
+              .bind(9, r->legacy_memory_ref)
+              .bind(10, r->created_at())
+              .bind(11, now)
+              .run();
         }
         {
-          Use s(m_db->prepare("INSERT OR IGNORE INTO memories(memory_id, tenant_id, fence_counter, created_at) VALUES (?1, ?2, 0, ?3)"));
+          Use s(m_db->prepare("INSERT OR IGNORE INTO memories(memory_id, tenant_id, fence_counter, created_at) VALUES "
+                              "(?1, ?2, 0, ?3)"));
           s->bind(1, r->memory_id.to_string()).bind(2, tenant).bind(3, now).run();
         }
         if (!r->legacy_memory_ref.empty()) {
-          Use s(m_db->prepare("INSERT OR IGNORE INTO migration_identity_map(tenant_id, legacy_memory_ref, memory_instance_id) "
-                              "VALUES (?1, ?2, ?3)"));
+          Use s(m_db->prepare(
+              "INSERT OR IGNORE INTO migration_identity_map(tenant_id, legacy_memory_ref, memory_instance_id) "
+              "VALUES (?1, ?2, ?3)"));
           s->bind(1, tenant).bind(2, r->legacy_memory_ref).bind(3, r->memory_id.to_string()).run();
         }
         {
-          Use s(m_db->prepare("INSERT INTO agent_names(canonical_name, display_name, skeleton, tenant_id, unicode_version, "
-                              "icu_version, first_claimed_at, last_claimed_at) VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?7) "
-                              "ON CONFLICT(canonical_name) DO NOTHING"));
-          s->bind(1, r->canonical).bind(2, r->display_name).bind(3, r->skeleton).bind(4, tenant).bind(5, uv).bind(6, iv)
-              .bind(7, now).run();
+          Use s(m_db->prepare(
+              "INSERT INTO agent_names(canonical_name, display_name, skeleton, tenant_id, unicode_version, "
+              "icu_version, first_claimed_at, last_claimed_at) VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?7) "
+              "ON CONFLICT(canonical_name) DO NOTHING"));
+          s->bind(1, r->canonical)
+              .bind(2, r->display_name)
+              .bind(3, r->skeleton)
+              .bind(4, tenant)
+              .bind(5, uv)
+              .bind(6, iv)
+              .bind(7, now)
+              .run();
         }
       }
     });
@@ -448,8 +489,7 @@ void each_page(pg::Conn& c, const std::string& query, const std::function<void(c
   } catch (...) {
     try {
       c.exec("ROLLBACK");
-    } catch (...) {
-    }
+    } catch (...) {}
     throw;
   }
 }
@@ -476,8 +516,9 @@ public:
     Rows rows;
     try {
       each_page(m_c,
-                fmt::format("SELECT legacy_id::text, display_name::text, {}, legacy_memory_ref::text, {} FROM \"{}\"", created,
-                            type.count("memory_instance_id") ? "memory_instance_id::text" : "NULL::text", table),
+                fmt::format("SELECT legacy_id::text, display_name::text, {}, legacy_memory_ref::text, {} FROM \"{}\"",
+                            created, type.count("memory_instance_id") ? "memory_instance_id::text" : "NULL::text",
+                            table),
                 [&](const pg::Result& r, int i) {
                   rows.push_back(Row{r.opt_text(i, 0).value_or(""), r.opt_text(i, 1).value_or(""),
                                      r.opt_text(i, 2).value_or(""), r.opt_text(i, 3).value_or(""),
@@ -494,8 +535,7 @@ public:
     return r.rows() ? r.text(0, 0) : std::string();
   }
   void each_migrated(const std::function<void(Migrated&&)>& f) override {
-    each_page(m_c,
-              "SELECT legacy_id, canonical_name, skeleton, action, reason, memory_instance_id FROM migration_rows",
+    each_page(m_c, "SELECT legacy_id, canonical_name, skeleton, action, reason, memory_instance_id FROM migration_rows",
               [&](const pg::Result& r, int i) {
                 f(Migrated{r.text(i, 0), r.text(i, 1), r.text(i, 2), r.text(i, 3), r.opt_text(i, 4).value_or(""),
                            r.text(i, 5)});
@@ -505,7 +545,8 @@ public:
     // The tenant id came from the database itself (a UUID), never from the user.
     if (!Uuid::parse(tenant)) return;
     each_page(m_c,
-              "SELECT legacy_memory_ref, memory_instance_id FROM migration_identity_map WHERE tenant_id = '" + tenant + "'",
+              "SELECT legacy_memory_ref, memory_instance_id FROM migration_identity_map WHERE tenant_id = '" + tenant +
+                  "'",
               [&](const pg::Result& r, int i) { f(r.text(i, 0), r.text(i, 1)); });
   }
   std::string ensure_tenant(const std::string& name) override {
@@ -539,28 +580,30 @@ public:
       ref.emplace_back(r->legacy_memory_ref);
       created.emplace_back(r->created_at());
     }
-    m_c.exec("migrate_batch",
-             "WITH input AS ("
-             "  SELECT * FROM unnest($1::text[], $2::text[], $3::text[], $4::text[], $5::text[], $6::text[], $7::text[], "
-             "                       $8::text[], $9::text[]) WITH ORDINALITY "
-             "  AS t(legacy_id, display_name, canonical_name, skeleton, action, reason, memory_instance_id, "
-             "       legacy_memory_ref, legacy_created_at, ord)), "
-             "now AS (SELECT mep_now_ms() AS ms), "
-             "r AS (INSERT INTO migration_rows(legacy_id, tenant_id, display_name, canonical_name, skeleton, action, reason, "
-             "        memory_instance_id, legacy_memory_ref, legacy_created_at, migrated_at) "
-             "      SELECT legacy_id, $10, display_name, canonical_name, skeleton, action, reason, memory_instance_id, "
-             "             legacy_memory_ref, legacy_created_at, now.ms FROM input, now), "
-             "m AS (INSERT INTO memories(memory_id, tenant_id, fence_counter, created_at) "
-             "      SELECT DISTINCT memory_instance_id, $10, 0, now.ms FROM input, now ON CONFLICT DO NOTHING), "
-             "i AS (INSERT INTO migration_identity_map(tenant_id, legacy_memory_ref, memory_instance_id) "
-             "      SELECT DISTINCT ON (legacy_memory_ref) $10, legacy_memory_ref, memory_instance_id FROM input "
-             "      WHERE legacy_memory_ref <> '' ORDER BY legacy_memory_ref, ord ON CONFLICT DO NOTHING) "
-             "INSERT INTO agent_names(canonical_name, display_name, skeleton, tenant_id, unicode_version, icu_version, "
-             "  first_claimed_at, last_claimed_at) "
-             "SELECT canonical_name, display_name, skeleton, $10, $11, $12, now.ms, now.ms FROM input, now "
-             "ON CONFLICT (canonical_name) DO NOTHING",
-             {pg_array(id), pg_array(display), pg_array(canonical), pg_array(skeleton), pg_array(action), pg_array(reason),
-              pg_array(memory), pg_array(ref), pg_array(created), tenant, uv, iv});
+    m_c.exec(
+        "migrate_batch",
+        "WITH input AS ("
+        "  SELECT * FROM unnest($1::text[], $2::text[], $3::text[], $4::text[], $5::text[], $6::text[], $7::text[], "
+        "                       $8::text[], $9::text[]) WITH ORDINALITY "
+        "  AS t(legacy_id, display_name, canonical_name, skeleton, action, reason, memory_instance_id, "
+        "       legacy_memory_ref, legacy_created_at, ord)), "
+        "now AS (SELECT mep_now_ms() AS ms), "
+        "r AS (INSERT INTO migration_rows(legacy_id, tenant_id, display_name, canonical_name, skeleton, action, "
+        "reason, "
+        "        memory_instance_id, legacy_memory_ref, legacy_created_at, migrated_at) "
+        "      SELECT legacy_id, $10, display_name, canonical_name, skeleton, action, reason, memory_instance_id, "
+        "             legacy_memory_ref, legacy_created_at, now.ms FROM input, now), "
+        "m AS (INSERT INTO memories(memory_id, tenant_id, fence_counter, created_at) "
+        "      SELECT DISTINCT memory_instance_id, $10, 0, now.ms FROM input, now ON CONFLICT DO NOTHING), "
+        "i AS (INSERT INTO migration_identity_map(tenant_id, legacy_memory_ref, memory_instance_id) "
+        "      SELECT DISTINCT ON (legacy_memory_ref) $10, legacy_memory_ref, memory_instance_id FROM input "
+        "      WHERE legacy_memory_ref <> '' ORDER BY legacy_memory_ref, ord ON CONFLICT DO NOTHING) "
+        "INSERT INTO agent_names(canonical_name, display_name, skeleton, tenant_id, unicode_version, icu_version, "
+        "  first_claimed_at, last_claimed_at) "
+        "SELECT canonical_name, display_name, skeleton, $10, $11, $12, now.ms, now.ms FROM input, now "
+        "ON CONFLICT (canonical_name) DO NOTHING",
+        {pg_array(id), pg_array(display), pg_array(canonical), pg_array(skeleton), pg_array(action), pg_array(reason),
+         pg_array(memory), pg_array(ref), pg_array(created), tenant, uv, iv});
   }
 
   bool exists(const char* table) {
@@ -609,8 +652,8 @@ int migrate_run(const MigrateOptions& o) {
 
     // 1. Read the legacy rows.
     expected<Rows, std::string> input = o.input_file ? read_file(*o.input_file)
-                                                   : db ? db->read_table(*o.from_table)
-                                                        : make_unexpected(std::string("the database does not exist"));
+                                        : db         ? db->read_table(*o.from_table)
+                                                     : make_unexpected(std::string("the database does not exist"));
     if (!input) {
       std::fprintf(stderr, "mep migrate: %s\n", input.error().c_str());
       return exit_code::usage;
@@ -629,9 +672,9 @@ int migrate_run(const MigrateOptions& o) {
 
     // 2. What earlier runs already wrote (resume), and every name in use.
     HashSet64 used_names(rows.size()), used_skeletons(rows.size());
-    std::unordered_set<std::string> taken_skeletons; // exact, from earlier runs
+    std::unordered_set<std::string> taken_skeletons;            // exact, from earlier runs
     std::unordered_map<std::uint64_t, std::uint32_t> ref_index; // legacy_memory_ref hash → row
-    std::unordered_map<std::string, std::string> db_identity;     // refs mapped by earlier runs
+    std::unordered_map<std::string, std::string> db_identity;   // refs mapped by earlier runs
     std::string tenant_id = db ? db->tenant_id(o.tenant) : std::string();
     if (has_tables) {
       db->each_migrated([&](Migrated&& m) {
@@ -735,7 +778,8 @@ int migrate_run(const MigrateOptions& o) {
         if (!n && n.error().reason == NameReason::mixed_script) {
           // The hex letters are Latin: beside a stem in another script (Cyrillic, Greek, Han…)
           // they make a mixed-script name, which no draw can fix. Digits belong to every script.
-          for (char& ch : suffix) ch = static_cast<char>('0' + (std::isdigit(static_cast<unsigned char>(ch)) ? ch - '0' : ch - 'a'));
+          for (char& ch : suffix)
+            ch = static_cast<char>('0' + (std::isdigit(static_cast<unsigned char>(ch)) ? ch - '0' : ch - 'a'));
           candidate = (stem.empty() ? std::string("agent") : stem) + "-" + suffix;
           n = canonicalize(candidate);
         }
@@ -749,8 +793,10 @@ int migrate_run(const MigrateOptions& o) {
     };
     fresh_name_of = fresh_name;
     for (auto& r : rows) {
-      if (r.action == Row::renamed) std::tie(r.canonical, r.skeleton) = fresh_name(r.canonical);
-      else if (r.action == Row::generated) std::tie(r.canonical, r.skeleton) = fresh_name("agent");
+      if (r.action == Row::renamed)
+        std::tie(r.canonical, r.skeleton) = fresh_name(r.canonical);
+      else if (r.action == Row::generated)
+        std::tie(r.canonical, r.skeleton) = fresh_name("agent");
     }
     // Memory ids: given, mapped by an earlier run or an earlier row, or minted (one per
     // legacy reference).
@@ -771,7 +817,8 @@ int migrate_run(const MigrateOptions& o) {
         r.memory_id = uuid_v7();
       }
       r.has_memory = true;
-      if (!r.legacy_memory_ref.empty()) ref_index.try_emplace(hash_of(r.legacy_memory_ref), static_cast<std::uint32_t>(i));
+      if (!r.legacy_memory_ref.empty())
+        ref_index.try_emplace(hash_of(r.legacy_memory_ref), static_cast<std::uint32_t>(i));
     }
     std::unordered_map<std::uint64_t, std::uint32_t>().swap(ref_index);
     std::unordered_map<std::uint64_t, std::uint32_t>().swap(by_id);
@@ -806,8 +853,10 @@ int migrate_run(const MigrateOptions& o) {
     // 5. The report (every legacy row) and the summary.
     std::size_t kept = 0, renamed = 0, generated = 0, resumed = 0;
     std::FILE* report = nullptr;
-    if (!o.report_file.empty()) report = std::fopen(o.report_file.c_str(), "w");
-    else if (o.dry_run && !o.json) report = stdout;
+    if (!o.report_file.empty())
+      report = std::fopen(o.report_file.c_str(), "w");
+    else if (o.dry_run && !o.json)
+      report = stdout;
     if (!o.report_file.empty() && !report) {
       std::fprintf(stderr, "mep migrate: cannot write %s\n", o.report_file.c_str());
       return exit_code::other;
@@ -818,9 +867,12 @@ int migrate_run(const MigrateOptions& o) {
         ++resumed;
         a = r.done_as;
       }
-      if (a == Row::kept) ++kept;
-      else if (a == Row::renamed) ++renamed;
-      else ++generated;
+      if (a == Row::kept)
+        ++kept;
+      else if (a == Row::renamed)
+        ++renamed;
+      else
+        ++generated;
       if (!report) continue;
       boost::json::object line{{"legacy_id", r.legacy_id},
                                {"display_name", r.display_name},
@@ -839,7 +891,8 @@ int migrate_run(const MigrateOptions& o) {
                                 {"already_migrated", static_cast<std::int64_t>(resumed)},
                                 {"written", static_cast<std::int64_t>(o.dry_run ? 0 : fresh)},
                                 {"dry_run", o.dry_run}};
-    if (o.json) std::printf("%s\n", json::dump(summary).c_str());
+    if (o.json)
+      std::printf("%s\n", json::dump(summary).c_str());
     else
       std::fprintf(o.dry_run && o.report_file.empty() ? stderr : stdout,
                    "%s: %zu rows: %zu kept, %zu renamed, %zu generated (%zu already migrated, %zu written)\n",
@@ -862,8 +915,10 @@ int migrate_activate(const std::string& db_url, bool json) {
       }
       db.conn().exec("INSERT INTO settings(key, value) VALUES ('migration_state', 'active') "
                      "ON CONFLICT (key) DO UPDATE SET value = 'active'");
-      if (json) std::printf("{\"migration_state\":\"active\"}\n");
-      else std::printf("migration activated: lease endpoints are open (servers notice within a second)\n");
+      if (json)
+        std::printf("{\"migration_state\":\"active\"}\n");
+      else
+        std::printf("migration activated: lease endpoints are open (servers notice within a second)\n");
       return exit_code::ok;
     }
     // The URL is checked before anything touches the file system: a PostgreSQL URL must
@@ -877,8 +932,10 @@ int migrate_activate(const std::string& db_url, bool json) {
     Db db(path, sqlite::Mode::read_write_create);
     db.exec("INSERT INTO settings(key, value) VALUES ('migration_state', 'active') "
             "ON CONFLICT(key) DO UPDATE SET value = 'active'");
-    if (json) std::printf("{\"migration_state\":\"active\"}\n");
-    else std::printf("migration activated: lease endpoints are open (servers notice within a second)\n");
+    if (json)
+      std::printf("{\"migration_state\":\"active\"}\n");
+    else
+      std::printf("migration activated: lease endpoints are open (servers notice within a second)\n");
     return exit_code::ok;
   } catch (const std::exception& e) {
     std::fprintf(stderr, "mep migrate: %s\n", e.what());
@@ -890,7 +947,9 @@ int migrate_status(const std::string& db_url, bool json) {
   try {
     std::string state = "none";
     std::int64_t kept = 0, renamed = 0, generated = 0, mapped = 0;
-    auto count = [&](const std::string& a, std::int64_t n) { (a == "kept" ? kept : a == "renamed" ? renamed : generated) = n; };
+    auto count = [&](const std::string& a, std::int64_t n) {
+      (a == "kept" ? kept : a == "renamed" ? renamed : generated) = n;
+    };
     if (is_postgres(db_url)) {
       PgTarget db(db_url);
       if (db.exists("settings")) {
@@ -931,7 +990,8 @@ int migrate_status(const std::string& db_url, bool json) {
                               .c_str());
     } else {
       std::printf("state: %s%s\nrows: %lld (%lld kept, %lld renamed, %lld generated)\nidentity map: %lld entries\n",
-                  state.c_str(), state == "in-progress" ? " (lease endpoints answer 503 until 'mep migrate activate')" : "",
+                  state.c_str(),
+                  state == "in-progress" ? " (lease endpoints answer 503 until 'mep migrate activate')" : "",
                   static_cast<long long>(kept + renamed + generated), static_cast<long long>(kept),
                   static_cast<long long>(renamed), static_cast<long long>(generated), static_cast<long long>(mapped));
     }

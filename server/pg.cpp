@@ -39,8 +39,14 @@ std::int64_t Result::affected() const {
 
 Conn::Conn(const std::string& url, const std::vector<std::string>& set_commands) {
   // Our defaults first; the URL last, so that what it says wins (expand_dbname).
-  const char* keys[] = {"connect_timeout", "application_name", "keepalives", "keepalives_idle",
-                        "keepalives_interval", "keepalives_count", "tcp_user_timeout", "dbname",
+  const char* keys[] = {"connect_timeout",
+                        "application_name",
+                        "keepalives",
+                        "keepalives_idle",
+                        "keepalives_interval",
+                        "keepalives_count",
+                        "tcp_user_timeout",
+                        "dbname",
                         nullptr};
   const char* values[] = {"3", "mep-server", "1", "5", "2", "3", "10000", url.c_str(), nullptr};
   m_c = PQconnectdbParams(keys, values, 1);
@@ -60,9 +66,9 @@ bool Conn::usable() {
   pollfd p{PQsocket(m_c), POLLIN, 0};
   if (p.fd < 0) return false;
   int n = ::poll(&p, 1, 0);
-  if (n == 0) return true;                          // nothing to read: as we left it
-  if (n < 0 || !PQconsumeInput(m_c)) return false;  // EOF or an error on the socket
-  return false;                                     // unsolicited input on an idle connection
+  if (n == 0) return true;                         // nothing to read: as we left it
+  if (n < 0 || !PQconsumeInput(m_c)) return false; // EOF or an error on the socket
+  return false;                                    // unsolicited input on an idle connection
 }
 
 Conn::~Conn() {
@@ -79,8 +85,8 @@ Result Conn::check(PGresult* r, std::string_view what) {
   PQclear(r);
   // Class 08 (connection exception), 57P01-57P03 (admin shutdown, crash shutdown, cannot
   // connect now) and a dead socket all mean: this connection is done.
-  bool lost = !ok() || sqlstate.rfind("08", 0) == 0 || sqlstate == "57P01" || sqlstate == "57P02" ||
-              sqlstate == "57P03";
+  bool lost =
+      !ok() || sqlstate.rfind("08", 0) == 0 || sqlstate == "57P01" || sqlstate == "57P02" || sqlstate == "57P03";
   throw Error(msg, sqlstate, lost);
 }
 
@@ -166,8 +172,6 @@ std::string int_array(const std::vector<std::int64_t>& items) {
   return out;
 }
 
-bool is_pg_url(std::string_view url) {
-  return url.rfind("postgres://", 0) == 0 || url.rfind("postgresql://", 0) == 0;
-}
+bool is_pg_url(std::string_view url) { return url.rfind("postgres://", 0) == 0 || url.rfind("postgresql://", 0) == 0; }
 
 } // namespace mep::pg

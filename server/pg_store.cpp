@@ -136,8 +136,9 @@ Outcome<T> finish_idempotent(const pg::Result& res, T (*success)(const json::obj
   bool replayed = envelope.at("replayed").as_bool();
   const json::object& r = envelope.at("result").as_object();
   bool mismatch = !replayed && is_problem(r) && str(r, "code") == "idempotency-key-reused";
-  metrics.inc("mep_idempotency_lookups_total",
-              replayed ? "result=\"hit\"" : mismatch ? "result=\"mismatch\"" : "result=\"miss\"");
+  metrics.inc("mep_idempotency_lookups_total", replayed   ? "result=\"hit\""
+                                               : mismatch ? "result=\"mismatch\""
+                                                          : "result=\"miss\"");
   if (!replayed && str(r, "code") == "stale-fence") metrics.inc("mep_fencing_rejections_total");
   if (is_problem(r)) return Outcome<T>(problem_of(r), replayed);
   return Outcome<T>(success(r, status == 201 && !replayed), replayed);
@@ -158,8 +159,7 @@ constexpr const char* k_sql_renew_batch =
 constexpr const char* k_sql_release =
     "SELECT mep_release($1, $2, $3, $4::bigint, $5, $6)::text, pg_notify('mep_lease_freed', $2 || chr(9) || $3)";
 constexpr const char* k_sql_verify = "SELECT mep_verify($1, $2, $3::bigint, $4)::text";
-constexpr const char* k_sql_revoke =
-    "SELECT mep_revoke($1, $2, $3)::text, pg_notify('mep_lease_freed', $2 || chr(9))";
+constexpr const char* k_sql_revoke = "SELECT mep_revoke($1, $2, $3)::text, pg_notify('mep_lease_freed', $2 || chr(9))";
 constexpr const char* k_lease_cols =
     "lease_id, tenant_id, canonical_name, display_name, skeleton, memory_id, fencing_token, "
     "owner_client_id, ttl_seconds, expires_at, acquired_at";
@@ -192,9 +192,7 @@ std::optional<MemoryRow> find_memory(pg::Conn& c, const std::string& id) {
 std::string to_s(std::int64_t v) { return std::to_string(v); }
 
 // bytea in text form for a parameter.
-std::string bytea_hex(const std::string& bytes) {
-  return "\\x" + hex_lower(bytes.data(), bytes.size());
-}
+std::string bytea_hex(const std::string& bytes) { return "\\x" + hex_lower(bytes.data(), bytes.size()); }
 
 } // namespace
 
@@ -203,9 +201,8 @@ std::string bytea_hex(const std::string& bytes) {
 PgStore::PgStore(const std::string& url, const StoreOptions& options) : m_url(url), m_options(options) {
   if (m_options.pool < 1) m_options.pool = 1;
   m_session_setup = {
-      m_options.isolation == Isolation::serializable
-          ? "SET default_transaction_isolation TO 'serializable'"
-          : "SET default_transaction_isolation TO 'read committed'",
+      m_options.isolation == Isolation::serializable ? "SET default_transaction_isolation TO 'serializable'"
+                                                     : "SET default_transaction_isolation TO 'read committed'",
       "SET statement_timeout TO '10s'",
       "SET lock_timeout TO '5s'",
   };
@@ -250,8 +247,8 @@ void PgStore::migrate() {
         auto r = c->exec("SELECT version FROM schema_version WHERE id = 1 FOR UPDATE");
         std::int64_t version = r.int64(0, 0);
         if (version > k_schema_version)
-          throw std::runtime_error(fmt::format(
-              "database schema version {} is newer than this mep ({}); upgrade mep", version, k_schema_version));
+          throw std::runtime_error(fmt::format("database schema version {} is newer than this mep ({}); upgrade mep",
+                                               version, k_schema_version));
         if (version < 1) {
           c->exec(std::string(k_pg_schema_v1));
           c->exec("UPDATE schema_version SET version = 1 WHERE id = 1");
@@ -268,14 +265,12 @@ void PgStore::migrate() {
       } catch (...) {
         try {
           c->exec("ROLLBACK");
-        } catch (...) {
-        }
+        } catch (...) {}
         throw;
       }
       break;
     } catch (const pg::Error& e) {
-      bool race = e.sqlstate() == "23505" || e.sqlstate() == "42P07" || e.sqlstate() == "42710" ||
-                  e.retryable();
+      bool race = e.sqlstate() == "23505" || e.sqlstate() == "42P07" || e.sqlstate() == "42710" || e.retryable();
       if (!race || attempt >= 5) throw;
       std::this_thread::sleep_for(std::chrono::milliseconds(50 * attempt));
     }
@@ -445,8 +440,7 @@ T PgStore::with_conn(const std::function<T(pg::Conn&)>& fn, bool repeatable) {
       try {
         c = connect();
       } catch (const pg::Error&) {
-        m_next_sync_attempt_ns =
-            (Clock::now() + k_reconnect_gap).time_since_epoch().count();
+        m_next_sync_attempt_ns = (Clock::now() + k_reconnect_gap).time_since_epoch().count();
         m_healthy = false;
         throw;
       }
@@ -527,8 +521,10 @@ void PgStore::listen_loop() {
         }
       }
     } catch (const std::exception& e) {
-      if (!warned) log::warn("cannot listen for releases on the database ({}); waiting claims are tried at the "
-                             "holders' expiry until it works again", e.what());
+      if (!warned)
+        log::warn("cannot listen for releases on the database ({}); waiting claims are tried at the "
+                  "holders' expiry until it works again",
+                  e.what());
       warned = true;
     }
     pollfd stop{m_listen_wake, POLLIN, 0};
@@ -542,8 +538,8 @@ void PgStore::register_memory(const Ctx& ctx, Idempotency idem, RegisterMemory r
   std::string id = req.memory_id.value_or(uuid_v7().to_string());
   submit<lease::Registered>(
       [ctx, idem = std::move(idem), id](pg::Conn& c) {
-        auto r = c.exec("register", k_sql_register,
-                        {ctx.auth.tenant_id, idem.key, idem.fingerprint, ctx.request_id, id});
+        auto r =
+            c.exec("register", k_sql_register, {ctx.auth.tenant_id, idem.key, idem.fingerprint, ctx.request_id, id});
         return finish_idempotent(r, registered_of);
       },
       std::move(then), ctx.request_id);
@@ -555,10 +551,10 @@ void PgStore::claim(const Ctx& ctx, Idempotency idem, Claim req, Then<lease::Gra
   if (!req.name)
     pre = mep::json::dump(problem_record(req.name.error().to_problem(), ctx.request_id));
   else if (req.ttl_s < k_min_ttl_s || req.ttl_s > k_max_ttl_s)
-    pre = mep::json::dump(problem_record(
-        Problem(Code::invalid_ttl, fmt::format("ttl_seconds must be between {} and {} (got {})", k_min_ttl_s,
-                                               k_max_ttl_s, req.ttl_s)),
-        ctx.request_id));
+    pre = mep::json::dump(
+        problem_record(Problem(Code::invalid_ttl, fmt::format("ttl_seconds must be between {} and {} (got {})",
+                                                              k_min_ttl_s, k_max_ttl_s, req.ttl_s)),
+                       ctx.request_id));
   std::vector<pg::Param> params{ctx.auth.tenant_id, idem.key, idem.fingerprint, ctx.request_id, pre};
   if (req.name) {
     params.insert(params.end(), {req.name->canonical_name, req.name->display_name, req.name->skeleton});
@@ -641,7 +637,7 @@ void PgStore::renew_batch(const Ctx& ctx, RenewBatch req, Then<lease::RenewBatch
     tokens.push_back(ref.fencing_token);
     ttls.push_back(ref.ttl_s);
   }
-  std::vector<pg::Param> params{ctx.auth.tenant_id, pg::text_array(names), pg::text_array(memories),
+  std::vector<pg::Param> params{ctx.auth.tenant_id,    pg::text_array(names),  pg::text_array(memories),
                                 pg::int_array(tokens), pg::text_array(owners), pg::int_array(ttls),
                                 ctx.request_id};
   submit<lease::RenewBatchResult>(
@@ -703,49 +699,55 @@ void PgStore::revoke(const Ctx& ctx, std::string canonical_name, Then<Revoked> t
 // ---- reads ----------------------------------------------------------------------------------
 
 void PgStore::get_lease(const Ctx& ctx, std::string canonical_name, Then<lease::LeaseInfo> then) {
-  read<lease::LeaseInfo>([&](pg::Conn& c) -> Outcome<lease::LeaseInfo> {
-      static const std::string sql =
-          fmt::format("SELECT {}, mep_now_ms() FROM leases WHERE canonical_name = $1", k_lease_cols);
-      auto res = c.exec("get_lease", sql, {canonical_name});
-      if (res.rows() == 0) return Problem(Code::lease_not_found, "no live lease of this tenant under this name");
-      LeaseRow l = read_lease(res, 0);
-      UnixMs now = res.int64(0, 11);
-      if (l.tenant_id != ctx.auth.tenant_id || l.expires_at <= now)
-        return Problem(Code::lease_not_found, "no live lease of this tenant under this name");
-      return to_lease_info(l, now);
-  }, then);
+  read<lease::LeaseInfo>(
+      [&](pg::Conn& c) -> Outcome<lease::LeaseInfo> {
+        static const std::string sql =
+            fmt::format("SELECT {}, mep_now_ms() FROM leases WHERE canonical_name = $1", k_lease_cols);
+        auto res = c.exec("get_lease", sql, {canonical_name});
+        if (res.rows() == 0) return Problem(Code::lease_not_found, "no live lease of this tenant under this name");
+        LeaseRow l = read_lease(res, 0);
+        UnixMs now = res.int64(0, 11);
+        if (l.tenant_id != ctx.auth.tenant_id || l.expires_at <= now)
+          return Problem(Code::lease_not_found, "no live lease of this tenant under this name");
+        return to_lease_info(l, now);
+      },
+      then);
 }
 
 void PgStore::list_leases(const Ctx& ctx, ListLeases req, Then<lease::LeasePage> then) {
-  read<lease::LeasePage>([&](pg::Conn& c) -> Outcome<lease::LeasePage> {
-      // Two statements, each planned onto its index in name order (schema v2); no name is
-      // empty, so "" starts the first page.
-      static const std::string by_tenant = fmt::format(
-          "SELECT {}, mep_now_ms() FROM leases WHERE tenant_id = $1 AND canonical_name > $2 "
-          "AND expires_at > mep_now_ms() ORDER BY canonical_name LIMIT $3::bigint",
-          k_lease_cols);
-      static const std::string by_owner = fmt::format(
-          "SELECT {}, mep_now_ms() FROM leases WHERE tenant_id = $1 AND canonical_name > $2 "
-          "AND expires_at > mep_now_ms() AND owner_client_id = $4 ORDER BY canonical_name LIMIT $3::bigint",
-          k_lease_cols);
-      std::string limit = to_s(static_cast<std::int64_t>(req.limit + 1));
-      auto res = req.owner_client_id
-                     ? c.exec("list_leases_by_owner", by_owner,
-                              {ctx.auth.tenant_id, req.cursor.value_or(""), limit, req.owner_client_id})
-                     : c.exec("list_leases", by_tenant, {ctx.auth.tenant_id, req.cursor.value_or(""), limit});
-      LeasePageBuilder page(req.limit);
-      for (int i = 0; i < res.rows() && page.add(read_lease(res, i), res.int64(i, 11)); ++i) {
-      }
-      return page.take();
-  }, then);
+  read<lease::LeasePage>(
+      [&](pg::Conn& c) -> Outcome<lease::LeasePage> {
+        // Two statements, each planned onto its index in name order (schema v2); no name is
+        // empty, so "" starts the first page.
+        static const std::string by_tenant =
+            fmt::format("SELECT {}, mep_now_ms() FROM leases WHERE tenant_id = $1 AND canonical_name > $2 "
+                        "AND expires_at > mep_now_ms() ORDER BY canonical_name LIMIT $3::bigint",
+                        k_lease_cols);
+        static const std::string by_owner = fmt::format(
+            "SELECT {}, mep_now_ms() FROM leases WHERE tenant_id = $1 AND canonical_name > $2 "
+            "AND expires_at > mep_now_ms() AND owner_client_id = $4 ORDER BY canonical_name LIMIT $3::bigint",
+            k_lease_cols);
+        std::string limit = to_s(static_cast<std::int64_t>(req.limit + 1));
+        auto res = req.owner_client_id
+                       ? c.exec("list_leases_by_owner", by_owner,
+                                {ctx.auth.tenant_id, req.cursor.value_or(""), limit, req.owner_client_id})
+                       : c.exec("list_leases", by_tenant, {ctx.auth.tenant_id, req.cursor.value_or(""), limit});
+        LeasePageBuilder page(req.limit);
+        for (int i = 0; i < res.rows() && page.add(read_lease(res, i), res.int64(i, 11)); ++i) {}
+        return page.take();
+      },
+      then);
 }
 
 void PgStore::get_memory(const Ctx& ctx, std::string memory_id, Then<lease::Memory> then) {
-  read<lease::Memory>([&](pg::Conn& c) -> Outcome<lease::Memory> {
-      auto m = find_memory(c, memory_id);
-      if (!m || m->tenant_id != ctx.auth.tenant_id) return Problem(Code::memory_not_found, "no such memory for this tenant");
-      return to_memory(*m);
-  }, then);
+  read<lease::Memory>(
+      [&](pg::Conn& c) -> Outcome<lease::Memory> {
+        auto m = find_memory(c, memory_id);
+        if (!m || m->tenant_id != ctx.auth.tenant_id)
+          return Problem(Code::memory_not_found, "no such memory for this tenant");
+        return to_memory(*m);
+      },
+      then);
 }
 
 void PgStore::lineage(const Ctx& ctx, std::string memory_id, Then<lease::Lineage> then) {
@@ -767,41 +769,45 @@ void PgStore::lineage(const Ctx& ctx, std::string memory_id, Then<lease::Lineage
       "  FROM memories WHERE parent_memory_id = $1 AND tenant_id = $2"
       "   AND EXISTS (SELECT 1 FROM memories WHERE memory_id = $1 AND tenant_id = $2) "
       "ORDER BY kind, ord, k";
-  read<lease::Lineage>([&](pg::Conn& c) -> Outcome<lease::Lineage> {
-      auto res = c.exec("lineage", k_sql, {memory_id, ctx.auth.tenant_id});
-      if (res.rows() == 0 || res.int64(0, 0) != 0 || res.int64(0, 1) != 0)
-        return Problem(Code::memory_not_found, "no such memory for this tenant");
-      auto row = [&](int i) {
-        return MemoryRow{res.text(i, 2), res.text(i, 3), res.opt_text(i, 4),
-                         res.opt_int64(i, 5), res.int64(i, 6), res.int64(i, 7)};
-      };
-      lease::Lineage out;
-      out.memory_id = memory_id;
-      out.memory = to_memory(row(0));
-      for (int i = 1; i < res.rows(); ++i)
-        (res.int64(i, 0) == 0 ? out.ancestors : out.children).push_back(to_memory(row(i)));
-      return out;
-  }, then);
+  read<lease::Lineage>(
+      [&](pg::Conn& c) -> Outcome<lease::Lineage> {
+        auto res = c.exec("lineage", k_sql, {memory_id, ctx.auth.tenant_id});
+        if (res.rows() == 0 || res.int64(0, 0) != 0 || res.int64(0, 1) != 0)
+          return Problem(Code::memory_not_found, "no such memory for this tenant");
+        auto row = [&](int i) {
+          return MemoryRow{res.text(i, 2),      res.text(i, 3),  res.opt_text(i, 4),
+                           res.opt_int64(i, 5), res.int64(i, 6), res.int64(i, 7)};
+        };
+        lease::Lineage out;
+        out.memory_id = memory_id;
+        out.memory = to_memory(row(0));
+        for (int i = 1; i < res.rows(); ++i)
+          (res.int64(i, 0) == 0 ? out.ancestors : out.children).push_back(to_memory(row(i)));
+        return out;
+      },
+      then);
 }
 
 void PgStore::identity_map(const Ctx& ctx, std::optional<std::string> cursor, std::size_t limit,
                            Then<lease::IdentityMapPage> then) {
-  read<lease::IdentityMapPage>([&](pg::Conn& c) -> Outcome<lease::IdentityMapPage> {
-      auto res = c.exec("identity_map",
-                        "SELECT legacy_memory_ref, memory_instance_id FROM migration_identity_map "
-                        "WHERE tenant_id = $1 AND ($2::text IS NULL OR legacy_memory_ref > $2) "
-                        "ORDER BY legacy_memory_ref LIMIT $3::bigint",
-                        {ctx.auth.tenant_id, cursor, to_s(static_cast<std::int64_t>(limit + 1))});
-      lease::IdentityMapPage page;
-      for (int i = 0; i < res.rows(); ++i) {
-        if (page.entries.size() == limit) {
-          page.next_cursor = page.entries.back().legacy_memory_ref;
-          break;
+  read<lease::IdentityMapPage>(
+      [&](pg::Conn& c) -> Outcome<lease::IdentityMapPage> {
+        auto res = c.exec("identity_map",
+                          "SELECT legacy_memory_ref, memory_instance_id FROM migration_identity_map "
+                          "WHERE tenant_id = $1 AND ($2::text IS NULL OR legacy_memory_ref > $2) "
+                          "ORDER BY legacy_memory_ref LIMIT $3::bigint",
+                          {ctx.auth.tenant_id, cursor, to_s(static_cast<std::int64_t>(limit + 1))});
+        lease::IdentityMapPage page;
+        for (int i = 0; i < res.rows(); ++i) {
+          if (page.entries.size() == limit) {
+            page.next_cursor = page.entries.back().legacy_memory_ref;
+            break;
+          }
+          page.entries.push_back(lease::IdentityEntry{res.text(i, 0), res.text(i, 1)});
         }
-        page.entries.push_back(lease::IdentityEntry{res.text(i, 0), res.text(i, 1)});
-      }
-      return page;
-  }, then);
+        return page;
+      },
+      then);
 }
 
 // ---- authentication, health, maintenance ----------------------------------------------------
@@ -891,21 +897,24 @@ std::pair<std::string, std::string> PgStore::create_token(const std::string& ten
   const auto pads = hmac_sha256_pads(salt); // not a structured binding: clang 14 cannot capture one
   const std::string ipad = bytea_hex(pads.first), opad = bytea_hex(pads.second);
   std::string token = "mep_" + random_hex(32);
-  return with_conn<std::pair<std::string, std::string>>([&](pg::Conn& c) {
-    auto t = c.exec({},
-                    "WITH t AS (INSERT INTO tenants(tenant_id, name, audit_salt, audit_ipad, audit_opad, created_at) "
-                    "VALUES ($1, $2, $3, $4::bytea, $5::bytea, mep_now_ms()) ON CONFLICT (name) DO NOTHING "
-                    "RETURNING tenant_id) "
-                    "SELECT tenant_id FROM t UNION ALL SELECT tenant_id FROM tenants WHERE name = $2 LIMIT 1",
-                    {uuid_v7().to_string(), tenant_name, salt, ipad, opad});
-    if (t.rows() == 0) throw std::runtime_error("could not create the tenant");
-    std::string tenant_id = t.text(0, 0);
-    c.exec({},
-           "INSERT INTO tokens(token_id, tenant_id, token_sha256, scopes, created_at) "
-           "VALUES ($1, $2, $3, $4, mep_now_ms())",
-           {uuid_v7().to_string(), tenant_id, sha256_hex(token), scope == Scope::admin ? "lease admin" : "lease"});
-    return std::make_pair(tenant_id, token);
-  }, false);
+  return with_conn<std::pair<std::string, std::string>>(
+      [&](pg::Conn& c) {
+        auto t =
+            c.exec({},
+                   "WITH t AS (INSERT INTO tenants(tenant_id, name, audit_salt, audit_ipad, audit_opad, created_at) "
+                   "VALUES ($1, $2, $3, $4::bytea, $5::bytea, mep_now_ms()) ON CONFLICT (name) DO NOTHING "
+                   "RETURNING tenant_id) "
+                   "SELECT tenant_id FROM t UNION ALL SELECT tenant_id FROM tenants WHERE name = $2 LIMIT 1",
+                   {uuid_v7().to_string(), tenant_name, salt, ipad, opad});
+        if (t.rows() == 0) throw std::runtime_error("could not create the tenant");
+        std::string tenant_id = t.text(0, 0);
+        c.exec({},
+               "INSERT INTO tokens(token_id, tenant_id, token_sha256, scopes, created_at) "
+               "VALUES ($1, $2, $3, $4, mep_now_ms())",
+               {uuid_v7().to_string(), tenant_id, sha256_hex(token), scope == Scope::admin ? "lease admin" : "lease"});
+        return std::make_pair(tenant_id, token);
+      },
+      false);
 }
 
 std::vector<TokenInfo> PgStore::list_tokens(const std::optional<std::string>& tenant_name) {
@@ -917,29 +926,34 @@ std::vector<TokenInfo> PgStore::list_tokens(const std::optional<std::string>& te
                     {tenant_name});
     std::vector<TokenInfo> out;
     for (int i = 0; i < r.rows(); ++i)
-      out.push_back(TokenInfo{r.text(i, 0), r.text(i, 1), r.text(i, 2), r.text(i, 3), r.int64(i, 4), r.opt_int64(i, 5)});
+      out.push_back(
+          TokenInfo{r.text(i, 0), r.text(i, 1), r.text(i, 2), r.text(i, 3), r.int64(i, 4), r.opt_int64(i, 5)});
     return out;
   });
 }
 
 bool PgStore::revoke_token(const std::string& token_id) {
-  return with_conn<bool>([&](pg::Conn& c) {
-    // Every server drops its cached tokens when this commits (LISTEN mep_tokens).
-    return c.exec({},
-                  "WITH r AS (UPDATE tokens SET revoked_at = mep_now_ms() WHERE token_id = $1 AND revoked_at IS NULL "
-                  "RETURNING 1) SELECT (SELECT count(*) FROM r), pg_notify('mep_tokens', '')",
-                  {token_id})
-               .int64(0, 0) > 0;
-  }, false);
+  return with_conn<bool>(
+      [&](pg::Conn& c) {
+        // Every server drops its cached tokens when this commits (LISTEN mep_tokens).
+        return c.exec(
+                    {},
+                    "WITH r AS (UPDATE tokens SET revoked_at = mep_now_ms() WHERE token_id = $1 AND revoked_at IS NULL "
+                    "RETURNING 1) SELECT (SELECT count(*) FROM r), pg_notify('mep_tokens', '')",
+                    {token_id})
+                   .int64(0, 0) > 0;
+      },
+      false);
 }
 
 std::vector<AuditRow> PgStore::list_audit(const std::optional<std::string>& tenant_name, std::size_t limit) {
   return with_conn<std::vector<AuditRow>>([&](pg::Conn& c) {
-    auto r = c.exec({},
-                    "SELECT a.event_id, a.tenant_id, a.event_type, a.redacted_name_hash, a.redacted_memory_hash, "
-                    "a.fencing_token, a.created_at FROM audit_events a LEFT JOIN tenants n ON n.tenant_id = a.tenant_id "
-                    "WHERE $1::text IS NULL OR n.name = $1 ORDER BY a.created_at DESC, a.event_id DESC LIMIT $2::bigint",
-                    {tenant_name, to_s(static_cast<std::int64_t>(limit))});
+    auto r =
+        c.exec({},
+               "SELECT a.event_id, a.tenant_id, a.event_type, a.redacted_name_hash, a.redacted_memory_hash, "
+               "a.fencing_token, a.created_at FROM audit_events a LEFT JOIN tenants n ON n.tenant_id = a.tenant_id "
+               "WHERE $1::text IS NULL OR n.name = $1 ORDER BY a.created_at DESC, a.event_id DESC LIMIT $2::bigint",
+               {tenant_name, to_s(static_cast<std::int64_t>(limit))});
     std::vector<AuditRow> out;
     for (int i = 0; i < r.rows(); ++i)
       out.push_back(AuditRow{r.text(i, 0), r.text(i, 1), r.text(i, 2), r.text(i, 3), r.text(i, 4), r.opt_int64(i, 5),

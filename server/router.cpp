@@ -96,7 +96,7 @@ using CallPtr = std::shared_ptr<Call>;
 
 enum class Auth { none, lease, admin, metrics };
 enum class Idem { none, required };
-enum class Gate { open, migration };         // closed while a legacy migration is in progress (SPEC §10)
+enum class Gate { open, migration };          // closed while a legacy migration is in progress (SPEC §10)
 enum class Priority { normal, keeps_leases }; // renewals and releases get the rate limit's reserve
 enum class Metric { none, claims, renewals }; // mep_claims_total, mep_lease_renewal_latency_seconds
 
@@ -140,10 +140,13 @@ void finish(const CallPtr& c, Reply r, std::string_view outcome = {}) {
   std::string labels = "route=\"" + c->route_label + "\",code=\"" + std::to_string(r.status) + "\"";
   m.observe("mep_http_request_duration_seconds", labels, secs);
   if (c->route && c->route->metric == Metric::claims)
-    m.inc("mep_claims_total", "outcome=\"" + (outcome.empty() ? std::to_string(r.status) : std::string(outcome)) + "\"");
+    m.inc("mep_claims_total",
+          "outcome=\"" + (outcome.empty() ? std::to_string(r.status) : std::string(outcome)) + "\"");
   if (c->route && c->route->metric == Metric::renewals) m.observe("mep_lease_renewal_latency_seconds", "", secs);
-  if (r.status >= 500) log::warn("request {} {} -> {}", c->ctx.request_id, c->route_label, r.status);
-  else log::debug("request {} {} -> {} in {:.2f} ms", c->ctx.request_id, c->route_label, r.status, secs * 1000);
+  if (r.status >= 500)
+    log::warn("request {} {} -> {}", c->ctx.request_id, c->route_label, r.status);
+  else
+    log::debug("request {} {} -> {} in {:.2f} ms", c->ctx.request_id, c->route_label, r.status, secs * 1000);
   c->send(make_response(*c, r));
 }
 
@@ -174,7 +177,8 @@ Reply encode(const CallPtr& c, const Outcome<T>& o, int status) {
   Reply r;
   r.status = status;
   r.replayed = o.replayed;
-  if constexpr (!std::is_same_v<T, Released> && !std::is_same_v<T, Revoked>) r.body = json::dump(wire::to_json(*o.value));
+  if constexpr (!std::is_same_v<T, Released> && !std::is_same_v<T, Revoked>)
+    r.body = json::dump(wire::to_json(*o.value));
   return r;
 }
 
@@ -282,8 +286,7 @@ std::optional<Idempotency> idempotency(const CallPtr& c, const boost::json::obje
   }
   auto key = doubled ? std::nullopt : parse_idempotency_key(*h);
   if (!key) {
-    fail(c, Problem(Code::idempotency_key_invalid,
-                    "Idempotency-Key must be 1-255 printable ASCII characters, once"));
+    fail(c, Problem(Code::idempotency_key_invalid, "Idempotency-Key must be 1-255 printable ASCII characters, once"));
     return std::nullopt;
   }
   return Idempotency{*key, request_fingerprint(c->req.method_string(), c->route->pattern,
@@ -316,8 +319,10 @@ void on_register(const CallPtr& c, LeaseService& svc) {
   lease::RegisterRequest req;
   auto id = r.string("memory_instance_id", Need::optional);
   if (id) {
-    if (!is_uuid_v7(*id)) r.fail("field \"memory_instance_id\" must be a UUIDv7");
-    else req.memory_id = Uuid::parse(*id)->to_string();
+    if (!is_uuid_v7(*id))
+      r.fail("field \"memory_instance_id\" must be a UUIDv7");
+    else
+      req.memory_id = Uuid::parse(*id)->to_string();
   }
   if (!finish_reader(c, r)) return;
   auto idem = idempotency(c, *body);
@@ -407,8 +412,10 @@ void on_renew_batch(const CallPtr& c, LeaseService& svc) {
       // name its own owner; otherwise the batch's owner applies.
       auto item_owner = ir.string("owner_client_id", Need::optional);
       if (ref && item_owner) ref->owner_client_id = *item_owner;
-      if (auto ok = ir.finish(); !ok) r.fail("leases[" + std::to_string(i) + "]: " + ok.error().detail);
-      else if (ref) req.leases.push_back(std::move(*ref));
+      if (auto ok = ir.finish(); !ok)
+        r.fail("leases[" + std::to_string(i) + "]: " + ok.error().detail);
+      else if (ref)
+        req.leases.push_back(std::move(*ref));
     }
   }
   if (!finish_reader(c, r)) return;
@@ -434,8 +441,10 @@ void on_branch(const CallPtr& c, LeaseService& svc) {
   auto token = r.integer("parent_fencing_token", Need::required, 0, k_max_token);
   auto id = r.string("memory_instance_id", Need::optional);
   if (id) {
-    if (!is_uuid_v7(*id)) r.fail("field \"memory_instance_id\" must be a UUIDv7");
-    else req.memory_id = Uuid::parse(*id)->to_string();
+    if (!is_uuid_v7(*id))
+      r.fail("field \"memory_instance_id\" must be a UUIDv7");
+    else
+      req.memory_id = Uuid::parse(*id)->to_string();
   }
   if (!finish_reader(c, r)) return;
   auto idem = idempotency(c, *body);
@@ -671,10 +680,13 @@ http::BodyPlan Router::plan(const http::RequestHeader& header, const Peer&) {
 
 void Router::handle(http::Request&& req, const Peer& peer, std::shared_ptr<http::BodySink>, http::Responder responder) {
   const int fd = responder.native_handle();
-  dispatch(std::move(req), peer, [responder](HttpResponse&& res) { responder.send(std::move(res)); }, fd);
+  dispatch(
+      std::move(req), peer, [responder](HttpResponse&& res) { responder.send(std::move(res)); }, fd);
 }
 
-void Router::handle(HttpRequest&& req, const Peer& peer, Send send) { dispatch(std::move(req), peer, std::move(send), -1); }
+void Router::handle(HttpRequest&& req, const Peer& peer, Send send) {
+  dispatch(std::move(req), peer, std::move(send), -1);
+}
 
 void Router::dispatch(HttpRequest&& req, const Peer& peer, Send send, int fd) {
   auto c = std::make_shared<Call>();
@@ -724,8 +736,8 @@ void Router::dispatch(HttpRequest&& req, const Peer& peer, Send send, int fd) {
   if (!authenticate(c, m_service.store(), m_auth_failures)) return;
   bool need_admin = route.auth == Auth::admin || route.auth == Auth::metrics;
   if ((need_admin && !c->ctx.auth.scope_admin) || (!need_admin && !c->ctx.auth.scope_lease))
-    return fail(c, Problem(Code::forbidden, need_admin ? "this endpoint needs the admin scope"
-                                                       : "this token lacks the lease scope"));
+    return fail(c, Problem(Code::forbidden,
+                           need_admin ? "this endpoint needs the admin scope" : "this token lacks the lease scope"));
 
   // 3. Rate limit per token. Renewals and releases go first: every other request leaves a
   // fifth of the bucket to them, so a storm of claims (or of waiting claims' retries) from
@@ -740,7 +752,8 @@ void Router::dispatch(HttpRequest&& req, const Peer& peer, Send send, int fd) {
 
   // 4. The migration gate, then the handler.
   if (route.gate == Gate::migration && m_service.store().migration_in_progress()) {
-    Problem gate(Code::migration_in_progress, "a legacy migration is in progress; leases resume after 'mep migrate activate'");
+    Problem gate(Code::migration_in_progress,
+                 "a legacy migration is in progress; leases resume after 'mep migrate activate'");
     gate.retry_after_s = 5;
     return fail(c, std::move(gate));
   }

@@ -16,7 +16,9 @@ lease::Grant to_grant(const LeaseRow& l, UnixMs now) {
   return g;
 }
 
-lease::LeaseInfo to_lease_info(const LeaseRow& l, UnixMs now) { return lease::LeaseInfo{to_grant(l, now), l.owner_client_id}; }
+lease::LeaseInfo to_lease_info(const LeaseRow& l, UnixMs now) {
+  return lease::LeaseInfo{to_grant(l, now), l.owner_client_id};
+}
 
 lease::Memory to_memory(const MemoryRow& m) {
   lease::Memory out;

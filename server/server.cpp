@@ -33,22 +33,21 @@ std::unique_ptr<Store> open_store(const std::string& url, const StoreOptions& op
   return std::make_unique<SqliteStore>(url, options.create, options.writer_nice, options.serving);
 }
 
-namespace {
-
-} // namespace
+namespace {} // namespace
 
 int run_server(const ServerOptions& o) {
   log::set_program("mep server");
   // 1. Check the options together and report every problem at once.
   std::vector<std::string> errors;
   log::Level level;
-  if (!log::parse_level(o.log_level, level)) errors.push_back("--log-level must be debug, info, warn or error");
-  else log::set_level(level);
+  if (!log::parse_level(o.log_level, level))
+    errors.push_back("--log-level must be debug, info, warn or error");
+  else
+    log::set_level(level);
   auto endpoint = http::parse_listen(o.listen);
   if (!endpoint) errors.push_back("--listen must be HOST:PORT with an IP address (got \"" + o.listen + "\")");
   bool tls = !o.tls_cert.empty() || !o.tls_key.empty();
-  if (tls && (o.tls_cert.empty() || o.tls_key.empty()))
-    errors.push_back("--tls-cert and --tls-key go together");
+  if (tls && (o.tls_cert.empty() || o.tls_key.empty())) errors.push_back("--tls-cert and --tls-key go together");
   if (endpoint && !endpoint->address().is_loopback() && !tls && !o.insecure_plaintext)
     errors.push_back("refusing to serve plain HTTP on " + o.listen +
                      ", which is not a loopback address: give --tls-cert and --tls-key, or "

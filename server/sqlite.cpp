@@ -16,8 +16,8 @@ std::atomic<std::int64_t> g_fail_countdown{0}; // see fault::fail_step
 } // namespace
 
 Stmt::Stmt(sqlite3* db, std::string_view sql) : m_db(db) {
-  int rc = sqlite3_prepare_v3(db, sql.data(), static_cast<int>(sql.size()), SQLITE_PREPARE_PERSISTENT,
-                              &m_stmt, nullptr);
+  int rc =
+      sqlite3_prepare_v3(db, sql.data(), static_cast<int>(sql.size()), SQLITE_PREPARE_PERSISTENT, &m_stmt, nullptr);
   if (rc != SQLITE_OK) fail(db, rc, "prepare");
 }
 
@@ -29,8 +29,7 @@ Stmt& Stmt::bind(int i, std::int64_t v) {
 }
 
 Stmt& Stmt::bind(int i, std::string_view v) {
-  if (int rc = sqlite3_bind_text(m_stmt, i, v.data(), static_cast<int>(v.size()), SQLITE_TRANSIENT);
-      rc != SQLITE_OK)
+  if (int rc = sqlite3_bind_text(m_stmt, i, v.data(), static_cast<int>(v.size()), SQLITE_TRANSIENT); rc != SQLITE_OK)
     fail(m_db, rc, "bind");
   return *this;
 }
@@ -56,8 +55,7 @@ bool Stmt::step() {
 }
 
 void Stmt::run() {
-  while (step()) {
-  }
+  while (step()) {}
 }
 
 void Stmt::reset() {

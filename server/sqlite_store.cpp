@@ -358,8 +358,13 @@ void rewrite_lease(Db& db, const LeaseRow& l, bool owner_changed) {
   };
   static const std::string keep_owner = sql(""), new_owner = sql(", owner_client_id = ?8");
   Use s(db.prepare(owner_changed ? new_owner : keep_owner));
-  s->bind(1, l.lease_id).bind(2, l.display_name).bind(3, l.fencing_token).bind(4, l.ttl_s)
-      .bind(5, l.expires_at).bind(6, l.acquired_at).bind(7, l.memory_id);
+  s->bind(1, l.lease_id)
+      .bind(2, l.display_name)
+      .bind(3, l.fencing_token)
+      .bind(4, l.ttl_s)
+      .bind(5, l.expires_at)
+      .bind(6, l.acquired_at)
+      .bind(7, l.memory_id);
   if (owner_changed) s->bind(8, l.owner_client_id);
   s->run();
 }
@@ -367,8 +372,8 @@ void rewrite_lease(Db& db, const LeaseRow& l, bool owner_changed) {
 bool ttl_ok(std::int64_t ttl) { return ttl >= k_min_ttl_s && ttl <= k_max_ttl_s; }
 
 Problem ttl_problem(std::int64_t ttl) {
-  return Problem(Code::invalid_ttl, fmt::format("ttl_seconds must be between {} and {} (got {})",
-                                                k_min_ttl_s, k_max_ttl_s, ttl));
+  return Problem(Code::invalid_ttl,
+                 fmt::format("ttl_seconds must be between {} and {} (got {})", k_min_ttl_s, k_max_ttl_s, ttl));
 }
 
 std::string db_path_from_url(const std::string& url) {
@@ -479,8 +484,8 @@ void SqliteStore::save_clock_checkpoint(Db& db, UnixMs now) {
 // ---- construction and the writer -------------------------------------------------------
 
 SqliteStore::SqliteStore(const std::string& url, bool create, int writer_nice, bool serving)
-    : m_path(with_parent_directory(existing_unless(create, db_path_from_url(url)))),
-      m_writer_nice(writer_nice), m_tokens(m_path + "-token-epoch") {
+    : m_path(with_parent_directory(existing_unless(create, db_path_from_url(url)))), m_writer_nice(writer_nice),
+      m_tokens(m_path + "-token-epoch") {
   // SQLite serves one process: a second server on the same file would hand out the same
   // grants' state from two group-commit writers that know nothing of each other's caches.
   // Short commands (mep token, mep migrate) do not serve and may run beside it.
@@ -517,9 +522,8 @@ void SqliteStore::migrate() {
       if (s->step() && !s->is_null(0)) version = s->int64(0);
     }
     if (version > k_schema_version)
-      throw std::runtime_error(fmt::format(
-          "database schema version {} is newer than this mep ({}); upgrade mep", version,
-          k_schema_version));
+      throw std::runtime_error(fmt::format("database schema version {} is newer than this mep ({}); upgrade mep",
+                                           version, k_schema_version));
     if (version < 1) {
       m_db->exec(k_schema_v1);
       m_db->exec("INSERT INTO schema_version(version) VALUES (1)");
@@ -686,8 +690,7 @@ void SqliteStore::run_batch(std::vector<Job>& batch) {
     log::error("commit failed: {}", e.what());
     try {
       m_db->exec("ROLLBACK");
-    } catch (...) {
-    }
+    } catch (...) {}
     m_healthy = false;
     for (auto& f : failures) f = db_unavailable();
   }
@@ -869,7 +872,8 @@ Outcome<T> SqliteStore::run_idempotent(Db& db, UnixMs now, const Ctx& ctx, const
     if (found && !expired_record) {
       if (s->text(2) != idem.fingerprint) {
         metrics.inc("mep_idempotency_lookups_total", "result=\"mismatch\"");
-        return Outcome<T>(Problem(Code::idempotency_key_reused, "this Idempotency-Key was used with a different request"));
+        return Outcome<T>(
+            Problem(Code::idempotency_key_reused, "this Idempotency-Key was used with a different request"));
       }
       metrics.inc("mep_idempotency_lookups_total", "result=\"hit\"");
       StoredOutcome stored{static_cast<int>(s->int64(3)), s->text(4), std::nullopt};
@@ -925,17 +929,15 @@ Outcome<T> SqliteStore::run_idempotent(Db& db, UnixMs now, const Ctx& ctx, const
 // token is the memory's current grant and its lease is unexpired; otherwise the problem:
 // 404 when the memory is not the tenant's, 409 stale-fence when a newer grant exists
 // (or the token was never issued), 410 lease-expired when this grant has ended.
-expected<LeaseRow, Problem> SqliteStore::classify(Db& db, UnixMs now, const Ctx& ctx,
-                                                  const std::string& memory_id, std::int64_t token,
-                                                  Code not_found) {
+expected<LeaseRow, Problem> SqliteStore::classify(Db& db, UnixMs now, const Ctx& ctx, const std::string& memory_id,
+                                                  std::int64_t token, Code not_found) {
   auto mem = find_memory(db, memory_id);
   if (!mem || mem->tenant_id != ctx.auth.tenant_id)
     return make_unexpected(Problem(not_found, "no such memory for this tenant"));
   if (token != mem->fence_counter) {
-    Problem p(Code::stale_fence,
-              token < mem->fence_counter
-                  ? fmt::format("fencing token {} was superseded by {}", token, mem->fence_counter)
-                  : fmt::format("fencing token {} was never issued for this memory", token));
+    Problem p(Code::stale_fence, token < mem->fence_counter
+                                     ? fmt::format("fencing token {} was superseded by {}", token, mem->fence_counter)
+                                     : fmt::format("fencing token {} was never issued for this memory", token));
     p.extensions["current_fencing_token"] = mem->fence_counter;
     audit(ctx.auth.tenant_id, "STALE_FENCE_REJECTED", {}, memory_id, token);
     Metrics::global().inc("mep_fencing_rejections_total");
@@ -943,8 +945,8 @@ expected<LeaseRow, Problem> SqliteStore::classify(Db& db, UnixMs now, const Ctx&
   }
   auto lease = lease_by_memory(db, memory_id);
   if (!lease || lease->fencing_token != token || lease->expires_at <= now)
-    return make_unexpected(Problem(Code::lease_expired,
-                                   fmt::format("the lease with fencing token {} has ended", token)));
+    return make_unexpected(
+        Problem(Code::lease_expired, fmt::format("the lease with fencing token {} has ended", token)));
   return *lease;
 }
 
@@ -982,8 +984,8 @@ expected<lease::Grant, Problem> SqliteStore::op_claim(Db& db, UnixMs now, const 
   // 4. Every lease that conflicts on name, skeleton or memory, in one lookup (at most one
   // row per unique column). Takeover: the expired ones are removed and audited with the
   // grant (step 7); a claim refused below writes nothing (see run_batch).
-  static const std::string conflicts_sql = fmt::format(
-      "SELECT {} FROM leases WHERE canonical_name = ?1 OR skeleton = ?2 OR memory_id = ?3", k_lease_cols);
+  static const std::string conflicts_sql =
+      fmt::format("SELECT {} FROM leases WHERE canonical_name = ?1 OR skeleton = ?2 OR memory_id = ?3", k_lease_cols);
   std::vector<LeaseRow> expired;
   std::vector<LeaseRow> live;
   {
@@ -1009,8 +1011,7 @@ expected<lease::Grant, Problem> SqliteStore::op_claim(Db& db, UnixMs now, const 
     audit(ctx.auth.tenant_id, "NAME_CONFLICT", name.canonical_name, req.memory_id, std::nullopt);
     Problem p(same_name ? Code::name_held : Code::name_confusable,
               same_name ? fmt::format("the name \"{}\" is held by another owner", name.canonical_name)
-                        : fmt::format("the name \"{}\" is confusable with a name that is held",
-                                      name.canonical_name));
+                        : fmt::format("the name \"{}\" is confusable with a name that is held", name.canonical_name));
     p.retry_after_s = retry_after_until(l.expires_at, now);
     return make_unexpected(std::move(p));
   }
@@ -1053,24 +1054,38 @@ expected<lease::Grant, Problem> SqliteStore::op_claim(Db& db, UnixMs now, const 
     static const std::string sql =
         fmt::format("INSERT INTO leases({}) VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11)", k_lease_cols);
     Use s(db.prepare(sql));
-    s->bind(1, l.lease_id).bind(2, l.tenant_id).bind(3, l.canonical_name).bind(4, l.display_name)
-        .bind(5, l.skeleton).bind(6, l.memory_id).bind(7, l.fencing_token).bind(8, l.owner_client_id)
-        .bind(9, l.ttl_s).bind(10, l.expires_at).bind(11, l.acquired_at).run();
+    s->bind(1, l.lease_id)
+        .bind(2, l.tenant_id)
+        .bind(3, l.canonical_name)
+        .bind(4, l.display_name)
+        .bind(5, l.skeleton)
+        .bind(6, l.memory_id)
+        .bind(7, l.fencing_token)
+        .bind(8, l.owner_client_id)
+        .bind(9, l.ttl_s)
+        .bind(10, l.expires_at)
+        .bind(11, l.acquired_at)
+        .run();
   }
   {
-    Use s(db.prepare(
-        "INSERT INTO agent_names(canonical_name, display_name, skeleton, tenant_id, unicode_version, "
-        "icu_version, first_claimed_at, last_claimed_at) VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?7) "
-        "ON CONFLICT(canonical_name) DO UPDATE SET display_name = ?2, skeleton = ?3, tenant_id = ?4, "
-        "unicode_version = ?5, icu_version = ?6, last_claimed_at = ?7 "
-        "WHERE display_name IS NOT ?2 OR skeleton IS NOT ?3 OR tenant_id IS NOT ?4 "
-        "OR unicode_version IS NOT ?5 OR icu_version IS NOT ?6 OR last_claimed_at <= ?7 - ?8"));
+    Use s(db.prepare("INSERT INTO agent_names(canonical_name, display_name, skeleton, tenant_id, unicode_version, "
+                     "icu_version, first_claimed_at, last_claimed_at) VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?7) "
+                     "ON CONFLICT(canonical_name) DO UPDATE SET display_name = ?2, skeleton = ?3, tenant_id = ?4, "
+                     "unicode_version = ?5, icu_version = ?6, last_claimed_at = ?7 "
+                     "WHERE display_name IS NOT ?2 OR skeleton IS NOT ?3 OR tenant_id IS NOT ?4 "
+                     "OR unicode_version IS NOT ?5 OR icu_version IS NOT ?6 OR last_claimed_at <= ?7 - ?8"));
     // The history row is rewritten when something in it changes, else at most once per
     // k_name_history_resolution_ms: a name claimed again and again (a re-claim, a
     // claim after a release) then writes no page of agent_names.
-    s->bind(1, l.canonical_name).bind(2, l.display_name).bind(3, l.skeleton).bind(4, l.tenant_id)
-        .bind(5, unicode_version()).bind(6, icu_version()).bind(7, now)
-        .bind(8, k_name_history_resolution_ms).run();
+    s->bind(1, l.canonical_name)
+        .bind(2, l.display_name)
+        .bind(3, l.skeleton)
+        .bind(4, l.tenant_id)
+        .bind(5, unicode_version())
+        .bind(6, icu_version())
+        .bind(7, now)
+        .bind(8, k_name_history_resolution_ms)
+        .run();
   }
   for (const auto& e : expired) {
     if (e.expires_at == k_released) continue; // its release was audited
@@ -1086,8 +1101,8 @@ expected<lease::Grant, Problem> SqliteStore::op_claim(Db& db, UnixMs now, const 
 void SqliteStore::claim(const Ctx& ctx, Idempotency idem, Claim req, Then<lease::Grant> then) {
   submit<lease::Grant>(
       [this, ctx, idem = std::move(idem), req = std::move(req)](Db& db, UnixMs now) {
-        return run_idempotent<lease::Grant>(db, now, ctx, idem, [&] { return op_claim(db, now, ctx, req); },
-                                            req.record_refusal);
+        return run_idempotent<lease::Grant>(
+            db, now, ctx, idem, [&] { return op_claim(db, now, ctx, req); }, req.record_refusal);
       },
       std::move(then), ctx.request_id);
 }
@@ -1105,9 +1120,9 @@ expected<lease::Renewed, Problem> SqliteStore::op_renew(Db& db, UnixMs now, cons
 }
 
 void SqliteStore::renew(const Ctx& ctx, LeaseRef ref, Then<lease::Renewed> then) {
-  submit<lease::Renewed>(
-      [this, ctx, ref = std::move(ref)](Db& db, UnixMs now) { return Outcome<lease::Renewed>(op_renew(db, now, ctx, ref)); },
-      std::move(then), ctx.request_id);
+  submit<lease::Renewed>([this, ctx, ref = std::move(ref)](
+                             Db& db, UnixMs now) { return Outcome<lease::Renewed>(op_renew(db, now, ctx, ref)); },
+                         std::move(then), ctx.request_id);
 }
 
 void SqliteStore::renew_batch(const Ctx& ctx, RenewBatch req, Then<lease::RenewBatchResult> then) {
@@ -1142,8 +1157,7 @@ void SqliteStore::release(const Ctx& ctx, LeaseRef ref, Then<Released> then) {
         if (lease->canonical_name != ref.canonical_name || lease->owner_client_id != ref.owner_client_id)
           return Problem(Code::lease_not_found, "no lease of this owner under this name");
         mark_released(db, lease->memory_id);
-        audit(ctx.auth.tenant_id, "LEASE_RELEASED", lease->canonical_name, lease->memory_id,
-              lease->fencing_token);
+        audit(ctx.auth.tenant_id, "LEASE_RELEASED", lease->canonical_name, lease->memory_id, lease->fencing_token);
         return Released{};
       },
       std::move(then), ctx.request_id);
@@ -1178,16 +1192,19 @@ void SqliteStore::branch(const Ctx& ctx, Idempotency idem, Branch req, Then<leas
               return make_unexpected(Problem(Code::memory_id_taken, "this memory id is taken"));
             }
           }
-          auto lease = classify(db, now, ctx, req.parent_memory_id, req.parent_fencing_token,
-                                Code::memory_not_found);
+          auto lease = classify(db, now, ctx, req.parent_memory_id, req.parent_fencing_token, Code::memory_not_found);
           if (!lease) return make_unexpected(std::move(lease.error()));
           std::string id = req.memory_id.value_or(uuid_v7().to_string());
           if (!req.memory_id && find_memory(db, id)) // a client's id was looked up above
             return make_unexpected(Problem(Code::memory_id_taken, "this memory id is taken"));
           Use s(db.prepare("INSERT INTO memories(memory_id, tenant_id, parent_memory_id, "
                            "branched_at_token, fence_counter, created_at) VALUES (?1, ?2, ?3, ?4, 0, ?5)"));
-          s->bind(1, id).bind(2, ctx.auth.tenant_id).bind(3, req.parent_memory_id)
-              .bind(4, req.parent_fencing_token).bind(5, now).run();
+          s->bind(1, id)
+              .bind(2, ctx.auth.tenant_id)
+              .bind(3, req.parent_memory_id)
+              .bind(4, req.parent_fencing_token)
+              .bind(5, now)
+              .run();
           audit(ctx.auth.tenant_id, "MEMORY_BRANCHED", {}, id, req.parent_fencing_token);
           return branched(id, true);
         });
@@ -1202,8 +1219,7 @@ void SqliteStore::revoke(const Ctx& ctx, std::string canonical_name, Then<Revoke
         if (!lease || lease->tenant_id != ctx.auth.tenant_id || lease->expires_at <= now)
           return Problem(Code::lease_not_found, "no live lease under this name");
         delete_lease(db, lease->memory_id);
-        audit(ctx.auth.tenant_id, "LEASE_REVOKED", lease->canonical_name, lease->memory_id,
-              lease->fencing_token);
+        audit(ctx.auth.tenant_id, "LEASE_REVOKED", lease->canonical_name, lease->memory_id, lease->fencing_token);
         return Revoked{lease->canonical_name, lease->memory_id};
       },
       std::move(then), ctx.request_id);
@@ -1227,21 +1243,22 @@ void SqliteStore::list_leases(const Ctx& ctx, ListLeases req, Then<lease::LeaseP
       [&](Db& db, UnixMs now) -> Outcome<lease::LeasePage> {
         // Two statements, so each is planned onto its index (leases_owner_name or
         // leases_tenant_name) in name order; no name is empty, so "" starts the first page.
-        static const std::string by_tenant = fmt::format(
-            "SELECT {} FROM leases WHERE tenant_id = ?1 AND canonical_name > ?3 AND expires_at > ?2 "
-            "ORDER BY canonical_name LIMIT ?4",
-            k_lease_cols);
-        static const std::string by_owner = fmt::format(
-            "SELECT {} FROM leases WHERE tenant_id = ?1 AND owner_client_id = ?5 AND canonical_name > ?3 "
-            "AND expires_at > ?2 ORDER BY canonical_name LIMIT ?4",
-            k_lease_cols);
+        static const std::string by_tenant =
+            fmt::format("SELECT {} FROM leases WHERE tenant_id = ?1 AND canonical_name > ?3 AND expires_at > ?2 "
+                        "ORDER BY canonical_name LIMIT ?4",
+                        k_lease_cols);
+        static const std::string by_owner =
+            fmt::format("SELECT {} FROM leases WHERE tenant_id = ?1 AND owner_client_id = ?5 AND canonical_name > ?3 "
+                        "AND expires_at > ?2 ORDER BY canonical_name LIMIT ?4",
+                        k_lease_cols);
         Use s(db.prepare(req.owner_client_id ? by_owner : by_tenant));
-        s->bind(1, ctx.auth.tenant_id).bind(2, now).bind(3, req.cursor.value_or(""))
+        s->bind(1, ctx.auth.tenant_id)
+            .bind(2, now)
+            .bind(3, req.cursor.value_or(""))
             .bind(4, static_cast<std::int64_t>(req.limit + 1));
         if (req.owner_client_id) s->bind(5, *req.owner_client_id);
         LeasePageBuilder page(req.limit);
-        while (s->step() && page.add(read_lease(*s), now)) {
-        }
+        while (s->step() && page.add(read_lease(*s), now)) {}
         return page.take();
       },
       then);
@@ -1251,7 +1268,8 @@ void SqliteStore::get_memory(const Ctx& ctx, std::string memory_id, Then<lease::
   read<lease::Memory>(
       [&](Db& db, UnixMs) -> Outcome<lease::Memory> {
         auto m = find_memory(db, memory_id);
-        if (!m || m->tenant_id != ctx.auth.tenant_id) return Problem(Code::memory_not_found, "no such memory for this tenant");
+        if (!m || m->tenant_id != ctx.auth.tenant_id)
+          return Problem(Code::memory_not_found, "no such memory for this tenant");
         return to_memory(*m);
       },
       then);
@@ -1261,7 +1279,8 @@ void SqliteStore::lineage(const Ctx& ctx, std::string memory_id, Then<lease::Lin
   read<lease::Lineage>(
       [&](Db& db, UnixMs) -> Outcome<lease::Lineage> {
         auto m = find_memory(db, memory_id);
-        if (!m || m->tenant_id != ctx.auth.tenant_id) return Problem(Code::memory_not_found, "no such memory for this tenant");
+        if (!m || m->tenant_id != ctx.auth.tenant_id)
+          return Problem(Code::memory_not_found, "no such memory for this tenant");
         lease::Lineage out;
         out.memory_id = memory_id;
         out.memory = to_memory(*m);
@@ -1304,9 +1323,8 @@ std::optional<AuthInfo> SqliteStore::authenticate(const std::string& token_sha25
 }
 
 void SqliteStore::audit_auth_failure(const std::string& tenant_id) {
-  enqueue(
-      [this, tenant_id](Db&, UnixMs) { audit(tenant_id, "AUTH_FAILED", {}, {}, std::nullopt); },
-      [](std::optional<Problem>) {}, {});
+  enqueue([this, tenant_id](Db&, UnixMs) { audit(tenant_id, "AUTH_FAILED", {}, {}, std::nullopt); },
+          [](std::optional<Problem>) {}, {});
 }
 
 bool SqliteStore::ready() {
@@ -1320,8 +1338,7 @@ bool SqliteStore::ready() {
         s->bind(1, std::to_string(now)).run();
         return 0;
       });
-    } catch (...) {
-    }
+    } catch (...) {}
     if (!m_healthy) return false;
   }
   try {
@@ -1423,8 +1440,12 @@ std::pair<std::string, std::string> SqliteStore::create_token(const std::string&
     std::string token = "mep_" + random_hex(32);
     Use s(db.prepare("INSERT INTO tokens(token_id, tenant_id, token_sha256, scopes, created_at) "
                      "VALUES (?1, ?2, ?3, ?4, ?5)"));
-    s->bind(1, uuid_v7().to_string()).bind(2, tenant_id).bind(3, sha256_hex(token))
-        .bind(4, scope == Scope::admin ? "lease admin" : "lease").bind(5, now).run();
+    s->bind(1, uuid_v7().to_string())
+        .bind(2, tenant_id)
+        .bind(3, sha256_hex(token))
+        .bind(4, scope == Scope::admin ? "lease admin" : "lease")
+        .bind(5, now)
+        .run();
     return std::make_pair(tenant_id, token);
   });
 }

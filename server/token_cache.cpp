@@ -13,8 +13,7 @@ TokenEpoch::TokenEpoch(const std::string& path) {
   if (fd < 0) return;
   struct stat st {};
   bool ok = ::fstat(fd, &st) == 0 && S_ISREG(st.st_mode) &&
-            (st.st_size >= static_cast<off_t>(sizeof(std::uint64_t)) ||
-             ::ftruncate(fd, sizeof(std::uint64_t)) == 0);
+            (st.st_size >= static_cast<off_t>(sizeof(std::uint64_t)) || ::ftruncate(fd, sizeof(std::uint64_t)) == 0);
   if (!ok) {
     ::close(fd);
     return;
@@ -46,7 +45,8 @@ bool TokenEpoch::bump() {
   auto v = read_word(m_fd);
   std::uint64_t next = v ? *v + 1
                          : static_cast<std::uint64_t>(std::chrono::duration_cast<std::chrono::nanoseconds>(
-                               std::chrono::system_clock::now().time_since_epoch()).count());
+                                                          std::chrono::system_clock::now().time_since_epoch())
+                                                          .count());
   bool ok = ::pwrite(m_fd, &next, sizeof next, 0) == static_cast<ssize_t>(sizeof next);
   ::flock(m_fd, LOCK_UN);
   return ok;

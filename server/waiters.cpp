@@ -31,9 +31,8 @@ std::optional<std::int64_t> parse_prefer_wait(std::string_view value) {
       std::string_view name = trim(pref.substr(0, eq));
       std::string_view v = trim(pref.substr(eq + 1));
       if (v.size() >= 2 && v.front() == '"' && v.back() == '"') v = v.substr(1, v.size() - 2);
-      bool is_wait = name.size() == 4 && std::equal(name.begin(), name.end(), "wait", [](char a, char b) {
-                       return (a | 0x20) == b;
-                     });
+      bool is_wait = name.size() == 4 &&
+                     std::equal(name.begin(), name.end(), "wait", [](char a, char b) { return (a | 0x20) == b; });
       if (is_wait && !v.empty() && v.size() <= 9 &&
           std::all_of(v.begin(), v.end(), [](char ch) { return ch >= '0' && ch <= '9'; })) {
         std::int64_t n = 0;
@@ -93,8 +92,8 @@ void WaitQueue::notify() {
 std::size_t WaitQueue::live_on(const std::string& key) const {
   auto it = m_queues.find(key);
   if (it == m_queues.end()) return 0;
-  return static_cast<std::size_t>(std::count_if(it->second.begin(), it->second.end(),
-                                                [](const EntryPtr& e) { return e->live(); }));
+  return static_cast<std::size_t>(
+      std::count_if(it->second.begin(), it->second.end(), [](const EntryPtr& e) { return e->live(); }));
 }
 
 bool WaitQueue::is_head(const Entry& e) const {
@@ -216,8 +215,7 @@ void WaitQueue::erase(const EntryPtr& e) {
     std::erase(it->second, e);
     if (it->second.empty()) m_queues.erase(it);
   }
-  if (auto it = m_by_idem.find({e->tenant, e->idem_key}); it != m_by_idem.end() && it->second == e)
-    m_by_idem.erase(it);
+  if (auto it = m_by_idem.find({e->tenant, e->idem_key}); it != m_by_idem.end() && it->second == e) m_by_idem.erase(it);
   if (auto it = m_per_tenant.find(e->tenant); it != m_per_tenant.end() && --it->second == 0) m_per_tenant.erase(it);
 }
 
@@ -375,7 +373,8 @@ void WaitQueue::run() {
         if (!(fds[i].revents & (POLLRDHUP | POLLHUP | POLLERR | POLLNVAL))) continue;
         auto& [e, idx] = owners[i - 1];
         if (e->done) continue;
-        auto it = std::find_if(e->clients.begin(), e->clients.end(), [&](const Client& c) { return c.fd == fds[i].fd; });
+        auto it =
+            std::find_if(e->clients.begin(), e->clients.end(), [&](const Client& c) { return c.fd == fds[i].fd; });
         if (it == e->clients.end()) continue;
         // Its answer goes nowhere, but it ends the request (the session's count, metrics).
         later.push_back(answer_later(std::move(it->answer), refusal_for(*e), "disconnected", 0, it->start));

@@ -44,7 +44,6 @@ CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
 // The bytes of a small object, in its row (NULL: in its version file).
 constexpr std::string_view k_inline_column = "ALTER TABLE marks ADD COLUMN data BLOB";
 
-
 Problem sqlite_problem(const sqlite::Error& e) {
   if ((e.code() & 0xff) == SQLITE_FULL) return Problem(Code::insufficient_storage, "the data plane's disk is full");
   Problem p(Code::unavailable, "the data plane's database is unavailable");
@@ -405,8 +404,10 @@ void ObjectStore::run_batch(std::vector<Job>& batch) {
   std::vector<fs::path> garbage; // replaced versions and refused uploads, removed at the end
   auto fail_all = [&](const Problem& p) {
     for (auto& job : batch) {
-      if (auto* c = std::get_if<CommitJob>(&job)) c->done(make_unexpected(p));
-      else std::get<AdvanceJob>(job).done(make_unexpected(p));
+      if (auto* c = std::get_if<CommitJob>(&job))
+        c->done(make_unexpected(p));
+      else
+        std::get<AdvanceJob>(job).done(make_unexpected(p));
     }
   };
   const bool new_names = std::any_of(batch.begin(), batch.end(), [](const Job& j) {
@@ -430,8 +431,8 @@ void ObjectStore::run_batch(std::vector<Job>& batch) {
           continue;
         }
         const auto& wanted = c->pre.if_match;
-        if (wanted && (!st.object || (!wanted->empty() && std::find(wanted->begin(), wanted->end(),
-                                                                    st.object->etag) == wanted->end()))) {
+        if (wanted && (!st.object || (!wanted->empty() &&
+                                      std::find(wanted->begin(), wanted->end(), st.object->etag) == wanted->end()))) {
           out.push_back({expected<ObjectInfo, Problem>(make_unexpected(
               Problem(Code::precondition_failed, st.object ? "If-Match: the current object is another version"
                                                            : "If-Match: there is no object yet")))});
@@ -446,10 +447,15 @@ void ObjectStore::run_batch(std::vector<Job>& batch) {
         Use s(m_db->prepare("INSERT INTO marks(memory_id, mark, token, etag, size, modified, data) "
                             "VALUES (?1, ?2, ?2, ?3, ?4, ?5, ?6) ON CONFLICT(memory_id) DO UPDATE SET mark = ?2, "
                             "token = ?2, etag = ?3, size = ?4, modified = ?5, data = ?6"));
-        s->bind(1, info.memory_id).bind(2, c->token).bind(3, info.etag)
-            .bind(4, static_cast<std::int64_t>(info.size)).bind(5, now);
-        if (c->upload->in_file()) s->bind_null(6);
-        else s->bind_blob(6, c->upload->m_inline.data(), c->upload->m_inline.size());
+        s->bind(1, info.memory_id)
+            .bind(2, c->token)
+            .bind(3, info.etag)
+            .bind(4, static_cast<std::int64_t>(info.size))
+            .bind(5, now);
+        if (c->upload->in_file())
+          s->bind_null(6);
+        else
+          s->bind_blob(6, c->upload->m_inline.data(), c->upload->m_inline.size());
         s->run();
         // The version replaced, if it had a file (one that had none leaves nothing behind).
         if (st.object) {
@@ -478,8 +484,7 @@ void ObjectStore::run_batch(std::vector<Job>& batch) {
     log::error("store transaction failed: {}", e.what());
     try {
       if (!::sqlite3_get_autocommit(m_db->handle())) m_db->exec("ROLLBACK");
-    } catch (...) {
-    }
+    } catch (...) {}
     m_healthy = false;
     return fail_all(sqlite_problem(e)); // the uploads' files go with their Upload
   }
@@ -539,8 +544,10 @@ expected<OpenObject, Problem> ObjectStore::open(const std::string& memory_id) {
   for (int attempt = 0; attempt < 8; ++attempt) {
     auto st = state(memory_id);
     if (!st) return make_unexpected(std::move(st.error()));
-    if (!st->object) return make_unexpected(Problem(Code::memory_not_found, "the store holds no object for this memory"));
-    if (auto data = inline_data(memory_id, st->object->etag)) return OpenObject{std::move(*st->object), -1, std::move(*data)};
+    if (!st->object)
+      return make_unexpected(Problem(Code::memory_not_found, "the store holds no object for this memory"));
+    if (auto data = inline_data(memory_id, st->object->etag))
+      return OpenObject{std::move(*st->object), -1, std::move(*data)};
     int fd = -1;
     for (const auto& path : {version_path(st->object->etag), legacy_version_path(memory_id, st->object->etag)}) {
       fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);

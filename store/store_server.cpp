@@ -182,8 +182,10 @@ public:
       res.version(version);
       res.keep_alive(keep && res.keep_alive());
       using Res = std::decay_t<decltype(res)>;
-      if constexpr (std::is_same_v<Res, http::FileResponse>) responder.send_file(std::move(res));
-      else responder.send(std::move(res));
+      if constexpr (std::is_same_v<Res, http::FileResponse>)
+        responder.send_file(std::move(res));
+      else
+        responder.send(std::move(res));
     };
     auto fail = [finish](Problem p) {
       if (p.code == Code::stale_fence) Metrics::global().inc("mep_fencing_rejections_total");
@@ -221,42 +223,50 @@ public:
     case Route::get_object: {
       auto id = Uuid::parse(params[0]);
       if (!id) return fail(Problem(Code::invalid_request, "the memory id in the path must be a UUID"));
-      return authorize_read(req, id->to_string(), [this, finish, fail, memory_id = id->to_string()]() mutable {
-        auto obj = m_store.open(memory_id);
-        if (!obj) return fail(std::move(obj.error()));
-        if (obj->inline_data) {
-          http::Response res{bhttp::status::ok, 11};
-          common_headers(res);
-          object_headers(res, obj->info);
-          res.set(bhttp::field::content_type, "application/octet-stream");
-          res.body() = std::move(*obj->inline_data);
-          res.prepare_payload();
-          return finish(std::move(res));
-        }
-        boost::beast::file f;
-        f.native_handle(obj->fd);
-        http::FileResponse res{bhttp::status::ok, 11};
-        boost::beast::error_code ec;
-        res.body().reset(std::move(f), ec);
-        if (ec) return fail(disk_problem(ec.value(), "read the object"));
-        common_headers(res);
-        object_headers(res, obj->info);
-        res.set(bhttp::field::content_type, "application/octet-stream");
-        res.prepare_payload();
-        finish(std::move(res));
-      }, fail);
+      return authorize_read(
+          req, id->to_string(),
+          [this, finish, fail, memory_id = id->to_string()]() mutable {
+            auto obj = m_store.open(memory_id);
+            if (!obj) return fail(std::move(obj.error()));
+            if (obj->inline_data) {
+              http::Response res{bhttp::status::ok, 11};
+              common_headers(res);
+              object_headers(res, obj->info);
+              res.set(bhttp::field::content_type, "application/octet-stream");
+              res.body() = std::move(*obj->inline_data);
+              res.prepare_payload();
+              return finish(std::move(res));
+            }
+            boost::beast::file f;
+            f.native_handle(obj->fd);
+            http::FileResponse res{bhttp::status::ok, 11};
+            boost::beast::error_code ec;
+            res.body().reset(std::move(f), ec);
+            if (ec) return fail(disk_problem(ec.value(), "read the object"));
+            common_headers(res);
+            object_headers(res, obj->info);
+            res.set(bhttp::field::content_type, "application/octet-stream");
+            res.prepare_payload();
+            finish(std::move(res));
+          },
+          fail);
     }
     case Route::get_fence: {
       auto id = Uuid::parse(params[0]);
       if (!id) return fail(Problem(Code::invalid_request, "the memory id in the path must be a UUID"));
-      return authorize_read(req, id->to_string(), [this, finish, fail, memory_id = id->to_string()]() mutable {
-        auto st = m_store.state(memory_id);
-        if (!st) return fail(std::move(st.error()));
-        boost::json::object o{{"memory_instance_id", memory_id}, {"fencing_token", st->mark}};
-        if (st->object) o["object"] = object_json(*st->object);
-        else o["object"] = nullptr;
-        finish(json_response(bhttp::status::ok, o));
-      }, fail);
+      return authorize_read(
+          req, id->to_string(),
+          [this, finish, fail, memory_id = id->to_string()]() mutable {
+            auto st = m_store.state(memory_id);
+            if (!st) return fail(std::move(st.error()));
+            boost::json::object o{{"memory_instance_id", memory_id}, {"fencing_token", st->mark}};
+            if (st->object)
+              o["object"] = object_json(*st->object);
+            else
+              o["object"] = nullptr;
+            finish(json_response(bhttp::status::ok, o));
+          },
+          fail);
     }
     case Route::advance:
       return advance(std::move(req), finish, fail);
@@ -337,7 +347,8 @@ private:
     auto run = [this, finish, fail, memory = *memory, token = *token] {
       m_store.advance(memory, token, [finish, fail, memory](expected<std::int64_t, Problem> mark) {
         if (!mark) return fail(std::move(mark.error()));
-        finish(json_response(bhttp::status::ok, boost::json::object{{"memory_instance_id", memory}, {"fencing_token", *mark}}));
+        finish(json_response(bhttp::status::ok,
+                             boost::json::object{{"memory_instance_id", memory}, {"fencing_token", *mark}}));
       });
     };
     if (m_cp.empty()) return run();
@@ -351,7 +362,8 @@ private:
   template <class Then, class Fail>
   void authorize_read(const http::Request& req, std::string memory_id, Then then, Fail fail) {
     if (m_cp.empty()) return then();
-    net::post(m_work, [this, bearer = bearer_of(req.base()).value_or(""), memory_id = std::move(memory_id), then, fail]() mutable {
+    net::post(m_work, [this, bearer = bearer_of(req.base()).value_or(""), memory_id = std::move(memory_id), then,
+                       fail]() mutable {
       http::ClientRequest r;
       r.url = m_cp + "/v1/memories/" + memory_id;
       r.headers = {{"Authorization", "Bearer " + bearer}};
@@ -455,8 +467,10 @@ int run_store(const StoreServerOptions& o) {
   // 1. Check the options together and report every problem at once.
   std::vector<std::string> errors;
   log::Level level;
-  if (!log::parse_level(o.log_level, level)) errors.push_back("--log-level must be debug, info, warn or error");
-  else log::set_level(level);
+  if (!log::parse_level(o.log_level, level))
+    errors.push_back("--log-level must be debug, info, warn or error");
+  else
+    log::set_level(level);
   auto endpoint = http::parse_listen(o.listen);
   if (!endpoint) errors.push_back("--listen must be HOST:PORT with an IP address (got \"" + o.listen + "\")");
   const bool tls = !o.tls_cert.empty() || !o.tls_key.empty();
@@ -467,7 +481,8 @@ int run_store(const StoreServerOptions& o) {
                      "if a TLS proxy sits in front");
   std::string cp;
   if (o.strict) {
-    if (o.control_plane.empty()) errors.push_back("--strict needs --control-plane URL");
+    if (o.control_plane.empty())
+      errors.push_back("--strict needs --control-plane URL");
     else {
       try {
         cp = http::checked_base_url(o.control_plane, "control-plane URL");
@@ -476,16 +491,19 @@ int run_store(const StoreServerOptions& o) {
       }
     }
     if (!o.token_file.empty())
-      errors.push_back("--strict and --token-file exclude each other: with --strict the control plane checks every token");
+      errors.push_back(
+          "--strict and --token-file exclude each other: with --strict the control plane checks every token");
   } else if (!o.control_plane.empty()) {
     errors.push_back("--control-plane is used with --strict only");
   }
   std::unordered_set<std::string> hashes;
   if (!o.strict) {
     if (o.token_file.empty())
-      errors.push_back("every request is authenticated: give --token-file FILE (SHA-256 of each accepted token, "
-                       "one per line: 'mep token new > T; mep token hash < T > FILE'), or --strict --control-plane URL");
-    else hashes = read_token_hashes(o.token_file, errors);
+      errors.push_back(
+          "every request is authenticated: give --token-file FILE (SHA-256 of each accepted token, "
+          "one per line: 'mep token new > T; mep token hash < T > FILE'), or --strict --control-plane URL");
+    else
+      hashes = read_token_hashes(o.token_file, errors);
   }
   if (o.max_object_size == 0) errors.push_back("--max-object-size must be at least 1 byte");
   if (!errors.empty()) {

@@ -74,7 +74,8 @@ size_t on_header(char* p, size_t size, size_t n, void* user) {
   for (auto& ch : name) ch = static_cast<char>(std::tolower(static_cast<unsigned char>(ch)));
   std::string_view value = line.substr(colon + 1);
   while (!value.empty() && (value.front() == ' ' || value.front() == '\t')) value.remove_prefix(1);
-  while (!value.empty() && (value.back() == '\r' || value.back() == '\n' || value.back() == ' ')) value.remove_suffix(1);
+  while (!value.empty() && (value.back() == '\r' || value.back() == '\n' || value.back() == ' '))
+    value.remove_suffix(1);
   x->res->headers.emplace_back(std::move(name), std::string(value));
   return size * n;
 }
@@ -191,8 +192,8 @@ ClientResponse Client::perform(const ClientRequest& req) {
   } else {
     res.status = 0;
     res.error = x.write_failed ? std::string("cannot write the downloaded bytes: ") + std::strerror(errno)
-                : x.cancelled     ? std::string("cancelled")
-                                  : curl_easy_strerror(rc);
+                : x.cancelled  ? std::string("cancelled")
+                               : curl_easy_strerror(rc);
   }
   curl_slist_free_all(headers);
   release(c);
@@ -207,8 +208,10 @@ std::string checked_base_url(std::string url, std::string_view what) {
   if (plain) {
     std::string rest = url.substr(7);
     std::string host = rest.substr(0, rest.find('/'));
-    if (!host.empty() && host.front() == '[') host = host.substr(0, host.find(']') + 1);
-    else host = host.substr(0, host.find(':'));
+    if (!host.empty() && host.front() == '[')
+      host = host.substr(0, host.find(']') + 1);
+    else
+      host = host.substr(0, host.find(':'));
     if (!loopback_host(host))
       throw std::runtime_error("plain http:// is allowed for a loopback " + std::string(what) + " only; use https://");
   }

@@ -367,7 +367,8 @@ private:
     if (m_sinked && m_sinked->get().body().problem) return refuse(std::move(*m_sinked->get().body().problem));
     if (ec == bhttp::error::body_limit) return refuse(too_large());
     if (ec == bhttp::error::header_limit)
-      return refuse(Problem(Code::payload_too_large, "the request headers exceed " + format_size(m_options.header_limit)));
+      return refuse(
+          Problem(Code::payload_too_large, "the request headers exceed " + format_size(m_options.header_limit)));
     if (ec.category() == beast::error_code(bhttp::error::bad_target).category())
       return refuse(Problem(Code::invalid_request, "malformed HTTP request: " + ec.message()));
     close_now(); // a transport error
@@ -377,8 +378,10 @@ private:
 
   void dispatch_request() {
     Request req;
-    if (m_sinked) req = Request(std::move(m_sinked->release().base()));
-    else req = m_string->release();
+    if (m_sinked)
+      req = Request(std::move(m_sinked->release().base()));
+    else
+      req = m_string->release();
     m_keep_alive = req.keep_alive();
     ++*m_in_flight;
     m_counted = true;
@@ -433,15 +436,19 @@ private:
   template <class Message, class Serializer>
   void write_some(std::shared_ptr<Message> msg, std::shared_ptr<Serializer> sr, After after) {
     lowest().expires_after(m_options.io_timeout); // an idle deadline: a large body moves on
-    bhttp::async_write_some(m_stream, *sr, [self = shared(), msg, sr, after](beast::error_code ec, std::size_t) mutable {
-      if (ec) return self->close_now();
-      if (!sr->is_done()) return self->write_some(std::move(msg), std::move(sr), after);
-      switch (after) {
-      case After::read: return self->do_read();
-      case After::close: return self->close_graceful();
-      case After::linger: return self->linger();
-      }
-    });
+    bhttp::async_write_some(m_stream, *sr,
+                            [self = shared(), msg, sr, after](beast::error_code ec, std::size_t) mutable {
+                              if (ec) return self->close_now();
+                              if (!sr->is_done()) return self->write_some(std::move(msg), std::move(sr), after);
+                              switch (after) {
+                              case After::read:
+                                return self->do_read();
+                              case After::close:
+                                return self->close_graceful();
+                              case After::linger:
+                                return self->linger();
+                              }
+                            });
   }
 
   // Answers with `p` without reading the request's body (maybe never sent, maybe on its

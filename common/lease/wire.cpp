@@ -167,9 +167,8 @@ json::object to_json(const LeasePage& p) {
 }
 
 json::object to_json(const LeaseRef& r, RefForm form) {
-  json::object o{{"canonical_name", r.canonical_name},
-                 {"memory_instance_id", r.memory_id},
-                 {"fencing_token", r.fencing_token}};
+  json::object o{
+      {"canonical_name", r.canonical_name}, {"memory_instance_id", r.memory_id}, {"fencing_token", r.fencing_token}};
   if (form != RefForm::batch_item || !r.owner_client_id.empty()) o["owner_client_id"] = r.owner_client_id;
   if (form != RefForm::release) o["ttl_seconds"] = r.ttl_s;
   return o;

@@ -48,9 +48,9 @@ struct NameError {
 
 /// A valid agent name.
 struct CanonicalName {
-  std::string display_name;   ///< NFC, outer whitespace trimmed
-  std::string canonical_name; ///< what users see and the API returns
-  std::string skeleton;       ///< UTS #39 skeleton; uniqueness among live leases is on it
+  std::string display_name;         ///< NFC, outer whitespace trimmed
+  std::string canonical_name;       ///< what users see and the API returns
+  std::string skeleton;             ///< UTS #39 skeleton; uniqueness among live leases is on it
   std::vector<std::string> scripts; ///< Unicode script names, e.g. {"Latin"}
 };
 
@@ -67,8 +67,7 @@ inline constexpr std::size_t k_max_name_code_points = 64;
 
 /// The whole agent-name pipeline of SPEC §5 on UTF-8 input. Thread-safe. When
 /// `explain` is given, each step's result is appended to it.
-expected<CanonicalName, NameError> canonicalize(std::string_view utf8,
-                                                std::vector<ExplainStep>* explain = nullptr);
+expected<CanonicalName, NameError> canonicalize(std::string_view utf8, std::vector<ExplainStep>* explain = nullptr);
 
 /// RFC 8265 UsernameCaseMapped alone (no trimming, space removal, policy or UTS #39):
 /// the enforced string in UTF-8.

@@ -30,8 +30,8 @@ public:
   static expected<Config, std::string> parse(std::string_view text, const std::string& label);
 
   /// The effective value of `key`.
-  Setting get(std::string_view key, const std::optional<std::string>& flag,
-              std::string_view flag_name, std::string_view fallback) const;
+  Setting get(std::string_view key, const std::optional<std::string>& flag, std::string_view flag_name,
+              std::string_view fallback) const;
 
   /// The file that was read (empty when none).
   const std::filesystem::path& file() const { return m_file; }

@@ -45,7 +45,8 @@ public:
                                                                  std::chrono::milliseconds timeout) = 0;
   virtual expected<void, Problem> release(const lease::LeaseRef& ref) = 0;
   /// POST /v1/memories/branch; the key makes a retry replay.
-  virtual expected<lease::Branched, Problem> branch(const lease::BranchRequest& req, const std::string& idempotency_key) = 0;
+  virtual expected<lease::Branched, Problem> branch(const lease::BranchRequest& req,
+                                                    const std::string& idempotency_key) = 0;
   virtual expected<lease::Memory, Problem> memory(const std::string& memory_id) = 0;
   virtual expected<lease::Lineage, Problem> lineage(const std::string& memory_id) = 0;
   virtual expected<lease::Verified, Problem> verify(const lease::VerifyRequest& req) = 0;

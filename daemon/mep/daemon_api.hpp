@@ -44,7 +44,7 @@ struct VerifiedLease {
 struct ObjectResult {
   std::string canonical_name; ///< sync only
   std::string memory_id;
-  std::string path;           ///< fetch only
+  std::string path; ///< fetch only
   std::int64_t fencing_token = 0;
   std::string etag;
   std::uint64_t size = 0;

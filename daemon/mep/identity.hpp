@@ -49,8 +49,8 @@ class StateDb;
 /// A file's memory id, and what the caller still has to do about it.
 struct Resolved {
   std::string memory_id;
-  bool fresh = false;      ///< minted now: register it with the control plane, then bind()
-  bool unregistered = false; ///< a known id this daemon never registered (a copy from another host)
+  bool fresh = false;                ///< minted now: register it with the control plane, then bind()
+  bool unregistered = false;         ///< a known id this daemon never registered (a copy from another host)
   std::optional<std::string> sha256; ///< computed while resolving
 };
 

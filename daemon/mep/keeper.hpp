@@ -35,7 +35,7 @@ struct AttachRequest {
   std::filesystem::path path;
   std::int64_t ttl_s = lease::k_default_ttl_s;
   bool bind_pid = true;
-  pid_t pid = 0; ///< the peer's pid (SO_PEERCRED)
+  pid_t pid = 0;                      ///< the peer's pid (SO_PEERCRED)
   uid_t uid = static_cast<uid_t>(-1); ///< the peer's uid and gid: the lease's local owner
   gid_t gid = static_cast<gid_t>(-1);
   /// How long to wait for a held name or memory (0: fail fast with 423). Waits longer than

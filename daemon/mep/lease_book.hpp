@@ -42,7 +42,7 @@ struct Held {
   gid_t gid = static_cast<gid_t>(-1);
   LeaseState state = LeaseState::held;
   std::string lost_reason;
-  bool fenced = true;  ///< the data plane's mark was advanced to this token (or there is none)
+  bool fenced = true; ///< the data plane's mark was advanced to this token (or there is none)
   SteadyTime local_deadline{};
   SteadyTime next_renew{};
   int failures = 0;

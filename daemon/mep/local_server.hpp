@@ -21,8 +21,8 @@ public:
   /// the socket systemd handed over (`inherited_fd` ≥ 0). In system mode (`mepd --system`)
   /// the directory is 0750 and the socket 0660, both of the group `mep`, whose members are
   /// served besides root and the daemon's own user. Throws std::runtime_error.
-  LocalServer(boost::asio::io_context& ioc, Keeper& keeper, const std::filesystem::path& socket_path,
-              int inherited_fd, bool system = false);
+  LocalServer(boost::asio::io_context& ioc, Keeper& keeper, const std::filesystem::path& socket_path, int inherited_fd,
+              bool system = false);
   ~LocalServer();
   void start();
   /// Stops accepting connections.

@@ -42,7 +42,7 @@ struct Intent {
   std::string key;
   lease::ClaimRequest request;
   std::string path;
-  pid_t bind_pid = 0; ///< -1: the caller was told it failed; any lease won is released
+  pid_t bind_pid = 0;                 ///< -1: the caller was told it failed; any lease won is released
   uid_t uid = static_cast<uid_t>(-1); ///< the local user that asked; -1: unknown
   gid_t gid = static_cast<gid_t>(-1);
 };

@@ -36,7 +36,7 @@ private:
   static std::string key(std::string_view name, std::string_view labels);
 
   mutable std::mutex m_mutex;
-  std::map<std::string, double, std::less<>> m_values;       // "name{labels}" -> value
+  std::map<std::string, double, std::less<>> m_values;        // "name{labels}" -> value
   std::map<std::string, Histogram, std::less<>> m_histograms; // "name|labels" -> data
 };
 

@@ -47,7 +47,8 @@ public:
   std::int64_t sweep() override;
   std::int64_t transaction_retries() override { return m_retries.load(); }
   bool migration_in_progress() override { return m_migration_in_progress.load(); }
-  void identity_map(const Ctx&, std::optional<std::string> cursor, std::size_t limit, Then<lease::IdentityMapPage>) override;
+  void identity_map(const Ctx&, std::optional<std::string> cursor, std::size_t limit,
+                    Then<lease::IdentityMapPage>) override;
   std::pair<std::string, std::string> create_token(const std::string& tenant_name, Scope) override;
   std::vector<TokenInfo> list_tokens(const std::optional<std::string>& tenant_name) override;
   bool revoke_token(const std::string& token_id) override;

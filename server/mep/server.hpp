@@ -13,8 +13,8 @@ inline constexpr double k_default_rate_limit = 1000;
 inline constexpr int k_default_writer_nice = -10;
 
 struct ServerOptions {
-  std::string db_url;                       ///< empty: default_db_url()
-  std::string listen = k_default_listen;    ///< HOST:PORT; port 0 picks a free port
+  std::string db_url;                    ///< empty: default_db_url()
+  std::string listen = k_default_listen; ///< HOST:PORT; port 0 picks a free port
   std::string tls_cert;
   std::string tls_key;
   bool insecure_plaintext = false;          ///< allow plain HTTP beyond loopback

@@ -40,9 +40,7 @@ public:
   Stmt& bind(int i, int v) { return bind(i, static_cast<std::int64_t>(v)); }
   Stmt& bind_blob(int i, const void* p, std::size_t n);
   Stmt& bind_null(int i);
-  Stmt& bind(int i, const std::optional<std::string>& v) {
-    return v ? bind(i, std::string_view(*v)) : bind_null(i);
-  }
+  Stmt& bind(int i, const std::optional<std::string>& v) { return v ? bind(i, std::string_view(*v)) : bind_null(i); }
   Stmt& bind(int i, const std::optional<std::int64_t>& v) { return v ? bind(i, *v) : bind_null(i); }
 
   /// Steps once: true when a row is available, false when done. Throws Error.
@@ -108,7 +106,8 @@ private:
 
 /// Runs `fn` between `begin` (BEGIN, BEGIN IMMEDIATE) and COMMIT; on an exception rolls back
 /// (best effort) and rethrows.
-template <class F> void in_transaction(Db& db, std::string_view begin, F&& fn) {
+template <class F>
+void in_transaction(Db& db, std::string_view begin, F&& fn) {
   db.exec(begin);
   try {
     fn();
@@ -116,8 +115,7 @@ template <class F> void in_transaction(Db& db, std::string_view begin, F&& fn) {
   } catch (...) {
     try {
       db.exec("ROLLBACK");
-    } catch (...) {
-    }
+    } catch (...) {}
     throw;
   }
 }

@@ -123,15 +123,15 @@ private:
   template <class T>
   Outcome<T> run_idempotent(sqlite::Db& db, UnixMs now, const Ctx& ctx, const Idempotency& idem,
                             const std::function<expected<T, Problem>()>& op, bool record_refusal = true);
-  expected<LeaseRow, Problem> classify(sqlite::Db& db, UnixMs now, const Ctx& ctx,
-                                       const std::string& memory_id, std::int64_t token, Code not_found);
+  expected<LeaseRow, Problem> classify(sqlite::Db& db, UnixMs now, const Ctx& ctx, const std::string& memory_id,
+                                       std::int64_t token, Code not_found);
   expected<lease::Grant, Problem> op_claim(sqlite::Db& db, UnixMs now, const Ctx& ctx, const Claim& req);
   expected<lease::Renewed, Problem> op_renew(sqlite::Db& db, UnixMs now, const Ctx& ctx, const LeaseRef& ref);
 
   // Audit rows are collected while a job runs and written after its savepoint is
   // resolved, so rejected requests (stale fences, name conflicts) are audited too.
-  void audit(const std::string& tenant_id, std::string_view type, std::string_view name,
-             std::string_view memory_id, std::optional<std::int64_t> token);
+  void audit(const std::string& tenant_id, std::string_view type, std::string_view name, std::string_view memory_id,
+             std::optional<std::int64_t> token);
   /// Sets m_clock from the saved checkpoint (see the lease clock's notes in sqlite_store.cpp).
   void anchor_clock();
   void save_clock_checkpoint(sqlite::Db& db, UnixMs now);
@@ -140,12 +140,12 @@ private:
   const HmacSha256& audit_mac(sqlite::Db& db, const std::string& tenant_id);
 
   std::string m_path;
-  LeaseClock m_clock; // decides expiry (see anchor_clock); set before the writer starts
-  int m_serving_lock = -1; // flock held while this process serves the database
-  std::unique_ptr<sqlite::Db> m_db; // the writer's connection; writer thread only after start
-  std::vector<PendingAudit> m_pending_audit;   // writer thread only
-  bool m_careful = false;                      // writer thread only: run_jobs' mode
-  std::map<std::string, HmacSha256> m_audit_macs;  // writer thread only
+  LeaseClock m_clock;                             // decides expiry (see anchor_clock); set before the writer starts
+  int m_serving_lock = -1;                        // flock held while this process serves the database
+  std::unique_ptr<sqlite::Db> m_db;               // the writer's connection; writer thread only after start
+  std::vector<PendingAudit> m_pending_audit;      // writer thread only
+  bool m_careful = false;                         // writer thread only: run_jobs' mode
+  std::map<std::string, HmacSha256> m_audit_macs; // writer thread only
 
   std::mutex m_mutex;
   std::condition_variable m_cv;

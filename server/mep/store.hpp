@@ -187,8 +187,7 @@ public:
   virtual std::vector<TokenInfo> list_tokens(const std::optional<std::string>& tenant_name) = 0;
   /// Revokes by token id; false when there is no such token.
   virtual bool revoke_token(const std::string& token_id) = 0;
-  virtual std::vector<AuditRow> list_audit(const std::optional<std::string>& tenant_name,
-                                           std::size_t limit) = 0;
+  virtual std::vector<AuditRow> list_audit(const std::optional<std::string>& tenant_name, std::size_t limit) = 0;
 };
 
 /// Transaction isolation on PostgreSQL (SQLite transactions are always serializable).

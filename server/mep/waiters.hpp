@@ -60,15 +60,16 @@ public:
   /// Answers one waiting request; `outcome` labels the wait metric (granted, refused,
   /// timeout, disconnected, shutdown), `ahead` is the live waiters ahead of it, and
   /// `decided` is when the attempt that decided began (a grant is no earlier), or now.
-  using Answer = std::function<void(ClaimOutcome, std::string_view outcome, std::size_t ahead, Clock::time_point decided)>;
+  using Answer =
+      std::function<void(ClaimOutcome, std::string_view outcome, std::size_t ahead, Clock::time_point decided)>;
 
   struct Waiter {
     std::string tenant;
-    std::vector<std::string> keys;  ///< the resources the claim needs
-    std::string idem_key;           ///< with the tenant, the waiter's identity
+    std::vector<std::string> keys; ///< the resources the claim needs
+    std::string idem_key;          ///< with the tenant, the waiter's identity
     std::string fingerprint;
     Clock::time_point deadline;
-    int fd = -1;                    ///< the client's socket to watch; -1: none (in-process)
+    int fd = -1; ///< the client's socket to watch; -1: none (in-process)
     Attempt attempt;
     Answer answer;
   };
@@ -117,8 +118,8 @@ private:
     std::optional<ClaimOutcome> last_refusal;
     Clock::time_point retry_at = Clock::time_point::max(); ///< when the holder's lease ends
     Clock::time_point abandoned_until{};                   ///< no clients: kept until then
-    bool wake = false;       ///< try it when it is the head
-    bool attempting = false; ///< an attempt is running
+    bool wake = false;                                     ///< try it when it is the head
+    bool attempting = false;                               ///< an attempt is running
     Clock::time_point attempt_started{};
     bool done = false;
     bool live() const { return !done && !clients.empty(); }
@@ -140,7 +141,7 @@ private:
   void update_gauge();
 
   mutable std::mutex m_mutex;
-  std::map<std::uint64_t, EntryPtr> m_entries;                       // by arrival
+  std::map<std::uint64_t, EntryPtr> m_entries;                        // by arrival
   std::map<std::string, std::vector<EntryPtr>, std::less<>> m_queues; // key -> arrival order
   std::map<std::pair<std::string, std::string>, EntryPtr> m_by_idem;  // (tenant, key)
   std::map<std::string, std::size_t, std::less<>> m_per_tenant;       // live entries

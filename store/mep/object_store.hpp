@@ -196,8 +196,8 @@ private:
 
   std::mutex m_mutex; // the queues and m_stop
   std::condition_variable m_cv;
-  std::deque<Job> m_queue;               // durable uploads and advances, for the writer
-  std::deque<CommitJob> m_sync_queue;    // uploads whose file is not fsynced yet
+  std::deque<Job> m_queue;                     // durable uploads and advances, for the writer
+  std::deque<CommitJob> m_sync_queue;          // uploads whose file is not fsynced yet
   std::deque<std::filesystem::path> m_garbage; // files no row names any more
   std::deque<std::string> m_pool;              // etags of empty files whose names are durable
   bool m_pool_wanted = false;                  // a syncer should refill the pool

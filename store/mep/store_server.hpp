@@ -17,7 +17,7 @@ struct StoreServerOptions {
   std::uint64_t max_object_size = k_default_max_object_size;
   std::string tls_cert;
   std::string tls_key;
-  bool insecure_plaintext = false;       ///< plain HTTP beyond loopback (behind a TLS proxy)
+  bool insecure_plaintext = false; ///< plain HTTP beyond loopback (behind a TLS proxy)
   std::string log_level = "info";
   int threads = 2;
 };

@@ -29,9 +29,7 @@
 namespace conformance {
 namespace {
 
-bool is_hex(char c) {
-  return (c >= '0' && c <= '9') || (c >= 'a' && c <= 'f') || (c >= 'A' && c <= 'F');
-}
+bool is_hex(char c) { return (c >= '0' && c <= '9') || (c >= 'a' && c <= 'f') || (c >= 'A' && c <= 'F'); }
 
 unsigned hex4(std::string_view s) {
   return static_cast<unsigned>(std::stoul(std::string(s.substr(0, 4)), nullptr, 16));
@@ -41,8 +39,7 @@ bool valid_codepoint_label(std::string_view s) {
   // U+XXXX or U+XXXX..U+YYYY
   auto one = [](std::string_view t) {
     if (t.size() < 6 || t.size() > 8 || t.substr(0, 2) != "U+") return false;
-    return std::all_of(t.begin() + 2, t.end(),
-                       [](char c) { return is_hex(c) && !(c >= 'a' && c <= 'f'); });
+    return std::all_of(t.begin() + 2, t.end(), [](char c) { return is_hex(c) && !(c >= 'a' && c <= 'f'); });
   };
   auto dots = s.find("..");
   if (dots == std::string_view::npos) return one(s);
@@ -54,14 +51,11 @@ bool valid_codepoint_label(std::string_view s) {
 char32_t parse_hex(std::string_view s) {
   std::size_t used = 0;
   unsigned long v = std::stoul(std::string(s), &used, 16);
-  if (used != s.size() || v > 0x10FFFF)
-    throw std::runtime_error("bad code point \"" + std::string(s) + "\"");
+  if (used != s.size() || v > 0x10FFFF) throw std::runtime_error("bad code point \"" + std::string(s) + "\"");
   return static_cast<char32_t>(v);
 }
 
-std::filesystem::path data_dir() {
-  return std::filesystem::path(MEP_CONFORMANCE_DIR) / "precis";
-}
+std::filesystem::path data_dir() { return std::filesystem::path(MEP_CONFORMANCE_DIR) / "precis"; }
 
 std::string read_file(const std::filesystem::path& p) {
   std::ifstream in(p, std::ios::binary);
@@ -160,8 +154,7 @@ std::string show(const std::optional<std::string>& v) {
 std::string show(bool b) { return b ? "true" : "false"; }
 
 bool CodePointRanges::contains(char32_t cp) const {
-  return std::any_of(m_ranges.begin(), m_ranges.end(),
-                     [cp](const auto& r) { return cp >= r.first && cp <= r.second; });
+  return std::any_of(m_ranges.begin(), m_ranges.end(), [cp](const auto& r) { return cp >= r.first && cp <= r.second; });
 }
 
 std::optional<char32_t> CodePointRanges::first_in(std::string_view utf8) const {
@@ -174,8 +167,7 @@ std::optional<char32_t> CodePointRanges::first_in(std::string_view utf8) const {
 
 std::size_t CodePointRanges::size() const {
   std::size_t n = 0;
-  for (const auto& r : m_ranges)
-    n += r.second - r.first + 1;
+  for (const auto& r : m_ranges) n += r.second - r.first + 1;
   return n;
 }
 
@@ -265,10 +257,8 @@ Exclusions::Exclusions(const std::filesystem::path& p) {
       if (std::find(known.begin(), known.end(), e.file) == known.end())
         throw std::runtime_error("unknown data file \"" + e.file + "\"");
       if (!valid_codepoint_label(e.codepoint))
-        throw std::runtime_error("codepoint must be U+XXXX or U+XXXX..U+YYYY: \"" + e.codepoint +
-                                 "\"");
-      if (e.reason.size() < 20)
-        throw std::runtime_error("reason must say which Unicode-version difference causes it");
+        throw std::runtime_error("codepoint must be U+XXXX or U+XXXX..U+YYYY: \"" + e.codepoint + "\"");
+      if (e.reason.size() < 20) throw std::runtime_error("reason must say which Unicode-version difference causes it");
       if (e.record.empty() || e.field.empty()) throw std::runtime_error("empty record or field");
       m_entries.push_back(std::move(e));
     } catch (const std::exception& ex) {
@@ -279,8 +269,7 @@ Exclusions::Exclusions(const std::filesystem::path& p) {
 
 bool Exclusions::excludes(std::string_view file, const Mismatch& m) {
   for (auto& e : m_entries) {
-    if (e.file == file && e.record == m.record && e.field == m.field && e.expected == m.expected &&
-        e.got == m.got) {
+    if (e.file == file && e.record == m.record && e.field == m.field && e.expected == m.expected && e.got == m.got) {
       ++e.matched;
       return true;
     }
@@ -296,8 +285,8 @@ std::vector<const Exclusions::Entry*> Exclusions::unused(std::string_view file) 
 }
 
 std::size_t Exclusions::count(std::string_view file) const {
-  return static_cast<std::size_t>(std::count_if(m_entries.begin(), m_entries.end(),
-                                                [&](const Entry& e) { return e.file == file; }));
+  return static_cast<std::size_t>(
+      std::count_if(m_entries.begin(), m_entries.end(), [&](const Entry& e) { return e.file == file; }));
 }
 
 Exclusions& exclusions() {
@@ -333,16 +322,13 @@ std::size_t FileReport::finish() {
                        "nothing; remove it from exclusions.json\n",
                        e->file, e->record, e->codepoint, e->field, e->expected, e->got);
   std::size_t skipped = 0;
-  for (const auto& [why, n] : m_skipped)
-    skipped += n;
+  for (const auto& [why, n] : m_skipped) skipped += n;
   out << fmt::format("{}: checked {}, skipped {}, excluded {} (exclusion entries {}), "
                      "mismatches {}, stale exclusions {}\n",
-                     m_file, m_checked, skipped, m_excluded, exclusions().count(m_file),
-                     m_mismatches.size(), stale.size());
-  for (const auto& [why, n] : m_skipped)
-    out << fmt::format("  skipped {}: {}\n", n, why);
-  for (const auto& [what, n] : m_notes)
-    out << fmt::format("  note {}: {}\n", n, what);
+                     m_file, m_checked, skipped, m_excluded, exclusions().count(m_file), m_mismatches.size(),
+                     stale.size());
+  for (const auto& [why, n] : m_skipped) out << fmt::format("  skipped {}: {}\n", n, why);
+  for (const auto& [what, n] : m_notes) out << fmt::format("  note {}: {}\n", n, what);
   out.flush();
   return m_mismatches.size() + stale.size();
 }

@@ -68,8 +68,7 @@ Outcome run_username_case_mapped(const std::string& in, std::string& agreement) 
   if (r) {
     o = accepted(*r);
   } else {
-    o.error = r.error().precis_error.empty() ? std::string(mep::to_string(r.error().reason))
-                                             : r.error().precis_error;
+    o.error = r.error().precis_error.empty() ? std::string(mep::to_string(r.error().reason)) : r.error().precis_error;
     o.codepoint = r.error().codepoint;
     o.context_rule = r.error().reason == mep::NameReason::context_rule;
   }
@@ -80,12 +79,11 @@ Outcome run_username_case_mapped(const std::string& in, std::string& agreement) 
   }
   auto p = precis::enforce_username_case_mapped(*u);
   Outcome q = p ? accepted(conformance::encode(*p)) : rejected(p.error());
-  if (q.accepted != o.accepted || q.output != o.output || q.error != o.error ||
-      q.codepoint != o.codepoint || q.context_rule != o.context_rule)
-    agreement = fmt::format(
-        "mep::username_case_mapped gives {} {}, precis::enforce_username_case_mapped {} {}",
-        show(o.output_or_null()), show(o.error_or_null()), show(q.output_or_null()),
-        show(q.error_or_null()));
+  if (q.accepted != o.accepted || q.output != o.output || q.error != o.error || q.codepoint != o.codepoint ||
+      q.context_rule != o.context_rule)
+    agreement = fmt::format("mep::username_case_mapped gives {} {}, precis::enforce_username_case_mapped {} {}",
+                            show(o.output_or_null()), show(o.error_or_null()), show(q.output_or_null()),
+                            show(q.error_or_null()));
   return o;
 }
 
@@ -118,8 +116,7 @@ std::string strip_disallowed(const std::string& e) {
 std::string cp_label(std::optional<char32_t> c) { return c ? mep::format_codepoint(*c) : ""; }
 
 bool is_ascii(std::string_view s) {
-  return std::all_of(s.begin(), s.end(),
-                     [](char c) { return static_cast<unsigned char>(c) < 0x80; });
+  return std::all_of(s.begin(), s.end(), [](char c) { return static_cast<unsigned char>(c) < 0x80; });
 }
 
 // ---- one PRECIS record --------------------------------------------------------------------
@@ -132,10 +129,9 @@ struct Record {
   FileReport& report;
   std::string context; ///< printed with each mismatch: the input's code points
 
-  void mismatch(std::string field, std::string expected, std::string got,
-                std::string codepoint = {}) {
-    report.mismatch(Mismatch{key, line, std::move(codepoint), std::move(field), std::move(expected),
-                             std::move(got), context});
+  void mismatch(std::string field, std::string expected, std::string got, std::string codepoint = {}) {
+    report.mismatch(
+        Mismatch{key, line, std::move(codepoint), std::move(field), std::move(expected), std::move(got), context});
   }
   // Compares two shown values.
   void compare(const std::string& field, const std::string& expected, const std::string& got,
@@ -145,13 +141,10 @@ struct Record {
 };
 
 // A verdict for mismatch lines: `true: <output>` or `false: <error>`.
-std::string show_verdict(const std::optional<std::string>& out,
-                         const std::optional<std::string>& err) {
+std::string show_verdict(const std::optional<std::string>& out, const std::optional<std::string>& err) {
   return err ? "false: " + show(strip_disallowed(*err)) : "true: " + show(out);
 }
-std::string show_verdict(const Outcome& o) {
-  return show_verdict(o.output_or_null(), o.error_or_null());
-}
+std::string show_verdict(const Outcome& o) { return show_verdict(o.output_or_null(), o.error_or_null()); }
 
 // Compares the verdicts (accepted or not); on a difference both results are shown.
 void compare_verdict(Record& r, const std::string& field, const std::optional<std::string>& out,
@@ -168,13 +161,11 @@ void compare_exact(Record& r, const std::string& prefix, const std::optional<std
   if (ours.accepted)
     r.compare(prefix + "output", show(out), show(ours.output));
   else
-    r.compare(prefix + "error", show(strip_disallowed(*err)), show(ours.error),
-              cp_label(ours.codepoint));
+    r.compare(prefix + "error", show(strip_disallowed(*err)), show(ours.error), cp_label(ours.codepoint));
 }
 
 // x/text's error kinds (Go error variables) against ours.
-void compare_xtext_kind(Record& r, const std::string& kind, const Outcome& ours,
-                        const std::string& profile) {
+void compare_xtext_kind(Record& r, const std::string& kind, const Outcome& ours, const std::string& profile) {
   bool ok = false;
   if (kind == "errContext") {
     ok = ours.context_rule;
@@ -209,15 +200,12 @@ void compare_xtext_kind(Record& r, const std::string& kind, const Outcome& ours,
 
 std::string level_name(mep::RestrictionLevel l) { return std::string(mep::to_string(l)); }
 
-bool at_most_highly(mep::RestrictionLevel l) {
-  return l <= mep::RestrictionLevel::highly_restrictive;
-}
+bool at_most_highly(mep::RestrictionLevel l) { return l <= mep::RestrictionLevel::highly_restrictive; }
 
 // UTS #39 fields, computed on the expected output.
 void compare_uts39(Record& r, const std::string& output) {
   if (!r.o.contains("skeleton") || r.o.at("skeleton").is_null()) return;
-  r.compare("skeleton", show(conformance::string_or_null(r.o, "skeleton")),
-            show(mep::confusable_skeleton(output)));
+  r.compare("skeleton", show(conformance::string_or_null(r.o, "skeleton")), show(mep::confusable_skeleton(output)));
   auto c = mep::uts39_checks(output);
   if (!c) {
     r.mismatch("uts39", "checks run", "ICU rejected the text");
@@ -232,16 +220,13 @@ void compare_uts39(Record& r, const std::string& output) {
   if (r.o.contains("restriction_level_idset") || r.o.contains("highly_restrictive_idset")) {
     auto l = mep::restriction_level(output, mep::AllowedSet::identifier);
     if (r.o.contains("restriction_level_idset"))
-      r.compare("restriction_level_idset", opt_string("restriction_level_idset"),
-                show(level_name(l)));
+      r.compare("restriction_level_idset", opt_string("restriction_level_idset"), show(level_name(l)));
     if (r.o.contains("highly_restrictive_idset"))
-      r.compare("highly_restrictive_idset",
-                show(conformance::bool_field(r.o, "highly_restrictive_idset")),
+      r.compare("highly_restrictive_idset", show(conformance::bool_field(r.o, "highly_restrictive_idset")),
                 show(at_most_highly(l)));
   }
   if (r.o.contains("mixed_numbers"))
-    r.compare("mixed_numbers", show(conformance::bool_field(r.o, "mixed_numbers")),
-              show(c->mixed_numbers));
+    r.compare("mixed_numbers", show(conformance::bool_field(r.o, "mixed_numbers")), show(c->mixed_numbers));
   if (r.o.contains("invisible"))
     r.compare("invisible", show(conformance::bool_field(r.o, "invisible")), show(c->invisible));
 }
@@ -253,14 +238,12 @@ void compare_uts39(Record& r, const std::string& output) {
 // rejects, must produce the profile's output and the record's skeleton when it accepts,
 // and must name the record's error or failing UTS #39 check when it rejects for PRECIS or
 // UTS #39 reasons.
-void check_agent_pipeline(Record& r, const std::string& assertion,
-                          const std::optional<std::string>& out,
+void check_agent_pipeline(Record& r, const std::string& assertion, const std::optional<std::string>& out,
                           const std::optional<std::string>& err) {
   auto u = conformance::decode(r.input);
   if (!u || r.input.empty()) return;
   for (char32_t c : *u)
-    if (u_isUWhiteSpace(static_cast<UChar32>(c)) ||
-        u_charType(static_cast<UChar32>(c)) == U_SPACE_SEPARATOR) {
+    if (u_isUWhiteSpace(static_cast<UChar32>(c)) || u_charType(static_cast<UChar32>(c)) == U_SPACE_SEPARATOR) {
       r.report.note("agent pipeline not compared: input holds White_Space or Zs");
       return;
     }
@@ -269,18 +252,14 @@ void check_agent_pipeline(Record& r, const std::string& assertion,
   r.report.note(c ? "agent pipeline compared: accepted" : "agent pipeline compared: rejected");
   if (c) {
     if (err) {
-      r.mismatch("canonicalize.accepted", show_verdict(out, err),
-                 "true: " + show(c->canonical_name));
+      r.mismatch("canonicalize.accepted", show_verdict(out, err), "true: " + show(c->canonical_name));
       return;
     }
     if (exact) r.compare("canonicalize.canonical_name", show(out), show(c->canonical_name));
     if (r.o.contains("skeleton") && !r.o.at("skeleton").is_null()) {
-      r.compare("canonicalize.skeleton", show(conformance::string_or_null(r.o, "skeleton")),
-                show(c->skeleton));
-      r.compare("canonicalize.highly_restrictive",
-                show(conformance::bool_field(r.o, "highly_restrictive")), "true");
-      r.compare("canonicalize.mixed_numbers", show(conformance::bool_field(r.o, "mixed_numbers")),
-                "false");
+      r.compare("canonicalize.skeleton", show(conformance::string_or_null(r.o, "skeleton")), show(c->skeleton));
+      r.compare("canonicalize.highly_restrictive", show(conformance::bool_field(r.o, "highly_restrictive")), "true");
+      r.compare("canonicalize.mixed_numbers", show(conformance::bool_field(r.o, "mixed_numbers")), "false");
       r.compare("canonicalize.invisible", show(conformance::bool_field(r.o, "invisible")), "false");
     }
     return;
@@ -288,17 +267,13 @@ void check_agent_pipeline(Record& r, const std::string& assertion,
   const mep::NameError& e = c.error();
   const bool has_uts39 = !err && r.o.contains("skeleton") && !r.o.at("skeleton").is_null();
   if (e.reason == mep::NameReason::mixed_script && has_uts39)
-    r.compare("canonicalize.mixed-script", show(conformance::bool_field(r.o, "highly_restrictive")),
-              "false");
+    r.compare("canonicalize.mixed-script", show(conformance::bool_field(r.o, "highly_restrictive")), "false");
   if (e.reason == mep::NameReason::mixed_numbers && has_uts39)
-    r.compare("canonicalize.mixed-numbers", show(conformance::bool_field(r.o, "mixed_numbers")),
-              "true");
+    r.compare("canonicalize.mixed-numbers", show(conformance::bool_field(r.o, "mixed_numbers")), "true");
   if (e.reason == mep::NameReason::invisible_character && has_uts39)
-    r.compare("canonicalize.invisible-character", show(conformance::bool_field(r.o, "invisible")),
-              "true");
+    r.compare("canonicalize.invisible-character", show(conformance::bool_field(r.o, "invisible")), "true");
   if (!e.precis_error.empty() && assertion == "exact")
-    r.compare("canonicalize.precis_error",
-              show(err ? std::optional(strip_disallowed(*err)) : std::nullopt),
+    r.compare("canonicalize.precis_error", show(err ? std::optional(strip_disallowed(*err)) : std::nullopt),
               show(e.precis_error), cp_label(e.codepoint));
 }
 
@@ -316,8 +291,7 @@ Outcome run_profile(Record& r, const std::string& profile) {
 
 void check_precis_record(Record& r) {
   const std::string profile = conformance::string_field(r.o, "profile");
-  const std::string assertion =
-      r.o.contains("assertion") ? conformance::string_field(r.o, "assertion") : "exact";
+  const std::string assertion = r.o.contains("assertion") ? conformance::string_field(r.o, "assertion") : "exact";
 
   // Expectation, with the Unicode 15.0 values where the oracle's 14.0 data differ.
   std::optional<std::string> out = conformance::string_or_null(r.o, "output");
@@ -353,17 +327,14 @@ void check_precis_record(Record& r) {
         r.compare("output", show(out), show(ours.output));
       else
         compare_xtext_kind(r, *err, ours, profile);
-    } else if (assertion == "error_only" || assertion == "accept_only" ||
-               assertion == "class_membership") {
+    } else if (assertion == "error_only" || assertion == "accept_only" || assertion == "class_membership") {
       // Only the verdict is asserted; the other value is precis_i18n's (for
       // class_membership precis_i18n's result is compared below). Tally differences.
       if (assertion != "class_membership" &&
-          (ours.accepted ? (out && *out != ours.output)
-                         : (err && strip_disallowed(*err) != ours.error)))
-        r.report.note(fmt::format("{}: verdict agrees, precis_i18n's unasserted {} differs",
-                                  assertion, ours.accepted ? "output" : "error name"));
-      if (assertion == "class_membership" && !ours.accepted)
-        compare_xtext_kind(r, *err, ours, profile);
+          (ours.accepted ? (out && *out != ours.output) : (err && strip_disallowed(*err) != ours.error)))
+        r.report.note(fmt::format("{}: verdict agrees, precis_i18n's unasserted {} differs", assertion,
+                                  ours.accepted ? "output" : "error name"));
+      if (assertion == "class_membership" && !ours.accepted) compare_xtext_kind(r, *err, ours, profile);
     } else {
       r.mismatch("assertion", "a known assertion", show(assertion));
     }
@@ -379,8 +350,7 @@ void check_precis_record(Record& r) {
     const auto* v = r.o.if_contains(field);
     if (!v || !v->is_object()) continue;
     Outcome o = p == profile ? ours : run_profile(r, std::string(p));
-    compare_exact(r, std::string(field) + ".",
-                  conformance::string_or_null(v->as_object(), "output"),
+    compare_exact(r, std::string(field) + ".", conformance::string_or_null(v->as_object(), "output"),
                   conformance::string_or_null(v->as_object(), "error"), o);
   }
 
@@ -389,8 +359,7 @@ void check_precis_record(Record& r) {
   if (ours.accepted && r.o.contains("strict_bidi_would_reject")) {
     auto u = conformance::decode(ours.output);
     bool strict = u && !is_ascii(ours.output) && !precis::has_rtl(*u) && !precis::bidi_rule(*u);
-    r.compare("strict_bidi_would_reject",
-              show(conformance::bool_field(r.o, "strict_bidi_would_reject")), show(strict));
+    r.compare("strict_bidi_would_reject", show(conformance::bool_field(r.o, "strict_bidi_would_reject")), show(strict));
   }
 
   if (expect_accept && out) compare_uts39(r, *out);
@@ -399,8 +368,8 @@ void check_precis_record(Record& r) {
 
 std::string record_key(const json::object& o, const std::string& input) {
   if (o.contains("id")) return conformance::string_field(o, "id");
-  std::string lead = o.contains("kind") ? conformance::string_field(o, "kind")
-                                        : conformance::string_field(o, "profile");
+  std::string lead =
+      o.contains("kind") ? conformance::string_field(o, "kind") : conformance::string_field(o, "profile");
   return lead + " " + conformance::code_points(input);
 }
 
@@ -418,25 +387,21 @@ std::size_t for_each_record(const std::string& file, Check check, bool uses_inpu
         report.skipped("lone surrogate in input (JSON \\u escape), not representable in UTF-8");
         continue;
       }
-      report.mismatch(Mismatch{
-          fmt::format("line {}", number), number, {}, "json", "valid JSON", ec.message(), {}});
+      report.mismatch(Mismatch{fmt::format("line {}", number), number, {}, "json", "valid JSON", ec.message(), {}});
       continue;
     }
     if (!v.is_object()) {
-      report.mismatch(
-          Mismatch{fmt::format("line {}", number), number, {}, "json", "an object", "other", {}});
+      report.mismatch(Mismatch{fmt::format("line {}", number), number, {}, "json", "an object", "other", {}});
       continue;
     }
     const json::object& o = v.as_object();
     std::string key = fmt::format("line {}", number);
     try {
-      std::string input =
-          uses_input && o.contains("input") ? conformance::string_field(o, "input") : "";
+      std::string input = uses_input && o.contains("input") ? conformance::string_field(o, "input") : "";
       key = record_key(o, input);
       if (o.contains("min_unicode_version")) {
         const json::value& mv = o.at("min_unicode_version");
-        double need =
-            mv.is_string() ? std::stod(std::string(mv.as_string())) : mv.to_number<double>();
+        double need = mv.is_string() ? std::stod(std::string(mv.as_string())) : mv.to_number<double>();
         if (need > std::stod(mep::unicode_version())) {
           report.skipped("needs a newer Unicode than ICU's " + mep::unicode_version());
           continue;
@@ -446,9 +411,8 @@ std::size_t for_each_record(const std::string& file, Check check, bool uses_inpu
       for (std::string_view k : {"a", "b"})
         if (o.contains(k) && o.at(k).is_string()) all_text += std::string(o.at(k).as_string());
       if (auto c = conformance::new_in_unicode_15().first_in(all_text)) {
-        report.skipped(
-            "holds a code point new in Unicode 15.0 (unicode_version_exclusions.json), e.g. " +
-            mep::format_codepoint(*c));
+        report.skipped("holds a code point new in Unicode 15.0 (unicode_version_exclusions.json), e.g. " +
+                       mep::format_codepoint(*c));
         continue;
       }
       Record r{o, key, number, input, report, "input " + conformance::code_points(input)};
@@ -473,18 +437,15 @@ struct TableMismatch {
 };
 
 // Collapses consecutive code points with the same difference into one mismatch.
-void add_table_mismatch(std::vector<TableMismatch>& v, char32_t cp, std::string expected,
-                        std::string got) {
-  if (!v.empty() && v.back().last + 1 == cp && v.back().expected == expected &&
-      v.back().got == got) {
+void add_table_mismatch(std::vector<TableMismatch>& v, char32_t cp, std::string expected, std::string got) {
+  if (!v.empty() && v.back().last + 1 == cp && v.back().expected == expected && v.back().got == got) {
     v.back().last = cp;
     return;
   }
   v.push_back({cp, cp, std::move(expected), std::move(got)});
 }
 
-void report_table_mismatches(FileReport& report, const std::vector<TableMismatch>& v,
-                             const std::string& field) {
+void report_table_mismatches(FileReport& report, const std::vector<TableMismatch>& v, const std::string& field) {
   for (const auto& m : v) {
     std::string label = mep::format_codepoint(m.first);
     if (m.last != m.first) label += ".." + mep::format_codepoint(m.last);
@@ -547,8 +508,7 @@ TEST_CASE("iana-precis-tables-6.3.0.csv", "[conformance][precis]") {
     std::string prop(line.substr(c1 + 1, c2 - c1 - 1));
     auto dash = cps.find('-');
     char32_t first = conformance::parse_hex(cps.substr(0, dash));
-    char32_t last =
-        dash == std::string_view::npos ? first : conformance::parse_hex(cps.substr(dash + 1));
+    char32_t last = dash == std::string_view::npos ? first : conformance::parse_hex(cps.substr(dash + 1));
     REQUIRE(first == next);
     next = last + 1;
     if (prop == "ID_DIS or FREE_PVAL") prop = "FREE_PVAL";
@@ -593,8 +553,7 @@ TEST_CASE("unicode_version_exclusions.json", "[conformance][precis]") {
     if (!ranges.contains(cp)) continue;
     ++n;
     auto d = precis::derived_property(cp);
-    if (d.property == precis::Property::unassigned)
-      add_table_mismatch(diffs, cp, "assigned", "UNASSIGNED");
+    if (d.property == precis::Property::unassigned) add_table_mismatch(diffs, cp, "assigned", "UNASSIGNED");
   }
   CHECK(n == static_cast<std::size_t>(o.at("new_in_unicode_15_count").as_int64()));
   report.checked(n);
@@ -604,13 +563,8 @@ TEST_CASE("unicode_version_exclusions.json", "[conformance][precis]") {
   for (const char* group : {"assigned_in_both_but_different", "precis_i18n_internal_tables_vs_icu"})
     for (const auto& kv : o.at(group).as_object())
       if (!kv.value().as_array().empty())
-        report.mismatch(Mismatch{std::string(group) + "." + std::string(kv.key()),
-                                 0,
-                                 {},
-                                 "entries",
-                                 "[]",
-                                 json::serialize(kv.value()),
-                                 {}});
+        report.mismatch(Mismatch{
+            std::string(group) + "." + std::string(kv.key()), 0, {}, "entries", "[]", json::serialize(kv.value()), {}});
   CHECK(report.finish() == 0);
 }
 
@@ -622,9 +576,7 @@ TEST_CASE("vectors_precis_i18n_unittests.jsonl", "[conformance][precis]") {
   CHECK(check_precis_file("vectors_precis_i18n_unittests.jsonl") == 0);
 }
 
-TEST_CASE("vectors_xtext.jsonl", "[conformance][precis]") {
-  CHECK(check_precis_file("vectors_xtext.jsonl") == 0);
-}
+TEST_CASE("vectors_xtext.jsonl", "[conformance][precis]") { CHECK(check_precis_file("vectors_xtext.jsonl") == 0); }
 
 TEST_CASE("differential_public.jsonl", "[conformance][precis]") {
   CHECK(check_precis_file("differential_public.jsonl") == 0);
@@ -639,21 +591,18 @@ TEST_CASE("vectors_icu_spoof.jsonl", "[conformance][uts39]") {
     } else if (kind == "confusable_pair") {
       const std::string a = conformance::string_field(r.o, "a");
       const std::string b = conformance::string_field(r.o, "b");
-      r.key =
-          "confusable_pair " + conformance::code_points(a) + " / " + conformance::code_points(b);
+      r.key = "confusable_pair " + conformance::code_points(a) + " / " + conformance::code_points(b);
       r.context.clear();
       const std::string sa = mep::confusable_skeleton(a), sb = mep::confusable_skeleton(b);
       r.compare("skeleton_a", show(conformance::string_field(r.o, "skeleton_a")), show(sa));
       r.compare("skeleton_b", show(conformance::string_field(r.o, "skeleton_b")), show(sb));
-      r.compare("expected_confusable", show(conformance::bool_field(r.o, "expected_confusable")),
-                show(sa == sb));
+      r.compare("expected_confusable", show(conformance::bool_field(r.o, "expected_confusable")), show(sa == sb));
     } else if (kind == "restriction_level") {
       const std::string allowed = conformance::string_field(r.o, "allowed_set");
       const std::string expected = conformance::string_field(r.o, "expected_level");
       auto c = mep::uts39_checks(r.input);
       REQUIRE(c);
-      r.compare("icu72_level_default_checker",
-                show(conformance::string_field(r.o, "icu72_level_default_checker")),
+      r.compare("icu72_level_default_checker", show(conformance::string_field(r.o, "icu72_level_default_checker")),
                 show(level_name(c->level)));
       if (allowed == "uspoof_getRecommendedSet() + U+303C") {
         auto l = mep::restriction_level(r.input, mep::AllowedSet::recommended, U"\u303C");
@@ -662,12 +611,10 @@ TEST_CASE("vectors_icu_spoof.jsonl", "[conformance][uts39]") {
         // ICU's testBug13328 asserts only that the HIGHLY_RESTRICTIVE check fails.
         if (expected == "worse than HIGHLY_RESTRICTIVE (check fails)")
           r.compare("expected_level", "HIGHLY_RESTRICTIVE check fails",
-                    c->highly_restrictive ? "passes at " + level_name(c->level)
-                                          : "HIGHLY_RESTRICTIVE check fails");
+                    c->highly_restrictive ? "passes at " + level_name(c->level) : "HIGHLY_RESTRICTIVE check fails");
         else
           r.compare("expected_level", show(expected), show(level_name(c->level)));
-        r.compare("icu72_level", show(conformance::string_field(r.o, "icu72_level")),
-                  show(level_name(c->level)));
+        r.compare("icu72_level", show(conformance::string_field(r.o, "icu72_level")), show(level_name(c->level)));
       } else {
         r.mismatch("allowed_set", "a known allowed set", show(allowed));
       }
@@ -691,8 +638,7 @@ TEST_CASE("confusable_pairs.jsonl", "[conformance][uts39]") {
     const std::string sa = mep::confusable_skeleton(a), sb = mep::confusable_skeleton(b);
     r.compare("skeleton_a", show(conformance::string_field(r.o, "skeleton_a")), show(sa));
     r.compare("skeleton_b", show(conformance::string_field(r.o, "skeleton_b")), show(sb));
-    r.compare("expected_skeleton_equal",
-              show(conformance::bool_field(r.o, "expected_skeleton_equal")), show(sa == sb));
+    r.compare("expected_skeleton_equal", show(conformance::bool_field(r.o, "expected_skeleton_equal")), show(sa == sb));
     // The comparison a canonicalizer makes: skeletons of the UsernameCaseMapped outputs.
     std::optional<std::string> skel[2];
     const std::string* sides[2] = {&a, &b};
@@ -704,8 +650,8 @@ TEST_CASE("confusable_pairs.jsonl", "[conformance][uts39]") {
       compare_exact(r, "precis_" + side + ".", conformance::string_or_null(r.o, "precis_" + side),
                     conformance::string_or_null(r.o, "precis_" + side + "_error"), o);
       if (o.accepted) skel[i] = mep::confusable_skeleton(o.output);
-      r.compare("skeleton_precis_" + side,
-                show(conformance::string_or_null(r.o, "skeleton_precis_" + side)), show(skel[i]));
+      r.compare("skeleton_precis_" + side, show(conformance::string_or_null(r.o, "skeleton_precis_" + side)),
+                show(skel[i]));
     }
     r.compare("precis_skeleton_equal", show(conformance::bool_field(r.o, "precis_skeleton_equal")),
               show(skel[0] && skel[1] && *skel[0] == *skel[1]));
@@ -717,8 +663,7 @@ TEST_CASE("exclusions.json", "[conformance]") {
   // The list is well-formed; whether each entry still matches is checked by the test of
   // the entry's data file.
   auto& ex = conformance::exclusions();
-  for (const auto& e : ex.errors())
-    std::cout << "BAD EXCLUSION " << e << '\n';
+  for (const auto& e : ex.errors()) std::cout << "BAD EXCLUSION " << e << '\n';
   std::cout << "exclusions.json: " << ex.entries().size() << " entries\n";
   CHECK(ex.errors().empty());
 }
@@ -736,7 +681,6 @@ TEST_CASE("every_data_file_is_checked", "[conformance]") {
     INFO(name);
     CHECK(std::filesystem::exists(conformance::data_dir() / name));
   }
-  for (const auto& name : unknown)
-    std::cout << "UNCHECKED DATA FILE " << name << '\n';
+  for (const auto& name : unknown) std::cout << "UNCHECKED DATA FILE " << name << '\n';
   CHECK(unknown.empty());
 }

@@ -21,8 +21,7 @@ namespace {
 // Prints the failed invariant and the input as C escapes, then aborts so that libFuzzer
 // saves the input as a crash artifact.
 [[noreturn]] void fail(const char* what, std::string_view input, const std::string& detail) {
-  std::fprintf(stderr, "\n==fuzz_canonicalize== invariant violated: %s\n  input (%zu bytes): \"",
-               what, input.size());
+  std::fprintf(stderr, "\n==fuzz_canonicalize== invariant violated: %s\n  input (%zu bytes): \"", what, input.size());
   for (unsigned char c : input) {
     if (c >= 0x20 && c < 0x7F && c != '"' && c != '\\')
       std::fputc(c, stderr);
@@ -41,8 +40,8 @@ std::string describe(const mep::NameError& e) {
 }
 
 std::string describe(const mep::CanonicalName& n) {
-  std::string s = "display=\"" + n.display_name + "\" canonical=\"" + n.canonical_name +
-                  "\" skeleton=\"" + n.skeleton + "\" scripts=";
+  std::string s = "display=\"" + n.display_name + "\" canonical=\"" + n.canonical_name + "\" skeleton=\"" + n.skeleton +
+                  "\" scripts=";
   for (const auto& sc : n.scripts) s += sc + ",";
   return s;
 }
@@ -54,8 +53,8 @@ std::string describe(const Result& r) { return r ? describe(*r) : "error " + des
 bool same(const Result& a, const Result& b) {
   if (a.has_value() != b.has_value()) return false;
   if (a) {
-    return a->display_name == b->display_name && a->canonical_name == b->canonical_name &&
-           a->skeleton == b->skeleton && a->scripts == b->scripts;
+    return a->display_name == b->display_name && a->canonical_name == b->canonical_name && a->skeleton == b->skeleton &&
+           a->scripts == b->scripts;
   }
   return a.error().reason == b.error().reason && a.error().codepoint == b.error().codepoint &&
          a.error().index == b.error().index;
@@ -84,8 +83,7 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
   if (fast) {
     const Result again = mep::canonicalize(fast->canonical_name);
     if (!again)
-      fail("canonical_name is rejected", input,
-           "first: " + describe(*fast) + "\n  again: " + describe(again));
+      fail("canonical_name is rejected", input, "first: " + describe(*fast) + "\n  again: " + describe(again));
     if (again->canonical_name != fast->canonical_name || again->skeleton != fast->skeleton)
       fail("canonical_name is not a fixed point", input,
            "first: " + describe(*fast) + "\n  again: " + describe(*again));

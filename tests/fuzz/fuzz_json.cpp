@@ -79,7 +79,8 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
   }
   const std::string dumped = mep::json::dump(*parsed);
   auto back = mep::json::parse_object(dumped);
-  if (!back || !same(*back, *parsed)) mep::fuzz::fail(k_name, "dump does not parse back to the same object", input, dumped);
+  if (!back || !same(*back, *parsed))
+    mep::fuzz::fail(k_name, "dump does not parse back to the same object", input, dumped);
   const std::string canon = mep::json::canonical(*parsed);
   auto reparsed = mep::json::parse_object(canon);
   if (!reparsed || !same(boost::json::value(*reparsed), boost::json::value(*parsed)))

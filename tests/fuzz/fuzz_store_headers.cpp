@@ -33,7 +33,8 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
     while (!v.empty() && (v.front() == ' ' || v.front() == '\t')) v.remove_prefix(1);
     while (!v.empty() && (v.back() == ' ' || v.back() == '\t')) v.remove_suffix(1);
     while (v.size() > 1 && v.front() == '0') v.remove_prefix(1);
-    if (std::to_string(*t) != v) mep::fuzz::fail(k_name, "the token read is not the token given", input, std::to_string(*t));
+    if (std::to_string(*t) != v)
+      mep::fuzz::fail(k_name, "the token read is not the token given", input, std::to_string(*t));
   } else {
     (void)t.error().to_json();
   }

@@ -12,8 +12,10 @@ namespace mep::fuzz {
                               const std::string& detail = {}) {
   std::fprintf(stderr, "\n==%s== invariant violated: %s\n  input (%zu bytes): \"", target, what, input.size());
   for (unsigned char c : input) {
-    if (c >= 0x20 && c < 0x7F && c != '"' && c != '\\') std::fputc(c, stderr);
-    else std::fprintf(stderr, "\\x%02X", c);
+    if (c >= 0x20 && c < 0x7F && c != '"' && c != '\\')
+      std::fputc(c, stderr);
+    else
+      std::fprintf(stderr, "\\x%02X", c);
   }
   std::fprintf(stderr, "\"\n  %s\n", detail.c_str());
   std::abort();

@@ -54,16 +54,19 @@ public:
     g.server_time = k_now;
     then(server::Outcome<lease::Grant>(std::move(g), replay));
   }
-  void branch(const server::Ctx&, server::Idempotency, server::Branch req, server::Then<lease::Branched> then) override {
+  void branch(const server::Ctx&, server::Idempotency, server::Branch req,
+              server::Then<lease::Branched> then) override {
     step();
     if (!known(req.parent_memory_id)) return then(Problem(Code::memory_not_found, "no such memory"));
-    then(lease::Branched{req.memory_id.value_or(uuid_v7().to_string()), req.parent_memory_id, req.parent_fencing_token, true});
+    then(lease::Branched{req.memory_id.value_or(uuid_v7().to_string()), req.parent_memory_id, req.parent_fencing_token,
+                         true});
   }
   void renew(const server::Ctx&, server::LeaseRef, server::Then<lease::Renewed> then) override { gone(then); }
   void renew_batch(const server::Ctx&, server::RenewBatch req, server::Then<lease::RenewBatchResult> then) override {
     step();
     lease::RenewBatchResult out;
-    for (const auto& l : req.leases) out.results.push_back(lease::RenewItem{l.canonical_name, 410, std::nullopt, "lease-expired"});
+    for (const auto& l : req.leases)
+      out.results.push_back(lease::RenewItem{l.canonical_name, 410, std::nullopt, "lease-expired"});
     then(std::move(out));
   }
   void release(const server::Ctx&, server::LeaseRef, server::Then<server::Released> then) override {
@@ -112,7 +115,9 @@ public:
     step();
     then(lease::IdentityMapPage{});
   }
-  std::pair<std::string, std::string> create_token(const std::string&, server::Scope) override { return {"t", k_token}; }
+  std::pair<std::string, std::string> create_token(const std::string&, server::Scope) override {
+    return {"t", k_token};
+  }
   std::vector<server::TokenInfo> list_tokens(const std::optional<std::string>&) override { return {}; }
   bool revoke_token(const std::string&) override { return false; }
   std::vector<server::AuditRow> list_audit(const std::optional<std::string>&, std::size_t) override { return {}; }

@@ -73,7 +73,7 @@ TEST_CASE("config_hands_toml++_ascii_only", "[config]") {
   REQUIRE(mep::Config::parse("a = \"\xff\"\n", "f.toml").error() == "config file f.toml:1: invalid UTF-8 in a string");
   REQUIRE(mep::Config::parse("a = \"\xed\xa0\x80\"\n", "f.toml").error() == // a UTF-16 surrogate
           "config file f.toml:1: invalid UTF-8 in a string");
-  REQUIRE_FALSE(mep::Config::parse("a = \"\\\xc3\xa9\"\n", "f.toml")); // backslash-é is no escape
+  REQUIRE_FALSE(mep::Config::parse("a = \"\\\xc3\xa9\"\n", "f.toml"));        // backslash-é is no escape
   auto ml = mep::Config::parse("s = \"\"\"\\\n  \xc2\xa7\"\"\"\n", "f.toml"); // #190's input
   REQUIRE(ml);
   REQUIRE(ml->get("s", std::nullopt, "--s", "").value == "\xc2\xa7");

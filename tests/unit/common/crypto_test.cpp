@@ -12,8 +12,8 @@ namespace {
 std::string openssl_hmac_hex(const std::string& key, const std::string& data) {
   unsigned char md[EVP_MAX_MD_SIZE];
   unsigned int len = 0;
-  HMAC(EVP_sha256(), key.data(), static_cast<int>(key.size()),
-       reinterpret_cast<const unsigned char*>(data.data()), data.size(), md, &len);
+  HMAC(EVP_sha256(), key.data(), static_cast<int>(key.size()), reinterpret_cast<const unsigned char*>(data.data()),
+       data.size(), md, &len);
   return mep::hex_lower(md, len);
 }
 } // namespace
@@ -43,7 +43,8 @@ TEST_CASE("HmacSha256 agrees with OpenSSL's HMAC for keys around the block size,
     std::string key;
     for (std::size_t i = 0; i < klen; ++i) key.push_back(static_cast<char>(i * 7 + 1));
     mep::HmacSha256 mac(key);
-    for (const std::string& data : {std::string(), std::string("a"), std::string("memory-0195c3a7"), std::string(1000, 'x')}) {
+    for (const std::string& data :
+         {std::string(), std::string("a"), std::string("memory-0195c3a7"), std::string(1000, 'x')}) {
       INFO("key length " << klen << ", data length " << data.size());
       CHECK(mac.hex(data) == openssl_hmac_hex(key, data));
     }

@@ -19,8 +19,7 @@ TEST_CASE("parse_object_rejects_non_objects_and_garbage", "[json]") {
 }
 
 TEST_CASE("object_reader_reads_typed_fields", "[json]") {
-  auto o = *mep::json::parse_object(
-      R"({"name":"x","ttl":30,"id":"0190F5B2-3C4D-7E8F-9A0B-1C2D3E4F5A6B","f":30.0})");
+  auto o = *mep::json::parse_object(R"({"name":"x","ttl":30,"id":"0190F5B2-3C4D-7E8F-9A0B-1C2D3E4F5A6B","f":30.0})");
   mep::json::ObjectReader r(o);
   REQUIRE(r.string("name", Need::required) == "x");
   REQUIRE(r.integer("ttl", Need::required, 5, 300) == 30);
@@ -31,8 +30,7 @@ TEST_CASE("object_reader_reads_typed_fields", "[json]") {
 }
 
 TEST_CASE("object_reader_names_every_problem", "[json]") {
-  auto o = *mep::json::parse_object(
-      R"({"name":5,"ttl":1e30,"id":"nope","extra":1,"zzz":null})");
+  auto o = *mep::json::parse_object(R"({"name":5,"ttl":1e30,"id":"nope","extra":1,"zzz":null})");
   mep::json::ObjectReader r(o);
   r.string("name", Need::required);
   r.integer("ttl", Need::required, 5, 300);
@@ -61,8 +59,8 @@ TEST_CASE("object_reader_fraction_is_not_an_integer", "[json]") {
 }
 
 TEST_CASE("integer_rejects_fractions_negative_and_huge", "[json]") {
-  for (const char* body : {R"({"n":1.5})", R"({"n":-1})", R"({"n":18446744073709551615})",
-                           R"({"n":"5"})", R"({"n":true})"}) {
+  for (const char* body :
+       {R"({"n":1.5})", R"({"n":-1})", R"({"n":18446744073709551615})", R"({"n":"5"})", R"({"n":true})"}) {
     auto o = *mep::json::parse_object(body);
     mep::json::ObjectReader r(o);
     REQUIRE_FALSE(r.integer("n", Need::required, 0, 1000));
@@ -113,11 +111,14 @@ TEST_CASE("parse_object_refuses_numbers_beyond_a_double", "[json]") {
 
 TEST_CASE("dump_always_writes_valid_json", "[json]") {
   // A problem's detail may quote a percent-decoded query parameter: "%da" is byte 0xDA.
-  boost::json::object o{{"detail", "unknown query parameter \"a\xda" "b\""}, {"k\xff", boost::json::array{"\xc3\xa9", "\xed\xa0\x80"}}};
+  boost::json::object o{{"detail", "unknown query parameter \"a\xda"
+                                   "b\""},
+                        {"k\xff", boost::json::array{"\xc3\xa9", "\xed\xa0\x80"}}};
   const std::string out = mep::json::dump(o);
   auto back = mep::json::parse_object(out);
   REQUIRE(back);
-  REQUIRE(back->at("detail").as_string() == "unknown query parameter \"a\xEF\xBF\xBD" "b\"");
+  REQUIRE(back->at("detail").as_string() == "unknown query parameter \"a\xEF\xBF\xBD"
+                                            "b\"");
   REQUIRE(back->at("k\xEF\xBF\xBD").as_array().at(0).as_string() == "\xc3\xa9");
   REQUIRE(back->at("k\xEF\xBF\xBD").as_array().at(1).as_string() == "\xEF\xBF\xBD\xEF\xBF\xBD\xEF\xBF\xBD");
   // Valid input is what Boost.JSON writes.

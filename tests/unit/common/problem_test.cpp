@@ -6,7 +6,12 @@
 using mep::Code;
 
 TEST_CASE("problem_codes_map_to_spec_status_and_exit", "[problem]") {
-  struct Row { Code code; const char* slug; int status; int exit; };
+  struct Row {
+    Code code;
+    const char* slug;
+    int status;
+    int exit;
+  };
   const Row rows[] = {
       {Code::invalid_request, "invalid-request", 400, 2},
       {Code::idempotency_key_missing, "idempotency-key-missing", 400, 1},

@@ -11,8 +11,7 @@ TEST_CASE("rfc3339_formats_utc_with_milliseconds", "[time]") {
 }
 
 TEST_CASE("rfc3339_parses_what_it_formats", "[time]") {
-  for (mep::UnixMs ms : {0LL, 1LL, 999LL, 1784056370123LL, 951782400000LL, -86400001LL,
-                         4102444799999LL}) {
+  for (mep::UnixMs ms : {0LL, 1LL, 999LL, 1784056370123LL, 951782400000LL, -86400001LL, 4102444799999LL}) {
     auto text = mep::format_rfc3339_ms(ms);
     auto back = mep::parse_rfc3339(text);
     REQUIRE(back);
@@ -28,8 +27,8 @@ TEST_CASE("rfc3339_parses_offsets_and_fractions", "[time]") {
 }
 
 TEST_CASE("rfc3339_rejects_malformed", "[time]") {
-  for (const char* bad : {"", "2026-07-14", "2026-07-14T19:12:50", "2026-13-01T00:00:00Z",
-                          "2026-02-30T00:00:00Z", "2026-07-14T24:00:00Z", "2026-07-14T19:12:50.Z",
-                          "2026-07-14T19:12:50+0200", "2026-07-14T19:12:50Zjunk", "x026-07-14T19:12:50Z"})
+  for (const char* bad :
+       {"", "2026-07-14", "2026-07-14T19:12:50", "2026-13-01T00:00:00Z", "2026-02-30T00:00:00Z", "2026-07-14T24:00:00Z",
+        "2026-07-14T19:12:50.Z", "2026-07-14T19:12:50+0200", "2026-07-14T19:12:50Zjunk", "x026-07-14T19:12:50Z"})
     REQUIRE_FALSE(mep::parse_rfc3339(bad));
 }

@@ -164,8 +164,8 @@ TEST_CASE("lease book: answers for a lease replaced while the call was out are i
   b.book.put(held_from_grant(grant("a", 2, 30), "o", "/a", 0, t0 + 10500ms), false); // a new grant, token 2
   std::vector<std::pair<std::string, mep::UnixMs>> renewed;
   std::vector<std::string> lost;
-  b.book.apply(due, {mep::lease::RenewItem{"a", 409, std::nullopt, "stale-fence"}}, true, "", t0 + 10s, t0 + 11s, renewed,
-               lost);
+  b.book.apply(due, {mep::lease::RenewItem{"a", 409, std::nullopt, "stale-fence"}}, true, "", t0 + 10s, t0 + 11s,
+               renewed, lost);
   REQUIRE(lost.empty());
   REQUIRE(b.book.get("a")->state == LeaseState::held);
   REQUIRE(b.book.get("a")->fencing_token == 2);

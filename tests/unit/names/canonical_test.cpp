@@ -28,11 +28,11 @@ mep::NameError bad(std::string_view in) {
 TEST_CASE("spec5_examples_valid", "[names]") {
   CHECK(ok("My Agent") == "myagent");
   CHECK(ok("\xEF\xBC\xAD\xEF\xBD\x99\xEF\xBC\xA1\xEF\xBD\x87\xEF\xBD\x85\xEF\xBD\x8E\xEF\xBD\x94") ==
-        "myagent");                               // ＭｙＡｇｅｎｔ
-  CHECK(ok("\xE2\x84\xA6") == "\xCF\x89");         // Ω OHM SIGN → ω
-  CHECK(ok("ΟΔΟΣ") == "οδος");                     // final sigma
+        "myagent");                        // ＭｙＡｇｅｎｔ
+  CHECK(ok("\xE2\x84\xA6") == "\xCF\x89"); // Ω OHM SIGN → ω
+  CHECK(ok("ΟΔΟΣ") == "οδος");             // final sigma
   CHECK(ok("ΟΔΟΣ") == "\xCE\xBF\xCE\xB4\xCE\xBF\xCF\x82");
-  CHECK(ok("e\xCC\x81") == "\xC3\xA9");            // NFC
+  CHECK(ok("e\xCC\x81") == "\xC3\xA9"); // NFC
   CHECK(ok("Straße") == "straße");
   CHECK(ok("STRASSE") == "strasse");
 }
@@ -105,8 +105,8 @@ TEST_CASE("input_rules_bytes_utf8_controls", "[names]") {
   auto e = bad("ab\xFF");
   CHECK(e.reason == NameReason::invalid_utf8);
   CHECK(e.index == 2);
-  CHECK(bad("\xC0\xAF").reason == NameReason::invalid_utf8);       // overlong
-  CHECK(bad("\xED\xA0\x80").reason == NameReason::invalid_utf8);   // surrogate
+  CHECK(bad("\xC0\xAF").reason == NameReason::invalid_utf8);         // overlong
+  CHECK(bad("\xED\xA0\x80").reason == NameReason::invalid_utf8);     // surrogate
   CHECK(bad("\xF4\x90\x80\x80").reason == NameReason::invalid_utf8); // > U+10FFFF
   e = bad(std::string("ab\0c", 4));
   CHECK(e.reason == NameReason::disallowed_character);
@@ -121,7 +121,8 @@ TEST_CASE("display_name_is_trimmed_nfc", "[names]") {
   auto r = mep::canonicalize("  Cafe\xCC\x81 Bot \xE3\x80\x80");
   REQUIRE(r);
   CHECK(r->display_name == "Caf\xC3\xA9 Bot");
-  CHECK(r->canonical_name == "caf\xC3\xA9" "bot");
+  CHECK(r->canonical_name == "caf\xC3\xA9"
+                             "bot");
 }
 
 TEST_CASE("agent_policy_letters_marks_digits_dash_underscore", "[names]") {
@@ -134,7 +135,8 @@ TEST_CASE("agent_policy_letters_marks_digits_dash_underscore", "[names]") {
   auto e = bad("My Agent!");
   CHECK(e.codepoint == U'!');
   CHECK(e.index == 8); // the position in what the user typed, spaces included
-  e = bad("\xCC\x81" "abc"); // a mark without a base
+  e = bad("\xCC\x81"
+          "abc"); // a mark without a base
   CHECK(e.reason == NameReason::disallowed_character);
 }
 
@@ -148,7 +150,7 @@ TEST_CASE("error_index_counts_input_code_points", "[names]") {
 TEST_CASE("uts39_mixed_numbers_and_invisible", "[names]") {
   // Latin digits mixed with Bengali digits.
   CHECK(bad("1\xE0\xA7\xA8").reason == NameReason::mixed_numbers); // 1 and Bengali 2
-  CHECK(bad("a1\xE0\xA7\xA8").reason == NameReason::mixed_script);  // Latin + Bengali
+  CHECK(bad("a1\xE0\xA7\xA8").reason == NameReason::mixed_script); // Latin + Bengali
   // The same non-spacing mark twice on one base.
   CHECK(bad("a\xCC\x88\xCC\x88").reason == NameReason::invisible_character);
 }
@@ -162,22 +164,26 @@ TEST_CASE("uts39_checks_reports_each_check_and_the_level", "[names]") {
   CHECK_FALSE(c->mixed_numbers);
   CHECK_FALSE(c->invisible);
 
-  c = mep::uts39_checks("\xD0\xB0" "bc"); // Cyrillic а + Latin
+  c = mep::uts39_checks("\xD0\xB0"
+                        "bc"); // Cyrillic а + Latin
   REQUIRE(c);
   CHECK(c->level == RestrictionLevel::minimally_restrictive);
   CHECK_FALSE(c->highly_restrictive);
-  CHECK(mep::uts39_check("\xD0\xB0" "bc") == NameReason::mixed_script);
+  CHECK(mep::uts39_check("\xD0\xB0"
+                         "bc") == NameReason::mixed_script);
 
   c = mep::uts39_checks("a1\xD9\xA1"); // a, 1, Arabic-Indic 1 (ICU's testMixedNumbers)
   REQUIRE(c);
   CHECK(c->level == RestrictionLevel::moderately_restrictive);
   CHECK(c->mixed_numbers);
 
-  c = mep::uts39_checks("abcd\xCC\x81\xCC\x82\xCC\x81" "ef"); // ICU's testInvisible
+  c = mep::uts39_checks("abcd\xCC\x81\xCC\x82\xCC\x81"
+                        "ef"); // ICU's testInvisible
   REQUIRE(c);
   CHECK(c->invisible);
   CHECK(c->highly_restrictive);
-  CHECK(mep::uts39_check("abcd\xCC\x81\xCC\x82\xCC\x81" "ef") == NameReason::invisible_character);
+  CHECK(mep::uts39_check("abcd\xCC\x81\xCC\x82\xCC\x81"
+                         "ef") == NameReason::invisible_character);
 
   // ICU checks an ill-formed sequence as U+FFFD.
   auto bad_utf8 = mep::uts39_checks("a\xFF");
@@ -189,8 +195,8 @@ TEST_CASE("uts39_checks_reports_each_check_and_the_level", "[names]") {
 
 TEST_CASE("restriction_level_depends_on_the_allowed_set", "[names]") {
   using mep::AllowedSet;
-  using mep::RestrictionLevel;
   using mep::restriction_level;
+  using mep::RestrictionLevel;
   CHECK(restriction_level("a!") == RestrictionLevel::ascii);
   CHECK(restriction_level("a!", AllowedSet::identifier) == RestrictionLevel::unrestrictive);
   // '-' is in ICU's inclusion set, not in its recommended set.
@@ -198,8 +204,7 @@ TEST_CASE("restriction_level_depends_on_the_allowed_set", "[names]") {
   CHECK(restriction_level("a-b", AllowedSet::recommended) == RestrictionLevel::unrestrictive);
   // ICU's testRestrictionLevel: "recommended + U+303C".
   CHECK(restriction_level("a\xE3\x80\xBC", AllowedSet::recommended) == RestrictionLevel::unrestrictive);
-  CHECK(restriction_level("a\xE3\x80\xBC", AllowedSet::recommended, U"\u303C") ==
-        RestrictionLevel::highly_restrictive);
+  CHECK(restriction_level("a\xE3\x80\xBC", AllowedSet::recommended, U"\u303C") == RestrictionLevel::highly_restrictive);
   CHECK(restriction_level("\xCE\xB3") == RestrictionLevel::single_script_restrictive); // γ
   CHECK(mep::to_string(RestrictionLevel::highly_restrictive) == "HIGHLY_RESTRICTIVE");
   CHECK(mep::to_string(RestrictionLevel::unrestrictive) == "UNRESTRICTIVE");
@@ -212,8 +217,8 @@ TEST_CASE("highly_restrictive_allows_japanese_with_latin", "[names]") {
 }
 
 TEST_CASE("canonical_names_are_fixed_points", "[names]") {
-  for (const char* in : {"My Agent", "ΟΔΟΣ", "Straße", "раура", "e\xCC\x81", "ＭｙＡｇｅｎｔ",
-                         "abcひらがな", "agent_1"}) {
+  for (const char* in :
+       {"My Agent", "ΟΔΟΣ", "Straße", "раура", "e\xCC\x81", "ＭｙＡｇｅｎｔ", "abcひらがな", "agent_1"}) {
     auto r = mep::canonicalize(in);
     REQUIRE(r);
     auto again = mep::canonicalize(r->canonical_name);

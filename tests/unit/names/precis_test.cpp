@@ -45,7 +45,7 @@ TEST_CASE("context_rules_rfc5892", "[precis]") {
   CHECK_FALSE(id_class(U"\u0661\u0662"));
   CHECK(id_class(U"\u0661\u06F2")->name == "arabic_indic");
   CHECK(id_class(U"\u06F1\u0662")->name == "extended_arabic_indic");
-  CHECK_FALSE(id_class(U"\u0915\u094D\u200D"));  // virama then ZWJ
+  CHECK_FALSE(id_class(U"\u0915\u094D\u200D")); // virama then ZWJ
   CHECK(id_class(U"a\u200D")->name == "zero_width_joiner");
   CHECK_FALSE(id_class(U"\u0628\u200C\u0628")); // dual-joining on both sides
   CHECK(id_class(U"a\u200Cb")->name == "zero_width_nonjoiner");
@@ -54,11 +54,13 @@ TEST_CASE("context_rules_rfc5892", "[precis]") {
 TEST_CASE("bidi_rule_rfc5893", "[precis]") {
   using mep::precis::bidi_rule;
   CHECK(bidi_rule(U"\u05D0\u05D1"));
-  CHECK(bidi_rule(U"\u05D0" "1"));
-  CHECK_FALSE(bidi_rule(U"1\u05D0"));               // first must be L, R or AL
-  CHECK_FALSE(bidi_rule(U"\u05D0a"));               // L in an RTL label
-  CHECK_FALSE(bidi_rule(U"\u0627" "1\u0661"));      // EN and AN together
+  CHECK(bidi_rule(U"\u05D0"
+                  "1"));
+  CHECK_FALSE(bidi_rule(U"1\u05D0")); // first must be L, R or AL
+  CHECK_FALSE(bidi_rule(U"\u05D0a")); // L in an RTL label
+  CHECK_FALSE(bidi_rule(U"\u0627"
+                        "1\u0661")); // EN and AN together
   CHECK(bidi_rule(U"abc"));
   CHECK_FALSE(bidi_rule(U"abc\u05D0"));
-  CHECK(bidi_rule(U"\u05D0\u05B0"));                // trailing NSM
+  CHECK(bidi_rule(U"\u05D0\u05B0")); // trailing NSM
 }

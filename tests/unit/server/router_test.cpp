@@ -62,7 +62,9 @@ public:
     return a;
   }
 
-  std::string code(const Answer& a) { return a.body.contains("code") ? std::string(a.body.at("code").as_string()) : ""; }
+  std::string code(const Answer& a) {
+    return a.body.contains("code") ? std::string(a.body.at("code").as_string()) : "";
+  }
 
   std::string new_memory() {
     auto a = call(bhttp::verb::post, "/v1/memories", "{}", FakeStore::k_token, "reg-" + std::to_string(++m_keys));
@@ -160,7 +162,8 @@ TEST_CASE("router: bodies — media type, syntax, unknown and duplicate fields, 
   int n = 0;
   for (const auto& b : bad) {
     INFO(b.body.substr(0, 120));
-    auto a = h.call(bhttp::verb::post, "/v1/leases", b.body, FakeStore::k_token, "bad-" + std::to_string(++n), b.content_type);
+    auto a = h.call(bhttp::verb::post, "/v1/leases", b.body, FakeStore::k_token, "bad-" + std::to_string(++n),
+                    b.content_type);
     REQUIRE(a.status == b.status);
     REQUIRE(h.code(a) == b.code);
   }
@@ -180,9 +183,10 @@ TEST_CASE("router: creating POSTs need a valid Idempotency-Key", "[router]") {
   }
   REQUIRE(h.call(bhttp::verb::post, "/v1/leases", body, FakeStore::k_token, "\"quoted \\\" key\"").status == 201);
   // Non-creating POSTs take none.
-  REQUIRE(h.call(bhttp::verb::post, "/v1/leases/release",
-                 R"({"canonical_name":"a","memory_instance_id":")" + mem + R"(","fencing_token":1,"owner_client_id":"o"})")
-              .status == 204);
+  REQUIRE(
+      h.call(bhttp::verb::post, "/v1/leases/release",
+             R"({"canonical_name":"a","memory_instance_id":")" + mem + R"(","fencing_token":1,"owner_client_id":"o"})")
+          .status == 204);
 }
 
 TEST_CASE("router: the migration gate closes the lease endpoints only", "[router]") {
@@ -219,7 +223,9 @@ TEST_CASE("router: a query parameter that is not UTF-8 is quoted as valid JSON",
   auto a = h.call(bhttp::verb::get, "/v1/leases?own%daer=1");
   REQUIRE(a.status == 400); // the Harness parses the body as strict JSON
   REQUIRE(h.code(a) == "invalid-request");
-  REQUIRE(std::string(a.body.at("detail").as_string()).find("own\xEF\xBF\xBD" "er") != std::string::npos);
+  REQUIRE(std::string(a.body.at("detail").as_string())
+              .find("own\xEF\xBF\xBD"
+                    "er") != std::string::npos);
 }
 
 TEST_CASE("router: typed outcomes become the API's statuses, bodies and headers", "[router]") {
@@ -255,8 +261,9 @@ TEST_CASE("router: typed outcomes become the API's statuses, bodies and headers"
   REQUIRE(refused.body.at("detail").as_string() == "held by another owner");
 
   // 204 without a body; a batch is 200 with one result per lease.
-  auto released = h.call(bhttp::verb::post, "/v1/leases/release",
-                         R"({"canonical_name":"a","memory_instance_id":")" + mem + R"(","fencing_token":1,"owner_client_id":"o"})");
+  auto released =
+      h.call(bhttp::verb::post, "/v1/leases/release",
+             R"({"canonical_name":"a","memory_instance_id":")" + mem + R"(","fencing_token":1,"owner_client_id":"o"})");
   REQUIRE(released.status == 204);
   REQUIRE(released.res.body().empty());
   auto batch = h.call(bhttp::verb::post, "/v1/leases/renew-batch",

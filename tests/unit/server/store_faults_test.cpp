@@ -35,8 +35,9 @@ std::string dump(const std::filesystem::path& db_path) {
   std::string out;
   std::vector<std::string> tables;
   sqlite3_stmt* t = nullptr;
-  REQUIRE(sqlite3_prepare_v2(db, "SELECT name FROM sqlite_master WHERE type = 'table' AND name NOT LIKE 'sqlite_%' "
-                                 "AND name <> 'settings' ORDER BY name",
+  REQUIRE(sqlite3_prepare_v2(db,
+                             "SELECT name FROM sqlite_master WHERE type = 'table' AND name NOT LIKE 'sqlite_%' "
+                             "AND name <> 'settings' ORDER BY name",
                              -1, &t, nullptr) == SQLITE_OK);
   while (sqlite3_step(t) == SQLITE_ROW) tables.emplace_back(reinterpret_cast<const char*>(sqlite3_column_text(t, 0)));
   sqlite3_finalize(t);
@@ -112,7 +113,8 @@ TEST_CASE("a claim that fails at any SQLite step leaves the database as it was",
     auto first = claim("owner-a", "first");
     REQUIRE(first.ok());
     auto released = wait<Released>([&](auto then) {
-      store.release(ctx, LeaseRef{first.value->canonical_name, memory, first.value->fencing_token, "owner-a", 30}, then);
+      store.release(ctx, LeaseRef{first.value->canonical_name, memory, first.value->fencing_token, "owner-a", 30},
+                    then);
     });
     REQUIRE(released.ok());
     const std::string before = dump(db_path);

@@ -50,10 +50,13 @@ public:
     return future.get();
   }
 
-  Idempotency key(const std::string& k, const std::string& fingerprint = "fp") { return Idempotency{k + tag, fingerprint}; }
+  Idempotency key(const std::string& k, const std::string& fingerprint = "fp") {
+    return Idempotency{k + tag, fingerprint};
+  }
 
   std::string memory(const Ctx& c) {
-    auto r = wait<lease::Registered>([&](auto then) { store->register_memory(c, key(uuid_v7().to_string()), {}, then); });
+    auto r =
+        wait<lease::Registered>([&](auto then) { store->register_memory(c, key(uuid_v7().to_string()), {}, then); });
     REQUIRE(r.ok());
     return r.value->memory_id;
   }
@@ -234,7 +237,8 @@ const Case k_cases[] = {
        CHECK(code_of(r.verify(m, 1, &other)) == Code::memory_not_found);
        CHECK(code_of(r.renew(Rig::ref(*g.value), &other)) == Code::lease_not_found);
        CHECK(code_of(r.release(Rig::ref(*g.value), &other)) == Code::lease_not_found);
-       auto get = r.wait<lease::LeaseInfo>([&](auto then) { r.store->get_lease(other, g.value->canonical_name, then); });
+       auto get =
+           r.wait<lease::LeaseInfo>([&](auto then) { r.store->get_lease(other, g.value->canonical_name, then); });
        CHECK(code_of(get) == Code::lease_not_found);
      }},
     {"an Idempotency-Key replays its outcome, refusals included, and refuses another request",
@@ -248,7 +252,8 @@ const Case k_cases[] = {
        CHECK(again.value->lease_id == first.value->lease_id);
        CHECK(again.value->fencing_token == 1);
        CHECK(again.value->expires_at == first.value->expires_at);
-       CHECK(code_of(r.claim(r.ctx, r.name("idem"), m, "owner-a", 30, "k1", "another")) == Code::idempotency_key_reused);
+       CHECK(code_of(r.claim(r.ctx, r.name("idem"), m, "owner-a", 30, "k1", "another")) ==
+             Code::idempotency_key_reused);
        // A 423 is kept under its key too: its replay is the same refusal, even once the
        // name is free.
        auto m2 = r.memory();

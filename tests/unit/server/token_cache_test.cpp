@@ -85,7 +85,7 @@ TEST_CASE("a cached token is found until the epoch changes") {
   }
   SECTION("a lookup that began before a revocation is not cached under the new epoch") {
     auto before = cache.epoch();
-    REQUIRE(cache.invalidate());   // the revocation commits while the lookup runs
+    REQUIRE(cache.invalidate()); // the revocation commits while the lookup runs
     cache.put("h3", info("t3"), before);
     CHECK_FALSE(cache.find("h3", cache.epoch()));
   }

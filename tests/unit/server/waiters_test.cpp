@@ -2,7 +2,6 @@
 // order in which waiters are tried, granted and answered is visible.
 #include "mep/waiters.hpp"
 
-
 #include <catch2/catch.hpp>
 
 #include <chrono>
@@ -33,7 +32,7 @@ struct World {
   std::mutex m;
   std::condition_variable cv;
   bool free = false;
-  std::vector<std::string> attempts; // who tried, in order
+  std::vector<std::string> attempts;                // who tried, in order
   std::vector<std::pair<std::string, int>> answers; // who was answered, with which status
 
   WaitQueue::Waiter waiter(const std::string& who, std::chrono::milliseconds wait = 10s, int fd = -1,

@@ -19,11 +19,11 @@ struct ClientRequest {
   std::string method = "GET";
   std::string url; ///< absolute: scheme, host, port, path and query
   std::vector<std::pair<std::string, std::string>> headers;
-  std::string body;          ///< sent unless upload_fd is given
-  int upload_fd = -1;        ///< stream the body from here (read from its current offset)…
-  std::uint64_t upload_size = 0; ///< …this many bytes
-  int download_fd = -1;      ///< the body of a 2xx answer is written here instead of into `body`
-  std::chrono::milliseconds timeout{10000};        ///< the whole exchange; 0: no bound (see stall)
+  std::string body;                         ///< sent unless upload_fd is given
+  int upload_fd = -1;                       ///< stream the body from here (read from its current offset)…
+  std::uint64_t upload_size = 0;            ///< …this many bytes
+  int download_fd = -1;                     ///< the body of a 2xx answer is written here instead of into `body`
+  std::chrono::milliseconds timeout{10000}; ///< the whole exchange; 0: no bound (see stall)
   std::chrono::milliseconds connect_timeout{3000};
   /// Given, the exchange fails when no byte moves for this long (large bodies, with timeout 0).
   std::optional<std::chrono::seconds> stall;
@@ -33,11 +33,11 @@ struct ClientRequest {
 };
 
 struct ClientResponse {
-  int status = 0;    ///< 0: no HTTP answer at all (refused, timed out); `error` says why
+  int status = 0; ///< 0: no HTTP answer at all (refused, timed out); `error` says why
   std::string error;
-  std::string body;  ///< the body, unless it went to download_fd
+  std::string body;                                         ///< the body, unless it went to download_fd
   std::vector<std::pair<std::string, std::string>> headers; ///< names in lower case
-  std::uint64_t downloaded = 0; ///< bytes written to download_fd
+  std::uint64_t downloaded = 0;                             ///< bytes written to download_fd
 
   bool ok() const { return status >= 200 && status < 300; }
   /// The first header called `name` (lower case), if any.

@@ -38,7 +38,7 @@ inline constexpr std::size_t k_header_limit = 8 * 1024;
 
 /// Who is on the other end of a connection.
 struct Peer {
-  bool loopback = false;   ///< TCP from a loopback address, or any Unix-socket peer
+  bool loopback = false; ///< TCP from a loopback address, or any Unix-socket peer
   bool unix_socket = false;
   bool cred_known = false; ///< SO_PEERCRED answered (Unix sockets)
   pid_t pid = 0;
@@ -111,11 +111,11 @@ public:
 
 /// Settings of one edge.
 struct EdgeOptions {
-  std::string server_name = "mep";                 ///< the Server header
-  std::chrono::seconds io_timeout{30};             ///< a whole request (or an idle keep-alive wait)
-  std::chrono::seconds handshake_timeout{10};      ///< TLS
-  std::chrono::seconds linger_time{5};             ///< draining a refused body, at most
-  std::size_t linger_bytes = 64 * 1024 * 1024;     ///< and at most this much
+  std::string server_name = "mep";             ///< the Server header
+  std::chrono::seconds io_timeout{30};         ///< a whole request (or an idle keep-alive wait)
+  std::chrono::seconds handshake_timeout{10};  ///< TLS
+  std::chrono::seconds linger_time{5};         ///< draining a refused body, at most
+  std::size_t linger_bytes = 64 * 1024 * 1024; ///< and at most this much
   std::size_t header_limit = k_header_limit;
 };
 
@@ -152,8 +152,8 @@ private:
 /// Accepts connections on a bound, listening Unix-socket acceptor.
 class UnixListener {
 public:
-  UnixListener(boost::asio::io_context& ioc, boost::asio::local::stream_protocol::acceptor acceptor,
-               Handler& handler, EdgeOptions options);
+  UnixListener(boost::asio::io_context& ioc, boost::asio::local::stream_protocol::acceptor acceptor, Handler& handler,
+               EdgeOptions options);
   void start();
   void stop_accepting();
   int in_flight() const { return m_in_flight->load(); }

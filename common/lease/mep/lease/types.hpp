@@ -74,7 +74,7 @@ struct LeaseRef {
   std::string canonical_name;
   std::string memory_id;
   std::int64_t fencing_token = 0;
-  std::string owner_client_id;            ///< empty in a batch item: the batch's owner
+  std::string owner_client_id; ///< empty in a batch item: the batch's owner
   std::int64_t ttl_s = k_default_ttl_s;
 };
 
