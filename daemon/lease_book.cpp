@@ -228,7 +228,8 @@ void LeaseBook::apply(const std::vector<Due>& due, const std::vector<lease::Rene
         if (item->expires_at) h.expires_at = *item->expires_at;
         h.local_deadline = sent + std::chrono::seconds(h.ttl_s) - margin(h.ttl_s);
         double factor = 0.9 + 0.2 * static_cast<double>(jitter_rng() % 1000) / 1000.0;
-        h.next_renew = sent + std::chrono::milliseconds(static_cast<std::int64_t>(h.ttl_s * 1000 / 3 * factor));
+        h.next_renew = sent + std::chrono::milliseconds(
+                                  static_cast<std::int64_t>(static_cast<double>(h.ttl_s) * 1000.0 / 3.0 * factor));
         h.state = LeaseState::held;
         h.failures = 0;
         renewed.emplace_back(h.canonical_name, h.expires_at);

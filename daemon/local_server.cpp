@@ -116,6 +116,10 @@ public:
     // attach that may wait for a held name gets a thread of its own: a queue of waiting
     // agents must not take the pool from everyone else.
     const int fd = responder.native_handle();
+    // Decided before the request moves into `work` (it was read after the move, always
+    // false, so waiting attaches took the pool's threads).
+    const bool may_wait = req.method() == bhttp::verb::post && req.target() == "/v1/attach" &&
+                          req.body().find("\"wait_seconds\"") != std::string::npos;
     auto work = [this, req = std::move(req), peer, responder, fd]() mutable {
       const std::string rid = uuid_v7().to_string();
       Out out = make_unexpected(Problem(Code::internal, "internal error"));
@@ -130,8 +134,7 @@ public:
       }
       responder.send(response(out, allow, req.version(), req.keep_alive(), rid));
     };
-    if (req.method() == bhttp::verb::post && req.target() == "/v1/attach" &&
-        req.body().find("\"wait_seconds\"") != std::string::npos) {
+    if (may_wait) {
       std::unique_lock lock(m_waiters_mutex);
       if (!m_stopping && m_waiters < k_max_waiting_attaches) {
         ++m_waiters;

@@ -992,7 +992,7 @@ int migrate_status(const std::string& db_url, bool json) {
       std::printf("state: %s%s\nrows: %lld (%lld kept, %lld renamed, %lld generated)\nidentity map: %lld entries\n",
                   state.c_str(),
                   state == "in-progress" ? " (lease endpoints answer 503 until 'mep migrate activate')" : "",
-                  static_cast<long long>(kept + renamed + generated), static_cast<long long>(kept),
+                  static_cast<long long>(kept) + renamed + generated, static_cast<long long>(kept),
                   static_cast<long long>(renamed), static_cast<long long>(generated), static_cast<long long>(mapped));
     }
     return exit_code::ok;

@@ -183,9 +183,9 @@ public:
       res.keep_alive(keep && res.keep_alive());
       using Res = std::decay_t<decltype(res)>;
       if constexpr (std::is_same_v<Res, http::FileResponse>)
-        responder.send_file(std::move(res));
+        responder.send_file(std::forward<decltype(res)>(res));
       else
-        responder.send(std::move(res));
+        responder.send(std::forward<decltype(res)>(res));
     };
     auto fail = [finish](Problem p) {
       if (p.code == Code::stale_fence) Metrics::global().inc("mep_fencing_rejections_total");

@@ -317,7 +317,7 @@ expected<Renewed, Problem> decode_renewed(const json::object& o) {
   r.expires_at = f.time("expires_at");
   r.ttl_s = f.int64("ttl_seconds");
   r.server_time = f.time("server_time");
-  return f.done(std::move(r));
+  return f.done(r);
 }
 
 expected<RenewBatchResult, Problem> decode_renew_batch_result(const json::object& o) {
