@@ -277,7 +277,14 @@ std::optional<boost::json::object> body_object(const CallPtr& c, bool empty_ok) 
   return std::move(*obj);
 }
 
+// The request's Idempotency-Key, bound to its fingerprint; only for rows that say
+// Idem::required (a handler that asks on another row is a bug, answered 500).
 std::optional<Idempotency> idempotency(const CallPtr& c, const boost::json::object& body) {
+  if (c->route->idem != Idem::required) {
+    log::error("route {} reads an Idempotency-Key its row does not ask for", c->route_label);
+    fail(c, Problem(Code::internal, "internal error"));
+    return std::nullopt;
+  }
   bool doubled = false;
   auto h = header_once(c->req, "Idempotency-Key", doubled);
   if (!h) {
