@@ -47,13 +47,14 @@ namespace mep::server {
 extern const std::string_view k_pg_schema_v1;
 extern const std::string_view k_pg_schema_v2;
 extern const std::string_view k_pg_schema_v3;
+extern const std::string_view k_pg_schema_v4;
 
 namespace {
 
 namespace json = boost::json;
 using Clock = std::chrono::steady_clock;
 
-constexpr int k_schema_version = 3;
+constexpr int k_schema_version = 4;
 constexpr int k_max_attempts = 10;
 constexpr auto k_reconnect_gap = std::chrono::milliseconds(500);
 // How long a call waits for the database's answer before giving the connection up: the
@@ -159,7 +160,8 @@ constexpr const char* k_sql_renew_batch =
 constexpr const char* k_sql_release =
     "SELECT mep_release($1, $2, $3, $4::bigint, $5, $6)::text, pg_notify('mep_lease_freed', $2 || chr(9) || $3)";
 constexpr const char* k_sql_verify = "SELECT mep_verify($1, $2, $3::bigint, $4)::text";
-constexpr const char* k_sql_revoke = "SELECT mep_revoke($1, $2, $3)::text, pg_notify('mep_lease_freed', $2 || chr(9))";
+// mep_revoke (schema v4) notifies mep_lease_freed itself, with the memory it freed.
+constexpr const char* k_sql_revoke = "SELECT mep_revoke($1, $2, $3)::text";
 constexpr const char* k_lease_cols =
     "lease_id, tenant_id, canonical_name, display_name, skeleton, memory_id, fencing_token, "
     "owner_client_id, ttl_seconds, expires_at, acquired_at";
@@ -260,6 +262,10 @@ void PgStore::migrate() {
         if (version < 3) {
           c->exec(std::string(k_pg_schema_v3));
           c->exec("UPDATE schema_version SET version = 3 WHERE id = 1");
+        }
+        if (version < 4) {
+          c->exec(std::string(k_pg_schema_v4));
+          c->exec("UPDATE schema_version SET version = 4 WHERE id = 1");
         }
         c->exec("COMMIT");
       } catch (...) {
@@ -609,6 +615,8 @@ lease::Renewed renewed_of(const json::object& r) {
 
 Released released_of(const json::object&) { return Released{}; }
 
+Revoked revoked_of(const json::object& r) { return Revoked{str(r, "canonical_name"), str(r, "memory_instance_id")}; }
+
 lease::Verified verified_of(const json::object& r) {
   return lease::Verified{str(r, "memory_instance_id"), i64(r.at("fencing_token")), str(r, "canonical_name"),
                          i64(r.at("expires_at")), i64(r.at("server_time"))};
@@ -689,9 +697,7 @@ void PgStore::revoke(const Ctx& ctx, std::string canonical_name, Then<Revoked> t
   submit<Revoked>(
       [ctx, canonical_name](pg::Conn& c) -> Outcome<Revoked> {
         auto r = c.exec("revoke", k_sql_revoke, {ctx.auth.tenant_id, canonical_name, ctx.request_id});
-        auto out = finish_simple(r, released_of);
-        if (!out.ok()) return std::move(out.value.error());
-        return Revoked{canonical_name, {}}; // mep_revoke does not say which memory
+        return finish_simple(r, revoked_of);
       },
       std::move(then), ctx.request_id, false);
 }

@@ -142,6 +142,20 @@ class ServerWaits(ServerTestCase):
         self.assertGreater(int(headers.get("mep-waited-ms", "0")), 0)
         self.assertTrue(wait_for(lambda: self.waiters() == 0))
 
+    def test_a_revocation_wakes_a_claim_waiting_for_the_memory(self):
+        # The waiter wants the memory under another name: only the memory is contended, so
+        # only a wake-up on the memory (the revoked lease's, which the 204 does not carry)
+        # grants it before the holder's TTL.
+        name, mem, token = self.hold(ttl=120)
+        w = self.raw(unique_name(), mem, "waiter", 20)
+        self.queued(1)
+        admin = self.client(self.admin_a)
+        r = admin.post("/v1/admin/leases/revoke", {"canonical_name": name})
+        self.assertEqual(r.status, 204, r)
+        status, _, doc = w.wait()
+        self.assertEqual(status, 201, "the revocation did not wake the memory's waiter: %r" % (doc,))
+        self.assertEqual(doc["fencing_token"], token + 1)
+
     def test_a_wait_that_ends_is_423_with_retry_after(self):
         name, mem, _ = self.hold()
         start = time.monotonic()

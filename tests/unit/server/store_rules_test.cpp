@@ -335,6 +335,7 @@ const Case k_cases[] = {
        auto rv = r.wait<Revoked>([&](auto then) { r.store->revoke(r.ctx, g.value->canonical_name, then); });
        REQUIRE(rv.ok());
        CHECK(rv.value->canonical_name == g.value->canonical_name);
+       CHECK(rv.value->memory_id == m); // what it freed: the claims waiting for the memory wake too
        CHECK(code_of(r.wait<Revoked>([&](auto then) { r.store->revoke(r.ctx, g.value->canonical_name, then); })) ==
              Code::lease_not_found);
        CHECK(code_of(r.renew(Rig::ref(*g.value))) == Code::lease_expired);
