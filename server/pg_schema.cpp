@@ -692,6 +692,26 @@ BEGIN
   RETURN jsonb_build_object('outcome', 'revoked', 'canonical_name', v_name, 'memory_instance_id', v_memory);
 END
 $$;
+
+-- A waiting claim's attempt (Prefer: wait): mep_claim, except that a refusal because the
+-- name or the memory is held (423) is not kept under the Idempotency-Key, so the next
+-- attempt under the same key runs again instead of replaying it. Every other outcome is
+-- kept. One call, one transaction.
+CREATE OR REPLACE FUNCTION mep_claim_attempt(p_tenant text, p_key text, p_fp text, p_request_id text,
+    p_pre jsonb, p_name text, p_display text, p_skeleton text, p_memory text, p_owner text,
+    p_ttl bigint, p_lease_id text, p_unicode text, p_icu text) RETURNS jsonb
+LANGUAGE plpgsql AS $$
+DECLARE
+  v jsonb;
+BEGIN
+  v := mep_claim(p_tenant, p_key, p_fp, p_request_id, p_pre, p_name, p_display, p_skeleton, p_memory,
+                 p_owner, p_ttl, p_lease_id, p_unicode, p_icu);
+  IF (v->>'status')::integer = 423 AND NOT (v->>'replayed')::boolean THEN
+    DELETE FROM idempotency WHERE tenant_id = p_tenant AND idem_key = p_key AND status = 423;
+  END IF;
+  RETURN v;
+END
+$$;
 )sql";
 
 } // namespace mep::server

@@ -148,8 +148,9 @@ Outcome<T> finish_idempotent(const pg::Result& res, T (*success)(const json::obj
 // SQL text of the hot statements, prepared once per connection.
 constexpr const char* k_sql_claim =
     "SELECT mep_claim($1, $2, $3, $4, $5::jsonb, $6, $7, $8, $9, $10, $11::bigint, $12, $13, $14)::text";
-constexpr const char* k_sql_forget_refusal =
-    "DELETE FROM idempotency WHERE tenant_id = $1 AND idem_key = $2 AND status = 423";
+// A waiting claim's attempt: a 423 is not kept under the key (Claim::record_refusal).
+constexpr const char* k_sql_claim_attempt =
+    "SELECT mep_claim_attempt($1, $2, $3, $4, $5::jsonb, $6, $7, $8, $9, $10, $11::bigint, $12, $13, $14)::text";
 constexpr const char* k_sql_register = "SELECT mep_register($1, $2, $3, $4, $5)::text";
 constexpr const char* k_sql_branch = "SELECT mep_branch($1, $2, $3, $4, $5, $6::bigint, $7)::text";
 constexpr const char* k_sql_renew = "SELECT mep_renew($1, $2, $3, $4::bigint, $5, $6::bigint, $7)::text";
@@ -571,13 +572,10 @@ void PgStore::claim(const Ctx& ctx, Idempotency idem, Claim req, Then<lease::Gra
                                std::string(unicode_version()), std::string(icu_version())});
   submit<lease::Grant>(
       [params = std::move(params), record = req.record_refusal](pg::Conn& c) {
-        auto r = finish_idempotent(c.exec("claim", k_sql_claim, params), grant_of);
-        // A waiting claim's refusal is not kept under its key (Claim::record_refusal). No
-        // other request can have replayed it meanwhile on this server: the wait queue
-        // holds the key in flight.
-        if (!record && !r.ok() && r.value.error().status() == 423 && !r.replayed)
-          c.exec("forget-refusal", k_sql_forget_refusal, {params[0], params[1]});
-        return r;
+        // A waiting claim's refusal is not kept under its key (Claim::record_refusal): the
+        // server-side function leaves it out in the claim's own transaction.
+        return record ? finish_idempotent(c.exec("claim", k_sql_claim, params), grant_of)
+                      : finish_idempotent(c.exec("claim_attempt", k_sql_claim_attempt, params), grant_of);
       },
       std::move(then), ctx.request_id);
 }
