@@ -4,6 +4,7 @@
 // before, the caller got 503 or 500, and the same claim under the same key then succeeds
 // (a failure is never stored under the Idempotency-Key); or the store's second, careful
 // pass got past it and the claim took effect exactly once.
+#include "../../support/store_test_support.hpp"
 #include "mep/canonical.hpp"
 #include "mep/crypto.hpp"
 #include "mep/sqlite.hpp"
@@ -63,33 +64,14 @@ std::string dump(const std::filesystem::path& db_path) {
   return out;
 }
 
-template <class T, class Start>
-Outcome<T> wait(Start start) {
-  auto promise = std::make_shared<std::promise<Outcome<T>>>();
-  auto future = promise->get_future();
-  start(Then<T>([promise](Outcome<T> o) { promise->set_value(std::move(o)); }));
-  REQUIRE(future.wait_for(std::chrono::seconds(20)) == std::future_status::ready);
-  return future.get();
-}
-
-struct TempDir {
-  TempDir() {
-    std::string t = (std::filesystem::temp_directory_path() / "mep-store-faults.XXXXXX").string();
-    REQUIRE(::mkdtemp(t.data()) != nullptr);
-    path = t;
-  }
-  ~TempDir() {
-    sqlite::fault::fail_step(0);
-    std::error_code ec;
-    std::filesystem::remove_all(path, ec);
-  }
-  std::filesystem::path path;
-};
-
 } // namespace
 
 TEST_CASE("a claim that fails at any SQLite step leaves the database as it was", "[store][faults]") {
-  TempDir dir;
+  test::TempDir dir("mep-store-faults");
+  // No injected failure outlives the test, whatever ends it.
+  struct Disarm {
+    ~Disarm() { sqlite::fault::fail_step(0); }
+  } disarm;
   int completed_at = 0;
   int recovered = 0; // failures the store's careful second pass got past
   for (int n = 1; n <= 500 && completed_at == 0; ++n) {
@@ -100,19 +82,21 @@ TEST_CASE("a claim that fails at any SQLite step leaves the database as it was",
     auto auth = store.authenticate(sha256_hex(token));
     REQUIRE(auth);
     Ctx ctx{*auth, uuid_v7().to_string()};
-    auto reg = wait<lease::Registered>([&](auto then) { store.register_memory(ctx, {"reg", "fp-reg"}, {}, then); });
+    auto reg = test::wait_outcome<lease::Registered>([&](auto then) {
+      store.register_memory(ctx, {"reg", "fp-reg"}, {}, then);
+    });
     REQUIRE(reg.ok());
     const std::string memory = reg.value->memory_id;
     auto claim = [&](const std::string& owner, const std::string& key) {
       Claim req{"Faulty", canonicalize("Faulty"), memory, owner, 30};
-      return wait<lease::Grant>([&](auto then) { store.claim(ctx, {key, "fp-" + owner}, req, then); });
+      return test::wait_outcome<lease::Grant>([&](auto then) { store.claim(ctx, {key, "fp-" + owner}, req, then); });
     };
     // Before: owner-a held the memory under the name and released it, so the claim below
     // rewrites a released row, bumps the counter, writes the name's history, the audit
     // and the idempotency record: every write a claim makes.
     auto first = claim("owner-a", "first");
     REQUIRE(first.ok());
-    auto released = wait<Released>([&](auto then) {
+    auto released = test::wait_outcome<Released>([&](auto then) {
       store.release(ctx, LeaseRef{first.value->canonical_name, memory, first.value->fencing_token, "owner-a", 30},
                     then);
     });
@@ -139,7 +123,7 @@ TEST_CASE("a claim that fails at any SQLite step leaves the database as it was",
       REQUIRE(replay.ok());
       CHECK(replay.replayed);
       CHECK(replay.value->lease_id == out.value->lease_id);
-      auto mem = wait<lease::Memory>([&](auto then) { store.get_memory(ctx, memory, then); });
+      auto mem = test::wait_outcome<lease::Memory>([&](auto then) { store.get_memory(ctx, memory, then); });
       REQUIRE(mem.ok());
       CHECK(mem.value->fencing_token_high_water == 2);
       ++recovered;

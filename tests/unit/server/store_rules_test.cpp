@@ -1,6 +1,7 @@
 // The lease rules of SPEC §4 and §6.1 as one table of cases, run through the typed Store on
 // SQLite (a fresh file per case) and, when MEP_TEST_PG_URL names a PostgreSQL database, on
 // PostgreSQL too: both backends must decide every case alike. No HTTP, no socket.
+#include "../../support/store_test_support.hpp"
 #include "mep/canonical.hpp"
 #include "mep/crypto.hpp"
 #include "mep/store.hpp"
@@ -40,14 +41,9 @@ public:
 
   std::string name(const std::string& base) const { return base + "-" + tag; }
 
-  // Waits for an operation's outcome (at most 20 s: a store that never answers fails the case).
   template <class T, class Start>
   Outcome<T> wait(Start start) {
-    auto promise = std::make_shared<std::promise<Outcome<T>>>();
-    auto future = promise->get_future();
-    start(Then<T>([promise](Outcome<T> o) { promise->set_value(std::move(o)); }));
-    REQUIRE(future.wait_for(std::chrono::seconds(20)) == std::future_status::ready);
-    return future.get();
+    return test::wait_outcome<T>(std::move(start));
   }
 
   Idempotency key(const std::string& k, const std::string& fingerprint = "fp") {
@@ -379,24 +375,10 @@ void run_all(const std::function<std::string()>& url) {
   }
 }
 
-// A fresh SQLite file per case.
-struct TempDir {
-  TempDir() {
-    std::string t = (std::filesystem::temp_directory_path() / "mep-store-rules.XXXXXX").string();
-    REQUIRE(::mkdtemp(t.data()) != nullptr);
-    path = t;
-  }
-  ~TempDir() {
-    std::error_code ec;
-    std::filesystem::remove_all(path, ec);
-  }
-  std::filesystem::path path;
-};
-
 } // namespace
 
 TEST_CASE("lease rules on SQLite", "[store][sqlite]") {
-  TempDir dir;
+  test::TempDir dir("mep-store-rules"); // a fresh SQLite file per case
   int n = 0;
   run_all([&] { return "sqlite:" + (dir.path / ("case-" + std::to_string(++n) + ".db")).string(); });
 }

@@ -1,6 +1,7 @@
 // The SQLite store's token cache: a hit only while the revocation epoch is unchanged and
 // the entry is young; an increment by another process (here: a forked child, and a second
 // opening of the file) drops every entry; without an epoch file nothing is cached.
+#include "../../support/store_test_support.hpp"
 #include "mep/token_cache.hpp"
 
 #include <catch2/catch.hpp>
@@ -21,22 +22,12 @@ using namespace std::chrono_literals;
 
 namespace {
 
-struct TempDir {
-  std::filesystem::path path;
-  TempDir() {
-    std::string t = (std::filesystem::temp_directory_path() / "mep-token-cache-XXXXXX").string();
-    REQUIRE(::mkdtemp(t.data()) != nullptr);
-    path = t;
-  }
-  ~TempDir() { std::filesystem::remove_all(path); }
-};
-
 AuthInfo info(std::string tenant) { return AuthInfo{std::move(tenant), "token-1", true, false}; }
 
 } // namespace
 
 TEST_CASE("a cached token is found until the epoch changes") {
-  TempDir dir;
+  mep::test::TempDir dir("mep-token-cache");
   std::string epoch_file = (dir.path / "control.db-token-epoch").string();
   TokenCache cache(epoch_file);
   CHECK_FALSE(cache.find("h1", cache.epoch()));
@@ -92,7 +83,7 @@ TEST_CASE("a cached token is found until the epoch changes") {
 }
 
 TEST_CASE("a cached token expires after its lifetime") {
-  TempDir dir;
+  mep::test::TempDir dir("mep-token-cache");
   TokenCache cache((dir.path / "db-token-epoch").string(), 50ms);
   cache.put("h1", info("t1"), cache.epoch());
   CHECK(cache.find("h1", cache.epoch()));
@@ -101,7 +92,7 @@ TEST_CASE("a cached token expires after its lifetime") {
 }
 
 TEST_CASE("without a usable epoch file nothing is cached") {
-  TempDir dir;
+  mep::test::TempDir dir("mep-token-cache");
   TokenCache cache((dir.path / "no-such-dir" / "db-token-epoch").string());
   CHECK_FALSE(cache.epoch());
   CHECK_FALSE(cache.invalidate());
