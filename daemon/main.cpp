@@ -77,6 +77,7 @@ int inherited_socket() {
 
 int main(int argc, char** argv) {
   mep::log::set_program("mepd");
+  mep::http::raise_open_files_limit(); // one descriptor per agent connection
   // 1. Options: flags > MEP_* environment > ~/.config/mep/config.toml > defaults.
   CLI::App app{"mepd: the mep host daemon. Local agents attach over a Unix socket.", "mepd"};
   std::optional<std::string> socket, state_dir, control_plane, token_file, config_file, store, store_token_file;

@@ -29,9 +29,13 @@ std::vector<std::string> freed_keys(const std::string& canonical_name, const std
 
 // A 423 says how many claims wait for the resource (`waiters`): the position is not a
 // secret, the holder's identity is.
+// The store may have counted them already (PostgreSQL: on every server): the larger count.
 ClaimOutcome with_waiters(ClaimOutcome r, std::size_t waiters) {
-  if (!r.ok() && r.value.error().status() == 423 && waiters > 0)
-    r.value.error().extensions["waiters"] = static_cast<std::int64_t>(waiters);
+  if (r.ok() || r.value.error().status() != 423) return r;
+  auto& ext = r.value.error().extensions;
+  std::int64_t n = static_cast<std::int64_t>(waiters);
+  if (auto* known = ext.if_contains("waiters"); known && known->is_int64()) n = std::max(n, known->as_int64());
+  if (n > 0) ext["waiters"] = n;
   return r;
 }
 
@@ -59,7 +63,14 @@ std::string lookup_name(const std::string& raw) {
   return n ? n->canonical_name : raw;
 }
 
-LeaseService::LeaseService(Store& store) : m_store(store) {
+LeaseService::LeaseService(Store& store)
+    : m_store(store),
+      m_waits(WaitQueue::Hooks{[&store](std::uint64_t t) { store.leave_queue(t); },
+                               [&store](std::uint64_t t, bool abandoned) { store.mark_queue(t, abandoned); }}) {
+  // SQLite: the claim's transaction asks this process's queue who waits.
+  m_store.set_queue_gate([this](std::string_view skeleton, std::string_view memory, std::uint64_t ticket) {
+    return m_waits.ahead(skeleton, memory, ticket);
+  });
   // Releases through other servers on the same database wake the claims waiting here.
   m_store.set_freed_listener(
       [this](const std::string& name, const std::string& memory) { m_waits.freed(freed_keys(name, memory)); });
@@ -100,7 +111,6 @@ void LeaseService::claim(const Ctx& ctx, Idempotency idem, const lease::ClaimReq
   w.deadline = start + std::chrono::seconds(applied);
   w.fd = wait.watch_fd;
   req.record_refusal = false;
-  w.attempt = [this, ctx, idem, req](WaitQueue::Callback cb) { m_store.claim(ctx, idem, req, std::move(cb)); };
   w.answer = [then, applied, start](ClaimOutcome r, std::string_view, std::size_t ahead,
                                     WaitQueue::Clock::time_point decided) {
     // Up to the start of the attempt that decided: a grant is no earlier than the request's
@@ -109,11 +119,33 @@ void LeaseService::claim(const Ctx& ctx, Idempotency idem, const lease::ClaimReq
         0, std::chrono::duration_cast<std::chrono::milliseconds>(std::max(decided, start) - start).count());
     then(ClaimAnswer{with_waiters(std::move(r), ahead), applied, ms});
   };
+  // A retry of a waiting request takes its place; a new one takes a ticket first.
+  switch (WaitQueue::Joined j = m_waits.wait(w); j) {
+  case WaitQueue::Joined::needs_ticket:
+    break;
+  default:
+    return joined(j, then);
+  }
+  QueuePlace place{ctx.auth.tenant_id, req.name->canonical_name, req.name->skeleton, req.memory_id};
+  m_store.enter_queue(
+      ctx, std::move(place), [this, ctx, idem, req, w = std::move(w), then](Outcome<std::uint64_t> t) mutable {
+        if (!t.ok()) return then(ClaimAnswer{ClaimOutcome(std::move(t.value.error())), std::nullopt, 0});
+        w.ticket = req.ticket = *t.value;
+        w.attempt = [this, ctx, idem, req](WaitQueue::Callback cb) { m_store.claim(ctx, idem, req, std::move(cb)); };
+        WaitQueue::Joined j = m_waits.wait(std::move(w));
+        if (j != WaitQueue::Joined::queued) m_store.leave_queue(*t.value); // not needed after all
+        joined(j, then);
+      });
+}
+
+void LeaseService::joined(WaitQueue::Joined j, const ClaimThen& then) {
   auto refuse = [&](Problem p) { then(ClaimAnswer{ClaimOutcome(std::move(p)), std::nullopt, 0}); };
-  switch (m_waits.wait(std::move(w))) {
+  switch (j) {
   case WaitQueue::Joined::queued:
   case WaitQueue::Joined::rejoined:
     return;
+  case WaitQueue::Joined::needs_ticket:
+    return refuse(Problem(Code::internal, "a waiting claim without a ticket"));
   case WaitQueue::Joined::mismatch:
     return refuse(Problem(Code::idempotency_key_reused, "this Idempotency-Key is waiting with a different request"));
   case WaitQueue::Joined::resource_full:
@@ -151,6 +183,11 @@ void LeaseService::revoke(const Ctx& ctx, const std::string& name, Then<Revoked>
     then(std::move(r));
     if (ok) m_waits.freed(all);
   });
+}
+
+std::size_t LeaseService::waiting(const std::string& display_name, const std::string& memory_id) const {
+  auto name = canonicalize(display_name);
+  return name ? m_waits.waiting(claim_keys(*name, memory_id)) : 0;
 }
 
 void LeaseService::get_lease(const Ctx& ctx, const std::string& name, Then<lease::LeaseInfo> then) {

@@ -48,13 +48,14 @@ extern const std::string_view k_pg_schema_v1;
 extern const std::string_view k_pg_schema_v2;
 extern const std::string_view k_pg_schema_v3;
 extern const std::string_view k_pg_schema_v4;
+extern const std::string_view k_pg_schema_v5;
 
 namespace {
 
 namespace json = boost::json;
 using Clock = std::chrono::steady_clock;
 
-constexpr int k_schema_version = 4;
+constexpr int k_schema_version = 5;
 constexpr int k_max_attempts = 10;
 constexpr auto k_reconnect_gap = std::chrono::milliseconds(500);
 // How long a call waits for the database's answer before giving the connection up: the
@@ -147,10 +148,28 @@ Outcome<T> finish_idempotent(const pg::Result& res, T (*success)(const json::obj
 
 // SQL text of the hot statements, prepared once per connection.
 constexpr const char* k_sql_claim =
-    "SELECT mep_claim($1, $2, $3, $4, $5::jsonb, $6, $7, $8, $9, $10, $11::bigint, $12, $13, $14)::text";
+    "SELECT mep_claim($1, $2, $3, $4, $5::jsonb, $6, $7, $8, $9, $10, $11::bigint, $12, $13, $14, $15::bigint)::text";
 // A waiting claim's attempt: a 423 is not kept under the key (Claim::record_refusal).
-constexpr const char* k_sql_claim_attempt =
-    "SELECT mep_claim_attempt($1, $2, $3, $4, $5::jsonb, $6, $7, $8, $9, $10, $11::bigint, $12, $13, $14)::text";
+constexpr const char* k_sql_claim_attempt = "SELECT mep_claim_attempt($1, $2, $3, $4, $5::jsonb, $6, $7, $8, $9, $10, "
+                                            "$11::bigint, $12, $13, $14, $15::bigint)::text";
+// The queue of waiting claims (schema v5). A ticket lives while its server renews it
+// (k_sql_wait_beat); leaving, or being left by its clients, wakes the waiters for the same
+// things on every server.
+constexpr const char* k_sql_wait_enter =
+    "INSERT INTO mep_waiters(tenant_id, canonical_name, skeleton, memory_id, alive_until) "
+    "VALUES ($1, $2, $3, $4, mep_now_ms() + $5::bigint) RETURNING waiter_id";
+constexpr const char* k_sql_wait_leave =
+    "WITH d AS (DELETE FROM mep_waiters WHERE waiter_id = ANY($1::bigint[]) RETURNING canonical_name, memory_id) "
+    "SELECT pg_notify('mep_lease_freed', canonical_name || chr(9) || memory_id) FROM d";
+constexpr const char* k_sql_wait_mark =
+    "WITH u AS (UPDATE mep_waiters SET abandoned = $2::boolean WHERE waiter_id = $1::bigint "
+    "RETURNING canonical_name, memory_id) "
+    "SELECT pg_notify('mep_lease_freed', canonical_name || chr(9) || memory_id) FROM u WHERE $2::boolean";
+// Renews this server's tickets, and removes the ones nobody renewed for a minute (of
+// servers that died, or whose insert's answer was lost).
+constexpr const char* k_sql_wait_beat =
+    "WITH r AS (UPDATE mep_waiters SET alive_until = mep_now_ms() + $2::bigint WHERE waiter_id = ANY($1::bigint[])) "
+    "DELETE FROM mep_waiters WHERE alive_until < mep_now_ms() - 60000 AND waiter_id <> ALL($1::bigint[])";
 constexpr const char* k_sql_register = "SELECT mep_register($1, $2, $3, $4, $5)::text";
 constexpr const char* k_sql_branch = "SELECT mep_branch($1, $2, $3, $4, $5, $6::bigint, $7)::text";
 constexpr const char* k_sql_renew = "SELECT mep_renew($1, $2, $3, $4::bigint, $5, $6::bigint, $7)::text";
@@ -267,6 +286,10 @@ void PgStore::migrate() {
         if (version < 4) {
           c->exec(std::string(k_pg_schema_v4));
           c->exec("UPDATE schema_version SET version = 4 WHERE id = 1");
+        }
+        if (version < 5) {
+          c->exec(std::string(k_pg_schema_v5));
+          c->exec("UPDATE schema_version SET version = 5 WHERE id = 1");
         }
         c->exec("COMMIT");
       } catch (...) {
@@ -488,6 +511,70 @@ void PgStore::set_freed_listener(FreedListener f) {
   m_listen_thread = std::thread([this] { listen_loop(); });
 }
 
+// ---- the queue of waiting claims (schema v5) -----------------------------------------------
+
+std::string PgStore::live_tickets() {
+  std::lock_guard lock(m_tickets_mutex);
+  if (m_tickets.empty()) return {};
+  std::string array = "{";
+  for (auto t : m_tickets) {
+    if (array.size() > 1) array += ',';
+    array += std::to_string(t);
+  }
+  return array + "}";
+}
+
+void PgStore::enter_queue(const Ctx& ctx, QueuePlace place, Then<std::uint64_t> then) {
+  // Not repeatable: a second insert after a lost answer would leave a ticket no one renews
+  // (it stops counting after k_wait_alive, and goes a minute later).
+  submit<std::uint64_t>(
+      [this, place = std::move(place)](pg::Conn& c) -> Outcome<std::uint64_t> {
+        auto r = c.exec("wait_enter", k_sql_wait_enter,
+                        {place.tenant_id, place.canonical_name, place.skeleton, place.memory_id,
+                         std::to_string(k_wait_alive.count())});
+        auto ticket = static_cast<std::uint64_t>(r.int64(0, 0));
+        std::lock_guard lock(m_tickets_mutex);
+        m_tickets.insert(ticket);
+        return ticket;
+      },
+      std::move(then), ctx.request_id, false);
+}
+
+void PgStore::leave_queue(std::uint64_t ticket) {
+  {
+    std::lock_guard lock(m_tickets_mutex);
+    m_tickets.erase(ticket);
+  }
+  enqueue([ticket](pg::Conn& c) { c.exec("wait_leave", k_sql_wait_leave, {"{" + std::to_string(ticket) + "}"}); },
+          [](std::optional<Problem>) {}, {});
+}
+
+void PgStore::mark_queue(std::uint64_t ticket, bool abandoned) {
+  enqueue(
+      [ticket, abandoned](pg::Conn& c) {
+        c.exec("wait_mark", k_sql_wait_mark, {std::to_string(ticket), abandoned ? "true" : "false"});
+      },
+      [](std::optional<Problem>) {}, {});
+}
+
+void PgStore::leave_all_queues() {
+  std::string tickets = live_tickets();
+  {
+    std::lock_guard lock(m_tickets_mutex);
+    m_tickets.clear();
+  }
+  if (tickets.empty()) return;
+  try {
+    with_conn<bool>([&](pg::Conn& c) {
+      c.exec("wait_leave", k_sql_wait_leave, {tickets});
+      return true;
+    });
+  } catch (const std::exception& e) {
+    log::warn("could not take this server's waiting claims out of the queue ({}); they stop counting within {} s",
+              e.what(), k_wait_alive.count() / 1000);
+  }
+}
+
 void PgStore::listen_loop() {
   bool warned = false;
   for (;;) {
@@ -507,9 +594,17 @@ void PgStore::listen_loop() {
       } listening{this};
       drop_auth_cache();
       m_listen_fd = PQsocket(c.raw());
+      auto beaten = std::chrono::steady_clock::time_point{};
       for (;;) {
+        // This server's tickets in the queue of waiting claims are renewed every second.
+        const auto now = std::chrono::steady_clock::now();
+        if (now - beaten >= k_wait_beat) {
+          if (auto tickets = live_tickets(); !tickets.empty())
+            c.exec("wait_beat", k_sql_wait_beat, {std::move(tickets), std::to_string(k_wait_alive.count())});
+          beaten = now;
+        }
         pollfd p[2] = {{PQsocket(c.raw()), POLLIN, 0}, {m_listen_wake, POLLIN, 0}};
-        int n = ::poll(p, 2, 10'000);
+        int n = ::poll(p, 2, static_cast<int>(k_wait_beat.count()));
         if (n < 0 && errno != EINTR) throw std::runtime_error(std::string("poll: ") + std::strerror(errno));
         if (p[1].revents) return; // stopping
         if (!PQconsumeInput(c.raw())) throw std::runtime_error(PQerrorMessage(c.raw()));
@@ -570,6 +665,17 @@ void PgStore::claim(const Ctx& ctx, Idempotency idem, Claim req, Then<lease::Gra
   }
   params.insert(params.end(), {req.memory_id, req.owner_client_id, to_s(req.ttl_s), uuid_v7().to_string(),
                                std::string(unicode_version()), std::string(icu_version())});
+  params.push_back(req.ticket ? pg::Param(std::to_string(req.ticket)) : pg::Param());
+  if (req.ticket) {
+    // A grant takes the ticket out of the queue in its transaction; it is renewed no more.
+    then = [this, ticket = req.ticket, then = std::move(then)](Outcome<lease::Grant> r) {
+      if (r.ok()) {
+        std::lock_guard lock(m_tickets_mutex);
+        m_tickets.erase(ticket);
+      }
+      then(std::move(r));
+    };
+  }
   submit<lease::Grant>(
       [params = std::move(params), record = req.record_refusal](pg::Conn& c) {
         // A waiting claim's refusal is not kept under its key (Claim::record_refusal): the

@@ -37,6 +37,7 @@ namespace {} // namespace
 
 int run_server(const ServerOptions& o) {
   log::set_program("mep server");
+  http::raise_open_files_limit(); // one descriptor per connection
   // 1. Check the options together and report every problem at once.
   std::vector<std::string> errors;
   log::Level level;

@@ -1022,6 +1022,16 @@ expected<lease::Grant, Problem> SqliteStore::op_claim(Db& db, UnixMs now, const 
     p.retry_after_s = retry_after_until(held.expires_at, now);
     return make_unexpected(std::move(p));
   }
+  // 6b. Claims that wait for the skeleton or the memory come first (Claim::ticket); a
+  // re-claim of the caller's own live lease holds no one up and is not held up.
+  if (!reclaim && m_gate) {
+    if (std::size_t ahead = m_gate(name.skeleton, req.memory_id, req.ticket)) {
+      Problem p(Code::name_held, "the name or the memory is free, but earlier claims are waiting for it");
+      p.extensions["waiters"] = static_cast<std::int64_t>(ahead);
+      p.retry_after_s = 1;
+      return make_unexpected(std::move(p));
+    }
+  }
   // 7. Grant: bump the memory's counter, write the lease, the name history and the audit.
   // The row of this memory under this name — held by the same owner (re-claim), released
   // or expired — is rewritten in place; other expired conflicts are removed.

@@ -72,7 +72,7 @@ void run_all(std::vector<std::function<void()>>& later) {
 
 } // namespace
 
-WaitQueue::WaitQueue() {
+WaitQueue::WaitQueue(Hooks hooks) : m_hooks(std::move(hooks)) {
   m_wakeup = ::eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
   if (m_wakeup < 0) throw std::runtime_error("eventfd failed");
   m_thread = std::thread([this] { run(); });
@@ -153,7 +153,17 @@ ClaimOutcome WaitQueue::refusal_for(const Entry& e) const {
 }
 
 WaitQueue::Joined WaitQueue::wait(Waiter w) {
-  std::lock_guard lock(m_mutex);
+  Later later;
+  Joined joined = Joined::queued;
+  {
+    std::lock_guard lock(m_mutex);
+    joined = join(std::move(w), later);
+  }
+  run_all(later);
+  return joined;
+}
+
+WaitQueue::Joined WaitQueue::join(Waiter w, Later& later) {
   if (m_stopped) return Joined::stopped;
   const auto now = Clock::now();
   auto id = std::make_pair(w.tenant, w.idem_key);
@@ -162,16 +172,23 @@ WaitQueue::Joined WaitQueue::wait(Waiter w) {
     if (e->fingerprint != w.fingerprint) return Joined::mismatch;
     const bool was_live = e->live();
     e->clients.push_back(Client{w.fd, w.deadline, now, std::move(w.answer)});
-    if (!was_live) wake_heads(e->keys); // back from abandoned: maybe the head again
+    if (!was_live) {
+      // Back from abandoned: it holds others up again, and may be the head again.
+      count_live(*e, true);
+      if (m_hooks.mark) later.push_back([mark = m_hooks.mark, t = e->seq] { mark(t, false); });
+      wake_heads(e->keys);
+    }
     update_gauge();
     notify();
     return Joined::rejoined;
   }
   for (const auto& k : w.keys)
     if (live_on(k) >= k_max_waiters_per_resource) return Joined::resource_full;
-  if (m_per_tenant[w.tenant] >= k_max_waiters_per_tenant) return Joined::tenant_full;
+  if (auto it = m_per_tenant.find(w.tenant); it != m_per_tenant.end() && it->second >= k_max_waiters_per_tenant)
+    return Joined::tenant_full;
+  if (w.ticket == 0) return Joined::needs_ticket;
   auto e = std::make_shared<Entry>();
-  e->seq = m_next_seq++;
+  e->seq = w.ticket;
   e->tenant = std::move(w.tenant);
   e->keys = std::move(w.keys);
   e->idem_key = std::move(w.idem_key);
@@ -179,9 +196,13 @@ WaitQueue::Joined WaitQueue::wait(Waiter w) {
   e->attempt = std::move(w.attempt);
   e->clients.push_back(Client{w.fd, w.deadline, now, std::move(w.answer)});
   m_entries.emplace(e->seq, e);
-  for (const auto& k : e->keys) m_queues[k].push_back(e);
+  for (const auto& k : e->keys) {
+    auto& q = m_queues[k]; // in ticket order (tickets may come back out of order)
+    q.insert(
+        std::upper_bound(q.begin(), q.end(), e->seq, [](std::uint64_t t, const EntryPtr& x) { return t < x->seq; }), e);
+  }
   m_by_idem[{e->tenant, e->idem_key}] = e;
-  ++m_per_tenant[e->tenant];
+  count_live(*e, true);
   e->wake = true; // tried at once when it is the head
   update_gauge();
   notify();
@@ -192,6 +213,21 @@ void WaitQueue::freed(const std::vector<std::string>& keys) {
   std::lock_guard lock(m_mutex);
   if (m_entries.empty()) return;
   wake_heads(keys);
+}
+
+std::size_t WaitQueue::ahead(std::string_view skeleton, std::string_view memory_id, std::uint64_t ticket) const {
+  std::lock_guard lock(m_mutex);
+  if (m_entries.empty()) return 0;
+  std::vector<const Entry*> seen;
+  for (const std::string& key : {name_key(skeleton), memory_key(memory_id)}) {
+    auto it = m_queues.find(key);
+    if (it == m_queues.end()) continue;
+    for (const auto& x : it->second) {
+      if (ticket != 0 && x->seq >= ticket) break;
+      if (x->live() && std::find(seen.begin(), seen.end(), x.get()) == seen.end()) seen.push_back(x.get());
+    }
+  }
+  return seen.size();
 }
 
 bool WaitQueue::in_flight(const std::string& tenant, const std::string& idem_key) const {
@@ -216,17 +252,50 @@ void WaitQueue::erase(const EntryPtr& e) {
     if (it->second.empty()) m_queues.erase(it);
   }
   if (auto it = m_by_idem.find({e->tenant, e->idem_key}); it != m_by_idem.end() && it->second == e) m_by_idem.erase(it);
-  if (auto it = m_per_tenant.find(e->tenant); it != m_per_tenant.end() && --it->second == 0) m_per_tenant.erase(it);
+  count_live(*e, false);
+}
+
+void WaitQueue::count_live(Entry& e, bool live) {
+  if (e.counted == live) return;
+  e.counted = live;
+  if (live) {
+    ++m_per_tenant[e.tenant];
+  } else if (auto it = m_per_tenant.find(e.tenant); it != m_per_tenant.end() && --it->second == 0) {
+    m_per_tenant.erase(it);
+  }
+}
+
+void WaitQueue::forget(const EntryPtr& e, Later& later) {
+  e->done = true;
+  erase(e);
+  if (m_hooks.leave) later.push_back([leave = m_hooks.leave, t = e->seq] { leave(t); });
+  wake_heads(e->keys);
+}
+
+void WaitQueue::abandon(const EntryPtr& e, Clock::time_point now, Later& later) {
+  count_live(*e, false); // it keeps its place, but not a place in its tenant's bound
+  e->abandoned_until = now + k_rejoin_grace;
+  if (m_hooks.mark) later.push_back([mark = m_hooks.mark, t = e->seq] { mark(t, true); });
+  wake_heads(e->keys);
 }
 
 void WaitQueue::resolve(const EntryPtr& e, const ClaimOutcome& r, std::string_view outcome, Later& later) {
-  e->done = true;
   for (auto& c : e->clients)
     later.push_back(answer_later(std::move(c.answer), r, std::string(outcome), 0, c.start, e->attempt_started));
   e->clients.clear();
-  erase(e);
-  wake_heads(e->keys);
+  end(e, r, later);
   update_gauge();
+}
+
+void WaitQueue::end(const EntryPtr& e, const ClaimOutcome& r, Later& later) {
+  if (r.ok() && !r.replayed) {
+    // A grant took the ticket out of the store's queue in its own transaction.
+    e->done = true;
+    erase(e);
+    wake_heads(e->keys);
+  } else {
+    forget(e, later);
+  }
 }
 
 void WaitQueue::start_attempt(const EntryPtr& e, Later& later) {
@@ -260,9 +329,7 @@ void WaitQueue::on_attempt(const EntryPtr& e, ClaimOutcome r) {
     } else {
       // Its clients went away during the attempt. A grant stays recorded under the
       // Idempotency-Key (a retry replays it) and otherwise lapses at its TTL.
-      e->done = true;
-      erase(e);
-      wake_heads(e->keys);
+      end(e, r, later);
     }
   }
   run_all(later);
@@ -318,15 +385,8 @@ void WaitQueue::run() {
             ++it;
           }
         }
-        if (had && !e->live()) {
-          e->abandoned_until = now + k_rejoin_grace;
-          wake_heads(e->keys);
-        }
-        if (!e->live() && !e->attempting && e->abandoned_until <= now) {
-          e->done = true;
-          erase(e);
-          wake_heads(e->keys);
-        }
+        if (had && !e->live()) abandon(e, now, later);
+        if (!e->live() && !e->attempting && e->abandoned_until <= now) forget(e, later);
       }
       // Heads that may go: woken by a release, or their holder's lease has ended.
       for (const auto& [seq, e] : m_entries)
@@ -379,10 +439,7 @@ void WaitQueue::run() {
         // Its answer goes nowhere, but it ends the request (the session's count, metrics).
         later.push_back(answer_later(std::move(it->answer), refusal_for(*e), "disconnected", 0, it->start));
         e->clients.erase(it);
-        if (!e->live()) {
-          e->abandoned_until = now + k_rejoin_grace;
-          wake_heads(e->keys);
-        }
+        if (!e->live()) abandon(e, now, later);
       }
       if (!later.empty()) update_gauge();
     } catch (const std::exception& e) {

@@ -464,6 +464,7 @@ std::unordered_set<std::string> read_token_hashes(const std::string& path, std::
 
 int run_store(const StoreServerOptions& o) {
   log::set_program("mep store");
+  http::raise_open_files_limit(); // one descriptor per connection
   // 1. Check the options together and report every problem at once.
   std::vector<std::string> errors;
   log::Level level;

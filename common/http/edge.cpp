@@ -24,6 +24,7 @@
 #include "mep/log.hpp"
 #include "mep/uuid.hpp"
 
+#include <sys/resource.h>
 #include <boost/asio/dispatch.hpp>
 #include <boost/asio/ip/address.hpp>
 #include <boost/asio/post.hpp>
@@ -687,6 +688,17 @@ std::unique_ptr<net::ssl::context> make_tls_context(const std::string& cert_file
   ctx->use_private_key_file(key_file, net::ssl::context::pem, ec);
   if (ec) throw std::runtime_error("cannot load TLS key " + key_file + ": " + ec.message());
   return ctx;
+}
+
+std::uint64_t raise_open_files_limit() {
+  rlimit lim{};
+  if (::getrlimit(RLIMIT_NOFILE, &lim) != 0) return 0;
+  if (lim.rlim_cur < lim.rlim_max) {
+    rlimit raised = lim;
+    raised.rlim_cur = lim.rlim_max;
+    if (::setrlimit(RLIMIT_NOFILE, &raised) == 0) lim = raised;
+  }
+  return static_cast<std::uint64_t>(lim.rlim_cur);
 }
 
 void run_io_thread(net::io_context& ioc) {

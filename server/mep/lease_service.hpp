@@ -87,10 +87,18 @@ public:
     m_store.identity_map(ctx, std::move(cursor), limit, std::move(then));
   }
 
+  /// Claims waiting here for this name (by its skeleton) or this memory: the larger queue.
+  std::size_t waiting(const std::string& display_name, const std::string& memory_id) const;
+
   /// Ends the claims that wait with 503 and Retry-After; new ones get 503.
-  void end_waits() { m_waits.shutdown(); }
+  void end_waits() {
+    m_waits.shutdown();
+    m_store.leave_all_queues();
+  }
 
 private:
+  void joined(WaitQueue::Joined j, const ClaimThen& then);
+
   Store& m_store;
   WaitQueue m_waits;
 };

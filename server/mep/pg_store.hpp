@@ -12,6 +12,8 @@
 #include <functional>
 #include <memory>
 #include <mutex>
+#include <set>
+#include <string>
 #include <thread>
 #include <unordered_map>
 #include <vector>
@@ -25,6 +27,10 @@ public:
   /// pg::Error or std::runtime_error.
   PgStore(const std::string& url, const StoreOptions& options);
   void set_freed_listener(FreedListener f) override;
+  void enter_queue(const Ctx&, QueuePlace, Then<std::uint64_t>) override;
+  void leave_queue(std::uint64_t ticket) override;
+  void mark_queue(std::uint64_t ticket, bool abandoned) override;
+  void leave_all_queues() override;
   /// Finishes every queued job, then stops the workers.
   ~PgStore() override;
 
@@ -129,6 +135,14 @@ private:
   FreedListener m_listener;
   std::thread m_listen_thread;
   int m_listen_wake = -1; // eventfd: stop
+
+  // This server's tickets in the queue of waiting claims: renewed by the listener every
+  // k_wait_beat; each counts until k_wait_alive after its last renewal.
+  static constexpr std::chrono::milliseconds k_wait_beat{1000};
+  static constexpr std::chrono::milliseconds k_wait_alive{5000};
+  std::string live_tickets(); // as a PostgreSQL array literal; empty when none
+  std::mutex m_tickets_mutex;
+  std::set<std::uint64_t> m_tickets;
 
   std::mutex m_spare_mutex;
   std::vector<std::unique_ptr<pg::Conn>> m_spare; // for synchronous calls

@@ -50,6 +50,10 @@ public:
   std::int64_t sweep() override;
   bool migration_in_progress() override;
   void set_completion_executor(CompletionExecutor executor) override { m_complete = std::move(executor); }
+  /// One process serves the database, so the queue of waiting claims is that process's:
+  /// a ticket is a counter, and the claim's transaction asks the gate.
+  void enter_queue(const Ctx&, QueuePlace, Then<std::uint64_t> then) override { then(++m_last_ticket); }
+  void set_queue_gate(QueueGate gate) override { m_gate = std::move(gate); }
   void identity_map(const Ctx&, std::optional<std::string> cursor, std::size_t limit,
                     Then<lease::IdentityMapPage>) override;
   /// The database file (for tools that work on it directly, such as mep migrate).
@@ -156,6 +160,8 @@ private:
   std::thread m_writer;
   int m_writer_nice = 0;
   CompletionExecutor m_complete; // set before the first operation, read by the writer
+  QueueGate m_gate;              // likewise
+  std::atomic<std::uint64_t> m_last_ticket{0};
 
   TokenCache m_tokens; // after m_path
 

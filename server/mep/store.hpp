@@ -15,6 +15,7 @@
 #include <memory>
 #include <optional>
 #include <string>
+#include <string_view>
 #include <vector>
 
 namespace mep::server {
@@ -87,6 +88,21 @@ struct Claim {
   /// not recorded under the Idempotency-Key, so that the next attempt under the same key
   /// runs again instead of replaying the refusal. Every other outcome is recorded.
   bool record_refusal = true;
+  /// The claim's place in the queue of claims that wait (Store::enter_queue); 0 for a
+  /// claim that does not wait. A claim that would start a lease (not a re-claim of the
+  /// caller's own live lease) is refused with 423 while an older claim waits for its name's
+  /// skeleton or its memory: any waiting claim for a claim that does not wait, an earlier
+  /// one for a waiting claim. So a claim that does not wait never takes a lease in the
+  /// instant between a release and the attempt of the claim at the head of the queue.
+  std::uint64_t ticket = 0;
+};
+
+/// What a waiting claim contends for: its name's skeleton and its memory.
+struct QueuePlace {
+  std::string tenant_id;
+  std::string canonical_name;
+  std::string skeleton;
+  std::string memory_id;
 };
 
 /// A held lease as its holder presents it (renew, release; an item of renew-batch).
@@ -172,6 +188,28 @@ public:
   /// one process serves (SQLite) never calls it: that process saw the release itself.
   using FreedListener = std::function<void(const std::string& canonical_name, const std::string& memory_id)>;
   virtual void set_freed_listener(FreedListener) {}
+
+  // The queue of waiting claims (Prefer: wait), shared by every server on the database:
+  // tickets are handed out in order of arrival, and a claim's transaction refuses it while
+  // an older ticket waits for its skeleton or memory (Claim::ticket).
+  /// A waiting claim takes its ticket (> 0, increasing). PostgreSQL: a row of mep_waiters
+  /// under this server's id, live while the server says it is alive (once a second);
+  /// SQLite: a counter (the queue is this process's own; see set_queue_gate).
+  virtual void enter_queue(const Ctx&, QueuePlace, Then<std::uint64_t>) = 0;
+  /// The ticket's claim stopped waiting without a grant (a grant removes it itself); the
+  /// other servers' waiters for the same things are woken. Best effort, not waited for.
+  virtual void leave_queue(std::uint64_t /*ticket*/) {}
+  /// Its clients went away (true: it keeps its place for a retry but holds no one up) or a
+  /// retry took its place back (false). Best effort, not waited for.
+  virtual void mark_queue(std::uint64_t /*ticket*/, bool /*abandoned*/) {}
+  /// This server stops: all its tickets go. Blocks briefly.
+  virtual void leave_all_queues() {}
+  /// SQLite: how the claim's transaction learns of waiting claims: the live waiters with a
+  /// ticket below `ticket` (0: any) on the name's skeleton or the memory. PostgreSQL reads
+  /// mep_waiters instead and never calls it. Called on the store's writer thread.
+  using QueueGate =
+      std::function<std::size_t(std::string_view skeleton, std::string_view memory_id, std::uint64_t ticket)>;
+  virtual void set_queue_gate(QueueGate) {}
   /// Transaction retries so far (PostgreSQL serializable mode; 0 elsewhere).
   virtual std::int64_t transaction_retries() { return 0; }
   /// True between `mep migrate run` and `mep migrate activate` (SPEC §10): lease

@@ -4,12 +4,13 @@
 // (poll(2) with POLLRDHUP: a client that goes away leaves the queue at once), and the
 // moment the holder's lease ends.
 //
-// Fairness is first come, first served by arrival at this server: a waiter is tried only
-// when it is the oldest live waiter on every resource it needs (its name's skeleton and its
-// memory). Its attempts are ordinary claims that do not record a refusal under the
-// Idempotency-Key, so the store keeps deciding every outcome; the queue only decides who
-// asks when. A claim that does not wait is not queued and may win a lease in the instant
-// between its release and the head's attempt (see docs/mep-server.8.md).
+// Fairness is first come, first served by ticket: a waiter takes a ticket from the store
+// when it arrives (Store::enter_queue: in order of arrival at the database, which every
+// server on it shares), and is tried only when it is the oldest live waiter here on every
+// resource it needs (its name's skeleton and its memory). Its attempts are ordinary claims
+// that carry the ticket and do not record a refusal under the Idempotency-Key, so the store
+// keeps deciding every outcome: it refuses an attempt while an older ticket of another
+// server waits, and a claim that does not wait while any ticket waits (Claim::ticket).
 #pragma once
 #include "mep/store.hpp"
 
@@ -64,6 +65,7 @@ public:
       std::function<void(ClaimOutcome, std::string_view outcome, std::size_t ahead, Clock::time_point decided)>;
 
   struct Waiter {
+    std::uint64_t ticket = 0; ///< from Store::enter_queue; 0: not taken yet
     std::string tenant;
     std::vector<std::string> keys; ///< the resources the claim needs
     std::string idem_key;          ///< with the tenant, the waiter's identity
@@ -81,15 +83,29 @@ public:
     resource_full, ///< k_max_waiters_per_resource
     tenant_full,   ///< k_max_waiters_per_tenant
     stopped,       ///< shutting down: 503
+    needs_ticket,  ///< may wait: take a ticket (Store::enter_queue) and call wait again
   };
 
-  WaitQueue();
+  /// What the queue tells the store about its tickets, outside its lock (Store::leave_queue
+  /// and Store::mark_queue).
+  struct Hooks {
+    std::function<void(std::uint64_t ticket)> leave;
+    std::function<void(std::uint64_t ticket, bool abandoned)> mark;
+  };
+
+  explicit WaitQueue(Hooks hooks = {});
   ~WaitQueue();
   WaitQueue(const WaitQueue&) = delete;
   WaitQueue& operator=(const WaitQueue&) = delete;
 
-  /// Queues a claim. Unless the answer is queued or rejoined, `answer` is never called.
+  /// Queues a claim. Without a ticket it only answers rejoined (a retry of a waiting
+  /// request took that request's place), a refusal, or needs_ticket; with one, queued (the
+  /// ticket orders it), rejoined or a refusal (the caller then gives the ticket back).
+  /// Unless the answer is queued or rejoined, `answer` is never called.
   Joined wait(Waiter w);
+  /// For the store's claim transaction (Store::set_queue_gate): the live waiters with a
+  /// ticket below `ticket` (0: any) for this skeleton or this memory.
+  std::size_t ahead(std::string_view skeleton, std::string_view memory_id, std::uint64_t ticket) const;
   /// A lease on these resources ended (release, revoke): their oldest waiters are tried.
   void freed(const std::vector<std::string>& keys);
   /// True while a claim under this tenant's Idempotency-Key waits here: a duplicate that
@@ -108,7 +124,7 @@ private:
     Answer answer;
   };
   struct Entry {
-    std::uint64_t seq = 0;
+    std::uint64_t seq = 0; ///< the ticket
     std::string tenant;
     std::vector<std::string> keys;
     std::string idem_key;
@@ -122,6 +138,7 @@ private:
     bool attempting = false;                               ///< an attempt is running
     Clock::time_point attempt_started{};
     bool done = false;
+    bool counted = false; ///< in m_per_tenant (live, or answered and not yet erased)
     bool live() const { return !done && !clients.empty(); }
   };
   using EntryPtr = std::shared_ptr<Entry>;
@@ -136,16 +153,26 @@ private:
   void start_attempt(const EntryPtr& e, Later& later);
   void on_attempt(const EntryPtr& e, ClaimOutcome r);
   void resolve(const EntryPtr& e, const ClaimOutcome& r, std::string_view outcome, Later& later);
+  Joined join(Waiter w, Later& later);
   void erase(const EntryPtr& e);
+  /// Keeps m_per_tenant, the tenants' live waiters, in step with an entry's liveness.
+  void count_live(Entry& e, bool live);
+  /// After its last attempt: a fresh grant took the ticket out of the store's queue; any
+  /// other end gives it back.
+  void end(const EntryPtr& e, const ClaimOutcome& r, Later& later);
+  /// Erases an entry whose ticket the store should forget (it was not granted).
+  void forget(const EntryPtr& e, Later& later);
+  /// Its last client went away: it keeps its place, holding no one up, for a while.
+  void abandon(const EntryPtr& e, Clock::time_point now, Later& later);
   ClaimOutcome refusal_for(const Entry& e) const;
   void update_gauge();
 
   mutable std::mutex m_mutex;
-  std::map<std::uint64_t, EntryPtr> m_entries;                        // by arrival
-  std::map<std::string, std::vector<EntryPtr>, std::less<>> m_queues; // key -> arrival order
+  Hooks m_hooks;
+  std::map<std::uint64_t, EntryPtr> m_entries;                        // by ticket
+  std::map<std::string, std::vector<EntryPtr>, std::less<>> m_queues; // key -> ticket order
   std::map<std::pair<std::string, std::string>, EntryPtr> m_by_idem;  // (tenant, key)
   std::map<std::string, std::size_t, std::less<>> m_per_tenant;       // live entries
-  std::uint64_t m_next_seq = 1;
   bool m_stopped = false;
   int m_wakeup = -1; // eventfd
   std::thread m_thread;

@@ -140,18 +140,22 @@ class MepServer:
     a fresh PostgreSQL database when $MEP_TEST_BACKEND is `postgresql` (pgfixture.py; it
     lives as long as the test cluster)."""
 
-    def __init__(self, workdir, env, log_level="info"):
+    _started = 0
+
+    def __init__(self, workdir, env, log_level="info", db=None):
+        """`db`: another server's database URL, to serve it too (PostgreSQL); else a new one."""
         self.workdir = workdir
         self.env = env
-        self.pgdb = pgfixture.PgDb() if pgfixture.backend() == "postgresql" else None
-        self.db = self.pgdb.url if self.pgdb else "sqlite:" + os.path.join(workdir, "control.db")
+        self.pgdb = pgfixture.PgDb() if db is None and pgfixture.backend() == "postgresql" else None
+        self.db = db or (self.pgdb.url if self.pgdb else "sqlite:" + os.path.join(workdir, "control.db"))
         self.log_level = log_level
         self.proc = None
         self.port = None
         self.logs = []  # every Proc this server ran (restarts keep the old logs)
 
     def start(self):
-        log = os.path.join(self.workdir, "server-%d.log" % len(self.logs))
+        MepServer._started += 1  # servers may share a workdir: each start its own log
+        log = os.path.join(self.workdir, "server-%d.log" % MepServer._started)
         self.proc = Proc("mep server", [mep_bin(), "server", "--db", self.db, "--listen", "127.0.0.1:0",
                                         "--log-level", self.log_level], self.env, log, cwd=self.workdir)
         self.logs.append(self.proc)

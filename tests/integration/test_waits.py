@@ -275,6 +275,81 @@ class ServerWaits(ServerTestCase):
         self.assertEqual(r.status, 201, r)
         self.assertEqual(r.header("Preference-Applied"), "wait=10")
 
+    def test_a_claim_without_wait_does_not_go_ahead_of_waiters(self):
+        # The waiter wants a free name with a held memory: the name is free all along, yet a
+        # claim that does not wait may not take it (with another memory, or through a
+        # confusable spelling). The holder's re-claim of its own lease still goes through.
+        name, mem, token = self.hold()
+        wanted = unique_name()
+        w = self.raw(wanted, mem, "waiter", 30)
+        self.queued(1)
+        for display in (wanted, wanted.upper()):
+            r = self.c.claim(display, self.c.new_memory(), "jumper")
+            self.assertProblem(r, 423, "name-held")
+            self.assertEqual(r.json.get("waiters"), 1, r)
+            self.assertGreaterEqual(int(r.header("Retry-After")), 1)
+        again = self.c.claim(name, mem, "holder")
+        self.assertEqual(again.status, 201, again)
+        self.assertFalse(w.done.is_set(), "the waiter was answered while the memory was held: %r" % (w.result,))
+        self.assertEqual(self.c.release(name, mem, again.json["fencing_token"], "holder").status, 204)
+        status, _, doc = w.wait()
+        self.assertEqual(status, 201, doc)
+        self.assertEqual(doc["canonical_name"], wanted)
+        # Granted, it is out of the queue: the name is held now, not waited for.
+        r = self.c.claim(wanted, self.c.new_memory(), "jumper")
+        self.assertProblem(r, 423, "name-held")
+        self.assertIsNone(r.json.get("waiters"), r)
+
+    def test_waiters_of_one_tenant_are_bounded_at_1024(self):
+        # 4 names x 256 waiters (the bound per resource) = 1024 waiting claims of tenant a,
+        # each on its own connection; the next one is 429 with the bound, while tenant b
+        # still waits. Needs more than 1024 descriptors here (the server raises its own).
+        import resource
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        if hard != resource.RLIM_INFINITY and hard < 1200:
+            self.skipTest("needs 1200 open files, the hard limit is %d" % hard)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (hard if hard != resource.RLIM_INFINITY else 4096, hard))
+        self.addCleanup(resource.setrlimit, resource.RLIMIT_NOFILE, (soft, hard))
+        held = [self.hold() for _ in range(5)]
+        socks = []
+
+        def send(port, token, name, mem, owner):
+            body = json.dumps({"display_name": name, "memory_instance_id": mem, "owner_client_id": owner}).encode()
+            head = ("POST /v1/leases HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer %s\r\nIdempotency-Key: %s\r\n"
+                    "Content-Type: application/json\r\nContent-Length: %d\r\nPrefer: wait=120\r\n\r\n"
+                    % (token, new_key(), len(body)))
+            s = socket.create_connection((HOST, port), timeout=30)
+            socks.append(s)
+            s.sendall(head.encode() + body)
+            return s
+
+        def close_all():
+            for s in socks:
+                s.close()
+        self.addCleanup(close_all)
+        for k in range(4):
+            name, mem, _ = held[k]
+            for i in range(256):
+                send(self.port, self.token_a, name, mem, "w%d-%d" % (k, i))
+                time.sleep(0.002)  # within the token's rate limit (1000/s, a fifth kept for renewals)
+        self.assertTrue(wait_for(lambda: self.waiters() == 1024, timeout=60),
+                        "never 1024 waiters (%s)" % self.waiters())
+        name, mem, _ = held[4]
+        s = send(self.port, self.token_a, name, mem, "one-too-many")
+        reply = s.recv(65536).decode("latin-1")
+        self.assertTrue(reply.startswith("HTTP/1.1 429"), reply[:200])
+        doc = json.loads(reply.partition("\r\n\r\n")[2])
+        self.assertEqual(doc["code"], "rate-limited", doc)
+        self.assertEqual(doc["limit"], 1024, doc)
+        # The bound is the tenant's: another tenant's claim still waits (and is answered
+        # when its wait ends, 1 s later).
+        other = self.client(self.token_b)
+        bname, bmem = unique_name(), other.new_memory()
+        self.assertEqual(other.claim(bname, bmem, "b-holder").status, 201)
+        r = other.claim(bname, bmem, "b-waiter", headers={"Prefer": "wait=1"})
+        self.assertProblem(r, 423, "name-held")
+        self.assertEqual(r.header("Preference-Applied"), "wait=1")
+
     def test_malformed_prefer_is_ignored(self):
         name, mem, _ = self.hold()
         for value in ("wait=", "wait=-1", "wait=abc", "wait=1e3", "respond-async"):
@@ -342,6 +417,106 @@ class CrossServerWaits(unittest.TestCase):
             self.assertEqual(doc["fencing_token"], held.json["fencing_token"] + 1)
 
 
+class TwoServerWaits(unittest.TestCase):
+    """Two servers on one PostgreSQL database share one queue of waiting claims (schema v5's
+    mep_waiters): the order of grants is the order of arrival across both, a claim that does
+    not wait goes ahead of no waiter on either, and the waiters of a server that dies stop
+    holding the others up within seconds."""
+
+    def setUp(self):
+        import pgfixture
+        from serverfixture import create_token, drop_db, new_db
+        if pgfixture.backend() != "postgresql":
+            self.skipTest("several servers share a database on PostgreSQL only (SQLite: one serving process)")
+        tmp = tempfile.TemporaryDirectory(prefix="mep-wait2-")
+        self.addCleanup(tmp.cleanup)
+        db = new_db(tmp.name)
+        self.addCleanup(drop_db, db)
+        self.token = create_token(db, "t")
+        self.servers = []
+        for _ in range(2):
+            srv = MepServer(tmp.name, db)
+            srv.start()
+            self.addCleanup(srv.stop)
+            self.servers.append(srv)
+        self.clients = []
+        for srv in self.servers:
+            c = ApiClient(srv.port, self.token)
+            self.addCleanup(c.close)
+            self.clients.append(c)
+        self.raws = []
+        self.addCleanup(lambda: [r.close() for r in self.raws])
+
+    def raw(self, server, *a, **kw):
+        r = RawClaim(self.servers[server].port, self.token, *a, **kw)
+        self.raws.append(r)
+        return r
+
+    def waiters(self):
+        return sum(metric(s.port, "mep_lease_waiters") for s in self.servers if s.proc.poll() is None)
+
+    def hold(self, ttl=None):
+        c = self.clients[0]
+        name, mem = unique_name(), c.new_memory()
+        r = c.claim(name, mem, "holder", ttl=ttl)
+        self.assertEqual(r.status, 201, r)
+        return name, mem, r.json["fencing_token"]
+
+    def test_waiters_on_two_servers_are_served_in_the_order_they_came(self):
+        name, mem, token = self.hold()
+        ws = []
+        for i in range(8):
+            ws.append(self.raw((i + 1) % 2, name, mem, "w%d" % i, 60))  # servers b, a, b, a, ...
+            self.assertTrue(wait_for(lambda: self.waiters() == i + 1), "waiter %d never queued" % i)
+        order, owner = [], "holder"
+        for _ in range(8):
+            r = self.clients[len(order) % 2].release(name, mem, token, owner)
+            self.assertEqual(r.status, 204, r)
+            got = wait_for(lambda: [i for i, w in enumerate(ws) if w.done.is_set() and i not in order], timeout=15)
+            self.assertTrue(got, "nobody was granted after a release")
+            self.assertEqual(len(got), 1, "two waiters answered at once: %r" % [ws[i].result for i in got])
+            status, _, doc = ws[got[0]].result
+            self.assertEqual(status, 201, doc)
+            self.assertEqual(doc["fencing_token"], token + 1)
+            token, owner = doc["fencing_token"], "w%d" % got[0]
+            order.append(got[0])
+        print("order of grants across two servers:", order)
+        self.assertEqual(order, list(range(8)))
+
+    def test_a_claim_without_wait_goes_ahead_of_no_waiter_on_another_server(self):
+        name, mem, token = self.hold()
+        wanted = unique_name()
+        w = self.raw(1, wanted, mem, "waiter", 30)  # its name is free, its memory held
+        self.assertTrue(wait_for(lambda: self.waiters() == 1))
+        r = self.clients[0].claim(wanted, self.clients[0].new_memory(), "jumper")
+        self.assertEqual(r.status, 423, r)
+        self.assertEqual(r.json["code"], "name-held", r)
+        self.assertEqual(r.json.get("waiters"), 1, r)
+        self.assertEqual(self.clients[0].release(name, mem, token, "holder").status, 204)
+        status, _, doc = w.wait()
+        self.assertEqual(status, 201, doc)
+        self.assertEqual(doc["canonical_name"], wanted)
+
+    def test_the_waiters_of_a_server_that_dies_stop_holding_others_up(self):
+        name, mem, token = self.hold()
+        first = self.raw(0, name, mem, "on-a", 60)
+        self.assertTrue(wait_for(lambda: self.waiters() == 1))
+        second = self.raw(1, name, mem, "on-b", 60)
+        self.assertTrue(wait_for(lambda: self.waiters() == 2))
+        os.kill(self.servers[0].pid, signal.SIGKILL)  # its ticket stays, unrenewed
+        self.servers[0].proc.wait(timeout=10)
+        r = self.clients[1].release(name, mem, token, "holder")
+        self.assertEqual(r.status, 204, r)
+        released = time.monotonic()
+        status, _, doc = second.wait(timeout=40)
+        self.assertEqual(status, 201, "the dead server's waiter held the live one up: %r" % (doc,))
+        lease = self.clients[1].get_lease(name)
+        self.assertEqual(lease.json["owner_client_id"], "on-b", lease)
+        waited = time.monotonic() - released
+        print("granted %.1f s after the release, past the dead server's waiter" % waited)
+        self.assertLess(waited, 20)
+
+
 class DaemonWaits(unittest.TestCase):
     """A real server and three mepd daemons (remote mode) on one memory file."""
 
@@ -357,9 +532,17 @@ class DaemonWaits(unittest.TestCase):
         cls.addClassCleanup(cls.server.stop)
         cls.server.start()
         token = cls.server.token("tenant-wait")
+        # On PostgreSQL a second server serves the same database, and the daemons use both:
+        # the queue of waiting claims is the database's.
+        cls.servers = [cls.server]
+        if cls.server.pgdb is not None:
+            second = DaemonMepServer(cls.home, cls.env, db=cls.server.db)
+            cls.addClassCleanup(second.stop)
+            cls.servers.append(second.start())
         cls.daemons = []
         for i in range(3):
-            d = Mepd(cls.home, cls.env, control_plane=cls.server.url, token=token, tag="mepd%d" % i)
+            srv = cls.servers[i % len(cls.servers)]
+            d = Mepd(cls.home, cls.env, control_plane=srv.url, token=token, tag="mepd%d" % i)
             cls.addClassCleanup(d.stop)
             cls.daemons.append(d.start())
 
@@ -406,7 +589,7 @@ class DaemonWaits(unittest.TestCase):
         return path
 
     def waiters(self):
-        return metric(self.server.port, "mep_lease_waiters")
+        return sum(metric(s.port, "mep_lease_waiters") for s in self.servers)
 
     def test_run_wait_exits_3_when_the_name_stays_held(self):
         path, name = self.new_memory(), "held-%s" % uuid.uuid4().hex[:8]

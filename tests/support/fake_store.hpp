@@ -106,6 +106,9 @@ public:
     return server::AuthInfo{"tenant-test", "token-test", true, true};
   }
   void audit_auth_failure(const std::string&) override {}
+  void enter_queue(const server::Ctx&, server::QueuePlace, server::Then<std::uint64_t> then) override {
+    then(++m_last_ticket);
+  }
   bool ready() override { return true; }
   std::int64_t active_leases() override { return 0; }
   std::int64_t sweep() override { return 0; }
@@ -142,6 +145,7 @@ private:
   std::mutex m_mutex;
   std::set<std::string> m_memories;
   bool m_migrating = false;
+  std::uint64_t m_last_ticket = 0;
 };
 
 } // namespace mep::test

@@ -4,6 +4,7 @@
 #include "../../support/store_test_support.hpp"
 #include "mep/canonical.hpp"
 #include "mep/crypto.hpp"
+#include "mep/lease_service.hpp"
 #include "mep/store.hpp"
 #include "mep/uuid.hpp"
 
@@ -16,6 +17,7 @@
 #include <future>
 #include <memory>
 #include <string>
+#include <thread>
 
 using namespace mep;
 using namespace mep::server;
@@ -29,6 +31,19 @@ public:
   explicit Rig(const std::string& url) : store(open_store(url)) {
     tag = uuid_v7().to_string().substr(24); // the random tail: names and tenants unique per case
     ctx = context("tenant-" + tag);
+  }
+  // The store goes first: it stops calling the service (see LeaseService).
+  ~Rig() {
+    if (m_service) m_service->end_waits();
+    store.reset();
+  }
+  Rig(const Rig&) = delete;
+  Rig& operator=(const Rig&) = delete;
+
+  /// The lease service over the store, for the cases that need claims that wait.
+  LeaseService& service() {
+    if (!m_service) m_service = std::make_unique<LeaseService>(*store);
+    return *m_service;
   }
 
   Ctx context(const std::string& tenant_name) {
@@ -88,6 +103,9 @@ public:
   std::unique_ptr<Store> store;
   std::string tag;
   Ctx ctx;
+
+private:
+  std::unique_ptr<LeaseService> m_service;
 };
 
 Code code_of(const auto& outcome) {
@@ -363,6 +381,44 @@ const Case k_cases[] = {
        REQUIRE(got.ok());
        CHECK(got.value->owner_client_id == "owner-z");
        CHECK(got.value->grant.fencing_token == 1);
+     }},
+    {"a claim that does not wait is refused while a claim waits for its name or memory; a re-claim is not",
+     [](Rig& r) {
+       auto m = r.memory();
+       auto held = r.claim(r.name("q-holder"), m, "holder");
+       REQUIRE(held.ok());
+       // A claim waits for the memory under a name that is free.
+       auto answer = std::make_shared<std::promise<ClaimAnswer>>();
+       auto granted = answer->get_future();
+       r.service().claim(r.ctx, r.key("q-wait"), lease::ClaimRequest{r.name("q-wanted"), m, "waiter", 30},
+                         WaitSpec{20, -1}, [answer](ClaimAnswer a) { answer->set_value(std::move(a)); });
+       for (int i = 0; i < 500 && r.service().waiting(r.name("q-wanted"), m) == 0; ++i)
+         std::this_thread::sleep_for(std::chrono::milliseconds(10));
+       REQUIRE(r.service().waiting(r.name("q-wanted"), m) == 1);
+       // Its name is free, but a claim that does not wait does not go ahead of it, with
+       // another memory or through a confusable name.
+       auto jump = r.claim(r.name("q-wanted"), r.memory(), "jumper");
+       REQUIRE(code_of(jump) == Code::name_held);
+       CHECK(jump.value.error().extensions.at("waiters").as_int64() == 1);
+       CHECK(code_of(r.claim(r.name("q-wAnted"), r.memory(), "jumper")) == Code::name_held);
+       // Other names and memories are not held up.
+       REQUIRE(r.claim(r.name("q-other"), r.memory(), "other").ok());
+       // The holder's re-claim of its own lease goes through.
+       auto again = r.claim(r.name("q-holder"), m, "holder");
+       REQUIRE(again.ok());
+       CHECK(again.value->reclaimed);
+       // Its release through the service wakes the waiting claim.
+       REQUIRE(r.wait<Released>([&](auto then) {
+                  r.service().release(r.ctx, Rig::ref(*again.value, "holder"), then);
+                }).ok());
+       REQUIRE(granted.wait_for(std::chrono::seconds(20)) == std::future_status::ready);
+       auto got = granted.get();
+       REQUIRE(got.outcome.ok());
+       CHECK(got.outcome.value->canonical_name == r.name("q-wanted"));
+       // The grant took the claim out of the queue: nothing holds the name up any more.
+       CHECK(r.service().waiting(r.name("q-wanted"), m) == 0);
+       REQUIRE(r.release(Rig::ref(*got.outcome.value, "waiter")).ok());
+       REQUIRE(r.claim(r.name("q-wanted"), r.memory(), "jumper").ok());
      }},
 };
 

@@ -34,10 +34,12 @@ struct World {
   bool free = false;
   std::vector<std::string> attempts;                // who tried, in order
   std::vector<std::pair<std::string, int>> answers; // who was answered, with which status
+  std::uint64_t last_ticket = 0;                    // as Store::enter_queue hands them out
 
   WaitQueue::Waiter waiter(const std::string& who, std::chrono::milliseconds wait = 10s, int fd = -1,
                            const std::string& key = {}) {
     WaitQueue::Waiter w;
+    w.ticket = ++last_ticket;
     w.tenant = "t";
     w.keys = {name_key("x"), memory_key("m")};
     w.idem_key = key.empty() ? who : key;
@@ -49,7 +51,9 @@ struct World {
       {
         std::lock_guard lock(m);
         attempts.push_back(who);
-        if (free) {
+        if (who == "refused") {
+          r = ClaimOutcome(Problem(Code::memory_not_found, "no such memory"));
+        } else if (free) {
           free = false;
           r = granted();
         } else {
@@ -174,4 +178,106 @@ TEST_CASE("waiters per resource are bounded", "[waiters]") {
     REQUIRE(q.wait(w.waiter("w" + std::to_string(i), 30s)) == WaitQueue::Joined::queued);
   CHECK(q.wait(w.waiter("one-too-many", 30s)) == WaitQueue::Joined::resource_full);
   q.shutdown();
+}
+
+TEST_CASE("the store's tickets order the queue, not the order of the calls", "[waiters]") {
+  World w;
+  WaitQueue q;
+  auto a = w.waiter("a"), b = w.waiter("b"), c = w.waiter("c"); // tickets 1, 2, 3
+  // Their tickets came back out of order (a pool of database connections): c, a, b.
+  REQUIRE(q.wait(std::move(c)) == WaitQueue::Joined::queued);
+  REQUIRE(q.wait(std::move(a)) == WaitQueue::Joined::queued);
+  REQUIRE(q.wait(std::move(b)) == WaitQueue::Joined::queued);
+  for (std::size_t n = 1; n <= 3; ++n) {
+    w.release(q);
+    REQUIRE(w.wait_answers(n));
+  }
+  std::lock_guard lock(w.m);
+  CHECK(w.answers == std::vector<std::pair<std::string, int>>{{"a", 201}, {"b", 201}, {"c", 201}});
+}
+
+TEST_CASE("a claim without a ticket is told to take one, unless it is a retry of a waiting one", "[waiters]") {
+  World w;
+  WaitQueue q;
+  auto a = w.waiter("a");
+  auto untaken = a;
+  untaken.ticket = 0;
+  CHECK(q.wait(untaken) == WaitQueue::Joined::needs_ticket);
+  CHECK(q.waiting({memory_key("m")}) == 0);
+  REQUIRE(q.wait(std::move(a)) == WaitQueue::Joined::queued);
+  CHECK(q.wait(untaken) == WaitQueue::Joined::rejoined); // the same request, retried
+  q.shutdown();
+}
+
+TEST_CASE("the gate counts the live waiters ahead of a ticket, and all of them for a claim that does not wait",
+          "[waiters]") {
+  World w;
+  WaitQueue q;
+  int p[2];
+  REQUIRE(::pipe(p) == 0);
+  auto a = w.waiter("a", 10s, p[0]); // ticket 1, on skeleton x and memory m
+  auto b = w.waiter("b");            // ticket 2
+  auto other = w.waiter("o");        // ticket 3, on other things
+  other.keys = {name_key("y"), memory_key("n")};
+  REQUIRE(q.wait(std::move(a)) == WaitQueue::Joined::queued);
+  REQUIRE(q.wait(std::move(b)) == WaitQueue::Joined::queued);
+  REQUIRE(q.wait(std::move(other)) == WaitQueue::Joined::queued);
+  CHECK(q.ahead("x", "elsewhere", 0) == 2); // by the skeleton
+  CHECK(q.ahead("z", "m", 0) == 2);         // by the memory
+  CHECK(q.ahead("x", "m", 0) == 2);         // each waiter once
+  CHECK(q.ahead("x", "m", 1) == 0);         // nobody ahead of the first
+  CHECK(q.ahead("x", "m", 2) == 1);
+  CHECK(q.ahead("y", "n", 0) == 1);
+  CHECK(q.ahead("free", "free", 0) == 0);
+  // A waiter whose client went away holds no one up while it keeps its place.
+  ::close(p[1]);
+  REQUIRE(w.wait_answers(1));
+  CHECK(q.ahead("x", "m", 0) == 1);
+  CHECK(q.ahead("x", "m", 2) == 0);
+  q.shutdown();
+  ::close(p[0]);
+}
+
+TEST_CASE("the store hears which tickets leave and which are left by their clients", "[waiters]") {
+  std::mutex m;
+  std::vector<std::string> heard;
+  WaitQueue::Hooks hooks{[&](std::uint64_t t) {
+                           std::lock_guard lock(m);
+                           heard.push_back("leave " + std::to_string(t));
+                         },
+                         [&](std::uint64_t t, bool abandoned) {
+                           std::lock_guard lock(m);
+                           heard.push_back((abandoned ? "abandon " : "back ") + std::to_string(t));
+                         }};
+  World w;
+  WaitQueue q(hooks);
+  int p[2];
+  REQUIRE(::pipe(p) == 0);
+  REQUIRE(q.wait(w.waiter("granted")) == WaitQueue::Joined::queued);         // 1
+  REQUIRE(q.wait(w.waiter("gone", 10s, p[0])) == WaitQueue::Joined::queued); // 2
+  REQUIRE(q.wait(w.waiter("late", 300ms)) == WaitQueue::Joined::queued);     // 3
+  w.release(q); // 1 is granted: its grant took the ticket out itself
+  REQUIRE(w.wait_answers(1));
+  ::close(p[1]); // 2's client goes away: it keeps its place, holding no one up
+  REQUIRE(w.wait_answers(2));
+  REQUIRE(w.wait_answers(3));         // 3's wait ends: it keeps its place a while for a retry
+  auto refused = w.waiter("refused"); // 4, on other things: tried at once, and refused
+  refused.keys = {name_key("y"), memory_key("n")};
+  REQUIRE(q.wait(std::move(refused)) == WaitQueue::Joined::queued);
+  REQUIRE(w.wait_answers(4));
+  for (int i = 0; i < 200; ++i) {
+    {
+      std::lock_guard lock(m);
+      if (heard.size() >= 3) break;
+    }
+    std::this_thread::sleep_for(10ms);
+  }
+  auto again = w.waiter("gone"); // the same request again, under the same key
+  again.idem_key = "gone";
+  again.fingerprint = "fp-gone";
+  REQUIRE(q.wait(std::move(again)) == WaitQueue::Joined::rejoined);
+  q.shutdown();
+  ::close(p[0]);
+  std::lock_guard lock(m);
+  CHECK(heard == std::vector<std::string>{"abandon 2", "abandon 3", "leave 4", "back 2"});
 }

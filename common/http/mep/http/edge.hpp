@@ -5,6 +5,7 @@
 #pragma once
 #include "mep/problem.hpp"
 
+#include <cstdint>
 #include <boost/asio/io_context.hpp>
 #include <boost/asio/ip/tcp.hpp>
 #include <boost/asio/local/stream_protocol.hpp>
@@ -169,6 +170,12 @@ private:
 
 /// HOST:PORT ([v6]:PORT too; "localhost" is 127.0.0.1) as an endpoint; nullopt when it is not one.
 std::optional<boost::asio::ip::tcp::endpoint> parse_listen(const std::string& listen);
+
+/// Raises the soft limit on open files to the hard one (as Go programs such as etcd do at
+/// start): a server holds a descriptor per connection, and a waiting claim keeps its
+/// connection open, so the common default of 1024 would end accepting long before the
+/// server's own bounds. Returns the soft limit in force afterwards.
+std::uint64_t raise_open_files_limit();
 
 /// Runs `ioc` on the calling thread until it is stopped; an exception that escapes a
 /// handler is logged and the thread goes on running (the exception boundary of I/O threads).
