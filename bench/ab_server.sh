@@ -4,6 +4,7 @@
 # (CELL: cycles|reclaim|renew:CLIENTS, default cycles:1 cycles:8 reclaim:64 renew:64).
 # Prints, per cell, each binary's median ops/s over the rounds with its range, and the
 # median of the per-round ratios B/A. Needs bench_server built (bench/run.sh builds it).
+# MEP_BENCH_PG=postgresql://… runs the cells on PostgreSQL (a fresh database per cell).
 set -euo pipefail
 root="$(cd "$(dirname "$0")/.." && pwd)"
 a="${1:?usage: bench/ab_server.sh A_MEP B_MEP [ROUNDS] [SECONDS] [CELL ...]}"
@@ -16,8 +17,10 @@ cells=("$@")
 bench="${MEP_BUILD_DIR:-$root/build}/bench/bench_server"
 [[ -x "$bench" ]] || { echo "ab_server: $bench not built (bench/run.sh server --help builds it)" >&2; exit 2; }
 
+pg=()
+[[ -n "${MEP_BENCH_PG:-}" ]] && pg=(--pg "$MEP_BENCH_PG") # on PostgreSQL: a fresh database there per cell
 one() { # MEP CELL -> ops/s
-  "$bench" --mep "$1" --only "$2" --seconds "$seconds" 2>/dev/null |
+  "$bench" --mep "$1" --only "$2" --seconds "$seconds" "${pg[@]}" 2>/dev/null |
     awk '$0 ~ /^HTTP/ { for (i = 1; i <= NF; ++i) if ($i ~ /^[0-9]+$/ && $(i+1) ~ /^[0-9]+$/) { print $(i+1); exit } }'
 }
 

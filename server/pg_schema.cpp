@@ -568,7 +568,7 @@ $$;
 // v5: one queue of waiting claims for all the servers on the database (Prefer: wait).
 // A waiting claim takes a ticket, a row of mep_waiters, when it starts to wait; tickets
 // are in order of arrival. A claim is refused (423) while an earlier ticket, or for a
-// claim that does not wait any ticket, waits for its skeleton or memory (mep_wait_gate).
+// claim that does not wait any ticket, waits for its skeleton or memory (in mep_claim).
 // A ticket counts while its server keeps it alive (alive_until, renewed every second), so
 // the tickets of a server that died hold no one up for more than a few seconds. The claim
 // functions of v1 and v4 take the ticket as a new last parameter; their old forms stay, as
@@ -598,29 +598,6 @@ RETURNS jsonb LANGUAGE sql STABLE AS $$
      AND NOT abandoned AND alive_until > p_now
 $$;
 
--- NULL when no live claim waits for the skeleton or the memory ahead of p_ticket (NULL:
--- ahead of a claim that does not wait, so any), else the 423 to answer: how many wait, and
--- to try again when the first of them may be found dead (its server stopped renewing it).
-CREATE OR REPLACE FUNCTION mep_wait_gate(p_skeleton text, p_memory text, p_ticket bigint, p_now bigint,
-    p_request_id text) RETURNS jsonb
-LANGUAGE plpgsql AS $$
-DECLARE
-  v_n bigint;
-  v_alive bigint;
-BEGIN
-  SELECT count(*), min(alive_until) INTO v_n, v_alive FROM mep_waiters
-   WHERE (skeleton = p_skeleton OR memory_id = p_memory) AND (p_ticket IS NULL OR waiter_id < p_ticket)
-     AND NOT abandoned AND alive_until > p_now;
-  IF v_n = 0 THEN
-    RETURN NULL;
-  END IF;
-  RETURN mep_problem('name-held', 'the name or the memory is free, but earlier claims are waiting for it',
-                     p_request_id)
-         || jsonb_build_object('retry_after', mep_retry_after(v_alive, p_now),
-                               'ext', jsonb_build_object('waiters', v_n));
-END
-$$;
-
 -- SPEC §6.1: the atomic claim. p_pre, when given, is a problem found before the call
 -- (invalid name or TTL) that is only recorded under the Idempotency-Key and answered.
 -- p_ticket: the claim's place in the queue of waiting claims (mep_waiters), NULL for a
@@ -631,7 +608,8 @@ CREATE OR REPLACE FUNCTION mep_claim(p_tenant text, p_key text, p_fp text, p_req
 LANGUAGE plpgsql AS $$
 DECLARE
   v_now bigint := mep_now_ms();
-  v_wait jsonb;
+  v_waiting bigint;
+  v_waiting_alive bigint;
   v_hit jsonb;
   v_mem_tenant text;
   v_counter bigint;
@@ -711,10 +689,17 @@ BEGIN
     -- Claims waiting for the skeleton or the memory come first: any of them for a claim
     -- that does not wait (p_ticket NULL), the earlier ones for a waiting claim. A re-claim
     -- of the caller's own live lease holds no one up and is not held up.
+    -- (Inline rather than a function of its own: every claim that starts a lease runs it.)
     IF v_reclaim_id IS NULL THEN
-      v_wait := mep_wait_gate(p_skeleton, p_memory, p_ticket, v_now, p_request_id);
-      IF v_wait IS NOT NULL THEN
-        RETURN mep_idem_end(p_tenant, p_key, 423, v_wait);
+      SELECT count(*), min(alive_until) INTO v_waiting, v_waiting_alive FROM mep_waiters
+       WHERE (skeleton = p_skeleton OR memory_id = p_memory) AND (p_ticket IS NULL OR waiter_id < p_ticket)
+         AND NOT abandoned AND alive_until > v_now;
+      IF v_waiting > 0 THEN
+        RETURN mep_idem_end(p_tenant, p_key, 423,
+                 mep_problem('name-held', 'the name or the memory is free, but earlier claims are waiting for it',
+                             p_request_id)
+                 || jsonb_build_object('retry_after', mep_retry_after(v_waiting_alive, v_now),
+                                       'ext', jsonb_build_object('waiters', v_waiting)));
       END IF;
     END IF;
     -- Grant.
