@@ -194,6 +194,28 @@ class FenceRule(StoreCase):
         self.assertEqual(self.state(never), {"memory_instance_id": never, "fencing_token": 0, "object": None})
         self.assertProblem(self.client.get(never), 404, "memory-not-found")
 
+    def test_streamed_bodies_arriving_in_one_piece_are_stored_whole(self):
+        # The whole request in one send: many chunks of a chunked body in one read of the
+        # store (each parsed in turn, none left in the buffer), and a Content-Length body
+        # followed by a second, pipelined request on the same connection.
+        m, n = uuid7(), uuid7()
+        rng = random.Random(7)
+        data = bytes(rng.getrandbits(8) for _ in range(300_000))
+        pieces = [data[i:min(i + 997, 150_000)] for i in range(0, 150_000, 997)] + [data[150_000:]]
+        chunked = b"".join(b"%x\r\n%s\r\n" % (len(p), p) for p in pieces) + b"0\r\n\r\n"
+        auth = ("Authorization: Bearer %s\r\n" % self.token).encode()
+        req1 = (b"PUT /v1/objects/" + m.encode() + b" HTTP/1.1\r\nHost: x\r\n" + auth +
+                b"Fencing-Token: 1\r\nTransfer-Encoding: chunked\r\n\r\n" + chunked)
+        req2 = (b"PUT /v1/objects/" + n.encode() + b" HTTP/1.1\r\nHost: x\r\n" + auth +
+                b"Fencing-Token: 1\r\nContent-Length: %d\r\n\r\n" % len(data) + data)
+        req3 = (b"GET /v1/fence/" + n.encode() + b" HTTP/1.1\r\nHost: x\r\n" + auth + b"Connection: close\r\n\r\n")
+        with socket.create_connection((HOST, self.store.port), timeout=30) as s:
+            s.sendall(req1 + req2 + req3)
+            replies = read_to_close(s)
+        self.assertEqual(replies.count(b"HTTP/1.1 200"), 3, replies[:600])
+        self.assertEqual(self.client.get(m).body, data)
+        self.assertEqual(self.client.get(n).body, data)
+
     def test_lower_token_refused_equal_accepted_higher_raises(self):
         m = uuid7()
         self.assertEqual(self.client.put(m, b"t5 a", 5).status, 200)
