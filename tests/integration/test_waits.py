@@ -43,6 +43,25 @@ def metric(port, name):
     return 0.0
 
 
+def grants_in_turn(test, ws, name, mem, token, clients):
+    """Releases the lease (the holder's, then each granted waiter's: owner "w<i>") through
+    `clients` in turn, once per waiter in `ws` (RawClaims), and returns the order in which
+    the waiters were granted: exactly one per release, each with the next fencing token."""
+    order, owner = [], "holder"
+    for _ in ws:
+        r = clients[len(order) % len(clients)].release(name, mem, token, owner)
+        test.assertEqual(r.status, 204, r)
+        got = wait_for(lambda: [i for i, w in enumerate(ws) if w.done.is_set() and i not in order], timeout=15)
+        test.assertTrue(got, "nobody was granted after a release")
+        test.assertEqual(len(got), 1, "two waiters answered at once: %r" % [ws[i].result for i in got])
+        status, _, doc = ws[got[0]].result
+        test.assertEqual(status, 201, doc)
+        test.assertEqual(doc["fencing_token"], token + 1)
+        token, owner = doc["fencing_token"], "w%d" % got[0]
+        order.append(got[0])
+    return order
+
+
 class RawClaim:
     """A claim on its own connection, sent now and read later (so that a test can close the
     connection while the claim waits)."""
@@ -184,18 +203,7 @@ class ServerWaits(ServerTestCase):
         for i in range(6):
             ws.append(self.raw(name, mem, "w%d" % i, 60))
             self.queued(i + 1)  # queued in this order
-        order, owner = [], "holder"
-        for _ in range(6):
-            self.assertEqual(self.c.release(name, mem, token, owner).status, 204)
-            got = wait_for(lambda: [i for i, w in enumerate(ws) if w.done.is_set() and i not in order], timeout=10)
-            self.assertTrue(got, "nobody was granted after a release")
-            self.assertEqual(len(got), 1, "two waiters answered at once: %r" % [ws[i].result for i in got])
-            status, _, doc = ws[got[0]].result
-            self.assertEqual(status, 201, doc)
-            self.assertEqual(doc["fencing_token"], token + 1)
-            token = doc["fencing_token"]
-            order.append(got[0])
-            owner = "w%d" % got[0]
+        order = grants_in_turn(self, ws, name, mem, token, [self.c])
         self.assertEqual(order, list(range(6)))
 
     def test_expiry_hands_the_lease_over(self):
@@ -468,18 +476,7 @@ class TwoServerWaits(unittest.TestCase):
         for i in range(8):
             ws.append(self.raw((i + 1) % 2, name, mem, "w%d" % i, 60))  # servers b, a, b, a, ...
             self.assertTrue(wait_for(lambda: self.waiters() == i + 1), "waiter %d never queued" % i)
-        order, owner = [], "holder"
-        for _ in range(8):
-            r = self.clients[len(order) % 2].release(name, mem, token, owner)
-            self.assertEqual(r.status, 204, r)
-            got = wait_for(lambda: [i for i, w in enumerate(ws) if w.done.is_set() and i not in order], timeout=15)
-            self.assertTrue(got, "nobody was granted after a release")
-            self.assertEqual(len(got), 1, "two waiters answered at once: %r" % [ws[i].result for i in got])
-            status, _, doc = ws[got[0]].result
-            self.assertEqual(status, 201, doc)
-            self.assertEqual(doc["fencing_token"], token + 1)
-            token, owner = doc["fencing_token"], "w%d" % got[0]
-            order.append(got[0])
+        order = grants_in_turn(self, ws, name, mem, token, self.clients)  # releases through a, b, a, …
         print("order of grants across two servers:", order)
         self.assertEqual(order, list(range(8)))
 
