@@ -192,9 +192,9 @@ public:
   // The queue of waiting claims (Prefer: wait), shared by every server on the database:
   // tickets are handed out in order of arrival, and a claim's transaction refuses it while
   // an older ticket waits for its skeleton or memory (Claim::ticket).
-  /// A waiting claim takes its ticket (> 0, increasing). PostgreSQL: a row of mep_waiters
-  /// under this server's id, live while the server says it is alive (once a second);
-  /// SQLite: a counter (the queue is this process's own; see set_queue_gate).
+  /// A waiting claim takes its ticket (> 0, increasing). PostgreSQL: a row of mep_waiters,
+  /// which counts while the server that took it renews it (once a second); SQLite: a
+  /// counter (the queue is this process's own; see set_queue_gate).
   virtual void enter_queue(const Ctx&, QueuePlace, Then<std::uint64_t>) = 0;
   /// The ticket's claim stopped waiting without a grant (a grant removes it itself); the
   /// other servers' waiters for the same things are woken. Best effort, not waited for.
