@@ -434,24 +434,7 @@ BEGIN
 END
 $$;
 
-CREATE OR REPLACE FUNCTION mep_revoke(p_tenant text, p_name text, p_request_id text) RETURNS jsonb
-LANGUAGE plpgsql AS $$
-DECLARE
-  v_now bigint := mep_now_ms();
-  v_name text;
-  v_memory text;
-  v_token bigint;
-  v_n integer;
-BEGIN
-  DELETE FROM leases WHERE canonical_name = p_name AND tenant_id = p_tenant AND expires_at > v_now
-  RETURNING canonical_name, memory_id, fencing_token INTO v_name, v_memory, v_token;
-  IF v_name IS NULL THEN
-    RETURN mep_problem('lease-not-found', 'no live lease under this name', p_request_id);
-  END IF;
-  v_n := mep_audit(p_tenant, 'LEASE_REVOKED', v_name, v_memory, v_token, v_now);
-  RETURN '{"outcome": "revoked"}'::jsonb;
-END
-$$;
+-- mep_revoke: see v4.
 
 -- Removes expired leases (auditing each) and idempotency records, a bounded number per
 -- call; rows another transaction holds are left for the next call (several servers sweep).

@@ -55,7 +55,10 @@ namespace {
 namespace json = boost::json;
 using Clock = std::chrono::steady_clock;
 
-constexpr int k_schema_version = 5;
+// Each version's schema, applied in turn from the database's version up.
+const std::string_view k_pg_schemas[] = {k_pg_schema_v1, k_pg_schema_v2, k_pg_schema_v3, k_pg_schema_v4,
+                                         k_pg_schema_v5};
+constexpr int k_schema_version = static_cast<int>(std::size(k_pg_schemas));
 constexpr int k_max_attempts = 10;
 constexpr auto k_reconnect_gap = std::chrono::milliseconds(500);
 // How long a call waits for the database's answer before giving the connection up: the
@@ -271,25 +274,9 @@ void PgStore::migrate() {
         if (version > k_schema_version)
           throw std::runtime_error(fmt::format("database schema version {} is newer than this mep ({}); upgrade mep",
                                                version, k_schema_version));
-        if (version < 1) {
-          c->exec(std::string(k_pg_schema_v1));
-          c->exec("UPDATE schema_version SET version = 1 WHERE id = 1");
-        }
-        if (version < 2) {
-          c->exec(std::string(k_pg_schema_v2));
-          c->exec("UPDATE schema_version SET version = 2 WHERE id = 1");
-        }
-        if (version < 3) {
-          c->exec(std::string(k_pg_schema_v3));
-          c->exec("UPDATE schema_version SET version = 3 WHERE id = 1");
-        }
-        if (version < 4) {
-          c->exec(std::string(k_pg_schema_v4));
-          c->exec("UPDATE schema_version SET version = 4 WHERE id = 1");
-        }
-        if (version < 5) {
-          c->exec(std::string(k_pg_schema_v5));
-          c->exec("UPDATE schema_version SET version = 5 WHERE id = 1");
+        for (int v = static_cast<int>(version) + 1; v <= k_schema_version; ++v) {
+          c->exec(std::string(k_pg_schemas[v - 1]));
+          c->exec(fmt::format("UPDATE schema_version SET version = {} WHERE id = 1", v));
         }
         c->exec("COMMIT");
       } catch (...) {
