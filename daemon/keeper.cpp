@@ -77,6 +77,17 @@ struct OwnerScope {
   PeerScope scope;
 };
 
+// A lease taken from the book stays listed until its release on the control plane is over,
+// whichever way the release ends.
+struct Releasing {
+  Releasing(LeaseBook& b, std::string id) : book(b), lease_id(std::move(id)) {}
+  ~Releasing() { book.released(lease_id); }
+  Releasing(const Releasing&) = delete;
+  Releasing& operator=(const Releasing&) = delete;
+  LeaseBook& book;
+  std::string lease_id;
+};
+
 Problem not_yours() { return Problem(Code::lease_not_found, "this daemon holds no lease under that name"); }
 
 std::string canonical_or(const std::string& display) {
@@ -490,6 +501,7 @@ expected<void, Problem> Keeper::detach(const std::string& display, const std::op
     return make_unexpected(
         Problem(Code::lease_not_found, lease_id ? "this daemon holds no lease with that id under that name"
                                                 : "this daemon holds no lease under that name"));
+  Releasing releasing(m_book, h->lease_id);
   forget({key});
   try {
     // The fingerprint is refreshed at release, so a copy made later is recognized.
@@ -504,7 +516,7 @@ expected<void, Problem> Keeper::detach(const std::string& display, const std::op
 }
 
 std::vector<Held> Keeper::list(uid_t viewer) const {
-  auto all = m_book.all();
+  auto all = m_book.listed();
   all.erase(std::remove_if(all.begin(), all.end(), [&](const Held& h) { return !may_act_on(viewer, h.uid); }),
             all.end());
   return all;
@@ -845,6 +857,7 @@ void Keeper::deadline_loop() {
 
 void Keeper::on_process_exit(pid_t pid) {
   for (auto& h : m_book.take_bound_to(pid)) {
+    Releasing releasing(m_book, h.lease_id);
     forget({h.canonical_name});
     try {
       OwnerScope as_owner(h); // the file is read as its owner, not as the daemon

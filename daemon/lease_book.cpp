@@ -11,7 +11,9 @@
 // * → lost: a 409/410/404 answer (apply, lose), or the local deadline passing without a
 //   successful renewal (expire). Decided on the local clock, not on hearing from the
 //   server; a lost lease keeps its record (without its token) until replaced or detached.
-// * → released: take(), take_bound_to() (the caller releases on the server).
+// * → released: take(), take_bound_to() (the caller releases on the server, then calls
+//   released(); until then the lease is still listed, so a lease gone from the list has a
+//   free name and memory on the control plane).
 #include "mep/lease_book.hpp"
 
 #include <algorithm>
@@ -95,12 +97,27 @@ std::vector<Held> LeaseBook::all() const {
   return out;
 }
 
+std::vector<Held> LeaseBook::listed() const {
+  std::lock_guard lock(m_mutex);
+  std::vector<Held> out;
+  out.reserve(m_leases.size() + m_releasing.size());
+  for (const auto& [name, h] : m_leases) out.push_back(h);
+  for (const auto& [id, h] : m_releasing) out.push_back(h);
+  return out;
+}
+
+void LeaseBook::released(const std::string& lease_id) {
+  std::lock_guard lock(m_mutex);
+  m_releasing.erase(lease_id);
+}
+
 std::optional<Held> LeaseBook::take(const std::string& name, const std::optional<std::string>& lease_id) {
   std::lock_guard lock(m_mutex);
   auto it = m_leases.find(name);
   if (it == m_leases.end() || (lease_id && it->second.lease_id != *lease_id)) return std::nullopt;
   Held h = std::move(it->second);
   m_leases.erase(it);
+  m_releasing[h.lease_id] = h;
   recompute();
   return h;
 }
@@ -118,6 +135,7 @@ std::vector<Held> LeaseBook::take_bound_to(pid_t pid) {
   std::vector<Held> out;
   for (auto it = m_leases.begin(); it != m_leases.end();) {
     if (it->second.bind_pid == pid) {
+      m_releasing[it->second.lease_id] = it->second;
       out.push_back(std::move(it->second));
       it = m_leases.erase(it);
     } else {

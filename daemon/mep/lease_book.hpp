@@ -85,11 +85,18 @@ public:
   /// The lease under `name`, if any (lost ones too: a lost lease is kept as a record).
   std::optional<Held> get(const std::string& name) const;
   std::vector<Held> all() const;
-  /// Removes the lease under `name` (and, when `lease_id` is given, only that one).
+  /// The leases an agent sees listed: all(), and those taken whose release on the control
+  /// plane has not yet finished. A lease leaves the list only once its memory and name are
+  /// free again, so whoever waits for it to go can attach them at once.
+  std::vector<Held> listed() const;
+  /// Removes the lease under `name` (and, when `lease_id` is given, only that one). It stays
+  /// listed until released() is called with its lease id.
   std::optional<Held> take(const std::string& name, const std::optional<std::string>& lease_id = std::nullopt);
+  /// Ends the release of a lease take() or take_bound_to() removed: it is no longer listed.
+  void released(const std::string& lease_id);
   /// Removes a lost record under `name` (a new attach replaces it); true when there was one.
   bool drop_lost(const std::string& name);
-  /// Removes the leases bound to `pid`.
+  /// Removes the leases bound to `pid` (listed until released(), as take()).
   std::vector<Held> take_bound_to(pid_t pid);
   /// The live lease on `memory_id` (held or degraded), else the state it was lost in.
   std::optional<Held> live_on_memory(const std::string& memory_id, bool& lost_one) const;
@@ -130,6 +137,7 @@ private:
 
   mutable std::mutex m_mutex;
   std::map<std::string, Held> m_leases;
+  std::map<std::string, Held> m_releasing; ///< by lease id: taken, release not finished
   SteadyTime m_next_renewal = SteadyTime::max();
   SteadyTime m_next_deadline = SteadyTime::max();
   Sink m_sink;

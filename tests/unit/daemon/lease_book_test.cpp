@@ -184,3 +184,24 @@ TEST_CASE("lease book: a bound process's exit takes its leases, and only those",
   REQUIRE(!b.book.take("b", std::string("another-lease")));
   REQUIRE(b.book.take("b", std::string("lease-b")));
 }
+
+TEST_CASE("lease book: a taken lease is listed until its release is over", "[lease_book]") {
+  // An agent that waits for a lease to leave the list may attach its memory at once: the
+  // lease leaves the list only when the caller says the control plane released it.
+  Book b;
+  b.book.put(held_from_grant(grant("a", 1, 30), "o", "/a", 7, t0), false);
+  b.book.put(held_from_grant(grant("b", 1, 30), "o", "/b", 8, t0), false);
+  auto a = b.book.take_bound_to(7);
+  auto bb = b.book.take("b");
+  REQUIRE(a.size() == 1);
+  REQUIRE(bb);
+  REQUIRE(b.book.size() == 0);
+  REQUIRE(b.book.all().empty()); // not renewed, not fenced
+  REQUIRE(!b.book.get("a"));     // a new attach of the name is not refused locally
+  REQUIRE(b.book.listed().size() == 2);
+  b.book.released("lease-a");
+  REQUIRE(b.book.listed().size() == 1);
+  REQUIRE(b.book.listed()[0].canonical_name == "b");
+  b.book.released("lease-b");
+  REQUIRE(b.book.listed().empty());
+}
