@@ -31,6 +31,7 @@ constexpr Family k_families[] = {
     {"mep_leases_active", "gauge", "Unexpired leases"},
     {"mep_http_request_duration_seconds", "histogram", "HTTP request duration by route and code"},
     {"mep_db_transaction_retries_total", "counter", "Database transactions retried"},
+    {"mep_clock_steps_total", "counter", "Wall-clock steps found of the database clock that decides lease expiry"},
     {"mep_rate_limited_total", "counter", "Requests refused by the rate limiter"},
     {"mep_auth_failures_total", "counter", "Requests refused for a missing, malformed, unknown or revoked token"},
     // SQLite's group commit (zero on PostgreSQL): requests per commit is the ratio of the

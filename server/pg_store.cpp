@@ -29,6 +29,7 @@
 #include "mep/random.hpp"
 #include "mep/uuid.hpp"
 #include "mep/rows.hpp"
+#include "mep/time.hpp"
 
 #include <boost/json/array.hpp>
 #include <boost/json/parse.hpp>
@@ -49,6 +50,7 @@ extern const std::string_view k_pg_schema_v2;
 extern const std::string_view k_pg_schema_v3;
 extern const std::string_view k_pg_schema_v4;
 extern const std::string_view k_pg_schema_v5;
+extern const std::string_view k_pg_schema_v6;
 
 namespace {
 
@@ -56,8 +58,8 @@ namespace json = boost::json;
 using Clock = std::chrono::steady_clock;
 
 // Each version's schema, applied in turn from the database's version up.
-const std::string_view k_pg_schemas[] = {k_pg_schema_v1, k_pg_schema_v2, k_pg_schema_v3, k_pg_schema_v4,
-                                         k_pg_schema_v5};
+const std::string_view k_pg_schemas[] = {k_pg_schema_v1, k_pg_schema_v2, k_pg_schema_v3,
+                                         k_pg_schema_v4, k_pg_schema_v5, k_pg_schema_v6};
 constexpr int k_schema_version = static_cast<int>(std::size(k_pg_schemas));
 constexpr int k_max_attempts = 10;
 constexpr auto k_reconnect_gap = std::chrono::milliseconds(500);
@@ -151,10 +153,11 @@ Outcome<T> finish_idempotent(const pg::Result& res, T (*success)(const json::obj
 
 // SQL text of the hot statements, prepared once per connection.
 constexpr const char* k_sql_claim =
-    "SELECT mep_claim($1, $2, $3, $4, $5::jsonb, $6, $7, $8, $9, $10, $11::bigint, $12, $13, $14, $15::bigint)::text";
+    "SELECT mep_claim($1, $2, $3, $4, $5::jsonb, $6, $7, $8, $9, $10, $11::bigint, $12, $13, $14, $15::bigint, "
+    "$16::bigint)::text";
 // A waiting claim's attempt: a 423 is not kept under the key (Claim::record_refusal).
 constexpr const char* k_sql_claim_attempt = "SELECT mep_claim_attempt($1, $2, $3, $4, $5::jsonb, $6, $7, $8, $9, $10, "
-                                            "$11::bigint, $12, $13, $14, $15::bigint)::text";
+                                            "$11::bigint, $12, $13, $14, $15::bigint, $16::bigint)::text";
 // The queue of waiting claims (schema v5). A ticket lives while its server renews it
 // (k_sql_wait_beat); leaving, or being left by its clients, wakes the waiters for the same
 // things on every server.
@@ -306,7 +309,7 @@ void PgStore::submit(Op op, Then<T> then, std::string request_id, bool repeatabl
     Then<T> then;
   };
   auto kept = std::make_shared<Kept>(Kept{std::nullopt, std::move(then)});
-  enqueue([op = std::move(op), kept](pg::Conn& c) { kept->outcome.emplace(op(c)); },
+  enqueue([op = std::move(op), kept](pg::Conn& c) mutable { kept->outcome.emplace(op(c)); },
           [kept](std::optional<Problem> failure) {
             if (failure || !kept->outcome)
               return kept->then(Outcome<T>(failure ? std::move(*failure) : db_unavailable()));
@@ -588,6 +591,7 @@ void PgStore::listen_loop() {
         if (now - beaten >= k_wait_beat) {
           if (auto tickets = live_tickets(); !tickets.empty())
             c.exec("wait_beat", k_sql_wait_beat, {std::move(tickets), std::to_string(k_wait_alive.count())});
+          watch_clock(c);
           beaten = now;
         }
         pollfd p[2] = {{PQsocket(c.raw()), POLLIN, 0}, {m_listen_wake, POLLIN, 0}};
@@ -619,6 +623,37 @@ void PgStore::listen_loop() {
     pollfd stop{m_listen_wake, POLLIN, 0};
     if (::poll(&stop, 1, 1000) > 0) return;
   }
+}
+
+// One reading of the database clock against the boot clock. A step found is recorded
+// before the reading becomes the anchor: until then this server's claims still carry the
+// bound of the old anchor, so a forward step is covered from the instant it happens, by the
+// bound and then by the record (mep_step_held), on every server.
+void PgStore::watch_clock(pg::Conn& c) {
+  const std::int64_t sent = boot_ms();
+  const std::int64_t clock = c.exec("clock", "SELECT mep_now_ms()", {}).int64(0, 0);
+  const std::int64_t got = boot_ms();
+  if (auto step = m_clock.check(clock, sent, got)) {
+    if (step->size_ms > 0)
+      c.exec("clock_step",
+             "WITH d AS (DELETE FROM mep_clock_steps WHERE to_ms < $2::bigint - 3600000) "
+             "INSERT INTO mep_clock_steps(from_ms, to_ms) VALUES ($1::bigint, $2::bigint) ON CONFLICT DO NOTHING",
+             {std::to_string(step->from_ms), std::to_string(step->to_ms)});
+    m_clock_steps++;
+    if (step->size_ms > 0)
+      log::warn("the database clock stepped forward by {:.3f} s; leases that expired in the step are held "
+                "back from takeovers for one TTL",
+                static_cast<double>(step->size_ms) / 1000);
+    else
+      log::warn("the database clock stepped back by {:.3f} s; leases outlive their TTL by as much",
+                static_cast<double>(-step->size_ms) / 1000);
+  }
+  m_clock.anchor(clock, sent, got);
+}
+
+pg::Param PgStore::clock_bound() const {
+  auto b = m_clock.bound(boot_ms());
+  return b ? pg::Param(std::to_string(*b)) : pg::Param();
 }
 
 // ---- creating operations ------------------------------------------------------------------
@@ -663,8 +698,10 @@ void PgStore::claim(const Ctx& ctx, Idempotency idem, Claim req, Then<lease::Gra
       then(std::move(r));
     };
   }
+  params.emplace_back(); // the clock's bound, taken when the call is sent
   submit<lease::Grant>(
-      [params = std::move(params), record = req.record_refusal](pg::Conn& c) {
+      [this, params = std::move(params), record = req.record_refusal](pg::Conn& c) mutable {
+        params.back() = clock_bound();
         // A waiting claim's refusal is not kept under its key (Claim::record_refusal): the
         // server-side function leaves it out in the claim's own transaction.
         return record ? finish_idempotent(c.exec("claim", k_sql_claim, params), grant_of)
@@ -983,7 +1020,7 @@ std::int64_t PgStore::sweep() {
   return with_conn<std::int64_t>([this](pg::Conn& c) {
     auto state = c.exec("migration_state", "SELECT value FROM settings WHERE key = 'migration_state'", {});
     m_migration_in_progress = state.rows() > 0 && state.text(0, 0) == "in-progress";
-    return c.exec("sweep", "SELECT mep_sweep()", {}).int64(0, 0);
+    return c.exec("sweep", "SELECT mep_sweep($1::bigint)", {clock_bound()}).int64(0, 0);
   });
 }
 

@@ -566,6 +566,7 @@ void on_metrics(const CallPtr& c, LeaseService& svc) {
   try {
     m.set("mep_leases_active", static_cast<double>(svc.store().active_leases()));
     m.set("mep_db_transaction_retries_total", static_cast<double>(svc.store().transaction_retries()));
+    m.set("mep_clock_steps_total", static_cast<double>(svc.store().clock_steps()));
   } catch (const std::exception& e) {
     log::warn("metrics: {}", e.what());
   }

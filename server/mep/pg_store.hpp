@@ -2,6 +2,7 @@
 // each, every lease operation one call of a server-side function (one round trip, one
 // transaction), retried on serialization failures and deadlocks.
 #pragma once
+#include "mep/clock_watch.hpp"
 #include "mep/pg.hpp"
 #include "mep/store.hpp"
 
@@ -52,6 +53,7 @@ public:
   std::int64_t active_leases() override;
   std::int64_t sweep() override;
   std::int64_t transaction_retries() override { return m_retries.load(); }
+  std::int64_t clock_steps() override { return m_clock_steps.load(); }
   bool migration_in_progress() override { return m_migration_in_progress.load(); }
   void identity_map(const Ctx&, std::optional<std::string> cursor, std::size_t limit,
                     Then<lease::IdentityMapPage>) override;
@@ -163,6 +165,14 @@ private:
   std::atomic<bool> m_healthy{true};
   std::atomic<bool> m_migration_in_progress{false};
   std::atomic<std::int64_t> m_retries{0};
+
+  // The database clock, read every k_wait_beat by the listener against this process's boot
+  // clock (schema v6): steps found are recorded in mep_clock_steps and counted here; claims
+  // and sweeps carry the bound it sets.
+  void watch_clock(pg::Conn& c);
+  pg::Param clock_bound() const;
+  ClockWatch m_clock;
+  std::atomic<std::int64_t> m_clock_steps{0};
 };
 
 } // namespace mep::server

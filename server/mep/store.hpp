@@ -212,6 +212,9 @@ public:
   virtual void set_queue_gate(QueueGate) {}
   /// Transaction retries so far (PostgreSQL serializable mode; 0 elsewhere).
   virtual std::int64_t transaction_retries() { return 0; }
+  /// Wall-clock steps found of the clock that decides expiry, when it is not this process's
+  /// (PostgreSQL's: mep_clock_steps_total).
+  virtual std::int64_t clock_steps() { return 0; }
   /// True between `mep migrate run` and `mep migrate activate` (SPEC §10): lease
   /// endpoints answer 503 migration-in-progress. Refreshed at least once a second.
   virtual bool migration_in_progress() = 0;

@@ -50,8 +50,10 @@ class PgCluster:
         os.chmod(self.dir, 0o755)
         self.url = None
 
-    def start(self):
-        proc = subprocess.run(["bash", SCRIPT, "start", self.dir], capture_output=True, timeout=120)
+    def start(self, env=None):
+        """Starts the cluster; `env` adds to the environment its processes run in."""
+        proc = subprocess.run(["bash", SCRIPT, "start", self.dir], capture_output=True, timeout=120,
+                              env=dict(os.environ, **(env or {})))
         if proc.returncode != 0:
             raise AssertionError("cannot start PostgreSQL: %s" % proc.stderr.decode())
         self.url = proc.stdout.decode().strip()

@@ -1,11 +1,21 @@
-"""Wall-clock steps cannot move a lease (SPEC §9), on SQLite: `mep server` runs under
-Debian's libfaketime with FAKETIME_DONT_FAKE_MONOTONIC=1, so only the wall clock moves, as
-an NTP step does (the step is written to FAKETIME_TIMESTAMP_FILE while it runs).
+"""Wall-clock steps cannot hand a live lease to another owner (SPEC §9). The clock that
+decides expiry runs under Debian's libfaketime with FAKETIME_DONT_FAKE_MONOTONIC=1, so only
+the wall clock moves, as an NTP step does (the step is written to FAKETIME_TIMESTAMP_FILE
+while it runs).
 
+On SQLite (`mep server` under libfaketime; its lease clock is monotonic):
 - a forward step one second after a 30 s grant does not hand the lease to another owner;
 - a backward step does not keep a dead holder's lease past its TTL;
 - a restart with the wall clock stepped while the server was down keeps live leases live
   (the lease clock goes on from its checkpoint and the boot time since).
+
+On PostgreSQL (the database under libfaketime, a cluster of the test's own; the database's
+clock decides, and each server watches it against its own monotonic clock):
+- a forward step one second after a 30 s grant: another owner's claim is refused at once
+  (the claim's bound) and after the step is found (its record), also through a server
+  started after the step; the holder renews; the step is counted and logged;
+- a lease that expired inside the step is taken over one TTL after the step, not before;
+- a backward step is counted and logged.
 """
 import os
 import shutil
@@ -91,6 +101,115 @@ class ClockSteps(unittest.TestCase):
         self.assertEqual(other.status, 423, other)
         r = c.renew(name, memory, first.json["fencing_token"], "owner-a", ttl=60)
         self.assertEqual(r.status, 200, r)
+
+
+def metric(port, name):
+    with ApiClient(port) as c:
+        r = c.get("/metrics")
+    for line in r.raw.decode().splitlines():
+        if line.startswith(name + " "):
+            return float(line.rsplit(" ", 1)[1])
+    raise AssertionError("no metric %s" % name)
+
+
+class ClockStepsPostgres(unittest.TestCase):
+    def setUp(self):
+        if not os.path.exists(LIBFAKETIME):
+            self.skipTest("libfaketime is not installed (packaging/install-deps.sh installs it)")
+        self.workdir = tempfile.mkdtemp(prefix="mep-clock-pg-")
+        self.addCleanup(shutil.rmtree, self.workdir, True)
+        os.chmod(self.workdir, 0o755)  # the cluster's user reads the step file
+        self.step_file = os.path.join(self.workdir, "faketime")
+        self.step("+0")
+        cluster = pgfixture.PgCluster()
+        self.addCleanup(cluster.destroy)
+        cluster.start(env={"LD_PRELOAD": LIBFAKETIME, "FAKETIME_DONT_FAKE_MONOTONIC": "1",
+                           "FAKETIME_TIMESTAMP_FILE": self.step_file, "FAKETIME_NO_CACHE": "1"})
+        self.db = pgfixture.PgDb(cluster.url)
+        self.token = create_token(self.db, "tenant-a")
+
+    def step(self, offset):
+        with open(self.step_file + ".tmp", "w") as f:
+            f.write(offset + "\n")
+        os.chmod(self.step_file + ".tmp", 0o644)
+        os.replace(self.step_file + ".tmp", self.step_file)
+        time.sleep(0.1)
+
+    def start(self):
+        server = MepServer(self.workdir, self.db, ("--rate-limit", "0")).start()
+        self.addCleanup(server.stop)
+        time.sleep(1.5)  # the server's first readings of the database clock
+        client = ApiClient(server.port, self.token)
+        self.addCleanup(client.close)
+        return server, client
+
+    def claim(self, c, name, memory, owner, ttl):
+        return c.claim(name, memory, owner, ttl=ttl, key=new_key())
+
+    def test_forward_step_does_not_hand_a_live_lease_to_another_owner(self):
+        server, c = self.start()
+        memory, name = c.new_memory(), unique_name("fwd")
+        first = self.claim(c, name, memory, "owner-a", 30)
+        self.assertEqual(first.status, 201, first)
+        granted = time.monotonic()
+        time.sleep(1)
+        self.step("+60")
+        # At once: the step is not found yet; the claim's bound refuses the takeover.
+        other = self.claim(c, name, memory, "owner-b", 30)
+        self.assertEqual(other.status, 423, other)
+        self.assertEqual(other.json["code"], "name-held")
+        # Once found (a reading a second), the step is recorded and the lease held back, on
+        # every server: also one started after the step, whose clock readings know nothing of it.
+        deadline = time.monotonic() + 10
+        while metric(server.port, "mep_clock_steps_total") < 1 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        self.assertEqual(metric(server.port, "mep_clock_steps_total"), 1)
+        self.assertRegex(server.stderr_text(), r"the database clock stepped forward by (59|60)\.\d{3} s")
+        late, c2 = self.start()
+        for client in (c, c2):
+            other = self.claim(client, name, memory, "owner-b", 30)
+            self.assertEqual(other.status, 423, other)
+        self.assertLess(time.monotonic() - granted, 30, "the checks must run inside the holder's TTL")
+        # The holder's lease is still its own: renewed, and its token still the only one.
+        r = c.renew(name, memory, first.json["fencing_token"], "owner-a", ttl=30)
+        self.assertEqual(r.status, 200, r)
+        other = self.claim(c2, name, memory, "owner-b", 30)
+        self.assertEqual(other.status, 423, other)
+
+    def test_a_lease_that_expired_in_the_step_is_taken_one_ttl_after_it(self):
+        server, c = self.start()
+        memory, name = c.new_memory(), unique_name("hold")
+        first = self.claim(c, name, memory, "owner-a", 5)
+        self.assertEqual(first.status, 201, first)
+        self.step("+60")
+        stepped = time.monotonic()
+        # Refused while the holder's own deadline (5 s after its grant) may not have passed.
+        while time.monotonic() - stepped < 3.5:
+            other = self.claim(c, name, memory, "owner-b", 5)
+            self.assertEqual(other.status, 423, other)
+            time.sleep(0.5)
+        # One TTL after the step (found within a second of it) the lease is free.
+        taken = None
+        while time.monotonic() - stepped < 12:
+            other = self.claim(c, name, memory, "owner-b", 5)
+            if other.status == 201:
+                taken = other
+                break
+            self.assertEqual(other.status, 423, other)
+            time.sleep(0.2)
+        self.assertIsNotNone(taken, "the lease was still held back 12 s after the step")
+        self.assertGreaterEqual(time.monotonic() - stepped, 5)
+        self.assertEqual(taken.json["fencing_token"], first.json["fencing_token"] + 1)
+
+    def test_backward_step_is_counted_and_logged(self):
+        server, c = self.start()
+        self.assertEqual(metric(server.port, "mep_clock_steps_total"), 0)
+        self.step("-60")
+        deadline = time.monotonic() + 10
+        while metric(server.port, "mep_clock_steps_total") < 1 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        self.assertEqual(metric(server.port, "mep_clock_steps_total"), 1)
+        self.assertRegex(server.stderr_text(), r"the database clock stepped back by (59|60)\.\d{3} s")
 
 
 if __name__ == "__main__":
