@@ -266,22 +266,9 @@ void Keeper::adopt(Held h, bool announce) {
 
 // ---- identity -------------------------------------------------------------------------------
 
-std::unique_lock<std::mutex> Keeper::lock_file(const fs::path& path) {
+FileLocks::Held Keeper::lock_file(const fs::path& path) {
   auto st = m_files.stat(path);
-  std::string key = st ? fmt::format("{}:{}", st->dev, st->ino) : path.string();
-  std::shared_ptr<std::mutex> m;
-  {
-    std::lock_guard lock(m_files_mutex);
-    auto& slot = m_file_locks[key];
-    if (!slot) slot = std::make_shared<std::mutex>();
-    m = slot;
-    // Forget locks no one holds any more (the map does not grow with every file seen).
-    for (auto it = m_file_locks.begin(); it != m_file_locks.end();)
-      it = it->second.use_count() == 1 && it->first != key ? m_file_locks.erase(it) : std::next(it);
-  }
-  std::unique_lock<std::mutex> lock(*m);
-  // The shared_ptr in the map keeps the mutex alive while it is locked here.
-  return lock;
+  return m_file_locks.lock(st ? fmt::format("{}:{}", st->dev, st->ino) : path.string());
 }
 
 // POST /v1/memories with a client-minted id; the problem when it is not registered.

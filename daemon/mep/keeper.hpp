@@ -9,6 +9,7 @@
 #include "mep/daemon_api.hpp"
 #include "mep/data_plane.hpp"
 #include "mep/identity.hpp"
+#include "mep/file_locks.hpp"
 #include "mep/lease_book.hpp"
 #include "mep/peer.hpp"
 #include "mep/pid_watch.hpp"
@@ -109,7 +110,7 @@ private:
   void fence_pending();
   void resend_intents();
   void pull_identity_map();
-  std::unique_lock<std::mutex> lock_file(const std::filesystem::path& path);
+  FileLocks::Held lock_file(const std::filesystem::path& path);
 
   std::filesystem::path m_state_dir;
   StateDb m_state;
@@ -122,8 +123,7 @@ private:
 
   // Identity resolution and registration of one file at a time (by device and inode), so
   // two attaches of a new file do not mint two identities for it.
-  std::mutex m_files_mutex;
-  std::map<std::string, std::shared_ptr<std::mutex>> m_file_locks;
+  FileLocks m_file_locks;
 
   mutable std::mutex m_sinks_mutex;
   struct Sink {
