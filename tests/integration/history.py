@@ -186,6 +186,8 @@ def explain(history, violation, margin_s=0.05):
 
 
 def _ms(text):
+    if isinstance(text, int):
+        return text  # already Unix milliseconds
     if parse_rfc3339_ms is not None:
         return parse_rfc3339_ms(text)
     import calendar
