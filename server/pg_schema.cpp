@@ -298,7 +298,7 @@ BEGIN
 END
 $$;
 
--- mep_claim, the atomic claim of SPEC §6.1: see v5 and v6.
+-- mep_claim, the atomic claim of SPEC §6.1: see v6.
 
 -- Renews one lease: the expiry becomes max(old, now + ttl), never shorter.
 CREATE OR REPLACE FUNCTION mep_renew_one(p_tenant text, p_name text, p_memory text, p_token bigint,
@@ -582,161 +582,17 @@ RETURNS jsonb LANGUAGE sql STABLE AS $$
      AND NOT abandoned AND alive_until > p_now
 $$;
 
--- SPEC §6.1: the atomic claim. p_pre, when given, is a problem found before the call
--- (invalid name or TTL) that is only recorded under the Idempotency-Key and answered.
--- p_ticket: the claim's place in the queue of waiting claims (mep_waiters), NULL for a
--- claim that does not wait; a grant takes the ticket out of the queue.
+-- SPEC §6.1: the atomic claim, with p_ticket: the claim's place in the queue of waiting
+-- claims (mep_waiters), NULL for a claim that does not wait. Its body is v6's (with the
+-- clock's bound); v5 is only ever applied just before v6. (PL/pgSQL, whose body is not
+-- resolved before its first call: the function it calls comes with v6.)
 CREATE OR REPLACE FUNCTION mep_claim(p_tenant text, p_key text, p_fp text, p_request_id text,
     p_pre jsonb, p_name text, p_display text, p_skeleton text, p_memory text, p_owner text,
     p_ttl bigint, p_lease_id text, p_unicode text, p_icu text, p_ticket bigint) RETURNS jsonb
 LANGUAGE plpgsql AS $$
-DECLARE
-  v_now bigint := mep_now_ms();
-  v_waiting bigint;
-  v_waiting_alive bigint;
-  v_hit jsonb;
-  v_mem_tenant text;
-  v_counter bigint;
-  v_expired jsonb;
-  v_all_expired jsonb := '[]'::jsonb;
-  v_reclaim_id text;
-  v_conflict_name text;
-  v_conflict_expires bigint;
-  v_held_id text;
-  v_held_expires bigint;
-  v_inserted text;
-  v_granted_at bigint;
-  v_token bigint;
-  v_lease_id text;
-  v_attempt integer := 0;
-  v_n integer;
 BEGIN
-  v_hit := mep_idem_begin(p_tenant, p_key, p_fp, v_now, p_request_id);
-  IF v_hit IS NOT NULL THEN
-    RETURN v_hit;
-  END IF;
-  IF p_pre IS NOT NULL THEN
-    RETURN mep_idem_end(p_tenant, p_key, 400, p_pre);
-  END IF;
-  -- The memory exists, is the tenant's, and is locked against concurrent claims.
-  SELECT tenant_id, fence_counter INTO v_mem_tenant, v_counter
-    FROM memories WHERE memory_id = p_memory FOR UPDATE;
-  IF v_mem_tenant IS DISTINCT FROM p_tenant THEN
-    RETURN mep_idem_end(p_tenant, p_key, 404,
-                        mep_problem('memory-not-found', 'no such memory for this tenant', p_request_id));
-  END IF;
-  LOOP
-    -- The time is read after the memory lock (and again after a lost race), so it is later
-    -- than the commit of every grant and release this claim observes.
-    v_now := mep_now_ms();
-    -- Takeover: expired leases conflicting on name, skeleton or memory go (SPEC §12.2).
-    WITH d AS (
-      DELETE FROM leases
-       WHERE (canonical_name = p_name OR skeleton = p_skeleton OR memory_id = p_memory)
-         AND expires_at <= v_now
-      RETURNING tenant_id, canonical_name, memory_id, fencing_token)
-    SELECT coalesce(jsonb_agg(jsonb_build_object('tenant', tenant_id, 'n', canonical_name,
-                                                 'm', memory_id, 't', fencing_token)), '[]'::jsonb)
-      INTO v_expired FROM d;
-    v_n := mep_audit_many(v_expired, 'LEASE_EXPIRED', NULL, v_now);
-    v_all_expired := v_all_expired || v_expired;
-    -- The caller's own live lease under this name: a re-claim.
-    SELECT lease_id INTO v_reclaim_id FROM leases
-     WHERE canonical_name = p_name AND tenant_id = p_tenant AND owner_client_id = p_owner
-       AND memory_id = p_memory;
-    -- Anyone else's live lease on the name or its skeleton.
-    SELECT canonical_name, expires_at INTO v_conflict_name, v_conflict_expires FROM leases
-     WHERE (canonical_name = p_name OR skeleton = p_skeleton) AND lease_id IS DISTINCT FROM v_reclaim_id
-     ORDER BY (canonical_name = p_name) DESC LIMIT 1;
-    IF v_conflict_name IS NOT NULL THEN
-      v_n := mep_audit(p_tenant, 'NAME_CONFLICT', p_name, p_memory, NULL, v_now);
-      IF v_conflict_name = p_name THEN
-        RETURN mep_idem_end(p_tenant, p_key, 423,
-                 mep_problem('name-held', format('the name "%s" is held by another owner', p_name), p_request_id)
-                 || jsonb_build_object('retry_after', mep_retry_after(v_conflict_expires, v_now))
-                 || mep_wait_ext(p_skeleton, p_memory, p_ticket, v_now));
-      END IF;
-      RETURN mep_idem_end(p_tenant, p_key, 423,
-               mep_problem('name-confusable',
-                           format('the name "%s" is confusable with a name that is held', p_name), p_request_id)
-               || jsonb_build_object('retry_after', mep_retry_after(v_conflict_expires, v_now))
-               || mep_wait_ext(p_skeleton, p_memory, p_ticket, v_now));
-    END IF;
-    -- A live lease on the memory under another name or owner.
-    SELECT lease_id, expires_at INTO v_held_id, v_held_expires FROM leases WHERE memory_id = p_memory;
-    IF v_held_id IS NOT NULL AND v_held_id IS DISTINCT FROM v_reclaim_id THEN
-      RETURN mep_idem_end(p_tenant, p_key, 423,
-               mep_problem('memory-attached', 'this memory is attached to another lease', p_request_id)
-               || jsonb_build_object('retry_after', mep_retry_after(v_held_expires, v_now))
-               || mep_wait_ext(p_skeleton, p_memory, p_ticket, v_now));
-    END IF;
-    -- Claims waiting for the skeleton or the memory come first: any of them for a claim
-    -- that does not wait (p_ticket NULL), the earlier ones for a waiting claim. A re-claim
-    -- of the caller's own live lease holds no one up and is not held up.
-    -- (Inline rather than a function of its own: every claim that starts a lease runs it.)
-    IF v_reclaim_id IS NULL THEN
-      SELECT count(*), min(alive_until) INTO v_waiting, v_waiting_alive FROM mep_waiters
-       WHERE (skeleton = p_skeleton OR memory_id = p_memory) AND (p_ticket IS NULL OR waiter_id < p_ticket)
-         AND NOT abandoned AND alive_until > v_now;
-      IF v_waiting > 0 THEN
-        RETURN mep_idem_end(p_tenant, p_key, 423,
-                 mep_problem('name-held', 'the name or the memory is free, but earlier claims are waiting for it',
-                             p_request_id)
-                 || jsonb_build_object('retry_after', mep_retry_after(v_waiting_alive, v_now),
-                                       'ext', jsonb_build_object('waiters', v_waiting)));
-      END IF;
-    END IF;
-    -- Grant.
-    v_token := v_counter + 1;
-    IF v_reclaim_id IS NOT NULL THEN
-      v_lease_id := v_reclaim_id;
-      DELETE FROM leases WHERE lease_id = v_lease_id;
-    ELSE
-      v_lease_id := p_lease_id;
-    END IF;
-    -- The grant is stamped when its row goes in. An insert may wait at the unique index for
-    -- a concurrent claim of the name, which may commit and be released meanwhile; a stamp
-    -- taken before that wait would date the grant before that release. So the clock is
-    -- read again after the insert and, if it moved, the row is restamped (below). Either
-    -- stamp is earlier than the commit, so the expiry never outlasts grant + TTL.
-    INSERT INTO leases(lease_id, tenant_id, canonical_name, display_name, skeleton, memory_id,
-                       fencing_token, owner_client_id, ttl_seconds, expires_at, acquired_at)
-    SELECT v_lease_id, p_tenant, p_name, p_display, p_skeleton, p_memory, v_token, p_owner, p_ttl,
-           c.t + p_ttl * 1000, c.t
-      FROM (SELECT mep_now_ms() AS t) AS c
-    ON CONFLICT DO NOTHING
-    RETURNING lease_id, acquired_at INTO v_inserted, v_granted_at;
-    EXIT WHEN v_inserted IS NOT NULL;
-    -- A concurrent claim took the name or skeleton and committed: look again.
-    v_attempt := v_attempt + 1;
-    IF v_reclaim_id IS NOT NULL OR v_attempt >= 3 THEN
-      RAISE EXCEPTION 'claim lost a race for its name' USING ERRCODE = '40001';
-    END IF;
-  END LOOP;
-  v_now := mep_now_ms();
-  IF v_now <> v_granted_at THEN
-    v_granted_at := v_now;
-    UPDATE leases SET acquired_at = v_granted_at, expires_at = v_granted_at + p_ttl * 1000
-     WHERE lease_id = v_lease_id;
-  END IF;
-  UPDATE memories SET fence_counter = v_token WHERE memory_id = p_memory;
-  IF p_ticket IS NOT NULL THEN
-    DELETE FROM mep_waiters WHERE waiter_id = p_ticket;
-  END IF;
-  INSERT INTO agent_names(canonical_name, display_name, skeleton, tenant_id, unicode_version,
-                          icu_version, first_claimed_at, last_claimed_at)
-  VALUES (p_name, p_display, p_skeleton, p_tenant, p_unicode, p_icu, v_granted_at, v_granted_at)
-  ON CONFLICT (canonical_name) DO UPDATE
-    SET display_name = excluded.display_name, skeleton = excluded.skeleton,
-        tenant_id = excluded.tenant_id, unicode_version = excluded.unicode_version,
-        icu_version = excluded.icu_version, last_claimed_at = excluded.last_claimed_at;
-  v_n := mep_audit_many(v_all_expired, 'LEASE_TAKEOVER', p_tenant, v_now);
-  v_n := mep_audit(p_tenant, 'LEASE_ACQUIRED', p_name, p_memory, v_token, v_now);
-  RETURN mep_idem_end(p_tenant, p_key, 201,
-           jsonb_build_object('lease_id', v_lease_id, 'canonical_name', p_name,
-             'display_name', p_display, 'memory_instance_id', p_memory, 'fencing_token', v_token,
-             'expires_at', v_granted_at + p_ttl * 1000, 'ttl_seconds', p_ttl, 'server_time', v_granted_at,
-             'outcome', CASE WHEN v_reclaim_id IS NOT NULL THEN 'reclaimed' ELSE 'granted' END));
+  RETURN mep_claim(p_tenant, p_key, p_fp, p_request_id, p_pre, p_name, p_display, p_skeleton, p_memory,
+                   p_owner, p_ttl, p_lease_id, p_unicode, p_icu, p_ticket, NULL::bigint);
 END
 $$;
 
@@ -934,8 +790,12 @@ BEGIN
 END
 $$;
 
--- SPEC §6.1: the atomic claim (v5's, with p_bound: the latest time the database clock can
--- read by the calling server's monotonic clock, NULL when it has none yet).
+-- SPEC §6.1: the atomic claim. p_pre, when given, is a problem found before the call
+-- (invalid name or TTL) that is only recorded under the Idempotency-Key and answered.
+-- p_ticket: the claim's place in the queue of waiting claims (mep_waiters), NULL for a
+-- claim that does not wait; a grant takes the ticket out of the queue. p_bound: the latest
+-- time the database clock can read by the calling server's monotonic clock, NULL when it
+-- has none yet.
 CREATE OR REPLACE FUNCTION mep_claim(p_tenant text, p_key text, p_fp text, p_request_id text,
     p_pre jsonb, p_name text, p_display text, p_skeleton text, p_memory text, p_owner text,
     p_ttl bigint, p_lease_id text, p_unicode text, p_icu text, p_ticket bigint, p_bound bigint) RETURNS jsonb
