@@ -5,6 +5,7 @@
 #include "mep/log.hpp"
 
 #include <cerrno>
+#include <cstring>
 #include <csignal>
 #include <poll.h>
 #include <sys/eventfd.h>
@@ -45,29 +46,40 @@ void PidWatcher::watch(pid_t pid) {
   {
     std::lock_guard lock(m_mutex);
     if (m_pidfds.count(pid)) return;
-    m_pidfds[pid] = pidfd_open(pid); // -1: gone already; reported on the next pass
+    const int fd = pidfd_open(pid);
+    const int err = errno;
+    m_pidfds[pid] = fd >= 0 || !pid_alive(pid) ? fd : k_retry;
+    if (m_pidfds[pid] == k_retry)
+      log::warn("pid watcher: cannot open a pidfd for process {} ({}); trying again", pid, std::strerror(err));
   }
   std::uint64_t one = 1;
   (void)!::write(m_wake_fd, &one, sizeof one);
 }
 
+// An exit is reported only on the pidfd's word (POLLIN) or when the process cannot be found:
+// a pidfd that could not be opened or went bad (POLLNVAL: closed under us) says nothing about
+// the process, and releasing a live agent's leases on it would hand them to someone else
+// while the agent works on (the soak found this under load).
 void PidWatcher::loop() {
   for (;;) {
     std::vector<pollfd> fds;
     std::vector<pid_t> pids;
     std::vector<pid_t> gone;
+    std::vector<pid_t> retry;
     {
       std::lock_guard lock(m_mutex);
       if (m_stop) return;
       fds.push_back({m_wake_fd, POLLIN, 0});
       pids.push_back(0);
       for (auto& [pid, fd] : m_pidfds) {
-        if (fd < 0) {
+        if (fd == k_retry) {
+          retry.push_back(pid);
+        } else if (fd < 0) {
           gone.push_back(pid);
-          continue;
+        } else {
+          fds.push_back({fd, POLLIN, 0});
+          pids.push_back(pid);
         }
-        fds.push_back({fd, POLLIN, 0});
-        pids.push_back(pid);
       }
     }
     if (gone.empty()) {
@@ -76,8 +88,27 @@ void PidWatcher::loop() {
         std::uint64_t v;
         (void)!::read(m_wake_fd, &v, sizeof v);
       }
-      for (std::size_t i = 1; i < fds.size(); ++i)
-        if (fds[i].revents) gone.push_back(pids[i]);
+      for (std::size_t i = 1; i < fds.size(); ++i) {
+        if (fds[i].revents & POLLIN) {
+          gone.push_back(pids[i]);
+        } else if (fds[i].revents) {
+          std::lock_guard lock(m_mutex);
+          auto it = m_pidfds.find(pids[i]);
+          if (it == m_pidfds.end() || it->second != fds[i].fd) continue;
+          log::warn("pid watcher: the pidfd of process {} went bad (poll events {:#x}); watching it again", pids[i],
+                    static_cast<unsigned>(fds[i].revents));
+          if (!(fds[i].revents & POLLNVAL)) ::close(it->second); // POLLNVAL: closed already
+          it->second = k_retry;
+          retry.push_back(pids[i]);
+        }
+      }
+    }
+    for (pid_t pid : retry) {
+      std::lock_guard lock(m_mutex);
+      auto it = m_pidfds.find(pid);
+      if (it == m_pidfds.end() || it->second != k_retry) continue;
+      const int fd = pidfd_open(pid);
+      it->second = fd >= 0 || !pid_alive(pid) ? fd : k_retry;
     }
     for (pid_t pid : gone) {
       {

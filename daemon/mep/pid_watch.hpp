@@ -25,7 +25,10 @@ private:
   void loop();
   std::function<void(pid_t)> m_on_exit;
   std::mutex m_mutex;
-  std::map<pid_t, int> m_pidfds; // -1: could not be opened (gone already)
+  // -1: could not be opened, the process is gone (reported on the next pass); k_retry:
+  // could not be opened (EMFILE, ENOMEM…) although the process lives (tried each pass).
+  static constexpr int k_retry = -2;
+  std::map<pid_t, int> m_pidfds;
   bool m_stop = false;
   int m_wake_fd = -1;
   std::thread m_thread;
