@@ -82,7 +82,7 @@ def agent_main(socket_path, store_port, store_token, files, names, out_path, sto
             if status not in (200, 201):
                 time.sleep(rng.uniform(0.02, 0.2))
                 continue
-            token, memory = body["fencing_token"], body["memory_instance_id"]
+            token, memory, lease_id = body["fencing_token"], body["memory_instance_id"], body["lease_id"]
             seq += 1
             data = ("%s %d token %d" % (owner, seq, token)).encode()
             start = time.monotonic()
@@ -96,7 +96,9 @@ def agent_main(socket_path, store_port, store_token, files, names, out_path, sto
                     "memory": memory, "owner": owner, "token": token, "body": wbody, "data": data.hex()})
             time.sleep(rng.uniform(0, 0.2))
             start = time.monotonic()
-            status, body = call(socket_path, "/v1/detach", {"name": name})
+            # By lease id, as a client must: a name alone may name a lease another agent of
+            # this daemon was granted after ours ended.
+            status, body = call(socket_path, "/v1/detach", {"name": name, "lease_id": lease_id})
             record({"kind": "release", "start": start, "end": time.monotonic(),
                     "status": 204 if status in (200, 204) else status, "name": name, "memory": memory,
                     "owner": owner, "token": token, "body": body})
@@ -167,7 +169,7 @@ class Soak:
     # -- processes
     def start_server(self, i):
         argv = [mep_bin(), "server", "--db", self.db.url, "--listen", "127.0.0.1:%d" % self.server_ports[i],
-                "--rate-limit", "0"]
+                "--rate-limit", "0", "--log-level", os.environ.get("MEP_SOAK_LOG_LEVEL", "info")]
         p = Proc("server%d" % i, argv, self.env, os.path.join(self.dir, "server%d.log" % i), cwd=self.dir)
         p.wait_for_log(r"mep server listening on")
         self.servers[i] = p
@@ -177,7 +179,8 @@ class Soak:
         tag = "mepd%d" % i
         argv = [mepd_bin(), "--socket", self.sockets[i], "--state-dir", os.path.join(self.dir, tag + "-state"),
                 "--control-plane", "http://127.0.0.1:%d" % self.server_ports[i], "--token-file", self.token_file,
-                "--store", self.store.url, "--store-token-file", self.store_token_file]
+                "--store", self.store.url, "--store-token-file", self.store_token_file,
+                "--log-level", os.environ.get("MEP_SOAK_LOG_LEVEL", "info")]
         p = Proc(tag, argv, self.env, os.path.join(self.dir, tag + ".log"), cwd=self.dir)
         p.wait_for_log(r"mepd: info: listening on")
         self.daemons[i] = p

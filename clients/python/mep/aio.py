@@ -436,7 +436,7 @@ class AsyncLease(LeaseBase):
             if info.lease_id != self.lease_id:
                 return
             try:
-                await self._client.detach(self.canonical_name)
+                await self._client.detach(self.canonical_name, self.lease_id)
             except LeaseNotFound:
                 pass
         except MepError as e:
@@ -686,9 +686,12 @@ class AsyncClient:
         _check_bind(bind)
         return AsyncLeaseContext(self, name, path, ttl, wait, bind)
 
-    async def detach(self, name: str) -> None:
-        """``POST /v1/detach``."""
-        resp = await self._request("POST", "/v1/detach", {"name": name})
+    async def detach(self, name: str, lease_id: Optional[str] = None) -> None:
+        """``POST /v1/detach`` (with ``lease_id``: only that lease, as :meth:`mep.Client.detach`)."""
+        body = {"name": name}
+        if lease_id is not None:
+            body["lease_id"] = lease_id
+        resp = await self._request("POST", "/v1/detach", body)
         _http.raise_for(resp, "/v1/detach")
 
     async def leases(self) -> List[LeaseInfo]:

@@ -260,10 +260,14 @@ class Client:
             body["wait_seconds"] = wait
         return LeaseInfo.from_json(self._obj("POST", "/v1/attach", body, self.timeout + (wait or 0.0)))
 
-    def detach(self, name: str) -> None:
+    def detach(self, name: str, lease_id: Optional[str] = None) -> None:
         """``POST /v1/detach``: release the daemon's lease on ``name`` (display or canonical
-        name); :class:`~mep.LeaseNotFound` if it holds none."""
-        self._call("POST", "/v1/detach", {"name": name})
+        name); :class:`~mep.LeaseNotFound` if it holds none. With ``lease_id``, only that
+        lease: not one another agent was granted under the name after this one ended."""
+        body = {"name": name}
+        if lease_id is not None:
+            body["lease_id"] = lease_id
+        self._call("POST", "/v1/detach", body)
 
     def leases(self) -> List[LeaseInfo]:
         """Every lease the daemon keeps (``GET /v1/leases``), lost ones included."""

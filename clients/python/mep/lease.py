@@ -344,7 +344,7 @@ class Lease(LeaseBase):
             if info.lease_id != self.lease_id:
                 return
             try:
-                self._client.detach(self.canonical_name)
+                self._client.detach(self.canonical_name, self.lease_id)
             except LeaseNotFound:
                 pass
         except MepError as e:

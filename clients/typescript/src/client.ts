@@ -146,9 +146,14 @@ export class Client {
     return parseLeaseInfo(r.json);
   }
 
-  /** Releases the daemon's lease on `name` (`POST /v1/detach`). @throws LeaseNotFound */
-  async detach(name: string): Promise<void> {
-    await this.#call("POST", "/v1/detach", { name }, [200, 204]);
+  /**
+   * Releases the daemon's lease on `name` (`POST /v1/detach`); with `leaseId`, only that
+   * lease, not one granted to another agent under the name after it ended.
+   * @throws LeaseNotFound
+   */
+  async detach(name: string, leaseId?: string): Promise<void> {
+    const body = leaseId === undefined ? { name } : { name, lease_id: leaseId };
+    await this.#call("POST", "/v1/detach", body, [200, 204]);
   }
 
   /** Every lease the daemon keeps (`GET /v1/leases`). */

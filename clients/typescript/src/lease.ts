@@ -312,7 +312,7 @@ export class Lease implements AsyncDisposable {
     this.#releasing = (async () => {
       if (wasLive) {
         try {
-          await this.#client.detach(this.canonicalName);
+          await this.#client.detach(this.canonicalName, this.leaseId);
         } catch (e) {
           if (!(e instanceof LeaseNotFound)) throw e;
         }
@@ -323,7 +323,7 @@ export class Lease implements AsyncDisposable {
       // detach only while that record is still ours (not a newer holder's).
       try {
         const info = await this.#client.getLease(this.canonicalName);
-        if (info.leaseId === this.leaseId) await this.#client.detach(this.canonicalName);
+        if (info.leaseId === this.leaseId) await this.#client.detach(this.canonicalName, this.leaseId);
       } catch {
         // best effort: nothing of ours is held
       }
