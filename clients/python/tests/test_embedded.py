@@ -226,6 +226,24 @@ class ProcessBindingTest(DaemonTestCase):
         self.assertLess(time.monotonic() - t0, 3.0)
 
 
+class DetachTest(DaemonTestCase):
+    def test_detach_by_lease_id_never_takes_a_successor(self):
+        # A stale holder's detach names its own lease: a lease granted under the same name
+        # after it ended (here to the same client, as another agent would get it) stays.
+        d = self.start_mepd()
+        c = d.client()
+        path = self.new_memory(c)
+        first = c.attach("successor test", path, ttl=30)
+        c.detach("successor test", first.lease_id)
+        second = c.attach("successor test", path, ttl=30)
+        self.assertNotEqual(first.lease_id, second.lease_id)
+        with self.assertRaises(mep.LeaseNotFound):
+            c.detach("successor test", first.lease_id)
+        self.assertEqual([l.lease_id for l in c.leases()], [second.lease_id])
+        c.detach("successor test", second.lease_id)
+        self.assertEqual(c.leases(), [])
+
+
 class LossTest(DaemonTestCase):
     def test_released_by_someone_else_is_lost(self):
         d = self.start_mepd()

@@ -53,6 +53,20 @@ test("acquire and release (embedded)", opts, async () => {
   await again.release();
 });
 
+test("detach by lease id never takes a lease granted under the name after it", opts, async () => {
+  await using sb = Sandbox.create();
+  const d = await sb.startMepd();
+  const file = await newMemory(sb, d.client, "s");
+  const first = await d.client.attach("successor test", file, { ttl: 30 });
+  await d.client.detach("successor test", first.leaseId);
+  const second = await d.client.attach("successor test", file, { ttl: 30 });
+  assert.notEqual(first.leaseId, second.leaseId);
+  await assert.rejects(d.client.detach("successor test", first.leaseId), mep.LeaseNotFound);
+  assert.deepEqual((await d.client.leases()).map((l) => l.leaseId), [second.leaseId]);
+  await d.client.detach("successor test", second.leaseId);
+  assert.deepEqual(await d.client.leases(), []);
+});
+
 test("the module-level API finds the socket like the CLI ($MEP_SOCKET)", opts, async () => {
   await using sb = Sandbox.create();
   const d = await sb.startMepd();
