@@ -70,3 +70,14 @@ def send_all_then_read(sock, request):
     sock.sendall(request)
     reply = read_to_close(sock)
     return reply.split(b"\r\n", 1)[0], reply
+
+
+def free_port():
+    """A TCP port on 127.0.0.1 that was free a moment ago (for a process that must listen on
+    the same port when started again)."""
+    import socket
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+    s.close()
+    return port

@@ -30,7 +30,6 @@ import json
 import os
 import random
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
@@ -40,9 +39,9 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import pgfixture  # noqa: E402
-from daemonfixture import DaemonClient, Proc, UnixHTTPConnection, clean_env, mepd_bin  # noqa: E402
+from daemonfixture import Proc, UnixHTTPConnection, clean_env, mepd_bin  # noqa: E402
 from history import History  # noqa: E402
-from mephelpers import mep_bin  # noqa: E402
+from mephelpers import free_port, mep_bin  # noqa: E402
 from storefixture import MepStore, StoreClient, new_store_token  # noqa: E402
 
 TTL_S = 5
@@ -133,15 +132,6 @@ def ms(rfc3339):
 
 
 # ---- the soak ----------------------------------------------------------------------------------
-
-def free_port():
-    import socket
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    port = s.getsockname()[1]
-    s.close()
-    return port
-
 
 def sample(pid):
     """(RSS KiB, open fds) of a live process, or None."""

@@ -32,6 +32,7 @@ import time
 import unittest
 
 from history import History
+from mephelpers import free_port
 from serverfixture import ApiClient, MepServer, create_token
 from storefixture import MepStore, StoreClient, new_store_token
 
@@ -39,15 +40,6 @@ CLIENTS = 100
 STORM_BEFORE_S = 4
 GAP_S = 2
 STORM_AFTER_S = 8
-
-
-def free_port():
-    import socket
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    port = s.getsockname()[1]
-    s.close()
-    return port
 
 
 def children_of(pid):
