@@ -59,6 +59,7 @@ class History:
         """Returns a list of violations (empty when the history is consistent)."""
         ops = list(self.ops)
         bad = []
+        index = {}
         grants = [o for o in ops if o["kind"] == "claim" and o["status"] == 201]
         for g in grants:
             g["granted_token"] = g["body"]["fencing_token"]
@@ -69,16 +70,16 @@ class History:
         by_memory = {}
         for g in grants:
             by_memory.setdefault(g["memory"], []).append(g)
-        # S3
+        # S3 (per memory, in O(n log n): long soaks record hundreds of thousands of operations)
         for memory, gs in by_memory.items():
             tokens = [g["granted_token"] for g in gs]
             if len(tokens) != len(set(tokens)):
                 bad.append(f"S3: token issued twice on memory {memory}: {sorted(tokens)}")
-            for a in gs:
-                for b in gs:
-                    if a["end"] < b["start"] and not a["granted_token"] < b["granted_token"]:
-                        bad.append(f"S3: grant {a['granted_token']} acknowledged before grant "
-                                   f"{b['granted_token']} started on memory {memory}")
+            for b in gs:
+                a = _earliest_end_at_or_above(index, gs, "granted_token", b["granted_token"], exclude=b)
+                if a is not None and a["end"] < b["start"]:
+                    bad.append(f"S3: grant {a['granted_token']} acknowledged before grant "
+                               f"{b['granted_token']} started on memory {memory}")
         # Renewals extend a grant's last acknowledged expiry.
         for o in ops:
             if o["kind"] == "renew" and o["status"] == 200:
@@ -91,19 +92,24 @@ class History:
                 or (o["kind"] in ("branch",) and o["status"] == 201) or (o["kind"] == "verify" and o["status"] == 200)
             if not ok or o["token"] is None:
                 continue
-            for g in by_memory.get(o["memory"], []):
-                if g["granted_token"] > o["token"] and g["end"] < o["start"]:
-                    bad.append(f"S4: {o['kind']} with token {o['token']} succeeded after grant "
-                               f"{g['granted_token']} on memory {o['memory']} was acknowledged")
+            g = _earliest_end_at_or_above(index, by_memory.get(o["memory"], []), "granted_token", o["token"] + 1)
+            if g is not None and g["end"] < o["start"]:
+                bad.append(f"S4: {o['kind']} with token {o['token']} succeeded after grant "
+                           f"{g['granted_token']} on memory {o['memory']} was acknowledged")
         # S1/S2
         # A release that succeeded, or whose outcome is unknown (no answer, or a 5xx such as
         # 503 after the database connection broke mid-call), may have ended the grant.
         releases = [o for o in ops if o["kind"] == "release" and (o["status"] == 204 or o["status"] is None
                                                                   or o["status"] >= 500)]
 
+        first_release = {}  # (memory, token) -> the earliest start of such a release
+        for r in releases:
+            k = (r["memory"], r["token"])
+            first_release[k] = min(first_release.get(k, r["start"]), r["start"])
+
         def ended_by_release(g, before):
-            return any(r["memory"] == g["memory"] and r["token"] == g["granted_token"] and r["start"] <= before
-                       for r in releases)
+            started = first_release.get((g["memory"], g["granted_token"]))
+            return started is not None and started <= before
 
         for key in ("name", "memory"):
             groups = {}
@@ -126,12 +132,16 @@ class History:
         Returns a list of violations of D1–D3 (empty when consistent)."""
         ops = list(self.ops)
         bad = []
+        index = {}
         acked = [o for o in ops if o["kind"] in ("write", "advance") and o["status"] is not None and 200 <= o["status"] < 300]
+        acked_by_memory = {}
+        for a in acked:
+            acked_by_memory.setdefault(a["memory"], []).append(a)
         for w in (o for o in acked if o["kind"] == "write"):
-            for a in acked:
-                if a["memory"] == w["memory"] and a["end"] < w["start"] and a["token"] > w["token"]:
-                    bad.append(f"D1: write with token {w['token']} accepted on {w['memory']} after token "
-                               f"{a['token']} was acknowledged")
+            a = _earliest_end_at_or_above(index, acked_by_memory[w["memory"]], "token", w["token"] + 1)
+            if a is not None and a["end"] < w["start"]:
+                bad.append(f"D1: write with token {w['token']} accepted on {w['memory']} after token "
+                           f"{a['token']} was acknowledged")
         for o in ops:
             if o["kind"] == "write" and o["status"] == 409:
                 cur = (o["body"] or {}).get("current_token")
@@ -183,6 +193,36 @@ def explain(history, violation, margin_s=0.05):
                         o.get("token"), b.get("fencing_token"), b.get("server_time"), b.get("expires_at"),
                         b.get("code")))
     return "\n".join(lines)
+
+
+def _earliest_end_at_or_above(index, ops, key, token, exclude=None):
+    """Of `ops` whose `key` is at least `token` (but `exclude`), the one acknowledged first
+    (smallest end), or None. `index` (a dict the caller keeps for one check) holds each
+    list's sorted order and suffix minima, so each of many queries is one binary search."""
+    import bisect
+    cache = index.get(id(ops))
+    if cache is None:
+        order = sorted(ops, key=lambda o: o[key])
+        keys = [o[key] for o in order]
+        # best[i], second[i]: the two smallest ends among order[i:] (the second for `exclude`).
+        best, second = [None] * (len(order) + 1), [None] * (len(order) + 1)
+        for i in range(len(order) - 1, -1, -1):
+            o, b1, b2 = order[i], best[i + 1], second[i + 1]
+            if b1 is None or o["end"] < b1["end"]:
+                best[i], second[i] = o, b1
+            elif b2 is None or o["end"] < b2["end"]:
+                best[i], second[i] = b1, o
+            else:
+                best[i], second[i] = b1, b2
+        cache = (ops, keys, best, second)  # ops: keeps the list (and its id) alive
+        index[id(ops)] = cache
+    _, keys, best, second = cache
+    i = bisect.bisect_left(keys, token)
+    found = best[i]
+    if found is not None and found is exclude:
+        found = second[i]
+    return found
+
 
 
 def _ms(text):
