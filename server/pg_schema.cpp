@@ -260,72 +260,14 @@ BEGIN
 END
 $$;
 
--- What a presented (memory, token) refers to: NULL when the token is the memory's current
--- grant and its lease is live; else the problem (p_not_found when the memory is not the
--- tenant's, stale-fence when a newer grant exists or the token was never issued,
--- lease-expired when this grant has ended).
-CREATE OR REPLACE FUNCTION mep_classify(p_tenant text, p_memory text, p_token bigint, p_now bigint,
-                                        p_not_found text, p_request_id text) RETURNS jsonb
-LANGUAGE plpgsql AS $$
-DECLARE
-  v_tenant text;
-  v_counter bigint;
-  v_token bigint;
-  v_expires bigint;
-  v_n integer;
-BEGIN
-  SELECT tenant_id, fence_counter INTO v_tenant, v_counter FROM memories WHERE memory_id = p_memory;
-  IF v_tenant IS DISTINCT FROM p_tenant THEN
-    RETURN mep_problem(p_not_found, 'no such memory for this tenant', p_request_id);
-  END IF;
-  IF p_token <> v_counter THEN
-    v_n := mep_audit(p_tenant, 'STALE_FENCE_REJECTED', NULL, p_memory, p_token, p_now);
-    IF p_token < v_counter THEN
-      RETURN mep_problem('stale-fence', format('fencing token %s was superseded by %s', p_token, v_counter),
-                         p_request_id)
-             || jsonb_build_object('ext', jsonb_build_object('current_fencing_token', v_counter));
-    END IF;
-    RETURN mep_problem('stale-fence', format('fencing token %s was never issued for this memory', p_token),
-                       p_request_id)
-           || jsonb_build_object('ext', jsonb_build_object('current_fencing_token', v_counter));
-  END IF;
-  SELECT fencing_token, expires_at INTO v_token, v_expires FROM leases WHERE memory_id = p_memory;
-  IF v_token IS NULL OR v_token <> p_token OR v_expires <= p_now THEN
-    RETURN mep_problem('lease-expired', format('the lease with fencing token %s has ended', p_token),
-                       p_request_id);
-  END IF;
-  RETURN NULL;
-END
-$$;
+-- Functions whose newest version replaced them whole are defined only there: a database is
+-- migrated from its version to the newest in one transaction (PgStore::migrate), so a
+-- version before the newest is never seen on its own.
+-- mep_classify, what a presented (memory, token) refers to: see v6.
 
 -- mep_claim, the atomic claim of SPEC §6.1: see v6.
 
--- Renews one lease: the expiry becomes max(old, now + ttl), never shorter.
-CREATE OR REPLACE FUNCTION mep_renew_one(p_tenant text, p_name text, p_memory text, p_token bigint,
-    p_owner text, p_ttl bigint, p_now bigint, p_request_id text) RETURNS jsonb
-LANGUAGE plpgsql AS $$
-DECLARE
-  v_exp bigint;
-  v_problem jsonb;
-BEGIN
-  IF p_ttl < 5 OR p_ttl > 300 THEN
-    RETURN mep_problem('invalid-ttl', format('ttl_seconds must be between 5 and 300 (got %s)', p_ttl),
-                       p_request_id);
-  END IF;
-  UPDATE leases SET expires_at = greatest(expires_at, p_now + p_ttl * 1000), ttl_seconds = p_ttl
-   WHERE memory_id = p_memory AND fencing_token = p_token AND tenant_id = p_tenant
-     AND canonical_name = p_name AND owner_client_id = p_owner AND expires_at > p_now
-  RETURNING expires_at INTO v_exp;
-  IF v_exp IS NOT NULL THEN
-    RETURN jsonb_build_object('expires_at', v_exp, 'ttl_seconds', p_ttl, 'server_time', p_now);
-  END IF;
-  v_problem := mep_classify(p_tenant, p_memory, p_token, p_now, 'lease-not-found', p_request_id);
-  IF v_problem IS NOT NULL THEN
-    RETURN v_problem;
-  END IF;
-  RETURN mep_problem('lease-not-found', 'no lease of this owner under this name', p_request_id);
-END
-$$;
+-- mep_renew_one, the renewal of one lease: see v6.
 
 CREATE OR REPLACE FUNCTION mep_renew(p_tenant text, p_name text, p_memory text, p_token bigint,
     p_owner text, p_ttl bigint, p_request_id text) RETURNS jsonb LANGUAGE plpgsql AS $$
@@ -351,39 +293,7 @@ BEGIN
 END
 $$;
 
--- Release: 204 also when the grant already ended (idempotent); an expired row goes now.
-CREATE OR REPLACE FUNCTION mep_release(p_tenant text, p_name text, p_memory text, p_token bigint,
-    p_owner text, p_request_id text) RETURNS jsonb LANGUAGE plpgsql AS $$
-DECLARE
-  v_now bigint := mep_now_ms();
-  v_tenant text;
-  v_name text;
-  v_problem jsonb;
-  v_n integer;
-BEGIN
-  DELETE FROM leases
-   WHERE memory_id = p_memory AND fencing_token = p_token AND tenant_id = p_tenant
-     AND canonical_name = p_name AND owner_client_id = p_owner AND expires_at > v_now
-  RETURNING canonical_name INTO v_name;
-  IF v_name IS NOT NULL THEN
-    v_n := mep_audit(p_tenant, 'LEASE_RELEASED', v_name, p_memory, p_token, v_now);
-    RETURN '{"outcome": "released"}'::jsonb;
-  END IF;
-  v_problem := mep_classify(p_tenant, p_memory, p_token, v_now, 'lease-not-found', p_request_id);
-  IF v_problem IS NULL THEN
-    RETURN mep_problem('lease-not-found', 'no lease of this owner under this name', p_request_id);
-  END IF;
-  IF v_problem->>'code' <> 'lease-expired' THEN
-    RETURN v_problem;
-  END IF;
-  DELETE FROM leases WHERE memory_id = p_memory AND fencing_token = p_token AND expires_at <= v_now
-  RETURNING tenant_id, canonical_name INTO v_tenant, v_name;
-  IF v_name IS NOT NULL THEN
-    v_n := mep_audit(v_tenant, 'LEASE_EXPIRED', v_name, p_memory, p_token, v_now);
-  END IF;
-  RETURN '{"outcome": "released"}'::jsonb;
-END
-$$;
+-- mep_release: see v6.
 
 CREATE OR REPLACE FUNCTION mep_verify(p_tenant text, p_memory text, p_token bigint, p_request_id text)
 RETURNS jsonb LANGUAGE plpgsql AS $$
@@ -437,33 +347,7 @@ $$;
 
 -- mep_revoke: see v4.
 
--- Removes expired leases (auditing each) and idempotency records, a bounded number per
--- call; rows another transaction holds are left for the next call (several servers sweep).
-CREATE OR REPLACE FUNCTION mep_sweep() RETURNS bigint LANGUAGE plpgsql AS $$
-DECLARE
-  v_now bigint := mep_now_ms();
-  v_expired jsonb;
-  v_n integer;
-  v_c bigint;
-BEGIN
-  WITH d AS (
-    DELETE FROM leases WHERE lease_id IN
-      (SELECT lease_id FROM leases WHERE expires_at <= v_now LIMIT 1000 FOR UPDATE SKIP LOCKED)
-      AND expires_at <= v_now
-    RETURNING tenant_id, canonical_name, memory_id, fencing_token)
-  SELECT coalesce(jsonb_agg(jsonb_build_object('tenant', tenant_id, 'n', canonical_name,
-                                               'm', memory_id, 't', fencing_token)), '[]'::jsonb)
-    INTO v_expired FROM d;
-  v_n := mep_audit_many(v_expired, 'LEASE_EXPIRED', NULL, v_now);
-  WITH d AS (
-    DELETE FROM idempotency WHERE (tenant_id, idem_key) IN
-      (SELECT tenant_id, idem_key FROM idempotency WHERE expires_at <= v_now LIMIT 5000 FOR UPDATE SKIP LOCKED)
-      AND expires_at <= v_now
-    RETURNING 1)
-  SELECT count(*) INTO v_c FROM d;
-  RETURN v_n + v_c;
-END
-$$;
+-- mep_sweep, the sweeper: see v6.
 )sql";
 
 // Version 2: listings page through an index in name order (the (tenant, owner) index made
@@ -660,7 +544,11 @@ LANGUAGE sql STABLE AS $$
                   WHERE from_ms < p_expires AND p_expires <= to_ms AND p_now < to_ms + p_ttl * 1000)
 $$;
 
--- A lease held back by a step is still its holder's: renewed, released, verified as live.
+-- What a presented (memory, token) refers to: NULL when the token is the memory's current
+-- grant and its lease is live; else the problem (p_not_found when the memory is not the
+-- tenant's, stale-fence when a newer grant exists or the token was never issued,
+-- lease-expired when this grant has ended). A lease held back by a step is still its
+-- holder's: renewed, released, verified as live.
 CREATE OR REPLACE FUNCTION mep_classify(p_tenant text, p_memory text, p_token bigint, p_now bigint,
                                         p_not_found text, p_request_id text) RETURNS jsonb
 LANGUAGE plpgsql AS $$
