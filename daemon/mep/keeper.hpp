@@ -7,6 +7,7 @@
 #pragma once
 #include "mep/control_plane.hpp"
 #include "mep/daemon_api.hpp"
+#include "mep/daemon_service.hpp"
 #include "mep/data_plane.hpp"
 #include "mep/identity.hpp"
 #include "mep/file_locks.hpp"
@@ -31,67 +32,38 @@
 
 namespace mep::daemon {
 
-struct AttachRequest {
-  std::string name; ///< display name
-  std::filesystem::path path;
-  std::int64_t ttl_s = lease::k_default_ttl_s;
-  bool bind_pid = true;
-  pid_t pid = 0;                      ///< the peer's pid (SO_PEERCRED)
-  uid_t uid = static_cast<uid_t>(-1); ///< the peer's uid and gid: the lease's local owner
-  gid_t gid = static_cast<gid_t>(-1);
-  /// How long to wait for a held name or memory (0: fail fast with 423). Waits longer than
-  /// the server's 300 s are several waits in a row.
-  std::chrono::seconds wait{0};
-  /// True once the agent that asked has gone: the wait ends (and leaves the server's queue).
-  std::function<bool()> cancelled;
-};
-
-class Keeper {
+class Keeper final : public DaemonService {
 public:
   /// Opens (creating) `state_dir`/mepd.db. `data_plane` may be null (no --store: sync and
   /// fetch answer 501, grants are not fenced). Throws std::runtime_error.
   Keeper(std::filesystem::path state_dir, std::unique_ptr<ControlPlane> cp,
          std::unique_ptr<DataPlane> data_plane = nullptr);
   /// Stops the threads; leases stay held on the server until their TTL (SIGTERM semantics).
-  ~Keeper();
+  ~Keeper() override;
 
   /// Re-adopts persisted leases, resends pending claim intents, starts the threads.
   void start();
 
-  // Requests from a local peer: `viewer` is its uid. A peer sees and acts on only the leases
-  // it attached (root and the daemon's own user on all: may_act_on); another's is 404. File
-  // calls run with the current peer's credentials (peer.hpp: AsPeer).
-
-  /// Claims `name` for the file's memory; with a data plane, advances its fence before it
-  /// answers (503 store-unavailable, and the lease given back, when it cannot). A peer that
-  /// is not the daemon's own user must be able to open the file for writing itself (403).
-  expected<Held, Problem> attach(const AttachRequest& req);
-  /// Releases the lease under `name` (only the one with `lease_id`, when given).
-  expected<void, Problem> detach(const std::string& name, const std::optional<std::string>& lease_id, uid_t viewer);
-  std::vector<Held> list(uid_t viewer) const;
-  expected<Held, Problem> get(const std::string& name, uid_t viewer) const;
+  // DaemonService (daemon_service.hpp says what each does).
+  expected<Held, Problem> attach(const AttachRequest& req) override;
+  expected<void, Problem> detach(const std::string& name, const std::optional<std::string>& lease_id,
+                                 uid_t viewer) override;
+  std::vector<Held> list(uid_t viewer) const override;
+  expected<Held, Problem> get(const std::string& name, uid_t viewer) const override;
   expected<BranchedFile, Problem> branch(const std::filesystem::path& path, const std::filesystem::path& new_path,
-                                         uid_t viewer);
-  expected<Identified, Problem> identify(const std::filesystem::path& path);
-  expected<Initialized, Problem> init(const std::filesystem::path& path, mode_t mode);
-  /// The lineage of the memory at `path`, or of the memory id `id`.
-  expected<lease::Lineage, Problem> lineage(const std::optional<std::filesystem::path>& path, const std::string& id);
-  /// Asks the control plane whether the lease under `name` is still the live one.
-  expected<VerifiedLease, Problem> verify(const std::string& name, uid_t viewer);
-  /// Uploads the lease's file to the data plane with its token; refused locally (nothing
-  /// sent) when the lease is not live.
-  expected<ObjectResult, Problem> sync(const std::string& name, uid_t viewer);
-  /// Downloads the latest object of `memory_id` into the new file `path` (created with
-  /// `mode`) and binds that file to the memory's identity.
-  expected<ObjectResult, Problem> fetch(const std::string& memory_id, const std::filesystem::path& path, mode_t mode);
-
-  boost::json::object health() const;
-  std::string metrics() const;
-
-  /// Registers an event sink (one NDJSON line per call, newline included) for the events of
-  /// the leases `viewer` may see; returns its id.
-  int subscribe(std::function<void(const std::string&)> sink, uid_t viewer);
-  void unsubscribe(int id);
+                                         uid_t viewer) override;
+  expected<Identified, Problem> identify(const std::filesystem::path& path) override;
+  expected<Initialized, Problem> init(const std::filesystem::path& path, mode_t mode) override;
+  expected<lease::Lineage, Problem> lineage(const std::optional<std::filesystem::path>& path,
+                                            const std::string& id) override;
+  expected<VerifiedLease, Problem> verify(const std::string& name, uid_t viewer) override;
+  expected<ObjectResult, Problem> sync(const std::string& name, uid_t viewer) override;
+  expected<ObjectResult, Problem> fetch(const std::string& memory_id, const std::filesystem::path& path,
+                                        mode_t mode) override;
+  boost::json::object health() const override;
+  std::string metrics() const override;
+  int subscribe(std::function<void(const std::string&)> sink, uid_t viewer) override;
+  void unsubscribe(int id) override;
 
   const std::string& daemon_id() const { return m_state.daemon_id(); }
 

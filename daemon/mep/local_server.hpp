@@ -1,8 +1,8 @@
 // mepd's HTTP/1.1 server on a Unix socket (SPEC §7): peers checked with SO_PEERCRED,
-// requests routed to the Keeper, the NDJSON event stream on GET /v1/events.
+// requests routed to the DaemonService (daemon_handler.hpp), the NDJSON event stream on GET /v1/events.
 #pragma once
 #include "mep/http/edge.hpp"
-#include "mep/keeper.hpp"
+#include "mep/daemon_service.hpp"
 
 #include <boost/asio/io_context.hpp>
 #include <boost/asio/local/stream_protocol.hpp>
@@ -21,8 +21,8 @@ public:
   /// the socket systemd handed over (`inherited_fd` ≥ 0). In system mode (`mepd --system`)
   /// the directory is 0750 and the socket 0660, both of the group `mep`, whose members are
   /// served besides root and the daemon's own user. Throws std::runtime_error.
-  LocalServer(boost::asio::io_context& ioc, Keeper& keeper, const std::filesystem::path& socket_path, int inherited_fd,
-              bool system = false);
+  LocalServer(boost::asio::io_context& ioc, DaemonService& service, const std::filesystem::path& socket_path,
+              int inherited_fd, bool system = false);
   ~LocalServer();
   void start();
   /// Stops accepting connections.
@@ -32,7 +32,6 @@ private:
   void bind_socket(boost::asio::local::stream_protocol::acceptor& acceptor);
   bool peer_allowed(uid_t uid, gid_t gid) const;
   boost::asio::io_context& m_ioc;
-  Keeper& m_keeper;
   std::filesystem::path m_path;
   bool m_owns_path = false;
   bool m_system = false;

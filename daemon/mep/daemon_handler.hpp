@@ -1,0 +1,115 @@
+// mepd's socket API on the HTTP edge (SPEC §7, §8): who may connect, the body limit, and
+// one route table whose handlers decode a request, call the DaemonService and encode its
+// result as JSON or an RFC 9457 problem. Bound to a DaemonService only, so the whole path
+// from a parsed request to its answer runs on a fake in tests and the fuzz target.
+#pragma once
+#include "mep/daemon_service.hpp"
+#include "mep/http/edge.hpp"
+#include "mep/problem.hpp"
+
+#include <boost/asio/thread_pool.hpp>
+
+#include <condition_variable>
+#include <cstddef>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <string>
+#include <string_view>
+#include <vector>
+
+namespace mep::daemon {
+
+/// The largest request body mepd reads (413 beyond).
+inline constexpr std::size_t k_daemon_body_limit = 16 * 1024;
+
+class DaemonHandler final : public http::Handler {
+public:
+  /// `allowed` decides which peers are served (LocalServer: SO_PEERCRED's uid and group).
+  DaemonHandler(DaemonService& service, std::function<bool(const http::Peer&)> allowed);
+  ~DaemonHandler() override;
+
+  std::optional<Problem> admit(const http::Peer& peer) override;
+  http::BodyPlan plan(const http::RequestHeader&, const http::Peer&) override;
+  /// GET /v1/events becomes a stream; every other request runs respond() on the worker
+  /// pool (or, for an attach that may wait, on a thread of its own).
+  void handle(http::Request&& req, const http::Peer& peer, std::shared_ptr<http::BodySink>,
+              http::Responder responder) override;
+
+  /// The answer to one request, as the peer, on the calling thread. Never throws: an
+  /// exception from the service is a logged 500 problem. `fd` is the agent's socket (a
+  /// waiting attach polls it to see the agent leave), or -1.
+  http::Response respond(const http::Request& req, const http::Peer& peer, int fd);
+
+  /// Waiting attaches end (their agent counts as gone); the pool takes no more work.
+  void stop();
+  /// Waits for the pool and the waiting attaches to finish.
+  void join();
+
+private:
+  // What a handler produces: a status and a JSON body (204: none; text: /metrics).
+  struct Answer {
+    int status = 200;
+    boost::json::object body;
+    std::optional<std::string> text;
+  };
+  using Out = expected<Answer, Problem>;
+  struct Call {
+    const http::Request& req;
+    const http::Peer& peer;
+    const http::Target& target;
+    const std::vector<std::string>& params;
+    int fd; ///< the agent's socket, for poll(2) only
+  };
+  using Handle = Out (DaemonHandler::*)(const Call&);
+  struct Row {
+    boost::beast::http::verb method;
+    std::string_view pattern;
+    Handle handle;
+  };
+  static const std::vector<Row> k_routes;
+
+  static Answer json(int status, boost::json::object body) { return Answer{status, std::move(body), {}}; }
+  template <class T, class F>
+  static Out encode(expected<T, Problem> r, int status, F to) {
+    if (!r) return make_unexpected(std::move(r.error()));
+    return json(status, to(*r));
+  }
+  static http::Response response(const Out& out, const std::string& allow, unsigned version, bool keep_alive,
+                                 const std::string& rid);
+  static expected<boost::json::object, Problem> body(const http::Request& req);
+  static std::optional<std::string> query(const Call& c, std::string_view key);
+
+  void start_events(const http::Responder& responder, uid_t viewer);
+  Out route(const http::Request& req, const http::Peer& peer, std::string& allow, int fd);
+  bool agent_gone(int fd);
+  expected<std::string, Problem> name_of(const Call& c);
+  Out on_branch_or_init(const Call& c, bool branch);
+
+  Out on_events(const Call&);
+  Out on_health(const Call&);
+  Out on_metrics(const Call&);
+  Out on_attach(const Call& c);
+  Out on_detach(const Call& c);
+  Out on_list(const Call& c);
+  Out on_get(const Call& c);
+  Out on_branch(const Call& c);
+  Out on_init(const Call& c);
+  Out on_lineage(const Call& c);
+  Out on_identify(const Call& c);
+  Out on_verify(const Call& c);
+  Out on_sync(const Call& c);
+  Out on_fetch(const Call& c);
+
+  DaemonService& m_service;
+  std::function<bool(const http::Peer&)> m_allowed;
+  boost::asio::thread_pool m_work{16};
+  static constexpr int k_max_waiting_attaches = 1024; // beyond, they queue for the pool
+  std::mutex m_waiters_mutex;
+  std::condition_variable m_waiters_done;
+  int m_waiters = 0;
+  bool m_stopping = false;
+};
+
+} // namespace mep::daemon
