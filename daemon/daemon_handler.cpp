@@ -181,7 +181,10 @@ http::Response DaemonHandler::response(const Out& out, const std::string& allow,
 void DaemonHandler::start_events(const http::Responder& responder, uid_t viewer) {
   auto stream = responder.stream("application/x-ndjson");
   int id = m_service.subscribe([stream](const std::string& line) { stream->push(line); }, viewer);
-  stream->on_close([this, id] { m_service.unsubscribe(id); });
+  // The service, not the handler: a stream still open at shutdown closes when the
+  // io_context is destroyed, after the LocalServer and its handler (found by TSan as a
+  // heap-use-after-free in mepd's exit). The service outlives the io_context.
+  stream->on_close([&service = m_service, id] { service.unsubscribe(id); });
 }
 
 // The row's handler's answer; a 405 sets `allow` to what the path accepts.

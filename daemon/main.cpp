@@ -173,6 +173,8 @@ int main(int argc, char** argv) {
     // 3. The keeper re-adopts leases and resends claim intents, then the socket opens.
     std::signal(SIGPIPE, SIG_IGN);
     //    The socket is bound first: a daemon that cannot have it touches no lease.
+    //    The keeper outlives the io_context: event streams still open unsubscribe from it
+    //    when the io_context is destroyed.
     mep::daemon::Keeper keeper(state, std::move(cp), std::move(dp));
     boost::asio::io_context ioc;
     mep::daemon::LocalServer server(ioc, keeper, sock, inherited_socket(), system);

@@ -27,6 +27,8 @@ inline constexpr std::size_t k_daemon_body_limit = 16 * 1024;
 class DaemonHandler final : public http::Handler {
 public:
   /// `allowed` decides which peers are served (LocalServer: SO_PEERCRED's uid and group).
+  /// `service` must outlive the io_context the handler's sessions run on: an event stream
+  /// still open when that io_context is destroyed unsubscribes from it then.
   DaemonHandler(DaemonService& service, std::function<bool(const http::Peer&)> allowed);
   ~DaemonHandler() override;
 

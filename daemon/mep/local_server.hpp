@@ -20,7 +20,9 @@ public:
   /// Listens on `socket_path` (the directory is created 0700, the socket is 0600), or on
   /// the socket systemd handed over (`inherited_fd` ≥ 0). In system mode (`mepd --system`)
   /// the directory is 0750 and the socket 0660, both of the group `mep`, whose members are
-  /// served besides root and the daemon's own user. Throws std::runtime_error.
+  /// served besides root and the daemon's own user. `service` must outlive `ioc` (an
+  /// event stream open at shutdown unsubscribes when `ioc` is destroyed). Throws
+  /// std::runtime_error.
   LocalServer(boost::asio::io_context& ioc, DaemonService& service, const std::filesystem::path& socket_path,
               int inherited_fd, bool system = false);
   ~LocalServer();
