@@ -12,5 +12,5 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 export CCACHE_BASEDIR="$PWD" CCACHE_NOHASHDIR=1
 targets=("$@")
-[[ ${#targets[@]} -gt 0 ]] || targets=(canonicalize json http_request store_headers config migrate_input)
+[[ ${#targets[@]} -gt 0 ]] || targets=(canonicalize json http_request daemon_request store_headers config migrate_input)
 exec bash tests/fuzz/run_fuzz.sh build "$PWD" "$PWD/build-fuzz" "${MEP_FUZZ_SECONDS:-600}" "${targets[@]}"
