@@ -6,9 +6,9 @@
 #                                                            clang and MEP_FUZZ=ON, build, run
 #   run_fuzz.sh run   BINARY_DIR WORK_DIR SECONDS TARGET...  run targets already built in
 #                                                            BINARY_DIR (fuzz_TARGET)
-#   run_fuzz.sh unit  WORK_DIR UNIT_TEST...                  build unit test executables in
-#                                                            the nested tree `build` made
-#                                                            (ASan + UBSan) and run each
+#
+# The nested tree is also where CI runs unit tests and integration suites under ASan + UBSan
+# (tests/sanitize/run_sanitized.sh asan).
 #
 # Exit status: 0 clean, 1 findings or build failure, 77 skipped (no clang or no libFuzzer
 # runtime; ctest's SKIP_RETURN_CODE). New corpus entries go to WORK_DIR/corpus/TARGET, crash
@@ -16,35 +16,6 @@
 set -euo pipefail
 
 here="$(cd "$(dirname "$0")" && pwd)"
-if [[ "${1:-}" == unit ]]; then
-  # The unit tests under AddressSanitizer + UndefinedBehaviorSanitizer, in the tree the fuzz
-  # targets were built in (every mep library instrumented): a use-after-free or a data
-  # race's corruption in pure logic ends its test with a report.
-  work="${2:?usage: run_fuzz.sh unit WORK_DIR UNIT_TEST...}"
-  shift 2
-  if [[ ! -f "$work/build/build.ninja" ]]; then
-    echo "SKIP: the fuzz build tree ($work/build) is not there: fuzz_smoke configures it (and skips without clang)"
-    exit 77
-  fi
-  export CCACHE_DIR="${CCACHE_DIR:-$HOME/.cache/ccache}"
-  echo "== building $* with ASan + UBSan in $work/build"
-  "${CMAKE:-cmake}" --build "$work/build" --target "$@" -j 2 || { echo "FAIL: building $*"; exit 1; }
-  export ASAN_OPTIONS="detect_leaks=1:abort_on_error=0" UBSAN_OPTIONS="print_stacktrace=1:halt_on_error=1"
-  failed=0
-  for t in "$@"; do
-    echo "== $t"
-    if "$work/build/tests/unit/$t" >"$work/$t.log" 2>&1 &&
-        ! grep -qE 'runtime error:|ERROR: (Address|Leak|UndefinedBehavior)Sanitizer' "$work/$t.log"; then
-      tail -n 2 "$work/$t.log"
-    else
-      tail -n 80 "$work/$t.log"
-      failed=1
-    fi
-  done
-  [[ $failed -eq 0 ]] || { echo "FAIL: a unit test failed or a sanitizer reported (above)"; exit 1; }
-  echo "PASS: $* under ASan + UBSan"
-  exit 0
-fi
 mode="${1:?usage: run_fuzz.sh build SOURCE_DIR WORK_DIR [SECONDS] | run BINARY WORK_DIR [SECONDS]}"
 target="${2:?missing SOURCE_DIR or BINARY}"
 work="${3:?missing WORK_DIR}"
@@ -81,7 +52,8 @@ if [[ "$mode" == build ]]; then
   cmake_exe="${CMAKE:-cmake}"
   extra=()
   if [[ -n "${MEP_CONFORMANCE_DIR:-}" ]]; then extra+=("-DMEP_CONFORMANCE_DIR=$MEP_CONFORMANCE_DIR"); fi
-  export CCACHE_DIR="${CCACHE_DIR:-$HOME/.cache/ccache}"
+  # CCACHE_BASEDIR: a clone in another folder (CI clones anew each time) hits the cache.
+  export CCACHE_DIR="${CCACHE_DIR:-$HOME/.cache/ccache}" CCACHE_BASEDIR="$(cd "$target" && pwd)" CCACHE_NOHASHDIR=1
   echo "== configuring $work/build with $cxx"
   CC="$cc" CXX="$cxx" "$cmake_exe" -S "$target" -B "$work/build" -G Ninja \
     -DCMAKE_C_COMPILER="$cc" -DCMAKE_CXX_COMPILER="$cxx" -DCMAKE_BUILD_TYPE=RelWithDebInfo \

@@ -553,6 +553,11 @@ class LargeObjects(StoreCase):
             peak[0] = max(peak[0], rss_kib(pid))
         conn.close()
         self.assertEqual(h.hexdigest(), pattern_sha256(m, 1, self.SIZE))
+        if os.environ.get("MEP_TEST_SANITIZED"):
+            # The object went through whole; the bound is what a sanitizer's shadow memory and
+            # quarantine (ASan keeps freed blocks for 256 MiB) make meaningless.
+            self.skipTest("the RSS bound does not hold under %s (store RSS peaked at %d KiB); the "
+                          "streamed round trip was checked" % (os.environ["MEP_TEST_SANITIZED"], peak[0]))
         self.assertLess(peak[0], 64 * 1024, "store RSS peaked at %d KiB" % peak[0])
 
     def test_sigkill_during_a_256_mib_upload_keeps_the_previous_object(self):
