@@ -53,29 +53,48 @@ namespace {
   return port;
 }
 
-// CPU seconds (user + system) of a process, from /proc.
-[[maybe_unused]] double cpu_seconds(pid_t pid) {
-  std::ifstream f("/proc/" + std::to_string(pid) + "/stat");
+// The fields of /proc/PID/stat from the fourth (ppid) on, as numbers; empty when gone.
+std::vector<double> stat_fields(const std::string& path) {
+  std::ifstream f(path);
   std::string line;
   std::getline(f, line);
   auto close = line.rfind(')');
-  if (close == std::string::npos) return 0;
+  std::vector<double> out;
+  if (close == std::string::npos) return out;
   std::istringstream in(line.substr(close + 2));
   std::string field;
-  double utime = 0, stime = 0;
-  for (int i = 3; in >> field; ++i) {
-    if (i == 14) utime = std::atof(field.c_str());
-    if (i == 15) {
-      stime = std::atof(field.c_str());
-      break;
-    }
-  }
-  return (utime + stime) / static_cast<double>(::sysconf(_SC_CLK_TCK));
+  for (int i = 3; in >> field && i <= 17; ++i) out.push_back(std::atof(field.c_str()));
+  return out; // out[0] is field 3 (state, not a number: 0), out[1] field 4 (ppid), …
+}
+
+// Field N (1-based, as proc(5) numbers them) of stat_fields' result.
+double field(const std::vector<double>& f, int n) {
+  const auto i = static_cast<std::size_t>(n - 3);
+  return i < f.size() ? f[i] : 0;
+}
+
+// CPU seconds (user + system) of a process, from /proc.
+[[maybe_unused]] double cpu_seconds(pid_t pid) {
+  auto f = stat_fields("/proc/" + std::to_string(pid) + "/stat");
+  return (field(f, 14) + field(f, 15)) / static_cast<double>(::sysconf(_SC_CLK_TCK));
 }
 
 } // namespace
 
 double process_cpu_seconds(pid_t pid) { return cpu_seconds(pid); }
+
+double process_tree_cpu_seconds(pid_t pid) {
+  auto root = stat_fields("/proc/" + std::to_string(pid) + "/stat");
+  double ticks = field(root, 14) + field(root, 15) + field(root, 16) + field(root, 17);
+  std::error_code ec;
+  for (const auto& e : fs::directory_iterator("/proc", ec)) {
+    const std::string name = e.path().filename().string();
+    if (name.empty() || name.find_first_not_of("0123456789") != std::string::npos) continue;
+    auto f = stat_fields(e.path().string() + "/stat");
+    if (static_cast<pid_t>(field(f, 4)) == pid) ticks += field(f, 14) + field(f, 15);
+  }
+  return ticks / static_cast<double>(::sysconf(_SC_CLK_TCK));
+}
 
 #ifdef MEP_BENCH_ETCD
 
@@ -287,7 +306,8 @@ EtcdResult EtcdPeer::run(int clients, double seconds, int mode) {
 #else // built without gRPC
 
 std::string etcd_unavailable() {
-  return "bench_server was built without gRPC (apt install libgrpc++-dev protobuf-compiler-grpc, then reconfigure)";
+  return "bench_server was built without gRPC (apt install libgrpc++-dev libprotobuf-dev protobuf-compiler-grpc, then "
+         "reconfigure)";
 }
 struct EtcdPeer::Impl {};
 EtcdPeer::EtcdPeer(const fs::path&) { throw std::runtime_error(etcd_unavailable()); }

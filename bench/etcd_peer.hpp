@@ -23,6 +23,11 @@ struct EtcdResult {
 /// CPU seconds (user + system) a process has used, from /proc/PID/stat.
 double process_cpu_seconds(pid_t pid);
 
+/// CPU seconds of a process and its children: its own, those of the children it has
+/// reaped (cutime, cstime), and those of its live children (a PostgreSQL postmaster: every
+/// backend, the WAL writer, the checkpointer).
+double process_tree_cpu_seconds(pid_t pid);
+
 /// Why etcd cannot be measured here (empty when it can): not built with gRPC, or no etcd
 /// binary (`etcd` on PATH or $MEP_BENCH_ETCD).
 std::string etcd_unavailable();

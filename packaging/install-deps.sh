@@ -14,8 +14,9 @@ packages=(
   libcli11-dev libfmt-dev libspdlog-dev libexpected-dev libtomlplusplus-dev
   # tests and benchmarks
   catch2 libbenchmark-dev postgresql-15 curl python3 procps util-linux libfaketime nftables iproute2
-  # bench_server measures etcd, the peer, in the same run over gRPC (benchmark-only)
-  etcd-server libgrpc++-dev protobuf-compiler-grpc
+  # bench_server measures etcd, the peer, in the same run over gRPC (benchmark-only;
+  # libgrpc++-dev does not pull in libprotobuf-dev, whose protobuf.pc the build looks for)
+  etcd-server libgrpc++-dev libprotobuf-dev protobuf-compiler-grpc
   # docs and packaging checks
   scdoc mandoc lintian graphviz zsh fish
 )

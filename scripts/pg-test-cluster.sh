@@ -55,6 +55,8 @@ case "$cmd" in
     if [[ "${MEP_PG_DURABLE:-0}" != 1 ]]; then
       opts="$opts -c fsync=off -c full_page_writes=off"
     fi
+    # MEP_PG_OPTS: more server options (bench/pg_statements.sh preloads pg_stat_statements).
+    opts="$opts ${MEP_PG_OPTS:-}"
     as_owner "$bindir/pg_ctl" -D "$dir/data" -l "$dir/server.log" -w -t 60 -o "$opts" start >/dev/null \
       || { cat "$dir/server.log" >&2; die "pg_ctl start failed"; }
     echo "$port" >"$dir/port"
