@@ -8,12 +8,9 @@
 //     and code agree with the table;
 //   - a request without the known token got past authentication to the store.
 #include "../support/fake_store.hpp"
-#include "fuzz_support.hpp"
-#include "mep/http/framing.hpp"
-#include "mep/json.hpp"
+#include "fuzz_http_support.hpp"
 #include "mep/router.hpp"
 
-#include <boost/beast/core/flat_buffer.hpp>
 #include <boost/beast/http.hpp>
 
 #include <cstddef>
@@ -29,16 +26,9 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
   static mep::server::Router router(store, 0);
   const std::string_view input(reinterpret_cast<const char*>(data), size);
 
-  bhttp::request_parser<bhttp::string_body> parser;
-  parser.header_limit(mep::http::k_header_limit);
-  parser.body_limit(mep::server::k_batch_body_limit);
-  parser.eager(true);
-  boost::beast::error_code ec;
-  std::size_t used = parser.put(boost::asio::buffer(input.data(), input.size()), ec);
-  if (!ec && !parser.is_done()) parser.put_eof(ec);
-  if (ec || !parser.is_done() || used == 0) return 0;
-  if (mep::http::framing_problem(parser.get())) return 0; // answered 400 by the session
-  auto req = parser.release();
+  auto parsed = mep::fuzz::parse_request(input, mep::server::k_batch_body_limit);
+  if (!parsed) return 0; // answered 400 by the session, or never a whole request
+  auto req = std::move(*parsed);
   // A claim that waits (Prefer: wait) is answered later, from the wait queue's thread; the
   // queue has its own tests (tests/unit/server/waiters_test.cpp). Here every request is
   // answered before handle() returns.
@@ -52,16 +42,8 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
     res = std::move(r);
   });
   if (answers != 1) mep::fuzz::fail(k_name, "not answered exactly once", input, std::to_string(answers));
-  const int status = static_cast<int>(res.result_int());
-  if (status < 200 || status > 599) mep::fuzz::fail(k_name, "a status out of range", input, std::to_string(status));
-  if (status >= 400) {
-    if (res[bhttp::field::content_type] != "application/problem+json")
-      mep::fuzz::fail(k_name, "an error that is not problem+json", input, std::to_string(status));
-    auto p = mep::json::parse_object(res.body());
-    if (!p || !p->contains("status") || p->at("status").as_int64() != status || !p->contains("code"))
-      mep::fuzz::fail(k_name, "a problem body that does not match its status", input, res.body());
-  }
+  mep::fuzz::check_answer(k_name, input, res);
   if (!has_token && store.calls.load() != before)
-    mep::fuzz::fail(k_name, "an unauthenticated request reached the store", input, std::to_string(status));
+    mep::fuzz::fail(k_name, "an unauthenticated request reached the store", input, std::to_string(res.result_int()));
   return 0;
 }
