@@ -1,10 +1,14 @@
 // bench_daemon: mepd over its Unix socket.
 //
 //   build/bench/bench_daemon [--mep PATH] [--mepd PATH] [--ops N] [--leases N] [--hold-seconds S]
+//                            [--cycle-seconds S]
 //
 // 1. attach+detach latency with the embedded control plane (p50/p99), next to a bare HTTP
 //    round trip (GET /healthz) over the same socket as the floor;
-// 2. N leases (ttl 30 s) held for S seconds against a remote `mep server`: daemon RSS and
+// 2. against a remote `mep server` (SQLite): attach+detach cycles by 1, 8 and 64 agents at once,
+//    each with its own name, file and connection, for --cycle-seconds each (cycles/s, p50,
+//    p99: what an agent waits for its lease through mepd when many start together);
+//    then N leases (ttl 30 s) held for S seconds against the same server: daemon RSS and
 //    CPU, and control-plane requests per second next to the expected
 //    (leases ÷ (ttl/3)) ÷ batch size — batching must show.
 #include "http_conn.hpp"
@@ -15,6 +19,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
@@ -131,7 +136,7 @@ long metric(const std::string& sock, const std::string& name) {
 
 int main(int argc, char** argv) {
   int ops = 2000, leases = 10000;
-  double hold = 120;
+  double hold = 120, cycle_seconds = 5;
   for (int i = 1; i < argc; ++i) {
     std::string a = argv[i];
     if (a == "--mep" && i + 1 < argc)
@@ -144,9 +149,11 @@ int main(int argc, char** argv) {
       leases = std::atoi(argv[++i]);
     else if (a == "--hold-seconds" && i + 1 < argc)
       hold = std::atof(argv[++i]);
+    else if (a == "--cycle-seconds" && i + 1 < argc)
+      cycle_seconds = std::atof(argv[++i]);
     else {
-      std::fprintf(stderr,
-                   "usage: bench_daemon [--mep PATH] [--mepd PATH] [--ops N] [--leases N] [--hold-seconds S]\n");
+      std::fprintf(stderr, "usage: bench_daemon [--mep PATH] [--mepd PATH] [--ops N] [--leases N] [--hold-seconds S] "
+                           "[--cycle-seconds S]\n");
       return 2;
     }
   }
@@ -186,8 +193,8 @@ int main(int argc, char** argv) {
     stop(d);
   }
 
-  // 2. Many leases against a remote server.
-  if (leases > 0) {
+  // 2. Against a remote server: concurrent attach+detach cycles, then many leases held.
+  if (leases > 0 || cycle_seconds > 0) {
     std::string db = "sqlite:" + (dir / "control.db").string();
     std::string token;
     {
@@ -207,43 +214,91 @@ int main(int argc, char** argv) {
                      "--token-file", (dir / "token").string(), "--log-level", "warn"},
                     (dir / "remote.log").string());
     wait_for_socket(sock);
-    UnixConn c(sock);
     fs::create_directories(dir / "files");
-    auto t_attach = Clock::now();
-    for (int i = 0; i < leases; ++i) {
-      std::string file = (dir / "files" / ("m" + std::to_string(i) + ".uai")).string();
-      std::ofstream(file) << "memory " << i;
-      auto [st, body] = c.request("POST", "/v1/attach",
-                                  "{\"name\":\"lease" + std::to_string(i) + "\",\"path\":\"" + file +
-                                      "\",\"bind\":\"none\",\"ttl_seconds\":30}");
-      if (st != 201) std::fprintf(stderr, "attach %d: %d %s\n", i, st, body.c_str());
+    if (cycle_seconds > 0) {
+      std::printf("%-44s %8s %10s %10s %10s %8s\n", "attach + detach, remote server (cycles)", "agents", "cycles/s",
+                  "p50 ms", "p99 ms", "errors");
+      for (int agents : {1, 8, 64}) {
+        std::vector<std::vector<double>> lat(static_cast<std::size_t>(agents));
+        std::atomic<bool> done{false};
+        std::atomic<long> errors{0};
+        std::vector<std::thread> threads;
+        for (int a = 0; a < agents; ++a) {
+          const std::string name = "agent" + std::to_string(agents) + "-" + std::to_string(a);
+          const std::string file = (dir / "files" / (name + ".uai")).string();
+          std::ofstream(file) << "memory " << name;
+          threads.emplace_back([&, a, name, file] {
+            UnixConn conn(sock);
+            const std::string attach =
+                "{\"name\":\"" + name + "\",\"path\":\"" + file + "\",\"bind\":\"none\",\"ttl_seconds\":30}";
+            const std::string detach = "{\"name\":\"" + name + "\"}";
+            bool first = true; // the first cycle registers the file's memory: not timed
+            while (!done) {
+              auto t = Clock::now();
+              auto [s1, b1] = conn.request("POST", "/v1/attach", attach);
+              auto [s2, b2] = conn.request("POST", "/v1/detach", detach);
+              if (s1 != 201 || s2 != 204) {
+                if (errors++ == 0) std::fprintf(stderr, "attach %d detach %d: %s\n", s1, s2, b1.c_str());
+              } else if (!first) {
+                lat[static_cast<std::size_t>(a)].push_back(
+                    std::chrono::duration<double, std::milli>(Clock::now() - t).count());
+              }
+              first = false;
+            }
+          });
+        }
+        auto t0 = Clock::now();
+        std::this_thread::sleep_for(std::chrono::duration<double>(cycle_seconds));
+        done = true;
+        for (auto& t : threads) t.join();
+        const double wall = std::chrono::duration<double>(Clock::now() - t0).count();
+        std::vector<double> all;
+        for (auto& v : lat) all.insert(all.end(), v.begin(), v.end());
+        const double rate = static_cast<double>(all.size()) / wall;
+        std::printf("%-44s %8d %10.0f %10.3f %10.3f %8ld\n", "attach + detach, remote server (cycles)", agents, rate,
+                    all.empty() ? 0.0 : pct(all, 0.5), all.empty() ? 0.0 : pct(all, 0.99), errors.load());
+        std::fflush(stdout);
+      }
+      std::printf("\n");
     }
-    double attach_s = std::chrono::duration<double>(Clock::now() - t_attach).count();
-    long req0 = metric(sock, "mepd_control_plane_requests_total");
-    long batches0 = metric(sock, "mepd_renew_batches_total");
-    long renewed0 = metric(sock, "mepd_renewed_leases_total");
-    double cpu0 = cpu_seconds(d);
-    auto t0 = Clock::now();
-    std::this_thread::sleep_for(std::chrono::duration<double>(hold));
-    double secs = std::chrono::duration<double>(Clock::now() - t0).count();
-    double cpu = cpu_seconds(d) - cpu0;
-    long req = metric(sock, "mepd_control_plane_requests_total") - req0;
-    long batches = metric(sock, "mepd_renew_batches_total") - batches0;
-    long renewed = metric(sock, "mepd_renewed_leases_total") - renewed0;
-    long lost = metric(sock, "mepd_leases_lost_total");
-    double per_lease = static_cast<double>(leases) / 10.0; // renewals/s needed at ttl/3
-    std::printf("%d leases (ttl 30 s) held %.0f s against a remote mep server (attached in %.1f s):\n", leases, secs,
-                attach_s);
-    std::printf("  %-46s %12s %12s\n", "measure", "measured", "target");
-    std::printf("  %-46s %12.1f %12s\n", "daemon RSS (MiB)", static_cast<double>(rss_kib(d)) / 1024, "<= 50");
-    std::printf("  %-46s %12.2f %12s\n", "daemon CPU (% of one core)", 100 * cpu / secs, "<= 2");
-    std::printf("  %-46s %12.1f %12s\n", "lease renewals per second", static_cast<double>(renewed) / secs, "");
-    std::printf("  %-46s %12.2f %12.2f\n", "control-plane requests per second", static_cast<double>(req) / secs,
-                per_lease / std::max(1.0, static_cast<double>(renewed) / std::max(1L, batches)));
-    std::printf("  %-46s %12.1f %12s\n", "leases per renew-batch call",
-                static_cast<double>(renewed) / std::max(1L, batches), "");
-    std::printf("  %-46s %12.2f %12s\n", "without batching it would be (requests/s)", per_lease, "");
-    std::printf("  %-46s %12ld %12s\n", "leases lost", lost, "0");
+    if (leases > 0) {
+      UnixConn c(sock);
+      auto t_attach = Clock::now();
+      for (int i = 0; i < leases; ++i) {
+        std::string file = (dir / "files" / ("m" + std::to_string(i) + ".uai")).string();
+        std::ofstream(file) << "memory " << i;
+        auto [st, body] = c.request("POST", "/v1/attach",
+                                    "{\"name\":\"lease" + std::to_string(i) + "\",\"path\":\"" + file +
+                                        "\",\"bind\":\"none\",\"ttl_seconds\":30}");
+        if (st != 201) std::fprintf(stderr, "attach %d: %d %s\n", i, st, body.c_str());
+      }
+      double attach_s = std::chrono::duration<double>(Clock::now() - t_attach).count();
+      long req0 = metric(sock, "mepd_control_plane_requests_total");
+      long batches0 = metric(sock, "mepd_renew_batches_total");
+      long renewed0 = metric(sock, "mepd_renewed_leases_total");
+      double cpu0 = cpu_seconds(d);
+      auto t0 = Clock::now();
+      std::this_thread::sleep_for(std::chrono::duration<double>(hold));
+      double secs = std::chrono::duration<double>(Clock::now() - t0).count();
+      double cpu = cpu_seconds(d) - cpu0;
+      long req = metric(sock, "mepd_control_plane_requests_total") - req0;
+      long batches = metric(sock, "mepd_renew_batches_total") - batches0;
+      long renewed = metric(sock, "mepd_renewed_leases_total") - renewed0;
+      long lost = metric(sock, "mepd_leases_lost_total");
+      double per_lease = static_cast<double>(leases) / 10.0; // renewals/s needed at ttl/3
+      std::printf("%d leases (ttl 30 s) held %.0f s against a remote mep server (attached in %.1f s):\n", leases, secs,
+                  attach_s);
+      std::printf("  %-46s %12s %12s\n", "measure", "measured", "target");
+      std::printf("  %-46s %12.1f %12s\n", "daemon RSS (MiB)", static_cast<double>(rss_kib(d)) / 1024, "<= 50");
+      std::printf("  %-46s %12.2f %12s\n", "daemon CPU (% of one core)", 100 * cpu / secs, "<= 2");
+      std::printf("  %-46s %12.1f %12s\n", "lease renewals per second", static_cast<double>(renewed) / secs, "");
+      std::printf("  %-46s %12.2f %12.2f\n", "control-plane requests per second", static_cast<double>(req) / secs,
+                  per_lease / std::max(1.0, static_cast<double>(renewed) / std::max(1L, batches)));
+      std::printf("  %-46s %12.1f %12s\n", "leases per renew-batch call",
+                  static_cast<double>(renewed) / std::max(1L, batches), "");
+      std::printf("  %-46s %12.2f %12s\n", "without batching it would be (requests/s)", per_lease, "");
+      std::printf("  %-46s %12ld %12s\n", "leases lost", lost, "0");
+    }
     stop(d);
     stop(server);
   }
