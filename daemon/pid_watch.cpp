@@ -38,6 +38,15 @@ PidWatcher::~PidWatcher() {
   if (m_wake_fd >= 0) ::close(m_wake_fd);
 }
 
+int PidWatcher::open_pidfd(pid_t pid) {
+  const int fd = pidfd_open(pid);
+  if (fd >= 0) return fd;
+  const int err = errno;
+  const bool alive = pid_alive(pid);
+  errno = err; // pid_alive's kill(2) must not hide why the open failed
+  return alive ? k_retry : -1;
+}
+
 void PidWatcher::start() {
   m_thread = std::thread([this] { loop(); });
 }
@@ -46,11 +55,10 @@ void PidWatcher::watch(pid_t pid) {
   {
     std::lock_guard lock(m_mutex);
     if (m_pidfds.count(pid)) return;
-    const int fd = pidfd_open(pid);
-    const int err = errno;
-    m_pidfds[pid] = fd >= 0 || !pid_alive(pid) ? fd : k_retry;
-    if (m_pidfds[pid] == k_retry)
-      log::warn("pid watcher: cannot open a pidfd for process {} ({}); trying again", pid, std::strerror(err));
+    const int fd = open_pidfd(pid);
+    m_pidfds[pid] = fd;
+    if (fd == k_retry)
+      log::warn("pid watcher: cannot open a pidfd for process {} ({}); trying again", pid, std::strerror(errno));
   }
   std::uint64_t one = 1;
   (void)!::write(m_wake_fd, &one, sizeof one);
@@ -107,8 +115,7 @@ void PidWatcher::loop() {
       std::lock_guard lock(m_mutex);
       auto it = m_pidfds.find(pid);
       if (it == m_pidfds.end() || it->second != k_retry) continue;
-      const int fd = pidfd_open(pid);
-      it->second = fd >= 0 || !pid_alive(pid) ? fd : k_retry;
+      it->second = open_pidfd(pid);
     }
     for (pid_t pid : gone) {
       {

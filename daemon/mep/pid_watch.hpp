@@ -23,6 +23,9 @@ public:
 
 private:
   void loop();
+  /// A pidfd for `pid`; -1 when the process is gone; k_retry when it lives but none could
+  /// be opened (errno says why).
+  static int open_pidfd(pid_t pid);
   std::function<void(pid_t)> m_on_exit;
   std::mutex m_mutex;
   // -1: could not be opened, the process is gone (reported on the next pass); k_retry:
