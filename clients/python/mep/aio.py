@@ -29,7 +29,8 @@ from typing import Any, Awaitable, Callable, Dict, List, Optional, Tuple, Type, 
 
 from . import _config, _http
 from ._tracker import LossTracker
-from .client import CLI_TIMEOUT_S, DEFAULT_TIMEOUT_S, PathLike, _abs, _check_bind, _UUID_RE, parse_canonicalize_output
+from .client import (CLI_TIMEOUT_S, DEFAULT_TIMEOUT_S, PathLike, _abs, _check_bind, _detach_body, _UUID_RE,
+                     parse_canonicalize_output)
 from .errors import (
     DaemonTimeout,
     InvalidName,
@@ -688,10 +689,7 @@ class AsyncClient:
 
     async def detach(self, name: str, lease_id: Optional[str] = None) -> None:
         """``POST /v1/detach`` (with ``lease_id``: only that lease, as :meth:`mep.Client.detach`)."""
-        body = {"name": name}
-        if lease_id is not None:
-            body["lease_id"] = lease_id
-        resp = await self._request("POST", "/v1/detach", body)
+        resp = await self._request("POST", "/v1/detach", _detach_body(name, lease_id))
         _http.raise_for(resp, "/v1/detach")
 
     async def leases(self) -> List[LeaseInfo]:

@@ -49,6 +49,14 @@ def _check_bind(bind: str) -> str:
     return bind
 
 
+def _detach_body(name: str, lease_id: Optional[str]) -> Dict[str, Any]:
+    """The body of ``POST /v1/detach`` (shared with :mod:`mep.aio`)."""
+    body: Dict[str, Any] = {"name": name}
+    if lease_id is not None:
+        body["lease_id"] = lease_id
+    return body
+
+
 def canonicalize_with_cli(mep_bin: str, name: str, timeout: float = CLI_TIMEOUT_S) -> CanonicalName:
     """Run ``mep canonicalize --json -- NAME`` and read its answer (shared with :mod:`mep.aio`)."""
     if "\x00" in name:
@@ -264,10 +272,7 @@ class Client:
         """``POST /v1/detach``: release the daemon's lease on ``name`` (display or canonical
         name); :class:`~mep.LeaseNotFound` if it holds none. With ``lease_id``, only that
         lease: not one another agent was granted under the name after this one ended."""
-        body = {"name": name}
-        if lease_id is not None:
-            body["lease_id"] = lease_id
-        self._call("POST", "/v1/detach", body)
+        self._call("POST", "/v1/detach", _detach_body(name, lease_id))
 
     def leases(self) -> List[LeaseInfo]:
         """Every lease the daemon keeps (``GET /v1/leases``), lost ones included."""
