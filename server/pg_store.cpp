@@ -965,6 +965,9 @@ std::optional<AuthInfo> PgStore::authenticate(const std::string& token_sha256) {
     }
   }
   const std::uint64_t gen = m_auth_gen.load();
+  // An entry's age counts from before the lookup, so it ends within k_auth_lifetime of a
+  // read that a revocation committed after could not see (revoke_token waits that long).
+  const auto looked_up = SteadyClock::now();
   auto found = with_conn<std::optional<AuthInfo>>([&](pg::Conn& c) -> std::optional<AuthInfo> {
     auto r = c.exec("authenticate",
                     "SELECT token_id, tenant_id, scopes FROM tokens WHERE token_sha256 = $1 AND revoked_at IS NULL",
@@ -982,7 +985,7 @@ std::optional<AuthInfo> PgStore::authenticate(const std::string& token_sha256) {
     std::lock_guard lock(m_auth_mutex);
     if (gen == m_auth_gen.load()) { // no revocation heard since the lookup began
       if (m_auth_cache.size() >= k_auth_capacity) m_auth_cache.clear();
-      m_auth_cache[token_sha256] = {*found, SteadyClock::now()};
+      m_auth_cache[token_sha256] = {*found, looked_up};
     }
   }
   return found;
@@ -1067,9 +1070,9 @@ std::vector<TokenInfo> PgStore::list_tokens(const std::optional<std::string>& te
 }
 
 bool PgStore::revoke_token(const std::string& token_id) {
-  return with_conn<bool>(
+  const bool revoked = with_conn<bool>(
       [&](pg::Conn& c) {
-        // Every server drops its cached tokens when this commits (LISTEN mep_tokens).
+        // Every server drops its cached tokens when it hears this commit (LISTEN mep_tokens).
         return c.exec(
                     {},
                     "WITH r AS (UPDATE tokens SET revoked_at = mep_now_ms() WHERE token_id = $1 AND revoked_at IS NULL "
@@ -1078,6 +1081,13 @@ bool PgStore::revoke_token(const std::string& token_id) {
                    .int64(0, 0) > 0;
       },
       false);
+  // Hearing is not instant: a server may answer a request from its cache before its
+  // listener has read the notification. Every entry cached from a read before the commit
+  // ends within k_auth_lifetime of that read (Chubby's rule: a write that invalidates
+  // cached copies completes once they have been dropped or have expired), so from the
+  // return of this call on, every server refuses the token.
+  if (revoked) std::this_thread::sleep_for(k_auth_lifetime + std::chrono::milliseconds(50));
+  return revoked;
 }
 
 std::vector<AuditRow> PgStore::list_audit(const std::optional<std::string>& tenant_name, std::size_t limit) {
