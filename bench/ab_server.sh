@@ -4,7 +4,8 @@
 # (CELL: cycles|reclaim|renew:CLIENTS, default cycles:1 cycles:8 reclaim:64 renew:64).
 # Prints, per cell, each binary's median ops/s over the rounds with its range, and the
 # median of the per-round ratios B/A. Needs bench_server built (bench/run.sh builds it).
-# MEP_BENCH_PG=postgresql://… runs the cells on PostgreSQL (a fresh database per cell).
+# MEP_BENCH_PG=postgresql://… runs the cells on PostgreSQL (a fresh database per cell), and
+# adds each binary's median database CPU per operation (when the cluster runs here).
 set -euo pipefail
 root="$(cd "$(dirname "$0")/.." && pwd)"
 a="${1:?usage: bench/ab_server.sh A_MEP B_MEP [ROUNDS] [SECONDS] [CELL ...]}"
@@ -19,19 +20,26 @@ bench="${MEP_BUILD_DIR:-$root/build}/bench/bench_server"
 
 pg=()
 [[ -n "${MEP_BENCH_PG:-}" ]] && pg=(--pg "$MEP_BENCH_PG") # on PostgreSQL: a fresh database there per cell
-one() { # MEP CELL -> ops/s
+one() { # MEP CELL -> "ops/s db-ms/op" (db ms/op: 0 when not on PostgreSQL)
   "$bench" --mep "$1" --only "$2" --seconds "$seconds" "${pg[@]}" 2>/dev/null |
-    awk '$0 ~ /^HTTP/ { for (i = 1; i <= NF; ++i) if ($i ~ /^[0-9]+$/ && $(i+1) ~ /^[0-9]+$/) { print $(i+1); exit } }'
+    awk 'BEGIN { ops = 0; db = 0 }
+         $0 ~ /^HTTP/ && !ops { for (i = 1; i <= NF; ++i) if ($i ~ /^[0-9]+$/ && $(i+1) ~ /^[0-9]+$/) { ops = $(i+1); break } }
+         $1 == "db" && $2 == "ms/op:" { db = $3 }
+         END { print ops, db }'
 }
 
 printf '%-14s %8s %22s %22s %14s\n' cell rounds "A ops/s median (range)" "B ops/s median (range)" "B/A median"
 for cell in "${cells[@]}"; do
-  as=() bs=() ratios=()
+  as=() bs=() ratios=() ads=() bds=()
   for ((r = 0; r < rounds; ++r)); do
-    x="$(one "$a" "$cell")"; y="$(one "$b" "$cell")"
+    read -r x xd <<<"$(one "$a" "$cell")"; read -r y yd <<<"$(one "$b" "$cell")"
     as+=("$x"); bs+=("$y"); ratios+=("$(awk -v x="$x" -v y="$y" 'BEGIN { printf "%.3f", (x > 0 ? y / x : 0) }')")
+    ads+=("$xd"); bds+=("$yd")
   done
   stats() { printf '%s\n' "$@" | sort -g | awk '{ v[NR] = $1 } END { m = (NR % 2) ? v[(NR + 1) / 2] : (v[NR / 2] + v[NR / 2 + 1]) / 2; printf "%s (%s-%s)", m, v[1], v[NR] }'; }
   med() { printf '%s\n' "$@" | sort -g | awk '{ v[NR] = $1 } END { printf "%.3f", (NR % 2) ? v[(NR + 1) / 2] : (v[NR / 2] + v[NR / 2 + 1]) / 2 }'; }
-  printf '%-14s %8s %22s %22s %14s\n' "$cell" "$rounds" "$(stats "${as[@]}")" "$(stats "${bs[@]}")" "$(med "${ratios[@]}")"
+  printf '%-14s %8s %22s %22s %14s' "$cell" "$rounds" "$(stats "${as[@]}")" "$(stats "${bs[@]}")" "$(med "${ratios[@]}")"
+  [[ ${#pg[@]} -gt 0 ]] && printf '   db ms/op A %s  B %s' "$(med "${ads[@]}")" "$(med "${bds[@]}")"
+  printf '\n'
+
 done

@@ -964,7 +964,13 @@ static int run(int argc, char** argv) {
       }
     }
     start_server(s, db);
-    row(k_workload_titles[g_only.mode], g_only.clients, run_http(s.port, token, g_only.clients, seconds, g_only.mode));
+    const pid_t db_pid = pg.rfind("postgresql://", 0) == 0 ? postmaster_pid(pg) : 0;
+    const double d0 = db_pid ? mep::bench::process_tree_cpu_seconds(db_pid) : 0;
+    Result r = run_http(s.port, token, g_only.clients, seconds, g_only.mode);
+    row(k_workload_titles[g_only.mode], g_only.clients, r);
+    if (db_pid && r.ops_per_s > 0)
+      std::printf("db ms/op: %.3f (CPU of PostgreSQL's processes, from /proc, per operation)\n",
+                  (mep::bench::process_tree_cpu_seconds(db_pid) - d0) * 1000 / (r.ops_per_s * seconds));
     std::printf("%s\n", writer_nice_line(s.pid).c_str());
     return g_failed_cells > 0 ? 1 : 0; // ~Server stops the server, then ~ScratchDir
   }
