@@ -51,6 +51,7 @@ extern const std::string_view k_pg_schema_v3;
 extern const std::string_view k_pg_schema_v4;
 extern const std::string_view k_pg_schema_v5;
 extern const std::string_view k_pg_schema_v6;
+extern const std::string_view k_pg_schema_v7;
 
 namespace {
 
@@ -58,8 +59,8 @@ namespace json = boost::json;
 using Clock = std::chrono::steady_clock;
 
 // Each version's schema, applied in turn from the database's version up.
-const std::string_view k_pg_schemas[] = {k_pg_schema_v1, k_pg_schema_v2, k_pg_schema_v3,
-                                         k_pg_schema_v4, k_pg_schema_v5, k_pg_schema_v6};
+const std::string_view k_pg_schemas[] = {k_pg_schema_v1, k_pg_schema_v2, k_pg_schema_v3, k_pg_schema_v4,
+                                         k_pg_schema_v5, k_pg_schema_v6, k_pg_schema_v7};
 constexpr int k_schema_version = static_cast<int>(std::size(k_pg_schemas));
 constexpr int k_max_attempts = 10;
 constexpr auto k_reconnect_gap = std::chrono::milliseconds(500);
@@ -154,10 +155,11 @@ Outcome<T> finish_idempotent(const pg::Result& res, T (*success)(const json::obj
 // SQL text of the hot statements, prepared once per connection.
 constexpr const char* k_sql_claim =
     "SELECT mep_claim($1, $2, $3, $4, $5::jsonb, $6, $7, $8, $9, $10, $11::bigint, $12, $13, $14, $15::bigint, "
-    "$16::bigint)::text";
+    "$16::bigint, $17, $18, $19)::text";
 // A waiting claim's attempt: a 423 is not kept under the key (Claim::record_refusal).
-constexpr const char* k_sql_claim_attempt = "SELECT mep_claim_attempt($1, $2, $3, $4, $5::jsonb, $6, $7, $8, $9, $10, "
-                                            "$11::bigint, $12, $13, $14, $15::bigint, $16::bigint)::text";
+constexpr const char* k_sql_claim_attempt =
+    "SELECT mep_claim_attempt($1, $2, $3, $4, $5::jsonb, $6, $7, $8, $9, $10, "
+    "$11::bigint, $12, $13, $14, $15::bigint, $16::bigint, $17, $18, $19)::text";
 // The queue of waiting claims (schema v5). A ticket lives while its server renews it
 // (k_sql_wait_beat); leaving, or being left by its clients, wakes the waiters for the same
 // things on every server.
@@ -218,6 +220,25 @@ std::optional<MemoryRow> find_memory(pg::Conn& c, const std::string& id) {
 }
 
 std::string to_s(std::int64_t v) { return std::to_string(v); }
+
+// mep_claim's parameters: $16 the clock's bound, $17 the audit row's event id, $18 and $19
+// the hashes of the name and the memory.
+constexpr std::size_t k_claim_bound = 15;
+constexpr std::size_t k_claim_event = 16;
+constexpr std::size_t k_claim_params = 19;
+
+// HMAC-SHA256 of `text` under a tenant's audit salt, in hex, '' for no text: mep_hash's
+// rule. The keyed contexts are kept per thread (HmacSha256 is not shared between threads).
+std::string audit_hash(const std::string& salt, std::string_view text) {
+  if (text.empty()) return {};
+  thread_local std::unordered_map<std::string, HmacSha256> macs;
+  auto it = macs.find(salt);
+  if (it == macs.end()) {
+    if (macs.size() >= 1024) macs.clear();
+    it = macs.emplace(salt, HmacSha256(salt)).first;
+  }
+  return it->second.hex(text);
+}
 
 // bytea in text form for a parameter.
 std::string bytea_hex(const std::string& bytes) { return "\\x" + hex_lower(bytes.data(), bytes.size()); }
@@ -656,6 +677,18 @@ pg::Param PgStore::clock_bound() const {
   return b ? pg::Param(std::to_string(*b)) : pg::Param();
 }
 
+std::optional<std::string> PgStore::audit_salt(pg::Conn& c, const std::string& tenant_id) {
+  {
+    std::lock_guard lock(m_salt_mutex);
+    if (auto it = m_salts.find(tenant_id); it != m_salts.end()) return it->second;
+  }
+  auto r = c.exec("audit_salt", "SELECT audit_salt FROM tenants WHERE tenant_id = $1", {tenant_id});
+  if (r.rows() == 0) return std::nullopt;
+  std::string salt = r.text(0, 0);
+  std::lock_guard lock(m_salt_mutex);
+  return m_salts.emplace(tenant_id, std::move(salt)).first->second;
+}
+
 // ---- creating operations ------------------------------------------------------------------
 
 void PgStore::register_memory(const Ctx& ctx, Idempotency idem, RegisterMemory req, Then<lease::Registered> then) {
@@ -698,10 +731,20 @@ void PgStore::claim(const Ctx& ctx, Idempotency idem, Claim req, Then<lease::Gra
       then(std::move(r));
     };
   }
-  params.emplace_back(); // the clock's bound, taken when the call is sent
+  params.resize(k_claim_params); // the clock's bound, taken when the call is sent; the audit's hashes
   submit<lease::Grant>(
-      [this, params = std::move(params), record = req.record_refusal](pg::Conn& c) mutable {
-        params.back() = clock_bound();
+      [this, params = std::move(params), record = req.record_refusal, hashed = false](pg::Conn& c) mutable {
+        params[k_claim_bound] = clock_bound();
+        if (!hashed) {
+          // The audit row's event id and hashes, made here rather than in SQL (schema v7);
+          // left to the database for a tenant whose salt is not found.
+          if (auto salt = audit_salt(c, *params[0])) {
+            params[k_claim_event] = uuid_v7().to_string();
+            params[k_claim_event + 1] = audit_hash(*salt, *params[5]);
+            params[k_claim_event + 2] = audit_hash(*salt, *params[8]);
+          }
+          hashed = true;
+        }
         // A waiting claim's refusal is not kept under its key (Claim::record_refusal): the
         // server-side function leaves it out in the claim's own transaction.
         return record ? finish_idempotent(c.exec("claim", k_sql_claim, params), grant_of)

@@ -173,6 +173,12 @@ private:
   pg::Param clock_bound() const;
   ClockWatch m_clock;
   std::atomic<std::int64_t> m_clock_steps{0};
+
+  // Each tenant's audit salt, read once (a salt never changes): the server computes a
+  // claim's audit hashes (schema v7).
+  std::optional<std::string> audit_salt(pg::Conn& c, const std::string& tenant_id);
+  std::mutex m_salt_mutex;
+  std::unordered_map<std::string, std::string> m_salts;
 };
 
 } // namespace mep::server

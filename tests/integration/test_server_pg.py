@@ -12,9 +12,16 @@
 - `db_frozen_requests_bounded`: every PostgreSQL process is stopped (SIGSTOP), so
   connections stay open and silent; requests still end, in 503 with Retry-After within
   seconds, and service resumes after SIGCONT.
+- `audit_hashes_of_ended_leases`: since schema v7 the server hashes a claim's name and
+  memory and the lease row keeps the hashes; the audit rows of a takeover, an expiry found
+  by a claim and a sweep carry the right tenant's HMACs, also for rows without stored hashes
+  (granted before v7) and through the claim function's v6 signature (a server of an earlier
+  version during a rolling upgrade).
 
 The other control-plane suites run on PostgreSQL too (ctest's *_pg tests).
 """
+import hashlib
+import hmac
 import os
 import random
 import signal
@@ -27,7 +34,7 @@ import unittest
 
 import pgfixture
 from history import History, explain
-from serverfixture import ApiClient, MepServer, create_token, db_query, unique_name
+from serverfixture import ApiClient, MepServer, create_token, db_query, new_key, unique_name
 
 REQUEST_BOUND_S = 8  # no request may take longer, also while the database is down
 
@@ -144,7 +151,7 @@ class SharedDatabase(PgTestCase):
         self.db = pgfixture.PgDb()
         self.servers = start_servers(self.dir, self.db, 3)
         version = db_query(self.db, "SELECT version FROM schema_version")
-        self.assertEqual(version, [(6,)])
+        self.assertEqual(version, [(7,)])
         indexes = {r[0] for r in db_query(self.db, "SELECT indexname FROM pg_indexes WHERE tablename = 'leases'")}
         self.assertTrue({"leases_owner_name", "leases_tenant_name"} <= indexes, indexes)
         self.assertNotIn("leases_owner", indexes)
@@ -321,6 +328,75 @@ class DatabaseFrozen(PgTestCase):
             r = c.renew(held["canonical_name"], memory, held["fencing_token"], "before")
             self.assertEqual(r.status, 200, r)
         self.assertTrue(server.running())
+
+
+class AuditHashes(PgTestCase):
+    def test_audit_hashes_of_ended_leases(self):
+        self.db = pgfixture.PgDb()
+        token_a, token_b = create_token(self.db, "tenant-a"), create_token(self.db, "tenant-b")
+        self.servers = start_servers(self.dir, self.db, 1)
+        tenants = {name: (tid, salt) for tid, name, salt in
+                   db_query(self.db, "SELECT tenant_id, name, audit_salt FROM tenants")}
+
+        def h(tenant, text):
+            return hmac.new(tenants[tenant][1].encode(), text.encode(), hashlib.sha256).hexdigest()
+
+        with self.servers[0].client(token_a) as a, self.servers[0].client(token_b) as b:
+            held = []  # tenant A's leases: (name, memory)
+            for _ in range(4):
+                name, mem = unique_name(), a.new_memory()
+                self.assertEqual(a.claim(name, mem, "owner-a").status, 201)
+                held.append((name, mem))
+            mem_b, mem_a2 = b.new_memory(), a.new_memory()
+        # Each row keeps its HMACs, which the server computed under tenant A's salt.
+        for name, mem in held:
+            self.assertEqual(db_query(self.db, "SELECT name_hash, memory_hash FROM leases WHERE canonical_name = ?",
+                                      (name,)), [(h("tenant-a", name), h("tenant-a", mem))])
+        (n0, m0), (n1, m1), (n2, m2), (n3, m3) = held
+        skel = dict(db_query(self.db, "SELECT canonical_name, skeleton FROM leases"))
+        tid_a, tid_b = tenants["tenant-a"][0], tenants["tenant-b"][0]
+        # In one transaction, so that the sweeper (which skips locked rows) cannot take
+        # them first: n0 and n1 expire, n1 as a row written before v7 (no hashes); tenant B
+        # claims n0 through the v7 signature with the server's hashes, tenant A claims n1
+        # through v6's signature (the database hashes). Then n2 and n3 (no hashes) are swept.
+        hb_name, hb_mem = h("tenant-b", n0), h("tenant-b", mem_b)
+        self.db.execute(
+            "BEGIN; "
+            "UPDATE leases SET expires_at = 1 WHERE canonical_name = '%s'; "
+            "UPDATE leases SET expires_at = 1, name_hash = NULL, memory_hash = NULL WHERE canonical_name = '%s'; "
+            "SELECT mep_claim('%s', '%s', 'fp-b', 'req-b', NULL, '%s', '%s', '%s', '%s', 'owner-b', 30, 'lease-b', "
+            "'u', 'i', NULL, NULL, 'event-b', '%s', '%s'); "
+            "SELECT mep_claim('%s', '%s', 'fp-a', 'req-a', NULL, '%s', '%s', '%s', '%s', 'owner-a2', 30, 'lease-a2', "
+            "'u', 'i', NULL, NULL); "
+            "COMMIT; "
+            "BEGIN; "
+            "UPDATE leases SET expires_at = 1 WHERE canonical_name = '%s'; "
+            "UPDATE leases SET expires_at = 1, name_hash = NULL, memory_hash = NULL WHERE canonical_name = '%s'; "
+            "SELECT mep_sweep(NULL::bigint); "
+            "COMMIT;" % (n0, n1, tid_b, new_key(), n0, n0, skel[n0], mem_b, hb_name, hb_mem,
+                         tid_a, new_key(), n1, n1, skel[n1], mem_a2, n2, n3))
+        self.assertEqual(db_query(self.db, "SELECT canonical_name, tenant_id, memory_id, fencing_token, name_hash, "
+                                           "memory_hash FROM leases WHERE canonical_name IN (?, ?) ORDER BY lease_id",
+                                  (n0, n1)),
+                         [(n1, tid_a, mem_a2, 1, h("tenant-a", n1), h("tenant-a", mem_a2)),
+                          (n0, tid_b, mem_b, 1, hb_name, hb_mem)])
+        self.assertEqual(db_query(self.db, "SELECT count(*) FROM leases WHERE canonical_name IN (?, ?)", (n2, n3)),
+                         [(0,)])
+        rows = db_query(self.db, "SELECT event_type, tenant_id, redacted_name_hash, redacted_memory_hash, "
+                                 "fencing_token FROM audit_events WHERE event_type <> 'AUTH_FAILED'")
+
+        def count(event, tenant, name, mem, token):
+            return rows.count((event, tenants[tenant][0], h(tenant, name), h(tenant, mem), token))
+
+        # The expired leases, under their own tenant's salt; the takeovers under the
+        # claimer's (as the SQLite backend writes them); the grants.
+        for name, mem in held:
+            self.assertEqual(count("LEASE_EXPIRED", "tenant-a", name, mem, 1), 1, (name, rows))
+        self.assertEqual(count("LEASE_TAKEOVER", "tenant-b", n0, m0, 1), 1, rows)
+        self.assertEqual(count("LEASE_TAKEOVER", "tenant-a", n1, m1, 1), 1, rows)
+        self.assertEqual(count("LEASE_ACQUIRED", "tenant-b", n0, mem_b, 1), 1, rows)
+        self.assertEqual(count("LEASE_ACQUIRED", "tenant-a", n1, mem_a2, 1), 1, rows)
+        self.assertIn("event-b", [r[0] for r in db_query(self.db, "SELECT event_id FROM audit_events")])
 
 
 if __name__ == "__main__":
