@@ -736,15 +736,16 @@ void PgStore::claim(const Ctx& ctx, Idempotency idem, Claim req, Then<lease::Gra
       [this, params = std::move(params), record = req.record_refusal, hashed = false](pg::Conn& c) mutable {
         params[k_claim_bound] = clock_bound();
         if (!hashed) {
-          // The audit row's event id and hashes, made here rather than in SQL (schema v7);
-          // left to the database for a tenant whose salt is not found.
+          // The audit row's hashes, made here rather than in SQL (schema v7); left to the
+          // database for a tenant whose salt is not found.
           if (auto salt = audit_salt(c, *params[0])) {
-            params[k_claim_event] = uuid_v7().to_string();
             params[k_claim_event + 1] = audit_hash(*salt, *params[5]);
             params[k_claim_event + 2] = audit_hash(*salt, *params[8]);
           }
           hashed = true;
         }
+        // A new event id for each run: a run whose commit was not confirmed may have used one.
+        params[k_claim_event] = uuid_v7().to_string();
         // A waiting claim's refusal is not kept under its key (Claim::record_refusal): the
         // server-side function leaves it out in the claim's own transaction.
         return record ? finish_idempotent(c.exec("claim", k_sql_claim, params), grant_of)
