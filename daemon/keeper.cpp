@@ -253,12 +253,14 @@ void Keeper::resend_intents() {
 }
 
 // Keeps a lease: saved for re-adoption, in the book, its agent watched.
-void Keeper::adopt(Held h, bool announce) {
-  try {
-    m_state.save_lease(saved(h));
-    g_state_health.ok();
-  } catch (const std::exception& e) {
-    g_state_health.failed("save a lease", e); // held in memory: renewed, not re-adopted after a restart
+void Keeper::adopt(Held h, bool announce, const std::string& finished_intent, bool save) {
+  if (save) {
+    try {
+      m_state.save_lease(saved(h), finished_intent);
+      g_state_health.ok();
+    } catch (const std::exception& e) {
+      g_state_health.failed("save a lease", e); // held in memory: renewed, not re-adopted after a restart
+    }
   }
   if (h.bind_pid) m_pids.watch(h.bind_pid);
   m_book.put(h, announce);
@@ -426,7 +428,8 @@ expected<Held, Problem> Keeper::attach(const AttachRequest& req) {
       m_state.orphan_intent(intent.key);
       return make_unexpected(std::move(r.error()));
     }
-    m_state.delete_intent(intent.key);
+    // A grant's intent goes with the lease's first save (below), in one transaction.
+    if (!r) m_state.delete_intent(intent.key);
   } catch (const std::exception& e) {
     g_state_health.failed("update a claim intent", e);
   }
@@ -442,7 +445,7 @@ expected<Held, Problem> Keeper::attach(const AttachRequest& req) {
   h.fenced = !m_dp;
   if (m_dp) {
     try {
-      m_state.save_lease(saved(h)); // a crash while fencing re-adopts it and fences again
+      m_state.save_lease(saved(h), intent.key); // a crash while fencing re-adopts it and fences again
     } catch (const std::exception& e) {
       g_state_health.failed("save a lease", e);
     }
@@ -455,7 +458,10 @@ expected<Held, Problem> Keeper::attach(const AttachRequest& req) {
     h.fenced = true;
   }
   ++m_grants;
-  adopt(h, true);
+  if (m_dp)
+    adopt(h, true, {}, false); // saved before fencing, with its intent
+  else
+    adopt(h, true, intent.key);
   return h;
 }
 

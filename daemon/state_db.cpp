@@ -78,25 +78,90 @@ StateDb::StateDb(const std::filesystem::path& path) {
 
 StateDb::~StateDb() = default;
 
+// ---- group commit ---------------------------------------------------------------------------
+
+struct StateDb::Pending {
+  const std::function<void(sqlite::Db&)>* op;
+  std::exception_ptr error;
+  bool done = false;
+};
+
+void StateDb::write(const std::function<void(sqlite::Db&)>& op) {
+  Pending me{&op, nullptr, false};
+  std::unique_lock q(m_queue_mutex);
+  m_queue.push_back(&me);
+  while (!me.done) {
+    if (m_committing) {
+      m_queue_cv.wait(q);
+      continue;
+    }
+    // No transaction is committing: this thread commits everything queued, its own included.
+    m_committing = true;
+    std::vector<Pending*> batch;
+    batch.swap(m_queue);
+    q.unlock();
+    commit(batch); // never throws: the outcome of each is in its Pending
+    q.lock();
+    m_committing = false;
+    for (Pending* p : batch) p->done = true;
+    m_queue_cv.notify_all();
+  }
+  if (me.error) std::rethrow_exception(me.error);
+}
+
+void StateDb::commit(const std::vector<Pending*>& batch) {
+  std::lock_guard lock(m_mutex);
+  try {
+    m_db->exec("BEGIN IMMEDIATE");
+    try {
+      for (Pending* p : batch) {
+        // A savepoint each: a write that fails (a fault, a constraint) takes only its own
+        // changes back.
+        m_db->exec("SAVEPOINT w");
+        try {
+          (*p->op)(*m_db);
+          m_db->exec("RELEASE w");
+        } catch (...) {
+          p->error = std::current_exception();
+          m_db->exec("ROLLBACK TO w");
+          m_db->exec("RELEASE w");
+        }
+      }
+      m_db->exec("COMMIT");
+    } catch (...) {
+      try {
+        m_db->exec("ROLLBACK");
+      } catch (...) {} // SQLite may have rolled back already
+      throw;
+    }
+  } catch (...) {
+    const std::exception_ptr e = std::current_exception();
+    for (Pending* p : batch)
+      if (!p->error) p->error = e;
+  }
+}
+
 void StateDb::remember_file(const std::string& memory_id, const std::string& path, const FileStat& st,
                             const std::optional<std::string>& sha256, uid_t uid) {
-  std::lock_guard lock(m_mutex);
-  // A new fingerprint replaces the old; without one, the old is kept only while the path
-  // still names the same memory.
-  Use s(m_db->prepare("INSERT INTO files(path, memory_id, dev, ino, sha256, updated_at, btime, peer_uid) "
-                      "VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8) "
-                      "ON CONFLICT(path) DO UPDATE SET memory_id = ?2, dev = ?3, ino = ?4, "
-                      "sha256 = coalesce(?5, CASE WHEN files.memory_id = ?2 THEN files.sha256 END), updated_at = ?6, "
-                      "btime = ?7, peer_uid = ?8"));
-  s->bind(1, path)
-      .bind(2, memory_id)
-      .bind(3, static_cast<std::int64_t>(st.dev))
-      .bind(4, static_cast<std::int64_t>(st.ino))
-      .bind(5, sha256)
-      .bind(6, now_unix_ms())
-      .bind(7, st.birth_ns)
-      .bind(8, static_cast<std::int64_t>(uid))
-      .run();
+  const std::int64_t now = now_unix_ms();
+  write([&](sqlite::Db& db) {
+    // A new fingerprint replaces the old; without one, the old is kept only while the path
+    // still names the same memory.
+    Use s(db.prepare("INSERT INTO files(path, memory_id, dev, ino, sha256, updated_at, btime, peer_uid) "
+                     "VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8) "
+                     "ON CONFLICT(path) DO UPDATE SET memory_id = ?2, dev = ?3, ino = ?4, "
+                     "sha256 = coalesce(?5, CASE WHEN files.memory_id = ?2 THEN files.sha256 END), updated_at = ?6, "
+                     "btime = ?7, peer_uid = ?8"));
+    s->bind(1, path)
+        .bind(2, memory_id)
+        .bind(3, static_cast<std::int64_t>(st.dev))
+        .bind(4, static_cast<std::int64_t>(st.ino))
+        .bind(5, sha256)
+        .bind(6, now)
+        .bind(7, st.birth_ns)
+        .bind(8, static_cast<std::int64_t>(uid))
+        .run();
+  });
 }
 
 // Rows without a user were made before there were several: the daemon's own user's.
@@ -141,45 +206,51 @@ bool StateDb::registered(const std::string& memory_id) {
 }
 
 void StateDb::mark_registered(const std::string& memory_id) {
-  std::lock_guard lock(m_mutex);
-  Use s(m_db->prepare("INSERT OR IGNORE INTO registered(memory_id) VALUES (?1)"));
-  s->bind(1, memory_id).run();
+  write([&](sqlite::Db& db) {
+    Use s(db.prepare("INSERT OR IGNORE INTO registered(memory_id) VALUES (?1)"));
+    s->bind(1, memory_id).run();
+  });
 }
 
-void StateDb::save_lease(const SavedLease& l) {
-  std::lock_guard lock(m_mutex);
-  Use s(m_db->prepare("INSERT OR REPLACE INTO leases(canonical_name, display_name, memory_id, lease_id, "
-                      "owner_client_id, fencing_token, ttl_seconds, expires_at, path, bind_pid, peer_uid, peer_gid) "
-                      "VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12)"));
-  s->bind(1, l.canonical_name)
-      .bind(2, l.display_name)
-      .bind(3, l.memory_id)
-      .bind(4, l.lease_id)
-      .bind(5, l.owner_client_id)
-      .bind(6, l.fencing_token)
-      .bind(7, l.ttl_s)
-      .bind(8, l.expires_at)
-      .bind(9, l.path)
-      .bind(10, static_cast<std::int64_t>(l.bind_pid));
-  bind_owner(*s, 11, l.uid, l.gid);
-  s->run();
+void StateDb::save_lease(const SavedLease& l, const std::string& finished_intent) {
+  write([&](sqlite::Db& db) {
+    Use s(db.prepare("INSERT OR REPLACE INTO leases(canonical_name, display_name, memory_id, lease_id, "
+                     "owner_client_id, fencing_token, ttl_seconds, expires_at, path, bind_pid, peer_uid, peer_gid) "
+                     "VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12)"));
+    s->bind(1, l.canonical_name)
+        .bind(2, l.display_name)
+        .bind(3, l.memory_id)
+        .bind(4, l.lease_id)
+        .bind(5, l.owner_client_id)
+        .bind(6, l.fencing_token)
+        .bind(7, l.ttl_s)
+        .bind(8, l.expires_at)
+        .bind(9, l.path)
+        .bind(10, static_cast<std::int64_t>(l.bind_pid));
+    bind_owner(*s, 11, l.uid, l.gid);
+    s->run();
+    if (!finished_intent.empty()) {
+      Use d(db.prepare("DELETE FROM intents WHERE idem_key = ?1"));
+      d->bind(1, finished_intent).run();
+    }
+  });
 }
 
 void StateDb::save_expiries(const std::vector<std::pair<std::string, UnixMs>>& expiries) {
   if (expiries.empty()) return;
-  std::lock_guard lock(m_mutex);
-  sqlite::in_transaction(*m_db, "BEGIN", [&] {
+  write([&](sqlite::Db& db) {
     for (const auto& [name, expires] : expiries) {
-      Use u(m_db->prepare("UPDATE leases SET expires_at = ?1 WHERE canonical_name = ?2"));
+      Use u(db.prepare("UPDATE leases SET expires_at = ?1 WHERE canonical_name = ?2"));
       u->bind(1, expires).bind(2, name).run();
     }
   });
 }
 
 void StateDb::forget_lease(const std::string& canonical_name) {
-  std::lock_guard lock(m_mutex);
-  Use s(m_db->prepare("DELETE FROM leases WHERE canonical_name = ?1"));
-  s->bind(1, canonical_name).run();
+  write([&](sqlite::Db& db) {
+    Use s(db.prepare("DELETE FROM leases WHERE canonical_name = ?1"));
+    s->bind(1, canonical_name).run();
+  });
 }
 
 std::vector<SavedLease> StateDb::leases() {
@@ -196,28 +267,29 @@ std::vector<SavedLease> StateDb::leases() {
 }
 
 void StateDb::add_intent(const Intent& in) {
-  std::lock_guard lock(m_mutex);
-  Use s(m_db->prepare("INSERT INTO intents(idem_key, body, path, bind_pid, created_at, peer_uid, peer_gid) "
-                      "VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7)"));
-  s->bind(1, in.key)
-      .bind(2, json::dump(lease::wire::to_json(in.request)))
-      .bind(3, in.path)
-      .bind(4, static_cast<std::int64_t>(in.bind_pid))
-      .bind(5, now_unix_ms());
-  bind_owner(*s, 6, in.uid, in.gid);
-  s->run();
+  const std::string body = json::dump(lease::wire::to_json(in.request));
+  const std::int64_t now = now_unix_ms();
+  write([&](sqlite::Db& db) {
+    Use s(db.prepare("INSERT INTO intents(idem_key, body, path, bind_pid, created_at, peer_uid, peer_gid) "
+                     "VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7)"));
+    s->bind(1, in.key).bind(2, body).bind(3, in.path).bind(4, static_cast<std::int64_t>(in.bind_pid)).bind(5, now);
+    bind_owner(*s, 6, in.uid, in.gid);
+    s->run();
+  });
 }
 
 void StateDb::orphan_intent(const std::string& key) {
-  std::lock_guard lock(m_mutex);
-  Use s(m_db->prepare("UPDATE intents SET bind_pid = -1 WHERE idem_key = ?1"));
-  s->bind(1, key).run();
+  write([&](sqlite::Db& db) {
+    Use s(db.prepare("UPDATE intents SET bind_pid = -1 WHERE idem_key = ?1"));
+    s->bind(1, key).run();
+  });
 }
 
 void StateDb::delete_intent(const std::string& key) {
-  std::lock_guard lock(m_mutex);
-  Use s(m_db->prepare("DELETE FROM intents WHERE idem_key = ?1"));
-  s->bind(1, key).run();
+  write([&](sqlite::Db& db) {
+    Use s(db.prepare("DELETE FROM intents WHERE idem_key = ?1"));
+    s->bind(1, key).run();
+  });
 }
 
 std::vector<Intent> StateDb::intents() {

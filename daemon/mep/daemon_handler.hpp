@@ -106,7 +106,7 @@ private:
 
   DaemonService& m_service;
   std::function<bool(const http::Peer&)> m_allowed;
-  boost::asio::thread_pool m_work{16};
+  boost::asio::thread_pool m_work{64};
   static constexpr int k_max_waiting_attaches = 1024; // beyond, they queue for the pool
   std::mutex m_waiters_mutex;
   std::condition_variable m_waiters_done;

@@ -71,7 +71,9 @@ private:
   expected<Resolved, Problem> resolve_registered(const std::filesystem::path& path);
   std::optional<Problem> register_memory(const std::string& memory_id);
   expected<void, Problem> fence(const Held& h);
-  void adopt(Held h, bool announce);
+  /// Keeps `h`: saved for re-adoption (unless `save` is false: saved already), with
+  /// `finished_intent` deleted in the same write; in the book; its agent watched.
+  void adopt(Held h, bool announce, const std::string& finished_intent = {}, bool save = true);
   void release_on_server(const Held& h);
   void forget(const std::vector<std::string>& names);
   void on_event(const Event& e);
