@@ -192,25 +192,7 @@ BEGIN
 END
 $$;
 
--- Audit rows for leases given as a JSON array of {tenant, n (name), m (memory), t (token)};
--- p_tenant, when given, is the tenant of every row. Returns how many.
-CREATE OR REPLACE FUNCTION mep_audit_many(p_rows jsonb, p_type text, p_tenant text, p_now bigint)
-RETURNS integer LANGUAGE plpgsql AS $$
-DECLARE
-  v_n integer;
-BEGIN
-  WITH ins AS (
-    INSERT INTO audit_events(event_id, tenant_id, event_type, redacted_name_hash,
-                             redacted_memory_hash, fencing_token, created_at)
-    SELECT mep_uuid7(p_now), coalesce(p_tenant, e->>'tenant'), p_type,
-           mep_hash(coalesce(p_tenant, e->>'tenant'), e->>'n'),
-           mep_hash(coalesce(p_tenant, e->>'tenant'), e->>'m'), (e->>'t')::bigint, p_now
-      FROM jsonb_array_elements(p_rows) AS e
-    RETURNING 1)
-  SELECT count(*) INTO v_n FROM ins;
-  RETURN v_n;
-END
-$$;
+-- mep_audit_many, audit rows for a JSON array of leases: see v7.
 
 -- A problem as the server renders it: code, detail, instance (the request id).
 CREATE OR REPLACE FUNCTION mep_problem(p_code text, p_detail text, p_request_id text) RETURNS jsonb
@@ -988,7 +970,15 @@ BEGIN
              ON CONFLICT (canonical_name) DO UPDATE
                SET display_name = excluded.display_name, skeleton = excluded.skeleton,
                    tenant_id = excluded.tenant_id, unicode_version = excluded.unicode_version,
-                   icu_version = excluded.icu_version, last_claimed_at = excluded.last_claimed_at),
+                   icu_version = excluded.icu_version, last_claimed_at = excluded.last_claimed_at
+               -- Rewritten when something in it changes, else at most once a minute (as
+               -- the SQLite backend does): a name claimed again and again writes no row.
+               WHERE agent_names.display_name IS DISTINCT FROM excluded.display_name
+                  OR agent_names.skeleton IS DISTINCT FROM excluded.skeleton
+                  OR agent_names.tenant_id IS DISTINCT FROM excluded.tenant_id
+                  OR agent_names.unicode_version IS DISTINCT FROM excluded.unicode_version
+                  OR agent_names.icu_version IS DISTINCT FROM excluded.icu_version
+                  OR agent_names.last_claimed_at <= excluded.last_claimed_at - 60000),
        a AS (INSERT INTO audit_events(event_id, tenant_id, event_type, redacted_name_hash,
                                       redacted_memory_hash, fencing_token, created_at)
              VALUES (coalesce(p_event, mep_uuid7(v_now)), p_tenant, 'LEASE_ACQUIRED', v_nh, v_mh, v_token, v_now))
