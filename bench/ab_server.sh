@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # A/B of two mep binaries on the server benchmark's cells, interleaved A B A B … in one run
 # on this machine: bench/ab_server.sh A_MEP B_MEP [ROUNDS] [SECONDS] [CELL ...]
-# (CELL: cycles|reclaim|renew:CLIENTS, default cycles:1 cycles:8 reclaim:64 renew:64).
+# (CELL: cycles|reclaim|renew|contend|batch:CLIENTS, default cycles:1 cycles:8 reclaim:64 renew:64).
 # Prints, per cell, each binary's median ops/s over the rounds with its range, and the
 # median of the per-round ratios B/A. Needs bench_server built (bench/run.sh builds it).
 # MEP_BENCH_PG=postgresql://… runs the cells on PostgreSQL (a fresh database per cell), and

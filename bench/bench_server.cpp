@@ -32,6 +32,7 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <memory>
 #include <random>
 #include <stdexcept>
@@ -274,9 +275,18 @@ bool parse_driver(std::string_view v) {
   return true;
 }
 
-// The table's name for each workload (Script's modes 0, 1, 2).
+// The table's name for each workload (Script's modes 0, 1, 2, 3).
 const char* const k_workload_titles[] = {"HTTP claim+release (cycles)", "HTTP renew",
-                                         "HTTP claim (same-owner re-claim)"};
+                                         "HTTP claim (same-owner re-claim)", "HTTP contended claim (shared names)",
+                                         "HTTP renew-batch of 50 leases"};
+
+// Contended claims (mode 3): client i claims name i mod k_shared(clients), so about four
+// clients want each name; the winner releases at once.
+int k_shared(int clients) { return std::max(1, clients / 4); }
+
+// Batched renewals (mode 4): each client holds this many leases and renews them all in one
+// renew-batch, as mepd does each tick for the leases due. An operation is one batch.
+constexpr int k_batch_leases = 50;
 
 // --only WORKLOAD:CLIENTS, one HTTP cell alone (for A/B runs of one cell): the workload's
 // mode (see Script) and the number of clients; false for a value it does not know.
@@ -298,14 +308,20 @@ bool parse_only(std::string_view v) {
     g_only = {2, clients};
   else if (w == "renew")
     g_only = {1, clients};
+  else if (w == "contend")
+    g_only = {3, clients};
+  else if (w == "batch")
+    g_only = {4, clients};
   else
     return false;
   return true;
 }
 
 // What one client sends: claim+release cycles (mode 0), renews of one held lease (mode 1),
-// or claims again and again as the same owner (mode 2: each request is a whole durable
-// grant with a new fencing token). An operation is one cycle, one renew or one claim.
+// claims again and again as the same owner (mode 2: each request is a whole durable grant
+// with a new fencing token), or claims of a name other clients want too (mode 3: a claim
+// that wins is released at once; one that finds the name held, 423, is done). An
+// operation is one cycle, one renew, one claim or one attempt.
 class Script {
 public:
   enum class Step { more, done, failed };
@@ -314,24 +330,44 @@ public:
     m_tag = uid();
     auto [st, reg] = c.request("POST", "/v1/memories", token, "{}", "reg-" + m_tag);
     m_mem = field(reg, "memory_instance_id");
-    m_name = "bench" + std::to_string(i) + "x" + std::to_string(mode) + "c" + std::to_string(clients) + "r" +
-             std::to_string(run);
+    m_name = "bench" + std::to_string(mode == 3 ? i % k_shared(clients) : i) + "x" + std::to_string(mode) + "c" +
+             std::to_string(clients) + "r" + std::to_string(run);
+    m_owner = mode == 3 ? "bench" + std::to_string(i) : "bench";
     m_claim_body = "{\"display_name\":\"" + m_name + "\",\"memory_instance_id\":\"" + m_mem +
-                   "\",\"owner_client_id\":\"bench\",\"ttl_seconds\":60}";
+                   "\",\"owner_client_id\":\"" + m_owner + "\",\"ttl_seconds\":60}";
     if (mode == 1 || mode == 2) {
       auto [cs, cb] = c.request("POST", "/v1/leases", token, m_claim_body, "hold-" + m_tag);
       m_held_token = field(cb, "fencing_token");
       if (cs != 201) throw std::runtime_error("the first claim failed");
     }
+    if (mode == 4) {
+      m_batch_body = "{\"owner_client_id\":\"bench\",\"leases\":[";
+      for (int j = 0; j < k_batch_leases; ++j) {
+        auto [rs, rb] = c.request("POST", "/v1/memories", token, "{}", "reg-" + m_tag + "-" + std::to_string(j));
+        const std::string mem = field(rb, "memory_instance_id");
+        const std::string name = m_name + "b" + std::to_string(j);
+        auto [cs, cb] = c.request("POST", "/v1/leases", token,
+                                  "{\"display_name\":\"" + name + "\",\"memory_instance_id\":\"" + mem +
+                                      "\",\"owner_client_id\":\"bench\",\"ttl_seconds\":60}",
+                                  "hold-" + m_tag + "-" + std::to_string(j));
+        if (cs != 201) throw std::runtime_error("a claim to renew failed");
+        m_batch_body += std::string(j ? "," : "") + "{\"canonical_name\":\"" + field(cb, "canonical_name") +
+                        "\",\"memory_instance_id\":\"" + mem + "\",\"fencing_token\":" + field(cb, "fencing_token") +
+                        ",\"ttl_seconds\":60}";
+      }
+      m_batch_body += "]}";
+    }
   }
 
   // The bytes of the next request.
   std::string next() {
-    if (m_mode == 0 && m_releasing) {
+    if ((m_mode == 0 || m_mode == 3) && m_releasing) {
       std::string rel = "{\"canonical_name\":\"" + m_name + "\",\"memory_instance_id\":\"" + m_mem +
-                        "\",\"fencing_token\":" + m_held_token + ",\"owner_client_id\":\"bench\"}";
+                        "\",\"fencing_token\":" + m_held_token + ",\"owner_client_id\":\"" + m_owner + "\"}";
       return mep::bench::HttpConn::format("POST", "/v1/leases/release", rel, api_headers(m_token));
     }
+    if (m_mode == 4)
+      return mep::bench::HttpConn::format("POST", "/v1/leases/renew-batch", m_batch_body, api_headers(m_token));
     if (m_mode == 1) {
       std::string ren = "{\"canonical_name\":\"" + m_name + "\",\"memory_instance_id\":\"" + m_mem +
                         "\",\"fencing_token\":" + m_held_token + ",\"owner_client_id\":\"bench\",\"ttl_seconds\":60}";
@@ -343,9 +379,12 @@ public:
 
   // Takes the response to next()'s request.
   Step on_response(int status, const std::string& body) {
+    if (m_mode == 4) // every lease renewed: no result other than 200 in the answer
+      return status == 200 && body.find("\"status\":4") == std::string::npos ? Step::done : Step::failed;
     if (m_mode == 1) return status == 200 ? Step::done : Step::failed;
     if (m_mode == 2) return status == 201 ? Step::done : Step::failed;
     if (!m_releasing) {
+      if (m_mode == 3 && status == 423) return Step::done; // another client holds the name
       if (status != 201) return Step::failed;
       m_held_token = field(body, "fencing_token");
       m_releasing = true;
@@ -356,7 +395,7 @@ public:
   }
 
 private:
-  std::string m_token, m_tag, m_mem, m_name, m_claim_body, m_held_token;
+  std::string m_token, m_tag, m_mem, m_name, m_owner, m_claim_body, m_held_token, m_batch_body;
   int m_mode;
   long m_k = 0;
   bool m_releasing = false;
@@ -480,7 +519,10 @@ void drive_many(Shared& sh, int port, const std::string& token, int first, int l
   ::close(ep);
 }
 
-Result run_http_once(int port, const std::string& token, int clients, double seconds, int mode) {
+// at_go, when given, is called once every client is set up (its memories registered, its
+// leases claimed), just before they start: where a caller starts counting CPU.
+Result run_http_once(int port, const std::string& token, int clients, double seconds, int mode,
+                     const std::function<void()>& at_go = {}) {
   static std::atomic<int> runs{0};
   const int run = runs++; // names differ between runs: a held lease outlives its run
   Shared sh;
@@ -497,6 +539,7 @@ Result run_http_once(int port, const std::string& token, int clients, double sec
           [&, t] { drive_many(sh, port, token, clients * t / loops, clients * (t + 1) / loops, mode, clients, run); });
   }
   while (sh.ready < clients) std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  if (at_go) at_go();
   sh.end_time = Clock::now() + std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(seconds));
   auto start = Clock::now();
   sh.go = true;
@@ -810,13 +853,16 @@ void compare_with_etcd(Server& s, const std::string& token, const fs::path& dir,
   std::printf("\nmep (%s, above) and %s, single node, fresh data dir, WAL fsync on; gRPC clients on one\n"
               "connection. Interleaved: %d rounds of a mep cell then an etcd cell, %g s each; medians\n"
               "(range). claim: mep's durable re-claim (a new grant and token each) / etcd LeaseGrant + Txn\n"
-              "put-if-absent of a fresh key; cycle: mep claim+release / etcd LeaseGrant + Txn + LeaseRevoke;\n"
-              "renew: mep renew / etcd LeaseKeepAlive on a stream. cpu: cores used by the clients (HTTP\n"
-              "or gRPC, this process) / by the server, during the cell.%s\n\n",
-              postgresql ? "PostgreSQL" : "SQLite", etcd->version().c_str(), rounds, seconds,
+              "put-if-absent of a fresh key; contend: an attempt at a name about 4 clients want (mep claim,\n"
+              "released when it wins / etcd Txn put-if-absent with a lease granted for it, revoked when\n"
+              "it wins); cycle: mep claim+release / etcd LeaseGrant + Txn + LeaseRevoke;\n"
+              "renew: mep renew / etcd LeaseKeepAlive on a stream; batch: leases renewed by mep renew-batch\n"
+              "(%d leases a request, as mepd sends them) / etcd LeaseKeepAlive. cpu: cores used by the\n"
+              "clients (HTTP or gRPC, this process) / by the server, during the cell.%s\n\n",
+              postgresql ? "PostgreSQL" : "SQLite", etcd->version().c_str(), rounds, seconds, k_batch_leases,
               !postgresql ? ""
               : db_pid    ? "\ndb ms/op: CPU of PostgreSQL's processes (the postmaster's tree, from /proc) during\n"
-                            "the mep cell, in ms per operation (the cell's setup and teardown included)."
+                            "the mep cell, in ms per operation (from when its clients are set up)."
                           : "\ndb ms/op: not measured (the cluster's postmaster is not readable from here).");
   const bool db_cpu = postgresql && db_pid > 0;
   std::printf("%-8s %7s %22s %22s %10s %13s %13s%s\n", "workload", "clients", "mep ops/s", "etcd ops/s", "mep/etcd",
@@ -824,27 +870,41 @@ void compare_with_etcd(Server& s, const std::string& token, const fs::path& dir,
   struct Cell {
     int mode;
     const char* name;
+    int etcd_mode; // etcd's equivalent workload (EtcdPeer::run)
+    int per_op;    // what one mep operation counts for (the leases of a renew-batch)
   };
   double claim_ratio[3] = {0, 0, 0};
   double claim_db_ms[3] = {0, 0, 0};
   double renew_p99_64 = 0;
+  // Leases kept alive per second per core of the server (and of the database): mep's
+  // renew-batch, etcd's LeaseKeepAlive.
+  double batch_per_core[3] = {0, 0, 0}, keepalive_per_core[3] = {0, 0, 0};
   const int counts[] = {1, 8, 64};
-  for (Cell cell : {Cell{2, "claim"}, Cell{0, "cycle"}, Cell{1, "renew"}}) {
+  for (Cell cell : {Cell{2, "claim", 2, 1}, Cell{3, "contend", 3, 1}, Cell{0, "cycle", 0, 1}, Cell{1, "renew", 1, 1},
+                    Cell{4, "batch", 1, k_batch_leases}}) {
     for (int i = 0; i < 3; ++i) {
       const int clients = counts[i];
-      std::vector<double> m_ops, e_ops, ratios, m_p99, ccpu, scpu, mccpu, mscpu, db_ms;
+      std::vector<double> m_ops, e_ops, ratios, m_p99, ccpu, scpu, mccpu, mscpu, db_ms, m_per_core, e_per_core;
       long errors = 0;
       for (int r = 0; r < rounds; ++r) {
-        const double c0 = mep::bench::process_cpu_seconds(::getpid()), s0 = mep::bench::process_cpu_seconds(s.pid);
-        const double d0 = db_cpu ? mep::bench::process_tree_cpu_seconds(db_pid) : 0;
-        const auto t0 = Clock::now();
-        Result m = run_http_once(s.port, token, clients, seconds, cell.mode);
+        double c0 = 0, s0 = 0, d0 = 0;
+        auto t0 = Clock::now();
+        Result m = run_http_once(s.port, token, clients, seconds, cell.mode, [&] {
+          c0 = mep::bench::process_cpu_seconds(::getpid());
+          s0 = mep::bench::process_cpu_seconds(s.pid);
+          d0 = db_cpu ? mep::bench::process_tree_cpu_seconds(db_pid) : 0;
+          t0 = Clock::now();
+        });
+        m.ops_per_s *= cell.per_op;
         const double wall = std::chrono::duration<double>(Clock::now() - t0).count();
+        const double db_s = db_cpu ? mep::bench::process_tree_cpu_seconds(db_pid) - d0 : 0;
         mccpu.push_back((mep::bench::process_cpu_seconds(::getpid()) - c0) / wall);
         mscpu.push_back((mep::bench::process_cpu_seconds(s.pid) - s0) / wall);
-        if (db_cpu && m.ops_per_s > 0)
-          db_ms.push_back((mep::bench::process_tree_cpu_seconds(db_pid) - d0) * 1000 / (m.ops_per_s * seconds));
-        mep::bench::EtcdResult e = etcd->run(clients, seconds, cell.mode);
+        if (db_cpu && m.ops_per_s > 0) db_ms.push_back(db_s * 1000 / (m.ops_per_s * seconds));
+        const double m_cores = mscpu.back() + db_s / wall;
+        m_per_core.push_back(m_cores > 0 ? m.ops_per_s / m_cores : 0);
+        mep::bench::EtcdResult e = etcd->run(clients, seconds, cell.etcd_mode);
+        e_per_core.push_back(e.server_cores > 0 ? e.ops_per_s / e.server_cores : 0);
         m_ops.push_back(m.ops_per_s);
         m_p99.push_back(m.p99_ms);
         e_ops.push_back(e.ops_per_s);
@@ -868,9 +928,15 @@ void compare_with_etcd(Server& s, const std::string& token, const fs::path& dir,
       if (cell.mode == 2) claim_ratio[i] = median(ratios);
       if (cell.mode == 2) claim_db_ms[i] = median(db_ms);
       if (cell.mode == 1 && clients == 64) renew_p99_64 = median(m_p99);
+      if (cell.mode == 4) batch_per_core[i] = median(m_per_core), keepalive_per_core[i] = median(e_per_core);
       std::fflush(stdout);
     }
   }
+  std::printf("\nleases kept alive per second per core (the server's%s, medians of the rounds):\n",
+              db_cpu ? " and the database's" : "");
+  for (int i = 0; i < 3; ++i)
+    std::printf("  %2d clients: mep renew-batch %.0f, etcd LeaseKeepAlive %.0f: %.2fx\n", counts[i], batch_per_core[i],
+                keepalive_per_core[i], keepalive_per_core[i] > 0 ? batch_per_core[i] / keepalive_per_core[i] : 0);
   auto met = [](bool ok) { return ok ? "met" : "NOT met"; };
   std::printf("\ntargets (issue 22), from this run:\n");
   if (postgresql) {
@@ -921,7 +987,7 @@ static int run(int argc, char** argv) {
       std::fprintf(stderr,
                    "usage: bench_server [--mep PATH] [--seconds S] [--repeat N] [--rss-leases N] "
                    "[--pg auto|off|URL] [--etcd auto|off] [--keys ordered|random|counter] [--driver threads|epoll] "
-                   "[--only cycles|reclaim|renew:CLIENTS (with --pg URL: on a fresh database there)]\n");
+                   "[--only cycles|reclaim|renew|contend|batch:CLIENTS (with --pg URL: on a fresh database there)]\n");
       return 2;
     }
   }
@@ -965,8 +1031,11 @@ static int run(int argc, char** argv) {
     }
     start_server(s, db);
     const pid_t db_pid = pg.rfind("postgresql://", 0) == 0 ? postmaster_pid(pg) : 0;
-    const double d0 = db_pid ? mep::bench::process_tree_cpu_seconds(db_pid) : 0;
-    Result r = run_http(s.port, token, g_only.clients, seconds, g_only.mode);
+    // On PostgreSQL one run, whose database CPU is counted from when its clients are set up.
+    double d0 = 0;
+    Result r = db_pid ? run_http_once(s.port, token, g_only.clients, seconds, g_only.mode,
+                                      [&] { d0 = mep::bench::process_tree_cpu_seconds(db_pid); })
+                      : run_http(s.port, token, g_only.clients, seconds, g_only.mode);
     row(k_workload_titles[g_only.mode], g_only.clients, r);
     if (db_pid && r.ops_per_s > 0)
       std::printf("db ms/op: %.3f (CPU of PostgreSQL's processes, from /proc, per operation)\n",

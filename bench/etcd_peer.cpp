@@ -192,6 +192,23 @@ EtcdPeer::~EtcdPeer() {
 std::string EtcdPeer::version() const { return m->version; }
 pid_t EtcdPeer::pid() const { return m->pid; }
 
+namespace {
+// A claim in etcd: put `key` under `lease` if it does not exist (compare create_revision = 0).
+etcdserverpb::TxnRequest put_if_absent(const std::string& key, std::int64_t lease) {
+  etcdserverpb::TxnRequest t;
+  auto* cmp = t.add_compare();
+  cmp->set_target(etcdserverpb::Compare::CREATE);
+  cmp->set_result(etcdserverpb::Compare::EQUAL);
+  cmp->set_key(key);
+  cmp->set_create_revision(0);
+  auto* put = t.add_success()->mutable_request_put();
+  put->set_key(key);
+  put->set_value("bench");
+  put->set_lease(lease);
+  return t;
+}
+} // namespace
+
 EtcdResult EtcdPeer::run(int clients, double seconds, int mode) {
   const int run = m->runs++;
   std::vector<std::vector<double>> lat(static_cast<std::size_t>(clients));
@@ -244,6 +261,53 @@ EtcdResult EtcdPeer::run(int clients, double seconds, int mode) {
         (void)stream->Finish();
         return;
       }
+      if (mode == 3) {
+        // Contended: an attempt at a key about 4 clients want, put if absent with a lease of
+        // its own; the winner revokes that lease (deleting the key), a loser keeps it for its
+        // next attempt (so a lost attempt is one Txn, as mep's is one claim).
+        const std::string shared =
+            "bench/" + std::to_string(run) + "/shared/" + std::to_string(i % std::max(1, clients / 4));
+        std::int64_t spare = 0;
+        ++ready;
+        while (!go) std::this_thread::yield();
+        while (Clock::now() < end) {
+          auto t0 = Clock::now();
+          if (spare == 0) {
+            grpc::ClientContext c1;
+            etcdserverpb::LeaseGrantRequest g;
+            g.set_ttl(60);
+            etcdserverpb::LeaseGrantResponse gr;
+            if (!lease->LeaseGrant(&c1, g, &gr).ok()) {
+              ++errors;
+              continue;
+            }
+            spare = gr.id();
+          }
+          grpc::ClientContext c2;
+          etcdserverpb::TxnResponse tr;
+          if (!kv->Txn(&c2, put_if_absent(shared, spare), &tr).ok()) {
+            ++errors;
+            continue;
+          }
+          if (tr.succeeded()) {
+            grpc::ClientContext c3;
+            etcdserverpb::LeaseRevokeRequest r;
+            r.set_id(spare);
+            etcdserverpb::LeaseRevokeResponse rr;
+            if (!lease->LeaseRevoke(&c3, r, &rr).ok()) ++errors;
+            spare = 0;
+          }
+          lat[static_cast<std::size_t>(i)].push_back(ms_since(t0));
+        }
+        if (spare != 0) {
+          grpc::ClientContext c4;
+          etcdserverpb::LeaseRevokeRequest r;
+          r.set_id(spare);
+          etcdserverpb::LeaseRevokeResponse rr;
+          (void)lease->LeaseRevoke(&c4, r, &rr);
+        }
+        return;
+      }
       ++ready;
       while (!go) std::this_thread::yield();
       long k = 0;
@@ -258,18 +322,8 @@ EtcdResult EtcdPeer::run(int clients, double seconds, int mode) {
           ++errors;
           continue;
         }
-        etcdserverpb::TxnRequest t;
-        auto* cmp = t.add_compare();
-        cmp->set_target(etcdserverpb::Compare::CREATE);
-        cmp->set_result(etcdserverpb::Compare::EQUAL);
-        cmp->set_key(op_key);
-        cmp->set_create_revision(0);
-        auto* put = t.add_success()->mutable_request_put();
-        put->set_key(op_key);
-        put->set_value("bench");
-        put->set_lease(gr.id());
         etcdserverpb::TxnResponse tr;
-        if (!kv->Txn(&c2, t, &tr).ok() || !tr.succeeded()) ++errors;
+        if (!kv->Txn(&c2, put_if_absent(op_key, gr.id()), &tr).ok() || !tr.succeeded()) ++errors;
         if (mode == 2) { // a claim alone: the lease stays until its TTL
           lat[static_cast<std::size_t>(i)].push_back(ms_since(t0));
           continue;

@@ -49,6 +49,8 @@ public:
   /// LeaseRevoke; one operation is the three calls. Mode 1 (mep's renew): one
   /// LeaseKeepAlive request and its answer on the client's stream. Mode 2 (a claim alone,
   /// next to mep's durable re-claim): LeaseGrant and Txn put-if-absent of a fresh key.
+  /// Mode 3 (contended): Txn put-if-absent of a key about 4 clients share, under a lease
+  /// granted for it; the winner revokes the lease, a loser keeps it for its next attempt.
   EtcdResult run(int clients, double seconds, int mode);
 
 private:
