@@ -963,6 +963,8 @@ BEGIN
   -- The rest of the grant in one statement (each statement has a cost of its own): the
   -- memory's counter, the name's history, the audit row, and the outcome under the key
   -- (mep_idem_put's rule: a key taken meanwhile rolls the call back, to be replayed).
+  -- (The history row is rewritten on every grant: a WHERE that skipped unchanged rows, as
+  -- the SQLite backend does, cost more, since ON CONFLICT still locks the row it skips.)
   WITH m AS (UPDATE memories SET fence_counter = v_token WHERE memory_id = p_memory),
        n AS (INSERT INTO agent_names(canonical_name, display_name, skeleton, tenant_id, unicode_version,
                                      icu_version, first_claimed_at, last_claimed_at)
@@ -970,15 +972,7 @@ BEGIN
              ON CONFLICT (canonical_name) DO UPDATE
                SET display_name = excluded.display_name, skeleton = excluded.skeleton,
                    tenant_id = excluded.tenant_id, unicode_version = excluded.unicode_version,
-                   icu_version = excluded.icu_version, last_claimed_at = excluded.last_claimed_at
-               -- Rewritten when something in it changes, else at most once a minute (as
-               -- the SQLite backend does): a name claimed again and again writes no row.
-               WHERE agent_names.display_name IS DISTINCT FROM excluded.display_name
-                  OR agent_names.skeleton IS DISTINCT FROM excluded.skeleton
-                  OR agent_names.tenant_id IS DISTINCT FROM excluded.tenant_id
-                  OR agent_names.unicode_version IS DISTINCT FROM excluded.unicode_version
-                  OR agent_names.icu_version IS DISTINCT FROM excluded.icu_version
-                  OR agent_names.last_claimed_at <= excluded.last_claimed_at - 60000),
+                   icu_version = excluded.icu_version, last_claimed_at = excluded.last_claimed_at),
        a AS (INSERT INTO audit_events(event_id, tenant_id, event_type, redacted_name_hash,
                                       redacted_memory_hash, fencing_token, created_at)
              VALUES (coalesce(p_event, mep_uuid7(v_now)), p_tenant, 'LEASE_ACQUIRED', v_nh, v_mh, v_token, v_now))
