@@ -747,13 +747,15 @@ bool run_postgresql(const std::string& pg_arg, double seconds, const fs::path& s
   }
   std::string settings = psql(url, "SELECT current_setting('server_version') || ', fsync=' || current_setting('fsync') "
                                    "|| ', synchronous_commit=' || current_setting('synchronous_commit')");
-  // The floor: pgbench calling the same claim function (and release) in one round trip each.
+  // The floor: pgbench calling the same claim function (and release) in one round trip each,
+  // with the audit row's event id and hashes given, as the server gives them.
   psql(url, "INSERT INTO memories(memory_id, tenant_id, fence_counter, created_at) SELECT 'pgb-' || g, '" + tenant +
                 "', 0, 0 FROM generate_series(0, 63) g");
   std::string claim = "SELECT mep_claim('" + tenant +
                       "', 'pgb-' || :client_id || '-' || :k, 'fp', 'rid', NULL, 'pgb' || :client_id, "
                       "'pgb' || :client_id, 'pgb' || :client_id, 'pgb-' || :client_id, 'pgbench', 60, "
-                      "'lease-' || :client_id || '-' || :k, 'u', 'i') -> 'result' ->> 'fencing_token' AS tok";
+                      "'lease-' || :client_id || '-' || :k, 'u', 'i', NULL, NULL, 'ev-' || :client_id || '-' || :k, "
+                      "'name-hash', 'memory-hash') -> 'result' ->> 'fencing_token' AS tok";
   std::string cycle = (dir / "cycle.sql").string(), reclaim = (dir / "reclaim.sql").string();
   {
     std::ofstream f(cycle);
