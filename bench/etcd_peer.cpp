@@ -230,21 +230,32 @@ EtcdResult EtcdPeer::run(int clients, double seconds, int mode) {
       auto ch = channels[static_cast<std::size_t>(i % conns)];
       auto kv = etcdserverpb::KV::NewStub(ch);
       auto lease = etcdserverpb::Lease::NewStub(ch);
+      auto grant = [&]() -> std::int64_t { // a lease of 60 s; 0 when the call fails
+        grpc::ClientContext c;
+        etcdserverpb::LeaseGrantRequest g;
+        g.set_ttl(60);
+        etcdserverpb::LeaseGrantResponse gr;
+        return lease->LeaseGrant(&c, g, &gr).ok() ? gr.id() : 0;
+      };
+      auto revoke = [&](std::int64_t id) {
+        grpc::ClientContext c;
+        etcdserverpb::LeaseRevokeRequest r;
+        r.set_id(id);
+        etcdserverpb::LeaseRevokeResponse rr;
+        return lease->LeaseRevoke(&c, r, &rr).ok();
+      };
       const std::string key = "bench/" + std::to_string(run) + "/" + std::to_string(i);
       auto ms_since = [](Clock::time_point t) {
         return std::chrono::duration<double, std::milli>(Clock::now() - t).count();
       };
       if (mode == 1) {
         // One held lease, kept alive on one stream.
-        grpc::ClientContext gctx;
-        etcdserverpb::LeaseGrantRequest g;
-        g.set_ttl(60);
-        etcdserverpb::LeaseGrantResponse gr;
-        if (!lease->LeaseGrant(&gctx, g, &gr).ok()) ++errors;
+        const std::int64_t held = grant();
+        if (held == 0) ++errors;
         grpc::ClientContext sctx;
         auto stream = lease->LeaseKeepAlive(&sctx);
         etcdserverpb::LeaseKeepAliveRequest k;
-        k.set_id(gr.id());
+        k.set_id(held);
         etcdserverpb::LeaseKeepAliveResponse kr;
         ++ready;
         while (!go) std::this_thread::yield();
@@ -272,16 +283,9 @@ EtcdResult EtcdPeer::run(int clients, double seconds, int mode) {
         while (!go) std::this_thread::yield();
         while (Clock::now() < end) {
           auto t0 = Clock::now();
-          if (spare == 0) {
-            grpc::ClientContext c1;
-            etcdserverpb::LeaseGrantRequest g;
-            g.set_ttl(60);
-            etcdserverpb::LeaseGrantResponse gr;
-            if (!lease->LeaseGrant(&c1, g, &gr).ok()) {
-              ++errors;
-              continue;
-            }
-            spare = gr.id();
+          if (spare == 0 && (spare = grant()) == 0) {
+            ++errors;
+            continue;
           }
           grpc::ClientContext c2;
           etcdserverpb::TxnResponse tr;
@@ -290,22 +294,12 @@ EtcdResult EtcdPeer::run(int clients, double seconds, int mode) {
             continue;
           }
           if (tr.succeeded()) {
-            grpc::ClientContext c3;
-            etcdserverpb::LeaseRevokeRequest r;
-            r.set_id(spare);
-            etcdserverpb::LeaseRevokeResponse rr;
-            if (!lease->LeaseRevoke(&c3, r, &rr).ok()) ++errors;
+            if (!revoke(spare)) ++errors;
             spare = 0;
           }
           lat[static_cast<std::size_t>(i)].push_back(ms_since(t0));
         }
-        if (spare != 0) {
-          grpc::ClientContext c4;
-          etcdserverpb::LeaseRevokeRequest r;
-          r.set_id(spare);
-          etcdserverpb::LeaseRevokeResponse rr;
-          (void)lease->LeaseRevoke(&c4, r, &rr);
-        }
+        if (spare != 0) (void)revoke(spare);
         return;
       }
       ++ready;
@@ -313,25 +307,20 @@ EtcdResult EtcdPeer::run(int clients, double seconds, int mode) {
       long k = 0;
       while (Clock::now() < end) {
         auto t0 = Clock::now();
-        grpc::ClientContext c1, c2, c3;
+        grpc::ClientContext c2;
         const std::string op_key = mode == 2 ? key + "/" + std::to_string(k++) : key;
-        etcdserverpb::LeaseGrantRequest g;
-        g.set_ttl(60);
-        etcdserverpb::LeaseGrantResponse gr;
-        if (!lease->LeaseGrant(&c1, g, &gr).ok()) {
+        const std::int64_t id = grant();
+        if (id == 0) {
           ++errors;
           continue;
         }
         etcdserverpb::TxnResponse tr;
-        if (!kv->Txn(&c2, put_if_absent(op_key, gr.id()), &tr).ok() || !tr.succeeded()) ++errors;
+        if (!kv->Txn(&c2, put_if_absent(op_key, id), &tr).ok() || !tr.succeeded()) ++errors;
         if (mode == 2) { // a claim alone: the lease stays until its TTL
           lat[static_cast<std::size_t>(i)].push_back(ms_since(t0));
           continue;
         }
-        etcdserverpb::LeaseRevokeRequest r;
-        r.set_id(gr.id());
-        etcdserverpb::LeaseRevokeResponse rr;
-        if (!lease->LeaseRevoke(&c3, r, &rr).ok()) ++errors;
+        if (!revoke(id)) ++errors;
         lat[static_cast<std::size_t>(i)].push_back(ms_since(t0));
       }
     });

@@ -180,17 +180,7 @@ BEGIN
 END
 $$;
 
--- One audit row (names and memory ids hashed); returns 1.
-CREATE OR REPLACE FUNCTION mep_audit(p_tenant text, p_type text, p_name text, p_memory text,
-                                     p_token bigint, p_now bigint) RETURNS integer LANGUAGE plpgsql AS $$
-BEGIN
-  INSERT INTO audit_events(event_id, tenant_id, event_type, redacted_name_hash,
-                           redacted_memory_hash, fencing_token, created_at)
-  VALUES (mep_uuid7(p_now), p_tenant, p_type, mep_hash(p_tenant, p_name), mep_hash(p_tenant, p_memory),
-          p_token, p_now);
-  RETURN 1;
-END
-$$;
+-- mep_audit, one audit row (names and memory ids hashed): see v7.
 
 -- mep_audit_many, audit rows for a JSON array of leases: see v7.
 
@@ -662,6 +652,12 @@ BEGIN
           coalesce(p_mh, mep_hash(p_tenant, p_memory)), p_token, p_now);
   RETURN 1;
 END
+$$;
+
+-- One audit row, its name and memory hashed here; returns 1.
+CREATE OR REPLACE FUNCTION mep_audit(p_tenant text, p_type text, p_name text, p_memory text,
+                                     p_token bigint, p_now bigint) RETURNS integer LANGUAGE sql AS $$
+  SELECT mep_audit_h(NULL, p_tenant, p_type, NULL, NULL, p_name, p_memory, p_token, p_now)
 $$;
 
 -- Stores a call's outcome under its Idempotency-Key (looked up and not found at the call's
