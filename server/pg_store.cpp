@@ -29,6 +29,7 @@
 #include "mep/random.hpp"
 #include "mep/uuid.hpp"
 #include "mep/rows.hpp"
+#include "mep/sweeper.hpp"
 #include "mep/time.hpp"
 
 #include <boost/json/array.hpp>
@@ -1067,7 +1068,13 @@ std::int64_t PgStore::sweep() {
   return with_conn<std::int64_t>([this](pg::Conn& c) {
     auto state = c.exec("migration_state", "SELECT value FROM settings WHERE key = 'migration_state'", {});
     m_migration_in_progress = state.rows() > 0 && state.text(0, 0) == "in-progress";
-    return c.exec("sweep", "SELECT mep_sweep($1::bigint)", {clock_bound()}).int64(0, 0);
+    // The migration state above is read every second; the sweep itself is spaced by its
+    // cost (sweep_spacing: it scans the leases table).
+    const auto began = std::chrono::steady_clock::now();
+    if (began < m_next_sweep) return std::int64_t{0};
+    const std::int64_t removed = c.exec("sweep", "SELECT mep_sweep($1::bigint)", {clock_bound()}).int64(0, 0);
+    m_next_sweep = began + sweep_spacing(std::chrono::steady_clock::now() - began, removed);
+    return removed;
   });
 }
 

@@ -164,6 +164,7 @@ private:
 
   std::atomic<bool> m_healthy{true};
   std::atomic<bool> m_migration_in_progress{false};
+  std::chrono::steady_clock::time_point m_next_sweep; // sweeper thread only: see sweep_spacing
   std::atomic<std::int64_t> m_retries{0};
 
   // The database clock, read every k_wait_beat by the listener against this process's boot

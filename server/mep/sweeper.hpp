@@ -4,11 +4,31 @@
 #include "mep/log.hpp"
 #include "mep/store.hpp"
 
+#include <chrono>
 #include <condition_variable>
 #include <mutex>
 #include <thread>
 
 namespace mep::server {
+
+/// A sweep may cost at most this share of the time (PostgreSQL: 1/50 of the database's time
+/// per server): its lease part scans the whole `leases` table there, which has no index on
+/// `expires_at` so that renewals are HOT updates (pg_schema.cpp, v7). About 20 ms a sweep
+/// at 100,000 leases and 130 ms at 1,000,000: every second would cost a million-lease
+/// database an eighth of a core per server for nothing.
+inline constexpr int k_sweep_cost_ratio = 50;
+/// The longest a store waits between two sweeps, however slow the last one was.
+inline constexpr std::chrono::milliseconds k_max_sweep_spacing{30'000};
+
+/// How long after the start of a sweep that took `took` and removed `removed` rows the next
+/// may run: `k_sweep_cost_ratio` times as long as it took (at most k_max_sweep_spacing), or
+/// at once when it was full (a backlog: more rows end per second than one sweep removes).
+inline std::chrono::milliseconds sweep_spacing(std::chrono::nanoseconds took, std::int64_t removed) {
+  if (removed >= k_sweep_batch) return std::chrono::milliseconds(0);
+  if (took <= std::chrono::nanoseconds(0)) return std::chrono::milliseconds(0);
+  if (took >= k_max_sweep_spacing / k_sweep_cost_ratio) return k_max_sweep_spacing;
+  return std::chrono::ceil<std::chrono::milliseconds>(took * k_sweep_cost_ratio);
+}
 
 // Runs Store::sweep once a second until stopped (L5: storage does not grow with churn);
 // again after 10 ms while sweeps come back full (a backlog: more rows end per second

@@ -12,6 +12,9 @@
 - `db_frozen_requests_bounded`: every PostgreSQL process is stopped (SIGSTOP), so
   connections stay open and silent; requests still end, in 503 with Retry-After within
   seconds, and service resumes after SIGCONT.
+- `sweeps_of_a_large_table_are_spaced_by_their_cost`: a sweep scans the leases table (no
+  index on expires_at since v7), so with a million leases the server sweeps 50 times as
+  far apart as a sweep takes, not once a second (PostgreSQL's function statistics count).
 - `audit_hashes_of_ended_leases`: since schema v7 the server hashes a claim's name and
   memory and the lease row keeps the hashes; the audit rows of a takeover, an expiry found
   by a claim and a sweep carry the right tenant's HMACs, also for rows without stored hashes
@@ -328,6 +331,45 @@ class DatabaseFrozen(PgTestCase):
             r = c.renew(held["canonical_name"], memory, held["fencing_token"], "before")
             self.assertEqual(r.status, 200, r)
         self.assertTrue(server.running())
+
+
+class SweepSpacing(PgTestCase):
+    def test_sweeps_of_a_large_table_are_spaced_by_their_cost(self):
+        # Since v7 `leases` has no index on expires_at (renewals are HOT updates), so each
+        # sweep scans the table. With a million live leases a sweep takes a tenth of a
+        # second here; one a second would cost the database a tenth of a core per server.
+        # The server spaces them by sweep_spacing: k_sweep_cost_ratio (50) times as long as
+        # the last one took. PostgreSQL's own function statistics say how many ran and for
+        # how long each: at most 1 + elapsed / (50 × mean) can have started (the server's
+        # clock counts the round trip too, so its spacing is a little longer still).
+        self.db = pgfixture.PgDb()
+        create_token(self.db, "tenant-a")  # the schema
+        self.db.execute('ALTER DATABASE "%s" SET track_functions = \'pl\'' % self.db.name)
+        self.db.execute(
+            "INSERT INTO leases(lease_id, tenant_id, canonical_name, display_name, skeleton, memory_id, "
+            "fencing_token, owner_client_id, ttl_seconds, expires_at, acquired_at) "
+            "SELECT 'l' || i, 't', 'n' || i, 'n' || i, 's' || i, 'm' || i, 1, 'o', 60, 9999999999999, 0 "
+            "FROM generate_series(1, 1000000) i")
+        self.db.execute("VACUUM ANALYZE leases")
+        began = time.monotonic()
+        self.servers = start_servers(self.dir, self.db, 1)
+        time.sleep(12)
+        self.servers[0].stop()  # its sessions end and report their statistics
+        elapsed = time.monotonic() - began
+        rows = []
+        for _ in range(50):  # a session's statistics reach the shared ones when it ends
+            rows = db_query(self.db, "SELECT calls, total_time FROM pg_stat_user_functions "
+                                     "WHERE funcname = 'mep_sweep' AND calls > 0")
+            if rows:
+                break
+            time.sleep(0.1)
+        self.assertTrue(rows, "the server never swept")
+        calls, total_ms = int(rows[0][0]), float(rows[0][1])
+        mean_s = total_ms / calls / 1000
+        most = 1 + elapsed / max(1.0, 50 * mean_s)
+        print("sweeps: %d in %.1f s, %.0f ms each on average; at most %.1f may start" %
+              (calls, elapsed, mean_s * 1000, most))
+        self.assertLessEqual(calls, most)
 
 
 class AuditHashes(PgTestCase):
