@@ -175,6 +175,7 @@ struct Result {
   long errors = 0;
   double min_ops = 0; // over the repeats of a cell (--repeat)
   double max_ops = 0;
+  mep::bench::Stalls paused; // pauses of the whole machine while the clients ran
 };
 
 int g_repeat = 1;
@@ -541,11 +542,14 @@ Result run_http_once(int port, const std::string& token, int clients, double sec
   while (sh.ready < clients) std::this_thread::sleep_for(std::chrono::milliseconds(5));
   if (at_go) at_go();
   sh.end_time = Clock::now() + std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(seconds));
+  mep::bench::StallProbe probe;
   auto start = Clock::now();
   sh.go = true;
   for (auto& t : threads) t.join();
   double secs = std::chrono::duration<double>(Clock::now() - start).count();
-  return summarize(sh.lat, secs, sh.errors);
+  Result r = summarize(sh.lat, secs, sh.errors);
+  r.paused = probe.stop();
+  return r;
 }
 
 // run_http_once --repeat times: the run with the median rate, and the range of rates. This
@@ -822,6 +826,21 @@ double median(std::vector<double> v) {
   return v[v.size() / 2];
 }
 
+// The round whose pauses were the median share of its time.
+mep::bench::Stalls median_stalls(std::vector<mep::bench::Stalls> v) {
+  if (v.empty()) return {};
+  std::sort(v.begin(), v.end(), [](const auto& a, const auto& b) { return a.percent() < b.percent(); });
+  return v[v.size() / 2];
+}
+
+// "9.6 % (19 pauses over 1 ms, the longest 12.3 ms)", and whether the probe could run real-time.
+std::string describe(const mep::bench::Stalls& s) {
+  char buf[160];
+  std::snprintf(buf, sizeof buf, "%.1f %% (%ld pauses over 1 ms, the longest %.1f ms%s)", s.percent(), s.count,
+                s.max_ms, s.realtime ? "" : "; probe not real-time: counts scheduling delays too");
+  return buf;
+}
+
 // mep next to etcd, measured now on this machine: for each workload and client count,
 // rounds of a mep cell then an etcd cell (interleaved, so that drift hits both), the
 // medians, their ranges, and the median of the per-round ratios against the targets.
@@ -860,15 +879,17 @@ void compare_with_etcd(Server& s, const std::string& token, const fs::path& dir,
               "it wins); cycle: mep claim+release / etcd LeaseGrant + Txn + LeaseRevoke;\n"
               "renew: mep renew / etcd LeaseKeepAlive on a stream; batch: leases renewed by mep renew-batch\n"
               "(%d leases a request, as mepd sends them) / etcd LeaseKeepAlive. cpu: cores used by the\n"
-              "clients (HTTP or gRPC, this process) / by the server, during the cell.%s\n\n",
+              "clients (HTTP or gRPC, this process) / by the server, during the cell. paused: share of the\n"
+              "cell's time the whole machine stood still (a real-time probe thread woke over 1 ms late;\n"
+              "on a VM, the host), mep's / etcd's: every request in flight waits it out.%s\n\n",
               postgresql ? "PostgreSQL" : "SQLite", etcd->version().c_str(), rounds, seconds, k_batch_leases,
               !postgresql ? ""
               : db_pid    ? "\ndb ms/op: CPU of PostgreSQL's processes (the postmaster's tree, from /proc) during\n"
                             "the mep cell, in ms per operation (from when its clients are set up)."
                           : "\ndb ms/op: not measured (the cluster's postmaster is not readable from here).");
   const bool db_cpu = postgresql && db_pid > 0;
-  std::printf("%-8s %7s %22s %22s %10s %13s %13s%s\n", "workload", "clients", "mep ops/s", "etcd ops/s", "mep/etcd",
-              "mep cpu c/s", "etcd cpu c/s", db_cpu ? "  db ms/op" : "");
+  std::printf("%-8s %7s %22s %22s %10s %13s %13s %12s%s\n", "workload", "clients", "mep ops/s", "etcd ops/s",
+              "mep/etcd", "mep cpu c/s", "etcd cpu c/s", "paused %", db_cpu ? "  db ms/op" : "");
   struct Cell {
     int mode;
     const char* name;
@@ -877,7 +898,8 @@ void compare_with_etcd(Server& s, const std::string& token, const fs::path& dir,
   };
   double claim_ratio[3] = {0, 0, 0};
   double claim_db_ms[3] = {0, 0, 0};
-  double renew_p99_64 = 0;
+  double renew_p99_64 = 0, keepalive_p99_64 = 0;
+  mep::bench::Stalls renew_paused_64, keepalive_paused_64; // the median round's
   // Leases kept alive per second per core of the server (and of the database): mep's
   // renew-batch, etcd's LeaseKeepAlive.
   double batch_per_core[3] = {0, 0, 0}, keepalive_per_core[3] = {0, 0, 0};
@@ -886,7 +908,9 @@ void compare_with_etcd(Server& s, const std::string& token, const fs::path& dir,
                     Cell{4, "batch", 1, k_batch_leases}}) {
     for (int i = 0; i < 3; ++i) {
       const int clients = counts[i];
-      std::vector<double> m_ops, e_ops, ratios, m_p99, ccpu, scpu, mccpu, mscpu, db_ms, m_per_core, e_per_core;
+      std::vector<double> m_ops, e_ops, ratios, m_p99, e_p99, ccpu, scpu, mccpu, mscpu, db_ms, m_per_core, e_per_core,
+          m_paused, e_paused;
+      std::vector<mep::bench::Stalls> m_stalls, e_stalls;
       long errors = 0;
       for (int r = 0; r < rounds; ++r) {
         double c0 = 0, s0 = 0, d0 = 0;
@@ -909,6 +933,11 @@ void compare_with_etcd(Server& s, const std::string& token, const fs::path& dir,
         e_per_core.push_back(e.server_cores > 0 ? e.ops_per_s / e.server_cores : 0);
         m_ops.push_back(m.ops_per_s);
         m_p99.push_back(m.p99_ms);
+        e_p99.push_back(e.p99_ms);
+        m_paused.push_back(m.paused.percent());
+        e_paused.push_back(e.paused.percent());
+        m_stalls.push_back(m.paused);
+        e_stalls.push_back(e.paused);
         e_ops.push_back(e.ops_per_s);
         ratios.push_back(e.ops_per_s > 0 ? m.ops_per_s / e.ops_per_s : 0);
         ccpu.push_back(e.client_cores);
@@ -921,15 +950,20 @@ void compare_with_etcd(Server& s, const std::string& token, const fs::path& dir,
                       *std::max_element(v.begin(), v.end()));
         return std::string(buf);
       };
-      std::printf("%-8s %7d %22s %22s %9.2fx   %4.2f / %-4.2f   %4.2f / %-4.2f", cell.name, clients,
+      std::printf("%-8s %7d %22s %22s %9.2fx   %4.2f / %-4.2f   %4.2f / %-4.2f  %4.1f / %-4.1f", cell.name, clients,
                   range(m_ops).c_str(), range(e_ops).c_str(), median(ratios), median(mccpu), median(mscpu),
-                  median(ccpu), median(scpu));
+                  median(ccpu), median(scpu), median(m_paused), median(e_paused));
       if (db_cpu) std::printf("  %9.3f", median(db_ms));
       std::printf("%s\n", errors ? "  ERRORS" : "");
       if (errors) ++g_failed_cells;
       if (cell.mode == 2) claim_ratio[i] = median(ratios);
       if (cell.mode == 2) claim_db_ms[i] = median(db_ms);
-      if (cell.mode == 1 && clients == 64) renew_p99_64 = median(m_p99);
+      if (cell.mode == 1 && clients == 64) {
+        renew_p99_64 = median(m_p99);
+        keepalive_p99_64 = median(e_p99);
+        renew_paused_64 = median_stalls(m_stalls);
+        keepalive_paused_64 = median_stalls(e_stalls);
+      }
       if (cell.mode == 4) batch_per_core[i] = median(m_per_core), keepalive_per_core[i] = median(e_per_core);
       std::fflush(stdout);
     }
@@ -957,6 +991,10 @@ void compare_with_etcd(Server& s, const std::string& token, const fs::path& dir,
   std::printf("  SQLite claims,  8 clients >= 3.0x etcd: %.2fx  %s\n", claim_ratio[1], met(claim_ratio[1] >= 3.0));
   std::printf("  SQLite claims, 64 clients >= 3.0x etcd: %.2fx  %s\n", claim_ratio[2], met(claim_ratio[2] >= 3.0));
   std::printf("  SQLite renew p99, 64 clients <= 5 ms:   %.2f ms  %s\n", renew_p99_64, met(renew_p99_64 <= 5.0));
+  std::printf("    in the same cells, etcd LeaseKeepAlive p99: %.2f ms\n"
+              "    the machine stood still in mep's cells for %s,\n"
+              "    in etcd's for %s\n",
+              keepalive_p99_64, describe(renew_paused_64).c_str(), describe(keepalive_paused_64).c_str());
 }
 } // namespace
 
@@ -1039,6 +1077,7 @@ static int run(int argc, char** argv) {
                                       [&] { d0 = mep::bench::process_tree_cpu_seconds(db_pid); })
                       : run_http(s.port, token, g_only.clients, seconds, g_only.mode);
     row(k_workload_titles[g_only.mode], g_only.clients, r);
+    std::printf("the machine stood still for %s of the cell\n", describe(r.paused).c_str());
     if (db_pid && r.ops_per_s > 0)
       std::printf("db ms/op: %.3f (CPU of PostgreSQL's processes, from /proc, per operation)\n",
                   (mep::bench::process_tree_cpu_seconds(db_pid) - d0) * 1000 / (r.ops_per_s * seconds));

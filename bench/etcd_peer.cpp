@@ -327,12 +327,14 @@ EtcdResult EtcdPeer::run(int clients, double seconds, int mode) {
   }
   while (ready < clients) std::this_thread::sleep_for(std::chrono::milliseconds(5));
   const double cpu0 = cpu_seconds(::getpid()), scpu0 = cpu_seconds(m->pid);
+  StallProbe probe;
   const auto start = Clock::now();
   end = start + std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(seconds));
   go = true;
   for (auto& t : threads) t.join();
   const double wall = std::chrono::duration<double>(Clock::now() - start).count();
   EtcdResult r;
+  r.paused = probe.stop();
   r.errors = errors;
   r.client_cores = (cpu_seconds(::getpid()) - cpu0) / wall;
   r.server_cores = (cpu_seconds(m->pid) - scpu0) / wall;

@@ -4,6 +4,8 @@
 // connection as etcd's clientv3 does; MEP_BENCH_ETCD_CONNS=N for N). gRPC, not etcd's JSON gateway: the
 // gateway translates every call to gRPC inside etcd and would slow etcd down, flattering mep.
 #pragma once
+#include "stall_probe.hpp"
+
 #include <filesystem>
 #include <memory>
 #include <string>
@@ -18,6 +20,7 @@ struct EtcdResult {
   long errors = 0;
   double client_cores = 0; ///< CPU of this process (the gRPC clients) ÷ wall time
   double server_cores = 0; ///< CPU of the etcd process ÷ wall time
+  Stalls paused;           ///< pauses of the whole machine while the clients ran
 };
 
 /// CPU seconds (user + system) a process has used, from /proc/PID/stat.
