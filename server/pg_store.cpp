@@ -53,6 +53,7 @@ extern const std::string_view k_pg_schema_v4;
 extern const std::string_view k_pg_schema_v5;
 extern const std::string_view k_pg_schema_v6;
 extern const std::string_view k_pg_schema_v7;
+extern const std::string_view k_pg_schema_v8;
 
 namespace {
 
@@ -61,7 +62,7 @@ using Clock = std::chrono::steady_clock;
 
 // Each version's schema, applied in turn from the database's version up.
 const std::string_view k_pg_schemas[] = {k_pg_schema_v1, k_pg_schema_v2, k_pg_schema_v3, k_pg_schema_v4,
-                                         k_pg_schema_v5, k_pg_schema_v6, k_pg_schema_v7};
+                                         k_pg_schema_v5, k_pg_schema_v6, k_pg_schema_v7, k_pg_schema_v8};
 constexpr int k_schema_version = static_cast<int>(std::size(k_pg_schemas));
 constexpr int k_max_attempts = 10;
 constexpr auto k_reconnect_gap = std::chrono::milliseconds(500);
@@ -181,9 +182,9 @@ constexpr const char* k_sql_wait_beat =
     "DELETE FROM mep_waiters WHERE alive_until < mep_now_ms() - 60000 AND waiter_id <> ALL($1::bigint[])";
 constexpr const char* k_sql_register = "SELECT mep_register($1, $2, $3, $4, $5)::text";
 constexpr const char* k_sql_branch = "SELECT mep_branch($1, $2, $3, $4, $5, $6::bigint, $7)::text";
-constexpr const char* k_sql_renew = "SELECT mep_renew($1, $2, $3, $4::bigint, $5, $6::bigint, $7)::text";
+constexpr const char* k_sql_renew = "SELECT mep_renew($1, $2, $3, $4::bigint, $5, $6::bigint, $7, $8::bigint)::text";
 constexpr const char* k_sql_renew_batch =
-    "SELECT mep_renew_batch($1, $2::text[], $3::text[], $4::bigint[], $5::text[], $6::bigint[], $7)::text";
+    "SELECT mep_renew_batch($1, $2::text[], $3::text[], $4::bigint[], $5::text[], $6::bigint[], $7, $8::bigint)::text";
 // A release or revocation also tells every server LISTENing (waiting claims, Prefer: wait):
 // the notification is sent when the statement commits, in the same round trip.
 constexpr const char* k_sql_release =
@@ -799,10 +800,10 @@ lease::Verified verified_of(const json::object& r) {
 
 void PgStore::renew(const Ctx& ctx, LeaseRef ref, Then<lease::Renewed> then) {
   submit<lease::Renewed>(
-      [ctx, ref = std::move(ref)](pg::Conn& c) {
+      [this, ctx, ref = std::move(ref)](pg::Conn& c) {
         auto r = c.exec("renew", k_sql_renew,
                         {ctx.auth.tenant_id, ref.canonical_name, ref.memory_id, to_s(ref.fencing_token),
-                         ref.owner_client_id, to_s(ref.ttl_s), ctx.request_id});
+                         ref.owner_client_id, to_s(ref.ttl_s), ctx.request_id, clock_bound()});
         return finish_simple(r, renewed_of);
       },
       std::move(then), ctx.request_id);
@@ -818,11 +819,12 @@ void PgStore::renew_batch(const Ctx& ctx, RenewBatch req, Then<lease::RenewBatch
     tokens.push_back(ref.fencing_token);
     ttls.push_back(ref.ttl_s);
   }
-  std::vector<pg::Param> params{ctx.auth.tenant_id,    pg::text_array(names),  pg::text_array(memories),
-                                pg::int_array(tokens), pg::text_array(owners), pg::int_array(ttls),
-                                ctx.request_id};
+  std::vector<pg::Param> params{
+      ctx.auth.tenant_id,     pg::text_array(names), pg::text_array(memories), pg::int_array(tokens),
+      pg::text_array(owners), pg::int_array(ttls),   ctx.request_id,           pg::Param()};
   submit<lease::RenewBatchResult>(
-      [params = std::move(params), names = std::move(names)](pg::Conn& c) {
+      [this, params = std::move(params), names = std::move(names)](pg::Conn& c) mutable {
+        params.back() = clock_bound(); // read when the call runs, not when it was queued
         auto res = c.exec("renew_batch", k_sql_renew_batch, params);
         json::value v = json::parse(res.text(0, 0));
         if (!v.is_array() || v.as_array().size() != names.size())

@@ -14,6 +14,8 @@ clock decides, and each server watches it against its own monotonic clock):
 - a forward step one second after a 30 s grant: another owner's claim is refused at once
   (the claim's bound) and after the step is found (its record), also through a server
   started after the step; the holder renews; the step is counted and logged;
+- the holder renews at once after a forward step that jumped over its lease's expiry, before
+  any server has found the step (the renewal's bound, schema v8);
 - a lease that expired inside the step is taken over one TTL after the step, not before;
 - a backward step is counted and logged.
 """
@@ -23,6 +25,7 @@ import subprocess
 import tempfile
 import time
 import unittest
+from datetime import datetime
 
 import pgfixture
 from serverfixture import ApiClient, MepServer, create_token, new_key, unique_name
@@ -175,6 +178,42 @@ class ClockStepsPostgres(unittest.TestCase):
         self.assertEqual(r.status, 200, r)
         other = self.claim(c2, name, memory, "owner-b", 30)
         self.assertEqual(other.status, 423, other)
+
+    def test_the_holder_renews_at_once_after_a_forward_step(self):
+        # The step jumps over the lease's expiry. Until a server finds it (a reading a
+        # second) and records it, only the renewal's bound keeps the lease its holder's, as
+        # the claim's bound keeps others out: without it (before schema v8) the holder was
+        # told 410 lease-expired and gave up a lease no one else could have taken. A try
+        # whose renewal ran after the step was found says nothing; then another step.
+        server, c = self.start()
+        before_found = 0
+        for attempt in range(1, 4):
+            memory, name = c.new_memory(), unique_name("renew")
+            first = self.claim(c, name, memory, "owner-a", 30)
+            self.assertEqual(first.status, 201, first)
+            steps = metric(server.port, "mep_clock_steps_total")
+            self.step("+%d" % (60 * attempt))
+            # As mepd renews (renew-batch), then on its own.
+            b = c.post("/v1/leases/renew-batch", {"owner_client_id": "owner-a", "leases": [
+                {"canonical_name": name, "memory_instance_id": memory,
+                 "fencing_token": first.json["fencing_token"], "ttl_seconds": 30}]})
+            self.assertEqual(b.status, 200, b)
+            self.assertEqual(b.json["results"][0]["status"], 200, b.json)
+            r = c.renew(name, memory, first.json["fencing_token"], "owner-a", ttl=30)
+            self.assertEqual(r.status, 200, r)
+            # The expiry is max(old, the database clock + ttl): past the step, as its clock reads.
+            left = (datetime.fromisoformat(r.json["expires_at"].replace("Z", "+00:00")) -
+                    datetime.fromisoformat(r.json["server_time"].replace("Z", "+00:00"))).total_seconds()
+            self.assertGreaterEqual(left, 29, r.json)
+            other = self.claim(c, name, memory, "owner-b", 30)
+            self.assertEqual(other.status, 423, other)
+            if metric(server.port, "mep_clock_steps_total") == steps:
+                before_found += 1
+                break
+            deadline = time.monotonic() + 10  # found: wait for its record, then step again
+            while metric(server.port, "mep_clock_steps_total") < steps + 1 and time.monotonic() < deadline:
+                time.sleep(0.1)
+        self.assertGreater(before_found, 0, "in three tries the server found the step before the renewal ran")
 
     def test_a_lease_that_expired_in_the_step_is_taken_one_ttl_after_it(self):
         server, c = self.start()

@@ -154,7 +154,7 @@ class SharedDatabase(PgTestCase):
         self.db = pgfixture.PgDb()
         self.servers = start_servers(self.dir, self.db, 3)
         version = db_query(self.db, "SELECT version FROM schema_version")
-        self.assertEqual(version, [(7,)])
+        self.assertEqual(version, [(8,)])
         indexes = {r[0] for r in db_query(self.db, "SELECT indexname FROM pg_indexes WHERE tablename = 'leases'")}
         self.assertTrue({"leases_owner_name", "leases_tenant_name"} <= indexes, indexes)
         self.assertNotIn("leases_owner", indexes)
@@ -370,6 +370,30 @@ class SweepSpacing(PgTestCase):
         print("sweeps: %d in %.1f s, %.0f ms each on average; at most %.1f may start" %
               (calls, elapsed, mean_s * 1000, most))
         self.assertLessEqual(calls, most)
+
+
+class RenewSignatures(PgTestCase):
+    def test_servers_of_an_earlier_version_renew_through_the_v1_signatures(self):
+        # Schema v8 added the clock's bound to mep_renew and mep_renew_batch; a server of an
+        # earlier version, during a rolling upgrade, still calls them without it.
+        self.db = pgfixture.PgDb()
+        token = create_token(self.db, "tenant-a")
+        self.servers = start_servers(self.dir, self.db, 1)
+        with self.servers[0].client(token) as c:
+            name, mem = unique_name(), c.new_memory()
+            got = c.claim(name, mem, "owner-a", ttl=10)
+            self.assertEqual(got.status, 201, got)
+        tid = db_query(self.db, "SELECT tenant_id FROM tenants")[0][0]
+        tok = got.json["fencing_token"]
+        before = db_query(self.db, "SELECT expires_at FROM leases WHERE canonical_name = ?", (name,))[0][0]
+        one = db_query(self.db, "SELECT mep_renew('%s', '%s', '%s', %d, 'owner-a', 60, 'req-1')::text"
+                       % (tid, name, mem, tok))[0][0]
+        self.assertIn('"ttl_seconds": 60', one)
+        many = db_query(self.db, "SELECT mep_renew_batch('%s', ARRAY['%s'], ARRAY['%s'], ARRAY[%d::bigint], "
+                        "ARRAY['owner-a'], ARRAY[60::bigint], 'req-2')::text" % (tid, name, mem, tok))[0][0]
+        self.assertIn('"ttl_seconds": 60', many)
+        after = db_query(self.db, "SELECT expires_at FROM leases WHERE canonical_name = ?", (name,))[0][0]
+        self.assertGreater(after, before + 40000)
 
 
 class AuditHashes(PgTestCase):
