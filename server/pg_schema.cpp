@@ -244,29 +244,7 @@ $$;
 
 -- mep_renew_one, the renewal of one lease: see v8.
 
-CREATE OR REPLACE FUNCTION mep_renew(p_tenant text, p_name text, p_memory text, p_token bigint,
-    p_owner text, p_ttl bigint, p_request_id text) RETURNS jsonb LANGUAGE plpgsql AS $$
-BEGIN
-  RETURN mep_renew_one(p_tenant, p_name, p_memory, p_token, p_owner, p_ttl, mep_now_ms(), p_request_id);
-END
-$$;
-
--- Renews many leases in one transaction; the results are in the order of the arrays.
-CREATE OR REPLACE FUNCTION mep_renew_batch(p_tenant text, p_names text[], p_memories text[],
-    p_tokens bigint[], p_owners text[], p_ttls bigint[], p_request_id text) RETURNS jsonb
-LANGUAGE plpgsql AS $$
-DECLARE
-  v_now bigint := mep_now_ms();
-  v_out jsonb;
-BEGIN
-  SELECT coalesce(jsonb_agg(mep_renew_one(p_tenant, p_names[i], p_memories[i], p_tokens[i],
-                                          p_owners[i], p_ttls[i], v_now, p_request_id) ORDER BY i),
-                  '[]'::jsonb)
-    INTO v_out
-    FROM generate_series(1, coalesce(array_length(p_names, 1), 0)) AS i;
-  RETURN v_out;
-END
-$$;
+-- mep_renew and mep_renew_batch, a lease's and many leases' renewal: see v8.
 
 -- mep_release: see v6.
 
@@ -1021,8 +999,8 @@ $$;
 // renewal until a server found the step and recorded it (up to a second later): the holder
 // was told 410 lease-expired and gave its lease up, though no claim could have taken it (a
 // claim's bound still held it). Now a renewal decides liveness at least(now, bound), as a
-// claim does, and the new expiry is still max(old, now + ttl). The v1 signatures stay, for
-// servers of an earlier version during a rolling upgrade (no bound, as before).
+// claim does, and the new expiry is still max(old, now + ttl). The v1 signatures stay, as
+// wrappers without a bound, for servers of an earlier version during a rolling upgrade.
 const std::string_view k_pg_schema_v8 = R"sql(
 -- Renews one lease: the expiry becomes max(old, now + ttl), never shorter. p_take: the time
 -- that decides whether the lease is still live (now, or the bound the server's monotonic
@@ -1053,11 +1031,8 @@ BEGIN
   RETURN mep_problem('lease-not-found', 'no lease of this owner under this name', p_request_id);
 END
 $$;
-CREATE OR REPLACE FUNCTION mep_renew_one(p_tenant text, p_name text, p_memory text, p_token bigint,
-    p_owner text, p_ttl bigint, p_now bigint, p_request_id text) RETURNS jsonb
-LANGUAGE sql AS $$
-  SELECT mep_renew_one(p_tenant, p_name, p_memory, p_token, p_owner, p_ttl, p_now, p_now, p_request_id)
-$$;
+-- Called by v1's mep_renew and mep_renew_batch only, which are wrappers now (below).
+DROP FUNCTION IF EXISTS mep_renew_one(text, text, text, bigint, text, bigint, bigint, text);
 
 -- p_bound: the latest time the database clock can read by the calling server's monotonic
 -- clock, NULL when it has none yet.
@@ -1071,6 +1046,7 @@ BEGIN
 END
 $$;
 
+-- Renews many leases in one transaction; the results are in the order of the arrays.
 CREATE OR REPLACE FUNCTION mep_renew_batch(p_tenant text, p_names text[], p_memories text[],
     p_tokens bigint[], p_owners text[], p_ttls bigint[], p_request_id text, p_bound bigint) RETURNS jsonb
 LANGUAGE plpgsql AS $$
@@ -1086,6 +1062,17 @@ BEGIN
     FROM generate_series(1, coalesce(array_length(p_names, 1), 0)) AS i;
   RETURN v_out;
 END
+$$;
+
+-- The v1 signatures, kept for servers of an earlier version during a rolling upgrade: no
+-- bound, as before.
+CREATE OR REPLACE FUNCTION mep_renew(p_tenant text, p_name text, p_memory text, p_token bigint,
+    p_owner text, p_ttl bigint, p_request_id text) RETURNS jsonb LANGUAGE sql AS $$
+  SELECT mep_renew(p_tenant, p_name, p_memory, p_token, p_owner, p_ttl, p_request_id, NULL::bigint)
+$$;
+CREATE OR REPLACE FUNCTION mep_renew_batch(p_tenant text, p_names text[], p_memories text[],
+    p_tokens bigint[], p_owners text[], p_ttls bigint[], p_request_id text) RETURNS jsonb LANGUAGE sql AS $$
+  SELECT mep_renew_batch(p_tenant, p_names, p_memories, p_tokens, p_owners, p_ttls, p_request_id, NULL::bigint)
 $$;
 )sql";
 
