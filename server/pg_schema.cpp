@@ -248,25 +248,7 @@ $$;
 
 -- mep_release: see v6.
 
-CREATE OR REPLACE FUNCTION mep_verify(p_tenant text, p_memory text, p_token bigint, p_request_id text)
-RETURNS jsonb LANGUAGE plpgsql AS $$
-DECLARE
-  v_now bigint := mep_now_ms();
-  v_problem jsonb;
-  v_name text;
-  v_token bigint;
-  v_expires bigint;
-BEGIN
-  v_problem := mep_classify(p_tenant, p_memory, p_token, v_now, 'memory-not-found', p_request_id);
-  IF v_problem IS NOT NULL THEN
-    RETURN v_problem;
-  END IF;
-  SELECT canonical_name, fencing_token, expires_at INTO v_name, v_token, v_expires
-    FROM leases WHERE memory_id = p_memory;
-  RETURN jsonb_build_object('memory_instance_id', p_memory, 'fencing_token', v_token,
-                            'canonical_name', v_name, 'expires_at', v_expires, 'server_time', v_now);
-END
-$$;
+-- mep_verify, whether a token's lease is live (POST /v1/fence/verify): see v8.
 
 CREATE OR REPLACE FUNCTION mep_register(p_tenant text, p_key text, p_fp text, p_request_id text,
     p_memory text) RETURNS jsonb LANGUAGE plpgsql AS $$
@@ -994,7 +976,8 @@ LANGUAGE sql AS $$
 $$;
 )sql";
 
-// Version 8: renewals carry the clock's bound, as claims and sweeps have since v6. A forward
+// Version 8: renewals (and fence verifications) carry the clock's bound, as claims and
+// sweeps have since v6. A forward
 // step of the database clock made every lease whose expiry it jumped over look expired to a
 // renewal until a server found the step and recorded it (up to a second later): the holder
 // was told 410 lease-expired and gave its lease up, though no claim could have taken it (a
@@ -1073,6 +1056,35 @@ $$;
 CREATE OR REPLACE FUNCTION mep_renew_batch(p_tenant text, p_names text[], p_memories text[],
     p_tokens bigint[], p_owners text[], p_ttls bigint[], p_request_id text) RETURNS jsonb LANGUAGE sql AS $$
   SELECT mep_renew_batch(p_tenant, p_names, p_memories, p_tokens, p_owners, p_ttls, p_request_id, NULL::bigint)
+$$;
+
+-- Whether a token's lease is live (POST /v1/fence/verify), decided at least(now, bound) as
+-- a renewal is: in the second after a forward step that no server has found yet, a live
+-- lease is not called expired (its holder's writes through mep store --strict go on).
+CREATE OR REPLACE FUNCTION mep_verify(p_tenant text, p_memory text, p_token bigint, p_request_id text,
+    p_bound bigint) RETURNS jsonb LANGUAGE plpgsql AS $$
+DECLARE
+  v_now bigint := mep_now_ms();
+  v_problem jsonb;
+  v_name text;
+  v_token bigint;
+  v_expires bigint;
+BEGIN
+  v_problem := mep_classify(p_tenant, p_memory, p_token, least(v_now, coalesce(p_bound, v_now)),
+                            'memory-not-found', p_request_id);
+  IF v_problem IS NOT NULL THEN
+    RETURN v_problem;
+  END IF;
+  SELECT canonical_name, fencing_token, expires_at INTO v_name, v_token, v_expires
+    FROM leases WHERE memory_id = p_memory;
+  RETURN jsonb_build_object('memory_instance_id', p_memory, 'fencing_token', v_token,
+                            'canonical_name', v_name, 'expires_at', v_expires, 'server_time', v_now);
+END
+$$;
+-- Its v1 signature, for servers of an earlier version (no bound).
+CREATE OR REPLACE FUNCTION mep_verify(p_tenant text, p_memory text, p_token bigint, p_request_id text)
+RETURNS jsonb LANGUAGE sql AS $$
+  SELECT mep_verify(p_tenant, p_memory, p_token, p_request_id, NULL::bigint)
 $$;
 )sql";
 

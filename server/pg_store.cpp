@@ -189,7 +189,7 @@ constexpr const char* k_sql_renew_batch =
 // the notification is sent when the statement commits, in the same round trip.
 constexpr const char* k_sql_release =
     "SELECT mep_release($1, $2, $3, $4::bigint, $5, $6)::text, pg_notify('mep_lease_freed', $2 || chr(9) || $3)";
-constexpr const char* k_sql_verify = "SELECT mep_verify($1, $2, $3::bigint, $4)::text";
+constexpr const char* k_sql_verify = "SELECT mep_verify($1, $2, $3::bigint, $4, $5::bigint)::text";
 // mep_revoke (schema v4) notifies mep_lease_freed itself, with the memory it freed.
 constexpr const char* k_sql_revoke = "SELECT mep_revoke($1, $2, $3)::text";
 constexpr const char* k_lease_cols =
@@ -860,9 +860,9 @@ void PgStore::release(const Ctx& ctx, LeaseRef ref, Then<Released> then) {
 
 void PgStore::verify(const Ctx& ctx, Verify req, Then<lease::Verified> then) {
   submit<lease::Verified>(
-      [ctx, req = std::move(req)](pg::Conn& c) {
+      [this, ctx, req = std::move(req)](pg::Conn& c) {
         auto r = c.exec("verify", k_sql_verify,
-                        {ctx.auth.tenant_id, req.memory_id, to_s(req.fencing_token), ctx.request_id});
+                        {ctx.auth.tenant_id, req.memory_id, to_s(req.fencing_token), ctx.request_id, clock_bound()});
         return finish_simple(r, verified_of);
       },
       std::move(then), ctx.request_id);

@@ -15,7 +15,7 @@ clock decides, and each server watches it against its own monotonic clock):
   (the claim's bound) and after the step is found (its record), also through a server
   started after the step; the holder renews; the step is counted and logged;
 - the holder renews at once after a forward step that jumped over its lease's expiry, before
-  any server has found the step (the renewal's bound, schema v8);
+  any server has found the step, and fence/verify finds its token live (the bound, schema v8);
 - a lease that expired inside the step is taken over one TTL after the step, not before;
 - a backward step is counted and logged.
 """
@@ -193,6 +193,9 @@ class ClockStepsPostgres(unittest.TestCase):
             self.assertEqual(first.status, 201, first)
             steps = metric(server.port, "mep_clock_steps_total")
             self.step("+%d" % (60 * attempt))
+            # A data plane's check of the token (mep store --strict) still finds it live.
+            v = c.post("/v1/fence/verify", {"memory_instance_id": memory, "fencing_token": first.json["fencing_token"]})
+            self.assertEqual(v.status, 200, v)
             # As mepd renews (renew-batch), then on its own.
             b = c.post("/v1/leases/renew-batch", {"owner_client_id": "owner-a", "leases": [
                 {"canonical_name": name, "memory_instance_id": memory,

@@ -373,8 +373,8 @@ class SweepSpacing(PgTestCase):
 
 
 class RenewSignatures(PgTestCase):
-    def test_servers_of_an_earlier_version_renew_through_the_v1_signatures(self):
-        # Schema v8 added the clock's bound to mep_renew and mep_renew_batch; a server of an
+    def test_servers_of_an_earlier_version_renew_and_verify_through_the_v1_signatures(self):
+        # Schema v8 added the clock's bound to mep_renew, mep_renew_batch and mep_verify; a server of an
         # earlier version, during a rolling upgrade, still calls them without it.
         self.db = pgfixture.PgDb()
         token = create_token(self.db, "tenant-a")
@@ -394,6 +394,8 @@ class RenewSignatures(PgTestCase):
         self.assertIn('"ttl_seconds": 60', many)
         after = db_query(self.db, "SELECT expires_at FROM leases WHERE canonical_name = ?", (name,))[0][0]
         self.assertGreater(after, before + 40000)
+        verified = db_query(self.db, "SELECT mep_verify('%s', '%s', %d, 'req-3')::text" % (tid, mem, tok))[0][0]
+        self.assertIn('"fencing_token": %d' % tok, verified)
 
 
 class AuditHashes(PgTestCase):
