@@ -908,8 +908,7 @@ void compare_with_etcd(Server& s, const std::string& token, const fs::path& dir,
                     Cell{4, "batch", 1, k_batch_leases}}) {
     for (int i = 0; i < 3; ++i) {
       const int clients = counts[i];
-      std::vector<double> m_ops, e_ops, ratios, m_p99, e_p99, ccpu, scpu, mccpu, mscpu, db_ms, m_per_core, e_per_core,
-          m_paused, e_paused;
+      std::vector<double> m_ops, e_ops, ratios, m_p99, e_p99, ccpu, scpu, mccpu, mscpu, db_ms, m_per_core, e_per_core;
       std::vector<mep::bench::Stalls> m_stalls, e_stalls;
       long errors = 0;
       for (int r = 0; r < rounds; ++r) {
@@ -934,8 +933,6 @@ void compare_with_etcd(Server& s, const std::string& token, const fs::path& dir,
         m_ops.push_back(m.ops_per_s);
         m_p99.push_back(m.p99_ms);
         e_p99.push_back(e.p99_ms);
-        m_paused.push_back(m.paused.percent());
-        e_paused.push_back(e.paused.percent());
         m_stalls.push_back(m.paused);
         e_stalls.push_back(e.paused);
         e_ops.push_back(e.ops_per_s);
@@ -952,7 +949,7 @@ void compare_with_etcd(Server& s, const std::string& token, const fs::path& dir,
       };
       std::printf("%-8s %7d %22s %22s %9.2fx   %4.2f / %-4.2f   %4.2f / %-4.2f  %4.1f / %-4.1f", cell.name, clients,
                   range(m_ops).c_str(), range(e_ops).c_str(), median(ratios), median(mccpu), median(mscpu),
-                  median(ccpu), median(scpu), median(m_paused), median(e_paused));
+                  median(ccpu), median(scpu), median_stalls(m_stalls).percent(), median_stalls(e_stalls).percent());
       if (db_cpu) std::printf("  %9.3f", median(db_ms));
       std::printf("%s\n", errors ? "  ERRORS" : "");
       if (errors) ++g_failed_cells;
