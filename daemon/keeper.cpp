@@ -509,7 +509,7 @@ expected<void, Problem> Keeper::detach(const std::string& display, const std::op
 }
 
 std::vector<Held> Keeper::list(uid_t viewer) const {
-  auto all = m_book.listed();
+  auto all = m_book.listed(Clock::now());
   all.erase(std::remove_if(all.begin(), all.end(), [&](const Held& h) { return !may_act_on(viewer, h.uid); }),
             all.end());
   return all;

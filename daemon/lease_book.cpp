@@ -97,12 +97,18 @@ std::vector<Held> LeaseBook::all() const {
   return out;
 }
 
-std::vector<Held> LeaseBook::listed() const {
+std::vector<Held> LeaseBook::listed(SteadyTime now) const {
   std::lock_guard lock(m_mutex);
   std::vector<Held> out;
   out.reserve(m_leases.size() + m_releasing.size());
   for (const auto& [name, h] : m_leases) out.push_back(h);
-  for (const auto& [id, h] : m_releasing) out.push_back(h);
+  for (const auto& [id, h] : m_releasing) {
+    out.push_back(h);
+    if (h.state != LeaseState::lost && now >= h.local_deadline) {
+      out.back().state = LeaseState::lost;
+      out.back().lost_reason = "deadline";
+    }
+  }
   return out;
 }
 

@@ -87,8 +87,10 @@ public:
   std::vector<Held> all() const;
   /// The leases an agent sees listed: all(), and those taken whose release on the control
   /// plane has not yet finished. A lease leaves the list only once its memory and name are
-  /// free again, so whoever waits for it to go can attach them at once.
-  std::vector<Held> listed() const;
+  /// free again, so whoever waits for it to go can attach them at once. A taken lease whose
+  /// local deadline has passed by `now` is listed as lost: its release may wait on a control
+  /// plane that does not answer, and by this host's clock the lease has ended.
+  std::vector<Held> listed(SteadyTime now) const;
   /// Removes the lease under `name` (and, when `lease_id` is given, only that one). It stays
   /// listed until released() is called with its lease id.
   std::optional<Held> take(const std::string& name, const std::optional<std::string>& lease_id = std::nullopt);

@@ -198,10 +198,33 @@ TEST_CASE("lease book: a taken lease is listed until its release is over", "[lea
   REQUIRE(b.book.size() == 0);
   REQUIRE(b.book.all().empty()); // not renewed, not fenced
   REQUIRE(!b.book.get("a"));     // a new attach of the name is not refused locally
-  REQUIRE(b.book.listed().size() == 2);
+  REQUIRE(b.book.listed(t0).size() == 2);
   b.book.released("lease-a");
-  REQUIRE(b.book.listed().size() == 1);
-  REQUIRE(b.book.listed()[0].canonical_name == "b");
+  REQUIRE(b.book.listed(t0).size() == 1);
+  REQUIRE(b.book.listed(t0)[0].canonical_name == "b");
   b.book.released("lease-b");
-  REQUIRE(b.book.listed().empty());
+  REQUIRE(b.book.listed(t0).empty());
+}
+
+TEST_CASE("lease book: a taken lease whose deadline passes during its release is listed as lost", "[lease_book]") {
+  // mep run exits (its bound process) just before mepd's own deadline, while the control
+  // plane does not answer: the release waits, and the listing must not go on saying
+  // degraded once this host's clock says the lease has ended.
+  Book b;
+  b.book.put(held_from_grant(grant("a", 1, 6), "o", "/a", 7, t0), false);
+  std::chrono::milliseconds timeout{};
+  auto due = b.book.due(t0 + 3s, 1000, timeout);
+  std::vector<std::pair<std::string, mep::UnixMs>> renewed;
+  std::vector<std::string> lost;
+  b.book.apply(due, {}, false, "unreachable", t0 + 3s, t0 + 3s, renewed, lost);
+  REQUIRE(b.book.get("a")->state == LeaseState::degraded);
+  const SteadyTime deadline = b.book.get("a")->local_deadline;
+  REQUIRE(b.book.take_bound_to(7).size() == 1);
+  REQUIRE(b.book.listed(deadline - 1ms).at(0).state == LeaseState::degraded);
+  auto after = b.book.listed(deadline);
+  REQUIRE(after.size() == 1);
+  REQUIRE(after[0].state == LeaseState::lost);
+  REQUIRE(after[0].lost_reason == "deadline");
+  b.book.released("lease-a");
+  REQUIRE(b.book.listed(deadline).empty());
 }
