@@ -54,6 +54,7 @@ extern const std::string_view k_pg_schema_v5;
 extern const std::string_view k_pg_schema_v6;
 extern const std::string_view k_pg_schema_v7;
 extern const std::string_view k_pg_schema_v8;
+extern const std::string_view k_pg_schema_v9;
 
 namespace {
 
@@ -61,8 +62,8 @@ namespace json = boost::json;
 using Clock = std::chrono::steady_clock;
 
 // Each version's schema, applied in turn from the database's version up.
-const std::string_view k_pg_schemas[] = {k_pg_schema_v1, k_pg_schema_v2, k_pg_schema_v3, k_pg_schema_v4,
-                                         k_pg_schema_v5, k_pg_schema_v6, k_pg_schema_v7, k_pg_schema_v8};
+const std::string_view k_pg_schemas[] = {k_pg_schema_v1, k_pg_schema_v2, k_pg_schema_v3, k_pg_schema_v4, k_pg_schema_v5,
+                                         k_pg_schema_v6, k_pg_schema_v7, k_pg_schema_v8, k_pg_schema_v9};
 constexpr int k_schema_version = static_cast<int>(std::size(k_pg_schemas));
 constexpr int k_max_attempts = 10;
 constexpr auto k_reconnect_gap = std::chrono::milliseconds(500);
@@ -156,12 +157,12 @@ Outcome<T> finish_idempotent(const pg::Result& res, T (*success)(const json::obj
 
 // SQL text of the hot statements, prepared once per connection.
 constexpr const char* k_sql_claim =
-    "SELECT mep_claim($1, $2, $3, $4, $5::jsonb, $6, $7, $8, $9, $10, $11::bigint, $12, $13, $14, $15::bigint, "
-    "$16::bigint, $17, $18, $19)::text";
+    "SELECT mep_claim_t($1, $2, $3, $4, $5::jsonb, $6, $7, $8, $9, $10, $11::bigint, $12, $13, $14, $15::bigint, "
+    "$16::bigint, $17, $18, $19, true)";
 // A waiting claim's attempt: a 423 is not kept under the key (Claim::record_refusal).
 constexpr const char* k_sql_claim_attempt =
-    "SELECT mep_claim_attempt($1, $2, $3, $4, $5::jsonb, $6, $7, $8, $9, $10, "
-    "$11::bigint, $12, $13, $14, $15::bigint, $16::bigint, $17, $18, $19)::text";
+    "SELECT mep_claim_t($1, $2, $3, $4, $5::jsonb, $6, $7, $8, $9, $10, $11::bigint, $12, $13, $14, $15::bigint, "
+    "$16::bigint, $17, $18, $19, false)";
 // The queue of waiting claims (schema v5). A ticket lives while its server renews it
 // (k_sql_wait_beat); leaving, or being left by its clients, wakes the waiters for the same
 // things on every server.

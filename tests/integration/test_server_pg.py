@@ -15,6 +15,9 @@
 - `sweeps_of_a_large_table_are_spaced_by_their_cost`: a sweep scans the leases table (no
   index on expires_at since v7), so with a million leases the server sweeps 50 times as
   far apart as a sweep takes, not once a second (PostgreSQL's function statistics count).
+- `claim_paths`: since v9 a claim looks at its name's row alone first; an own lease that
+  expired unswept is still taken over (a new grant, audited), not re-claimed; v8's
+  signatures still answer (wrappers), and a waiting attempt keeps no refusal.
 - `audit_hashes_of_ended_leases`: since schema v7 the server hashes a claim's name and
   memory and the lease row keeps the hashes; the audit rows of a takeover, an expiry found
   by a claim and a sweep carry the right tenant's HMACs, also for rows without stored hashes
@@ -25,6 +28,7 @@ The other control-plane suites run on PostgreSQL too (ctest's *_pg tests).
 """
 import hashlib
 import hmac
+import json
 import os
 import random
 import signal
@@ -154,7 +158,7 @@ class SharedDatabase(PgTestCase):
         self.db = pgfixture.PgDb()
         self.servers = start_servers(self.dir, self.db, 3)
         version = db_query(self.db, "SELECT version FROM schema_version")
-        self.assertEqual(version, [(8,)])
+        self.assertEqual(version, [(9,)])
         indexes = {r[0] for r in db_query(self.db, "SELECT indexname FROM pg_indexes WHERE tablename = 'leases'")}
         self.assertTrue({"leases_owner_name", "leases_tenant_name"} <= indexes, indexes)
         self.assertNotIn("leases_owner", indexes)
@@ -396,6 +400,54 @@ class RenewSignatures(PgTestCase):
         self.assertGreater(after, before + 40000)
         verified = db_query(self.db, "SELECT mep_verify('%s', '%s', %d, 'req-3')::text" % (tid, mem, tok))[0][0]
         self.assertIn('"fencing_token": %d' % tok, verified)
+
+
+class ClaimPaths(PgTestCase):
+    def test_an_own_lease_that_expired_unswept_is_taken_over_and_an_attempt_keeps_no_refusal(self):
+        """Since v9 a claim looks first at its name's row alone: the caller's own live
+        lease is re-claimed there. An own lease that has expired but is not swept yet is
+        not: it is taken over (audited as expired) and the claim is a new grant, with a new
+        lease id. v8's signatures stay as wrappers: mep_claim answers as before, and
+        mep_claim_attempt (a waiting claim's attempt) keeps no refusal under its key."""
+        self.db = pgfixture.PgDb()
+        token = create_token(self.db, "tenant-a")
+        self.servers = start_servers(self.dir, self.db, 1)
+        with self.servers[0].client(token) as c:
+            name, mem, other_mem = unique_name(), c.new_memory(), c.new_memory()
+            first = c.claim(name, mem, "owner-a", ttl=30)
+            self.assertEqual(first.status, 201, first)
+            again = c.claim(name, mem, "owner-a", ttl=30)
+            self.assertEqual(again.status, 201, again)
+            lease_id, tok = first.json["lease_id"], first.json["fencing_token"]
+            self.assertEqual((again.json["lease_id"], again.json["fencing_token"]), (lease_id, tok + 1))
+        tid, owner, skel = db_query(self.db, "SELECT tenant_id, owner_client_id, skeleton FROM leases "
+                                             "WHERE canonical_name = ?", (name,))[0]
+
+        def claim_sql(fn, key, memory, owner_id, lease, tail):
+            return ("SELECT %s('%s', '%s', 'fp', 'req', NULL, '%s', '%s', '%s', '%s', '%s', 30, '%s', 'u', 'i', "
+                    "NULL, NULL, NULL, 'nh', 'mh'%s)" % (fn, tid, key, name, name, skel, memory, owner_id, lease, tail))
+
+        # In one transaction, so that the sweeper (which skips locked rows) cannot take it first.
+        key = new_key()
+        self.db.execute("BEGIN; UPDATE leases SET expires_at = 1 WHERE canonical_name = '%s'; %s; COMMIT;"
+                        % (name, claim_sql("mep_claim_t", key, mem, owner, "lease-new", ", true")))
+        body = json.loads(db_query(self.db, "SELECT body FROM idempotency WHERE idem_key = ?", (key,))[0][0])
+        self.assertEqual((body["outcome"], body["lease_id"], body["fencing_token"]), ("granted", "lease-new", tok + 2))
+        self.assertEqual(db_query(self.db, "SELECT lease_id, fencing_token FROM leases WHERE canonical_name = ?",
+                                  (name,)), [("lease-new", tok + 2)])
+        self.assertEqual(db_query(self.db, "SELECT event_type FROM audit_events WHERE fencing_token = ? "
+                                           "AND event_type <> 'LEASE_ACQUIRED' ORDER BY event_type", (tok + 1,)),
+                         [("LEASE_EXPIRED",), ("LEASE_TAKEOVER",)])
+        # The v8 wrappers: a re-claim through mep_claim; another owner's attempt is refused
+        # (423) and nothing is kept under its key, so its next attempt runs again.
+        got = json.loads(db_query(self.db, claim_sql("mep_claim", new_key(), mem, owner, "unused", "") + "::text")[0][0])
+        self.assertEqual((got["status"], got["result"]["outcome"], got["result"]["lease_id"]),
+                         (201, "reclaimed", "lease-new"))
+        key = new_key()
+        got = json.loads(db_query(self.db, claim_sql("mep_claim_attempt", key, other_mem, "owner-b", "lease-b", "")
+                                  + "::text")[0][0])
+        self.assertEqual((got["status"], got["result"]["code"]), (423, "name-held"))
+        self.assertEqual(db_query(self.db, "SELECT count(*) FROM idempotency WHERE idem_key = ?", (key,)), [(0,)])
 
 
 class AuditHashes(PgTestCase):
