@@ -130,7 +130,14 @@ Result Conn::exec(const std::string& sql) {
 Result Conn::exec(const std::string& name, const std::string& sql, const std::vector<Param>& params) {
   std::vector<const char*> values;
   values.reserve(params.size());
-  for (const auto& p : params) values.push_back(p ? p->c_str() : nullptr);
+  for (const auto& p : params) {
+    // libpq takes text parameters as C strings: a NUL would cut the value short and send
+    // another one. PostgreSQL text cannot hold NUL, so the value is refused as the server
+    // would refuse it (character_not_in_repertoire), before anything is sent.
+    if (p && p->find('\0') != std::string::npos)
+      throw Error("a text parameter contains a NUL character", "22021", false);
+    values.push_back(p ? p->c_str() : nullptr);
+  }
   int n = static_cast<int>(values.size());
   if (name.empty()) {
     if (!PQsendQueryParams(m_c, sql.c_str(), n, nullptr, values.data(), nullptr, nullptr, 0))
@@ -147,16 +154,35 @@ Result Conn::exec(const std::string& name, const std::string& sql, const std::ve
   return check(await("query failed"), "query failed");
 }
 
+namespace {
+void quoted(std::string& out, const std::string& item) {
+  out += '"';
+  for (char ch : item) {
+    if (ch == '"' || ch == '\\') out += '\\';
+    out += ch;
+  }
+  out += '"';
+}
+} // namespace
+
 std::string text_array(const std::vector<std::string>& items) {
   std::string out = "{";
   for (std::size_t i = 0; i < items.size(); ++i) {
     if (i) out += ',';
-    out += '"';
-    for (char ch : items[i]) {
-      if (ch == '"' || ch == '\\') out += '\\';
-      out += ch;
-    }
-    out += '"';
+    quoted(out, items[i]);
+  }
+  out += '}';
+  return out;
+}
+
+std::string param_array(const std::vector<Param>& items) {
+  std::string out = "{";
+  for (std::size_t i = 0; i < items.size(); ++i) {
+    if (i) out += ',';
+    if (items[i])
+      quoted(out, *items[i]);
+    else
+      out += "NULL";
   }
   out += '}';
   return out;

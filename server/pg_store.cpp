@@ -27,21 +27,23 @@
 #include "mep/log.hpp"
 #include "mep/metrics.hpp"
 #include "mep/random.hpp"
-#include "mep/uuid.hpp"
 #include "mep/rows.hpp"
 #include "mep/sweeper.hpp"
 #include "mep/time.hpp"
+#include "mep/uuid.hpp"
 
 #include <boost/json/array.hpp>
 #include <boost/json/parse.hpp>
 #include <boost/json/serialize.hpp>
 #include <fmt/format.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cstring>
 #include <poll.h>
 #include <random>
 #include <sys/eventfd.h>
+#include <tuple>
 #include <unistd.h>
 
 namespace mep::server {
@@ -55,6 +57,7 @@ extern const std::string_view k_pg_schema_v6;
 extern const std::string_view k_pg_schema_v7;
 extern const std::string_view k_pg_schema_v8;
 extern const std::string_view k_pg_schema_v9;
+extern const std::string_view k_pg_schema_v10;
 
 namespace {
 
@@ -62,8 +65,9 @@ namespace json = boost::json;
 using Clock = std::chrono::steady_clock;
 
 // Each version's schema, applied in turn from the database's version up.
-const std::string_view k_pg_schemas[] = {k_pg_schema_v1, k_pg_schema_v2, k_pg_schema_v3, k_pg_schema_v4, k_pg_schema_v5,
-                                         k_pg_schema_v6, k_pg_schema_v7, k_pg_schema_v8, k_pg_schema_v9};
+const std::string_view k_pg_schemas[] = {k_pg_schema_v1, k_pg_schema_v2, k_pg_schema_v3, k_pg_schema_v4,
+                                         k_pg_schema_v5, k_pg_schema_v6, k_pg_schema_v7, k_pg_schema_v8,
+                                         k_pg_schema_v9, k_pg_schema_v10};
 constexpr int k_schema_version = static_cast<int>(std::size(k_pg_schemas));
 constexpr int k_max_attempts = 10;
 constexpr auto k_reconnect_gap = std::chrono::milliseconds(500);
@@ -140,9 +144,8 @@ lease::Branched branched_of(const json::object& r, bool created) {
 
 // The answer of a creating function, {status, replayed, result}, read by `success`.
 template <class T>
-Outcome<T> finish_idempotent(const pg::Result& res, T (*success)(const json::object&, bool created)) {
+Outcome<T> finish_envelope(const json::object& envelope, T (*success)(const json::object&, bool created)) {
   auto& metrics = Metrics::global();
-  json::object envelope = parse_result(res.text(0, 0));
   int status = static_cast<int>(i64(envelope.at("status")));
   bool replayed = envelope.at("replayed").as_bool();
   const json::object& r = envelope.at("result").as_object();
@@ -155,6 +158,11 @@ Outcome<T> finish_idempotent(const pg::Result& res, T (*success)(const json::obj
   return Outcome<T>(success(r, status == 201 && !replayed), replayed);
 }
 
+template <class T>
+Outcome<T> finish_idempotent(const pg::Result& res, T (*success)(const json::object&, bool created)) {
+  return finish_envelope(parse_result(res.text(0, 0)), success);
+}
+
 // SQL text of the hot statements, prepared once per connection.
 constexpr const char* k_sql_claim =
     "SELECT mep_claim_t($1, $2, $3, $4, $5::jsonb, $6, $7, $8, $9, $10, $11::bigint, $12, $13, $14, $15::bigint, "
@@ -163,6 +171,11 @@ constexpr const char* k_sql_claim =
 constexpr const char* k_sql_claim_attempt =
     "SELECT mep_claim_t($1, $2, $3, $4, $5::jsonb, $6, $7, $8, $9, $10, $11::bigint, $12, $13, $14, $15::bigint, "
     "$16::bigint, $17, $18, $19, false)";
+// Claims in one call (schema v10): each parameter an array, but the versions and the bound.
+constexpr const char* k_sql_claim_batch =
+    "SELECT mep_claim_batch($1::text[], $2::text[], $3::text[], $4::text[], $5::text[], $6::text[], $7::text[], "
+    "$8::text[], $9::text[], $10::text[], $11::bigint[], $12::text[], $13, $14, $15::bigint[], $16::bigint, "
+    "$17::text[], $18::text[], $19::text[], $20::boolean[])";
 // The queue of waiting claims (schema v5). A ticket lives while its server renews it
 // (k_sql_wait_beat); leaving, or being left by its clients, wakes the waiters for the same
 // things on every server.
@@ -226,6 +239,9 @@ std::string to_s(std::int64_t v) { return std::to_string(v); }
 
 // mep_claim's parameters: $16 the clock's bound, $17 the audit row's event id, $18 and $19
 // the hashes of the name and the memory.
+constexpr std::size_t k_claim_name = 5;     // the canonical name
+constexpr std::size_t k_claim_memory = 8;   // the memory id
+constexpr std::size_t k_claim_unicode = 12; // this server's Unicode version, then ICU's
 constexpr std::size_t k_claim_bound = 15;
 constexpr std::size_t k_claim_event = 16;
 constexpr std::size_t k_claim_params = 19;
@@ -248,10 +264,20 @@ std::string bytea_hex(const std::string& bytes) { return "\\x" + hex_lower(bytes
 
 } // namespace
 
+// A claim's call: mep_claim_t's parameters (the bound, the event id and the hashes filled in
+// when it is sent), whether a refusal is kept under the key, and the answer of its last run.
+struct PgStore::ClaimCall {
+  std::vector<pg::Param> params;
+  bool record = true;
+  bool hashed = false;
+  std::optional<Outcome<lease::Grant>> outcome;
+};
+
 // ---- construction, workers, retries -------------------------------------------------------
 
 PgStore::PgStore(const std::string& url, const StoreOptions& options) : m_url(url), m_options(options) {
   if (m_options.pool < 1) m_options.pool = 1;
+  m_claim_lanes = std::max(1, m_options.pool / 4);
   m_session_setup = {
       m_options.isolation == Isolation::serializable ? "SET default_transaction_isolation TO 'serializable'"
                                                      : "SET default_transaction_isolation TO 'read committed'",
@@ -343,11 +369,17 @@ void PgStore::submit(Op op, Then<T> then, std::string request_id, bool repeatabl
 }
 
 void PgStore::enqueue(Work work, Finish done, std::string request_id, bool repeatable) {
+  enqueue(Job{std::move(work), std::move(done), std::move(request_id), repeatable, nullptr});
+}
+
+void PgStore::enqueue(Job job) {
   std::lock_guard lock(m_mutex);
-  m_queue.push_back(Job{std::move(work), std::move(done), std::move(request_id), repeatable});
+  // A claim while every lane is busy waits for the next batch: no worker could take it.
+  bool runnable = !job.claim || m_claims_running < m_claim_lanes;
+  m_queue.push_back(std::move(job));
   // Wake the worker that went idle last (LIFO): under light load the same few threads,
   // connections and database backends do the work, warm in every cache.
-  if (!m_idle.empty()) {
+  if (runnable && !m_idle.empty()) {
     Idle* w = m_idle.back();
     m_idle.pop_back();
     w->woken = true;
@@ -355,23 +387,73 @@ void PgStore::enqueue(Work work, Finish done, std::string request_id, bool repea
   }
 }
 
+bool PgStore::take(std::vector<Job>& jobs) {
+  for (auto it = m_queue.begin(); it != m_queue.end(); ++it) {
+    if (!it->claim) {
+      jobs.push_back(std::move(*it));
+      m_queue.erase(it);
+      return true;
+    }
+    if (m_claims_running < m_claim_lanes) {
+      ++m_claims_running;
+      for (auto c = it; c != m_queue.end() && jobs.size() < k_claim_batch;) {
+        if (c->claim) {
+          jobs.push_back(std::move(*c));
+          c = m_queue.erase(c);
+        } else {
+          ++c;
+        }
+      }
+      return true;
+    }
+  }
+  return false;
+}
+
 void PgStore::worker_loop() {
   Slot slot;
   Idle self;
+  std::vector<Job> jobs;
   for (;;) {
-    Job job;
+    jobs.clear();
     {
       std::unique_lock lock(m_mutex);
-      while (m_queue.empty() && !m_stopping) {
+      while (!take(jobs)) {
+        if (m_stopping && m_queue.empty()) return;
+        // (Claims waiting for a lane: the worker that frees one wakes a worker for them.)
         self.woken = false;
         m_idle.push_back(&self);
         self.cv.wait(lock, [&] { return self.woken; });
       }
-      if (m_queue.empty()) return;
-      job = std::move(m_queue.front());
-      m_queue.pop_front();
     }
-    job.done(execute(slot, job));
+    bool lane = bool(jobs.front().claim);
+    try {
+      std::vector<std::optional<Problem>> failures;
+      if (jobs.size() > 1) {
+        failures = execute_batch(slot, jobs);
+      } else {
+        failures.push_back(execute(slot, jobs.front()));
+      }
+      // The lane goes back before the answers go out: the next batch need not wait for them.
+      if (lane) free_lane();
+      lane = false;
+      for (std::size_t i = 0; i < jobs.size(); ++i) jobs[i].done(std::move(failures[i]));
+    } catch (const std::exception& e) {
+      log::error("a database worker's job failed: {}", e.what());
+    }
+    if (lane) free_lane();
+  }
+}
+
+void PgStore::free_lane() {
+  std::lock_guard lock(m_mutex);
+  --m_claims_running;
+  bool claims_queued = std::any_of(m_queue.begin(), m_queue.end(), [](const Job& j) { return bool(j.claim); });
+  if (claims_queued && !m_idle.empty()) {
+    Idle* w = m_idle.back();
+    m_idle.pop_back();
+    w->woken = true;
+    w->cv.notify_one();
   }
 }
 
@@ -715,7 +797,9 @@ void PgStore::claim(const Ctx& ctx, Idempotency idem, Claim req, Then<lease::Gra
         problem_record(Problem(Code::invalid_ttl, fmt::format("ttl_seconds must be between {} and {} (got {})",
                                                               k_min_ttl_s, k_max_ttl_s, req.ttl_s)),
                        ctx.request_id));
-  std::vector<pg::Param> params{ctx.auth.tenant_id, idem.key, idem.fingerprint, ctx.request_id, pre};
+  auto call = std::make_shared<ClaimCall>();
+  auto& params = call->params;
+  params = {ctx.auth.tenant_id, idem.key, idem.fingerprint, ctx.request_id, pre};
   if (req.name) {
     params.insert(params.end(), {req.name->canonical_name, req.name->display_name, req.name->skeleton});
   } else {
@@ -724,6 +808,10 @@ void PgStore::claim(const Ctx& ctx, Idempotency idem, Claim req, Then<lease::Gra
   params.insert(params.end(), {req.memory_id, req.owner_client_id, to_s(req.ttl_s), uuid_v7().to_string(),
                                std::string(unicode_version()), std::string(icu_version())});
   params.push_back(req.ticket ? pg::Param(std::to_string(req.ticket)) : pg::Param());
+  params.resize(k_claim_params); // the clock's bound, taken when the call is sent; the audit's hashes
+  // A waiting claim's refusal is not kept under its key (Claim::record_refusal): the
+  // server-side function leaves it out in the claim's own transaction.
+  call->record = req.record_refusal;
   if (req.ticket) {
     // A grant takes the ticket out of the queue in its transaction; it is renewed no more.
     then = [this, ticket = req.ticket, then = std::move(then)](Outcome<lease::Grant> r) {
@@ -734,27 +822,97 @@ void PgStore::claim(const Ctx& ctx, Idempotency idem, Claim req, Then<lease::Gra
       then(std::move(r));
     };
   }
-  params.resize(k_claim_params); // the clock's bound, taken when the call is sent; the audit's hashes
-  submit<lease::Grant>(
-      [this, params = std::move(params), record = req.record_refusal, hashed = false](pg::Conn& c) mutable {
-        params[k_claim_bound] = clock_bound();
-        if (!hashed) {
-          // The audit row's hashes, made here rather than in SQL (schema v7); left to the
-          // database for a tenant whose salt is not found.
-          if (auto salt = audit_salt(c, *params[0])) {
-            params[k_claim_event + 1] = audit_hash(*salt, *params[5]);
-            params[k_claim_event + 2] = audit_hash(*salt, *params[8]);
-          }
-          hashed = true;
-        }
-        // A new event id for each run: a run whose commit was not confirmed may have used one.
-        params[k_claim_event] = uuid_v7().to_string();
-        // A waiting claim's refusal is not kept under its key (Claim::record_refusal): the
-        // server-side function leaves it out in the claim's own transaction.
-        return record ? finish_idempotent(c.exec("claim", k_sql_claim, params), grant_of)
-                      : finish_idempotent(c.exec("claim_attempt", k_sql_claim_attempt, params), grant_of);
-      },
-      std::move(then), ctx.request_id);
+  Job job;
+  job.work = [this, call](pg::Conn& c) {
+    prepare_claim(c, *call);
+    call->params[k_claim_bound] = clock_bound();
+    call->outcome.emplace(
+        call->record ? finish_idempotent(c.exec("claim", k_sql_claim, call->params), grant_of)
+                     : finish_idempotent(c.exec("claim_attempt", k_sql_claim_attempt, call->params), grant_of));
+  };
+  job.done = [call, then = std::move(then)](std::optional<Problem> failure) {
+    if (failure || !call->outcome) return then(Outcome<lease::Grant>(failure ? std::move(*failure) : db_unavailable()));
+    then(std::move(*call->outcome));
+  };
+  job.request_id = ctx.request_id;
+  job.claim = std::move(call);
+  enqueue(std::move(job));
+}
+
+void PgStore::prepare_claim(pg::Conn& c, ClaimCall& call) {
+  auto& params = call.params;
+  if (!call.hashed) {
+    // The audit row's hashes, made here rather than in SQL (schema v7); left to the
+    // database for a tenant whose salt is not found.
+    if (auto salt = audit_salt(c, *params[0])) {
+      params[k_claim_event + 1] = audit_hash(*salt, *params[k_claim_name]);
+      params[k_claim_event + 2] = audit_hash(*salt, *params[k_claim_memory]);
+    }
+    call.hashed = true;
+  }
+  params[k_claim_event] = uuid_v7().to_string();
+}
+
+std::vector<std::optional<Problem>> PgStore::execute_batch(Slot& slot, std::vector<Job>& jobs) {
+  auto& metrics = Metrics::global();
+  bool answered = false;
+  bool unanswered = false; // cut off by the timeout: as a single call, not sent again
+  if (slot.conn && slot.conn->usable()) {
+    try {
+      pg::Conn& c = *slot.conn;
+      // By name, then memory: batches take names in one order (see mep_claim_batch).
+      std::sort(jobs.begin(), jobs.end(), [](const Job& a, const Job& b) {
+        const auto &x = a.claim->params, &y = b.claim->params;
+        return std::tie(x[k_claim_name], x[k_claim_memory]) < std::tie(y[k_claim_name], y[k_claim_memory]);
+      });
+      std::vector<std::vector<pg::Param>> columns(k_claim_params + 1);
+      for (Job& j : jobs) {
+        ClaimCall& call = *j.claim;
+        prepare_claim(c, call);
+        for (std::size_t k = 0; k < k_claim_params; ++k) columns[k].push_back(call.params[k]);
+        columns[k_claim_params].push_back(pg::Param(call.record ? "true" : "false"));
+      }
+      std::vector<pg::Param> params;
+      for (std::size_t k = 0; k < columns.size(); ++k) {
+        if (k == k_claim_unicode || k == k_claim_unicode + 1)
+          params.push_back(columns[k].front()); // the same in every claim
+        else if (k == k_claim_bound)
+          params.push_back(clock_bound());
+        else
+          params.push_back(pg::param_array(columns[k]));
+      }
+      auto res = c.exec("claim_batch", k_sql_claim_batch, params);
+      json::value v = json::parse(res.text(0, 0));
+      if (!v.is_array() || v.as_array().size() != jobs.size())
+        throw std::runtime_error("mep_claim_batch returned an unexpected result");
+      for (std::size_t i = 0; i < jobs.size(); ++i)
+        jobs[i].claim->outcome.emplace(finish_envelope(v.as_array()[i].as_object(), grant_of));
+      answered = true;
+      if (!m_healthy.exchange(true)) log::info("database reachable again");
+      metrics.inc("mep_pg_claim_batches_total");
+      metrics.inc("mep_pg_batched_claims_total", {}, static_cast<double>(jobs.size()));
+    } catch (const pg::Error& e) {
+      if (e.connection_lost()) {
+        slot.conn.reset();
+        if (m_healthy.exchange(false)) log::warn("database connection lost: {}", e.what());
+        unanswered = e.timed_out();
+      }
+      if (!unanswered) log::debug("a batch of {} claims failed ({}); sending them one by one", jobs.size(), e.what());
+    } catch (const std::exception& e) {
+      log::warn("a batch of {} claims failed ({}); sending them one by one", jobs.size(), e.what());
+    }
+  }
+  std::vector<std::optional<Problem>> failures(jobs.size());
+  if (unanswered) {
+    for (auto& f : failures) f = db_unavailable();
+  } else if (!answered) {
+    metrics.inc("mep_pg_claim_batch_fallbacks_total");
+    for (std::size_t i = 0; i < jobs.size(); ++i) {
+      jobs[i].claim->outcome.reset();
+      failures[i] = execute(slot, jobs[i]);
+    }
+  }
+  return failures;
 }
 
 void PgStore::branch(const Ctx& ctx, Idempotency idem, Branch req, Then<lease::Branched> then) {

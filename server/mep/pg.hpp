@@ -104,7 +104,7 @@ public:
   /// Runs one or more statements without parameters (simple query protocol).
   Result exec(const std::string& sql);
   /// Runs `sql` with parameters; prepared once per connection under `name` when `name` is
-  /// not empty.
+  /// not empty. A parameter holding a NUL throws Error 22021 and sends nothing.
   Result exec(const std::string& name, const std::string& sql, const std::vector<Param>& params);
 
 private:
@@ -120,6 +120,9 @@ private:
 
 /// A PostgreSQL array literal of texts ({"a","b\"c"}), for a text[] parameter.
 std::string text_array(const std::vector<std::string>& items);
+/// A PostgreSQL array literal of parameters, NULL for an absent one ({"a",NULL}): any
+/// element type that reads from text (text[], bigint[], boolean[]).
+std::string param_array(const std::vector<Param>& items);
 /// A PostgreSQL array literal of integers ({1,2,3}).
 std::string int_array(const std::vector<std::int64_t>& items);
 

@@ -15,6 +15,9 @@
 - `sweeps_of_a_large_table_are_spaced_by_their_cost`: a sweep scans the leases table (no
   index on expires_at since v7), so with a million leases the server sweeps 50 times as
   far apart as a sweep takes, not once a second (PostgreSQL's function statistics count).
+- `claims_sent_together`: claims queued together go in one transaction (schema v10); each
+  is answered as if alone (tokens, a name two want, a key sent twice, a batch that fails
+  and is sent one by one), and the metrics show batches of more than one claim.
 - `claim_paths`: since v9 a claim looks at its name's row alone first; an own lease that
   expired unswept is still taken over (a new grant, audited), not re-claimed; v8's
   signatures still answer (wrappers), and a waiting attempt keeps no refusal.
@@ -158,7 +161,7 @@ class SharedDatabase(PgTestCase):
         self.db = pgfixture.PgDb()
         self.servers = start_servers(self.dir, self.db, 3)
         version = db_query(self.db, "SELECT version FROM schema_version")
-        self.assertEqual(version, [(9,)])
+        self.assertEqual(version, [(10,)])
         indexes = {r[0] for r in db_query(self.db, "SELECT indexname FROM pg_indexes WHERE tablename = 'leases'")}
         self.assertTrue({"leases_owner_name", "leases_tenant_name"} <= indexes, indexes)
         self.assertNotIn("leases_owner", indexes)
@@ -448,6 +451,94 @@ class ClaimPaths(PgTestCase):
                                   + "::text")[0][0])
         self.assertEqual((got["status"], got["result"]["code"]), (423, "name-held"))
         self.assertEqual(db_query(self.db, "SELECT count(*) FROM idempotency WHERE idem_key = ?", (key,)), [(0,)])
+
+
+class ClaimBatches(PgTestCase):
+    def test_claims_sent_together_are_each_answered_as_if_alone(self):
+        """With --db-pool 4 a server runs claims in one lane, so clients claiming at once
+        are sent in batches (mep_claim_batch, one transaction): the metrics count batches
+        of more than one claim. Each claim still gets its own answer: re-claims their next
+        fencing token, two clients that want one name get one grant and one 423, a key sent
+        twice at once is granted once and replayed once. A claim with text PostgreSQL
+        cannot hold (a NUL in the owner) fails its whole batch, whose claims are then sent
+        one by one: that claim answers 400, the others as they would have."""
+        self.db = pgfixture.PgDb()
+        token = create_token(self.db, "tenant-a")
+        self.servers = start_servers(self.dir, self.db, 1, ["--db-pool", "4"])
+        server = self.servers[0]
+        with server.client(token) as c:
+            mems = [c.new_memory() for _ in range(48)]
+        rivals = [unique_name() for _ in range(4)]
+        dup_key, dup_name = new_key(), unique_name()
+        barrier = threading.Barrier(48)
+        results, errors = {}, []
+
+        def reclaimer(i):  # 36 of them: a grant, then 9 re-claims of it
+            name, got = unique_name(), []
+            with server.client(token) as c:
+                barrier.wait()
+                for _ in range(10):
+                    got.append(c.claim(name, mems[i], "owner-%d" % i))
+            results[i] = got
+
+        def rival(i):  # 8 of them: two for each of 4 names, on their own memories
+            with server.client(token) as c:
+                barrier.wait()
+                results[i] = [c.claim(rivals[i % 4], mems[i], "owner-%d" % i)]
+
+        def duplicate(i):  # 2 of them: the same key and body
+            with server.client(token) as c:
+                barrier.wait()
+                results[i] = [c.claim(dup_name, mems[44], "owner-dup", key=dup_key)]
+
+        def bad(i):  # 2 of them: a NUL in the owner, three times each
+            with server.client(token) as c:
+                barrier.wait()
+                results[i] = []
+                for _ in range(3):
+                    results[i].append(c.claim(unique_name(), mems[i], "owner\u0000%d" % i))
+                    time.sleep(0.01)
+
+        roles = [reclaimer] * 36 + [rival] * 8 + [duplicate] * 2 + [bad] * 2
+
+        def run(i):
+            try:
+                roles[i](i)
+            except Exception as e:  # reported below
+                errors.append((i, e))
+
+        threads = [threading.Thread(target=run, args=(i,)) for i in range(48)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=60)
+        self.assertEqual(errors, [])
+        for i in range(36):
+            got = results[i]
+            self.assertEqual([r.status for r in got], [201] * 10, [r.json for r in got])
+            self.assertEqual([r.json["fencing_token"] for r in got], list(range(1, 11)))
+            self.assertEqual({r.json["lease_id"] for r in got}, {got[0].json["lease_id"]})
+        for n in range(4):
+            pair = sorted(results[i][0].status for i in range(36, 44) if i % 4 == n)
+            self.assertEqual(pair, [201, 423], rivals[n])
+        dup = [results[i][0] for i in (44, 45)]
+        self.assertEqual(sorted(r.status for r in dup), [200, 201], [r.json for r in dup])
+        self.assertEqual({r.json["fencing_token"] for r in dup}, {1})
+        for i in (46, 47):
+            for r in results[i]:
+                self.assertEqual(r.status, 400, r.json)
+        self.assertEqual(db_query(self.db, "SELECT count(*) FROM leases"), [(36 + 4 + 1,)])
+        with server.client(token) as c:
+            text = c.get("/metrics", token=None).raw.decode()
+        counters = {}
+        for line in text.splitlines():
+            if line.startswith("mep_pg_"):
+                name, value = line.rsplit(" ", 1)
+                counters[name] = float(value)
+        batches, batched = counters["mep_pg_claim_batches_total"], counters["mep_pg_batched_claims_total"]
+        self.assertGreater(batches, 0, counters)
+        self.assertGreater(batched, batches, counters)  # more than one claim per batch
+        self.assertGreater(counters["mep_pg_claim_batch_fallbacks_total"], 0, counters)
 
 
 class AuditHashes(PgTestCase):

@@ -14,6 +14,14 @@ TEST_CASE("text arrays quote every element and escape quotes and backslashes") {
   CHECK(text_array({"café"}) == "{\"café\"}");
 }
 
+TEST_CASE("parameter arrays: NULL unquoted for an absent element, every other element quoted") {
+  CHECK(param_array({}) == "{}");
+  CHECK(param_array({std::nullopt}) == "{NULL}");
+  CHECK(param_array({Param("NULL"), std::nullopt, Param("")}) == "{\"NULL\",NULL,\"\"}");
+  CHECK(param_array({Param("12"), Param("t"), Param("{\"a\": \"b\\\\c\"}")}) ==
+        "{\"12\",\"t\",\"{\\\"a\\\": \\\"b\\\\\\\\c\\\"}\"}");
+}
+
 TEST_CASE("integer arrays") {
   CHECK(int_array({}) == "{}");
   CHECK(int_array({1, -2, 9223372036854775807LL}) == "{1,-2,9223372036854775807}");
