@@ -277,7 +277,7 @@ struct PgStore::ClaimCall {
 
 PgStore::PgStore(const std::string& url, const StoreOptions& options) : m_url(url), m_options(options) {
   if (m_options.pool < 1) m_options.pool = 1;
-  m_claim_lanes = std::max(1, m_options.pool / 4);
+  m_claim_lanes = std::max(1, m_options.pool / 8);
   m_session_setup = {
       m_options.isolation == Isolation::serializable ? "SET default_transaction_isolation TO 'serializable'"
                                                      : "SET default_transaction_isolation TO 'read committed'",
@@ -426,22 +426,26 @@ void PgStore::worker_loop() {
         self.cv.wait(lock, [&] { return self.woken; });
       }
     }
-    bool lane = bool(jobs.front().claim);
+    std::vector<std::optional<Problem>> failures;
     try {
-      std::vector<std::optional<Problem>> failures;
       if (jobs.size() > 1) {
         failures = execute_batch(slot, jobs);
       } else {
         failures.push_back(execute(slot, jobs.front()));
       }
-      // The lane goes back before the answers go out: the next batch need not wait for them.
-      if (lane) free_lane();
-      lane = false;
-      for (std::size_t i = 0; i < jobs.size(); ++i) jobs[i].done(std::move(failures[i]));
     } catch (const std::exception& e) {
       log::error("a database worker's job failed: {}", e.what());
+      failures.assign(jobs.size(), Problem(Code::internal, "internal error"));
     }
-    if (lane) free_lane();
+    // The lane goes back before the answers go out: the next batch need not wait for them.
+    if (jobs.front().claim) free_lane();
+    for (std::size_t i = 0; i < jobs.size(); ++i) {
+      try {
+        jobs[i].done(std::move(failures[i]));
+      } catch (const std::exception& e) {
+        log::error("request {}: answering failed: {}", jobs[i].request_id, e.what());
+      }
+    }
   }
 }
 

@@ -1,7 +1,7 @@
 // The PostgreSQL implementation of Store (SPEC §9): a pool of connections, one thread
 // each, every lease operation one call of a server-side function (one round trip, one
 // transaction), retried on serialization failures and deadlocks. Claims go in batches: at
-// most a quarter of the pool runs claims at once, each call carrying every claim queued
+// most an eighth of the pool runs claims at once, each call carrying every claim queued
 // when it starts (see m_claim_lanes).
 #pragma once
 #include "mep/clock_watch.hpp"
@@ -148,11 +148,13 @@ private:
   std::mutex m_mutex;
   std::deque<Job> m_queue;
   std::vector<Idle*> m_idle; // most recently idle last
-  // Claims in flight at once, in batches: at most m_claim_lanes calls (a quarter of the pool,
+  // Claims in flight at once, in batches: at most m_claim_lanes calls (an eighth of the pool,
   // at least one). On a 2-core database host, 16 backends each running one claim used about
   // 40 % more database CPU per claim than 4 (pgbench, the same function), and sent fewer
-  // claims per second; a batch also shares its commit. Claims queued while the lanes are
-  // busy wait and go in the next batch.
+  // claims per second; a batch also shares its commit. Against 4 lanes (bench/ab_server.sh),
+  // 2 used 24 % less database CPU per claim at 8 clients and 10 % less at 64, at the same
+  // rate or better; 1 lane lost a fifth of the rate at 64 clients. Claims queued while the
+  // lanes are busy wait and go in the next batch.
   static constexpr std::size_t k_claim_batch = 32;
   int m_claim_lanes = 1;
   int m_claims_running = 0;
