@@ -9,7 +9,7 @@
 # pg_stat_statements preloaded, runs `bench_server --only CELL --pg URL` against it, and
 # prints the statements by total execution time: calls, calls per operation of the cell,
 # mean and total ms, and their share of the top-level time. Nested statements (inside
-# mep_claim and its helpers) are marked "in"; their times are part of their caller's.
+# mep_claim_t and its helpers) are marked "in"; their times are part of their caller's.
 # The cluster is stopped and removed at the end. Profiling costs time itself: compare the
 # shares, not the rates, with bench/run.sh server.
 set -euo pipefail

@@ -241,7 +241,8 @@ std::string to_s(std::int64_t v) { return std::to_string(v); }
 // the hashes of the name and the memory.
 constexpr std::size_t k_claim_name = 5;     // the canonical name
 constexpr std::size_t k_claim_memory = 8;   // the memory id
-constexpr std::size_t k_claim_unicode = 12; // this server's Unicode version, then ICU's
+constexpr std::size_t k_claim_unicode = 12; // this server's Unicode version
+constexpr std::size_t k_claim_icu = 13;     // and ICU's
 constexpr std::size_t k_claim_bound = 15;
 constexpr std::size_t k_claim_event = 16;
 constexpr std::size_t k_claim_params = 19;
@@ -878,7 +879,7 @@ std::vector<std::optional<Problem>> PgStore::execute_batch(Slot& slot, std::vect
       }
       std::vector<pg::Param> params;
       for (std::size_t k = 0; k < columns.size(); ++k) {
-        if (k == k_claim_unicode || k == k_claim_unicode + 1)
+        if (k == k_claim_unicode || k == k_claim_icu)
           params.push_back(columns[k].front()); // the same in every claim
         else if (k == k_claim_bound)
           params.push_back(clock_bound());

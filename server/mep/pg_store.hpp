@@ -121,7 +121,7 @@ private:
   /// Fills in what a claim's call takes when it is sent: the audit hashes (once) and a new
   /// event id (a run whose commit was not confirmed may have used the last one).
   void prepare_claim(pg::Conn& c, ClaimCall& call);
-  /// Gives a claim lane back (under m_mutex) and wakes an idle worker for queued claims.
+  /// Gives a claim lane back (takes m_mutex) and wakes an idle worker for queued claims.
   void free_lane();
   /// Runs `fn` on a borrowed connection in the calling thread, with the same retry and
   /// reconnection rules as the workers (`repeatable` as for Job). Throws pg::Error when the
