@@ -5,7 +5,9 @@
 //   mepd.db before sending, so a daemon that crashes mid-claim resends the same key on
 //   start (resend_intents) and adopts the outcome instead of claiming twice. A state
 //   database that cannot be written (a full disk) refuses the attach with 503 before
-//   anything is sent.
+//   anything is sent. An outcome learned but not written down (the intent's delete, or
+//   its mark as unknown, refused) is remembered in memory (m_intent_fates), so the
+//   renewer does not resend what the agent was already answered.
 // * claiming → held: the grant is saved, then — with a data plane — the store's mark is
 //   advanced to the new token (fence) before the agent hears of it: a paused old holder
 //   is refused by the store even if the new holder writes nothing. A store that cannot be
@@ -221,17 +223,34 @@ void Keeper::resend_intents() {
     g_state_health.failed("read the claim intents", e);
     return;
   }
-  for (const auto& in : intents) {
+  for (auto in : intents) {
+    std::optional<IntentFate> fate;
     {
       std::lock_guard lock(m_attaching_mutex);
       if (m_attaching.count(in.key)) continue; // its attach is still sending it
+      if (auto f = m_intent_fates.find(in.key); f != m_intent_fates.end()) fate = f->second;
     }
+    auto forgotten = [&] { // the row is gone: nothing left to remember about it
+      std::lock_guard lock(m_attaching_mutex);
+      m_intent_fates.erase(in.key);
+    };
+    if (fate == IntentFate::settled) {
+      try {
+        m_state.delete_intent(in.key);
+        forgotten();
+      } catch (const std::exception& e) {
+        g_state_health.failed("delete a claim intent", e);
+      }
+      continue;
+    }
+    if (fate == IntentFate::orphaned) in.bind_pid = -1; // its agent was told it failed
     auto sent = Clock::now();
     m_cp_requests++;
     auto r = m_cp->claim(in.request, in.key);
     if (!r && outcome_unknown(r.error())) continue; // still unknown: try again later
     try {
       m_state.delete_intent(in.key);
+      forgotten();
     } catch (const std::exception& e) {
       g_state_health.failed("delete a claim intent", e);
       continue;
@@ -260,6 +279,7 @@ void Keeper::adopt(Held h, bool announce, const std::string& finished_intent, bo
       g_state_health.ok();
     } catch (const std::exception& e) {
       g_state_health.failed("save a lease", e); // held in memory: renewed, not re-adopted after a restart
+      if (!finished_intent.empty()) remember_fate(finished_intent, IntentFate::settled);
     }
   }
   if (h.bind_pid) m_pids.watch(h.bind_pid);
@@ -432,6 +452,7 @@ expected<Held, Problem> Keeper::attach(const AttachRequest& req) {
     if (!r) m_state.delete_intent(intent.key);
   } catch (const std::exception& e) {
     g_state_health.failed("update a claim intent", e);
+    remember_fate(intent.key, !r && outcome_unknown(r.error()) ? IntentFate::orphaned : IntentFate::settled);
   }
   if (!r) return make_unexpected(std::move(r.error()));
   // After a wait the grant is no earlier than the request's sending plus the server's
@@ -448,6 +469,7 @@ expected<Held, Problem> Keeper::attach(const AttachRequest& req) {
       m_state.save_lease(saved(h), intent.key); // a crash while fencing re-adopts it and fences again
     } catch (const std::exception& e) {
       g_state_health.failed("save a lease", e);
+      remember_fate(intent.key, IntentFate::settled);
     }
     if (auto f = fence(h); !f) {
       log::warn("lease {} given back: {}", h.canonical_name, f.error().detail);
@@ -463,6 +485,11 @@ expected<Held, Problem> Keeper::attach(const AttachRequest& req) {
   else
     adopt(h, true, intent.key);
   return h;
+}
+
+void Keeper::remember_fate(const std::string& key, IntentFate fate) {
+  std::lock_guard lock(m_attaching_mutex);
+  m_intent_fates[key] = fate;
 }
 
 void Keeper::release_on_server(const Held& h) {

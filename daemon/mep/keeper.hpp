@@ -112,6 +112,15 @@ private:
   // resend of pending intents leaves them to it.
   std::mutex m_attaching_mutex;
   std::set<std::string> m_attaching;
+  // Claim intents whose outcome an attach learned but could not write down (the state
+  // database refused the write): `settled`, the agent was answered and the intent only has
+  // to go (resending it would replay a grant the agent may have released since, and adopt
+  // it again); `orphaned`, the outcome stayed unknown and the agent was told it failed, so
+  // a grant the resend finds is released, as for an intent marked so on disk. Under
+  // m_attaching_mutex; kept until the intent's row is gone.
+  enum class IntentFate { settled, orphaned };
+  std::map<std::string, IntentFate> m_intent_fates;
+  void remember_fate(const std::string& key, IntentFate fate);
   std::condition_variable m_stop_cv;
   bool m_stop = false;
   std::thread m_renewer;

@@ -435,7 +435,9 @@ class EventStream:
 
 
 class RecordingProxy:
-    """127.0.0.1:PORT → upstream, recording every byte in both directions."""
+    """127.0.0.1:PORT → upstream, recording every byte in both directions. refuse(True)
+    cuts every connection and closes new ones at once (an unreachable upstream) until
+    refuse(False)."""
 
     def __init__(self, upstream_host, upstream_port):
         self.upstream = (upstream_host, upstream_port)
@@ -448,6 +450,7 @@ class RecordingProxy:
         self._chunks = {"up": [], "down": []}
         self._socks = []
         self._stopped = False
+        self._refusing = False
         self._threads = [threading.Thread(target=self._accept, daemon=True)]
         self._threads[0].start()
 
@@ -461,6 +464,9 @@ class RecordingProxy:
                 client, _ = self.listener.accept()
             except OSError:
                 return
+            if self._refusing:
+                client.close()
+                continue
             try:
                 server = socket.create_connection(self.upstream, timeout=10)
                 server.settimeout(None)
@@ -496,19 +502,27 @@ class RecordingProxy:
         with self._lock:
             return b"".join(self._chunks[direction])
 
-    def stop(self):
-        self._stopped = True
-        try:
-            self.listener.close()
-        except OSError:
-            pass
+    def refuse(self, on):
+        self._refusing = on
+        if on:
+            self._cut()
+
+    def _cut(self):
         with self._lock:
-            socks = list(self._socks)
+            socks, self._socks = list(self._socks), []
         for s in socks:
             try:
                 s.shutdown(socket.SHUT_RDWR)
             except OSError:
                 pass
             s.close()
+
+    def stop(self):
+        self._stopped = True
+        try:
+            self.listener.close()
+        except OSError:
+            pass
+        self._cut()
         for t in self._threads:
             t.join(timeout=2)

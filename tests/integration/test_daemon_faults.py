@@ -2,15 +2,17 @@
 small tmpfs (root only: mount), mepd keeps running and keeps renewing what it holds when
 that disk is full or read-only, answers new work with a 503 problem that says why, logs
 it once, and recovers when space returns; a state database deleted under it does not end
-it either.
+it either. And a write refused between an attach's two writes (its claim intent, then the
+lease) does not make the daemon claim again later what its agent has let go.
 """
 import os
 import shutil
+import sqlite3
 import subprocess
 import time
 import unittest
 
-from daemonfixture import Mepd
+from daemonfixture import Mepd, RecordingProxy
 from test_daemon import DaemonTestCase
 
 TTL = 6
@@ -117,6 +119,81 @@ class StateDiskFaults(DaemonTestCase):
         self.assertEqual(self.held("del-agent")["state"], "held")
         self.attach_ok("del-new", self.new_file("del-new.uai"), ttl_seconds=TTL)
         self.assertEqual(self.client.request("GET", "/healthz").status, 200)
+
+
+class StateWriteRefused(DaemonTestCase):
+    """Writes refused by the state database itself while the daemon runs, injected with a
+    trigger on its own database (SQLite's RAISE), so that exactly one kind of write fails:
+    no mount, no root, no hook in the daemon."""
+
+    MODE = "remote"
+
+    def state_db(self):
+        db = sqlite3.connect(os.path.join(self.mepd.state_dir, "mepd.db"), timeout=10)
+        self.addCleanup(db.close)
+        return db
+
+    def test_lease_save_refused_after_the_intent_is_not_claimed_again(self):
+        # The attach's intent goes in; the lease's first save (which also deletes the intent)
+        # is refused. The agent has its lease, and lets it go. The daemon, which looks at
+        # pending intents every 2 s, must not resend that intent: the control plane would
+        # replay the grant, and the daemon would adopt, as held, a lease released since.
+        db = self.state_db()
+        db.execute("CREATE TRIGGER refuse_lease_saves BEFORE INSERT ON leases "
+                   "BEGIN SELECT RAISE(ABORT, 'injected: lease saves refused'); END")
+        db.commit()
+        lease = self.attach_ok("ghost-agent", self.new_file("ghost.uai"), ttl_seconds=30)
+        self.assertIn("cannot write the state database", self.mepd.log_text())
+        r = self.client.detach("ghost-agent")
+        self.assertEqual(r.status, 204, r)
+        self.assertEqual(self.server_lease("ghost-agent").status, 404)
+        intents = lambda: db.execute("SELECT count(*) FROM intents").fetchone()[0]
+        # The intent row goes (the daemon deletes it instead of resending it) ...
+        self.assertEqual(self.poll(lambda: intents() == 0, 10), True, "the claim intent is still there")
+        time.sleep(2.5)  # ... and one more pass of the renewer adopts nothing.
+        self.assertNotIn("ghost-agent", self.client.leases())
+        self.assertNotIn("from a pending claim intent", self.mepd.log_text())
+        self.assertEqual(self.server_lease("ghost-agent").status, 404)
+        # Saves allowed again: the next attach of the name is a new lease, saved as usual.
+        db.execute("DROP TRIGGER refuse_lease_saves")
+        db.commit()
+        again = self.attach_ok("ghost-agent", self.new_file("ghost-2.uai"), ttl_seconds=30)
+        self.assertNotEqual(again["lease_id"], lease["lease_id"])
+        saved = db.execute("SELECT lease_id FROM leases WHERE canonical_name = 'ghost-agent'").fetchall()
+        self.assertEqual(saved, [(again["lease_id"],)])
+
+    def test_unknown_outcome_not_written_down_is_not_adopted(self):
+        # The control plane is unreachable, so the attach fails with 503 and an unknown
+        # outcome: its intent stays, to be resent, and is marked so that a grant the resend
+        # finds is released (the agent was told it failed). That mark is refused. When the
+        # control plane is back, the resend's grant must still be released, not adopted.
+        proxy = RecordingProxy("127.0.0.1", self.server.port)
+        self.addCleanup(proxy.stop)
+        self.mepd.stop()
+        d = Mepd(self.tmp, self.env, control_plane=proxy.url, token=self.token, tag="behind-proxy")
+        d.state_dir = self.mepd.state_dir
+        self._sources.append(("behind-proxy", d))
+        self.addCleanup(d.stop)
+        self.mepd = d.start()
+        self.client = self.mepd.client()
+        db = self.state_db()
+        db.execute("CREATE TRIGGER refuse_intent_marks BEFORE UPDATE ON intents "
+                   "BEGIN SELECT RAISE(ABORT, 'injected: intent updates refused'); END")
+        db.commit()
+        path = self.new_file("unknown.uai")  # registered first: the attach below sends only its claim
+        self.attach_ok("unknown-agent", path, ttl_seconds=30)
+        self.assertEqual(self.client.detach("unknown-agent").status, 204)
+        proxy.refuse(True)
+        r = self.client.attach("unknown-agent", path, ttl_seconds=30)
+        self.assertEqual(r.status, 503, r)
+        self.assertEqual(db.execute("SELECT count(*) FROM intents").fetchone()[0], 1)
+        proxy.refuse(False)
+        released = lambda: "releasing lease unknown-agent" in self.mepd.log_text()
+        self.assertTrue(self.poll(released, 15), "the resent intent's grant was not released")
+        self.assertNotIn("from a pending claim intent", self.mepd.log_text())
+        self.assertNotIn("unknown-agent", self.client.leases())
+        self.assertEqual(self.poll(lambda: self.server_lease("unknown-agent").status == 404, 5), True)
+        self.assertEqual(db.execute("SELECT count(*) FROM intents").fetchone()[0], 0)
 
 
 if __name__ == "__main__":
