@@ -3,7 +3,7 @@
 # single-user backend, so the count does not move with the machine's load (a 2-core VM's
 # timings do, by ±15 % and more from one hour to the next).
 #
-#   bench/pg_callgrind.sh [--sql FILE] [--calls N]
+#   bench/pg_callgrind.sh [--sql FILE] [--calls N] [--batch K]
 #
 # Starts a private cluster, lets `mep token create` make the schema and a tenant, registers
 # eight memories, stops the cluster, then runs `postgres --single` under
@@ -12,19 +12,28 @@
 # re-claims, the bench's `claim` cell). The difference divided by N is printed: what one
 # re-claim costs, every statement, plan-cache check, commit and WAL insert included, but not
 # the kernel (fsync) nor any wait. `--sql FILE` runs FILE first in both runs (e.g. a
-# `CREATE OR REPLACE FUNCTION mep_claim_t …` to try): compare variants by this number. The
-# cluster is removed at the end. Takes about a minute.
+# `CREATE OR REPLACE FUNCTION mep_claim_t …` to try): compare variants by this number.
+# `--batch K` sends the re-claims K at a time through `mep_claim_batch`, one transaction per
+# call, as the server does under load (at 8 clients on 2 claim lanes, about 4): what a
+# transaction costs once (commit, and every plpgsql expression's setup, which is per
+# transaction) is then shared by K claims; the count printed is still per claim.
+# The cluster is removed at the end. Takes about a minute.
 set -euo pipefail
 root="$(cd "$(dirname "$0")/.." && pwd)"
 sql=""
 calls=1000
+batch=0
 while [[ $# -gt 0 ]]; do
   case "$1" in
     --sql) sql="$(cd "$(dirname "$2")" && pwd)/$(basename "$2")"; shift 2 ;;
     --calls) calls="$2"; shift 2 ;;
-    *) echo "usage: bench/pg_callgrind.sh [--sql FILE] [--calls N]" >&2; exit 2 ;;
+    --batch) batch="$2"; shift 2 ;;
+    *) echo "usage: bench/pg_callgrind.sh [--sql FILE] [--calls N] [--batch K]" >&2; exit 2 ;;
   esac
 done
+[[ "$calls" =~ ^[1-9][0-9]*$ && "$batch" =~ ^[0-9]+$ && "$batch" -le 64 ]] ||
+  { echo "pg_callgrind: --calls takes a positive number, --batch 0 to 64" >&2; exit 2; }
+mems=$((batch * 2 > 8 ? batch * 2 : 8)) # a batch's claims are on distinct memories
 command -v valgrind >/dev/null || { echo "pg_callgrind: valgrind is not installed" >&2; exit 2; }
 build="${MEP_BUILD_DIR:-$root/build}"
 cmake --build "$build" --target mep -j "${MEP_JOBS:-2}" >/dev/null
@@ -42,11 +51,33 @@ url="$(MEP_PG_DURABLE=1 bash "$root/scripts/pg-test-cluster.sh" start "$dir/clus
 created="$("$build/cli/mep" token create --db "$url" --tenant bench --json)"
 tenant="$(python3 -c 'import json, sys; print(json.loads(sys.argv[1])["tenant_id"])' "$created")"
 psql -X -q -v ON_ERROR_STOP=1 -d "$url" -c "INSERT INTO memories(memory_id, tenant_id, fence_counter, created_at)
-  SELECT 'cg-' || g, '$tenant', 0, 0 FROM generate_series(0, 7) g" >/dev/null
+  SELECT 'cg-' || g, '$tenant', 0, 0 FROM generate_series(0, $((mems - 1))) g" >/dev/null
 bash "$root/scripts/pg-test-cluster.sh" stop "$dir/cluster"
 
+per=1 # claims per call
+((batch > 0)) && per=$batch
 script() { # CALLS TAG: the statements fed to the single-user backend
   [[ -n "$sql" ]] && { cat "$sql"; echo; }
+  if ((batch > 0)); then
+    local k=$batch
+    echo "PREPARE c(text[], text[], text[]) AS SELECT mep_claim_batch(array_fill('$tenant'::text, ARRAY[$k]), \$1,"
+    echo "  array_fill('fp'::text, ARRAY[$k]), array_fill('req'::text, ARRAY[$k]), array_fill(NULL::text, ARRAY[$k]),"
+    echo "  \$2, \$2, \$2, \$3, array_fill('owner'::text, ARRAY[$k]), array_fill(30::bigint, ARRAY[$k]),"
+    echo "  array(SELECT 'lease-' || m FROM unnest(\$3) m), '15.0', '72', array_fill(NULL::bigint, ARRAY[$k]), NULL,"
+    echo "  array_fill(NULL::text, ARRAY[$k]), array_fill('name-hash'::text, ARRAY[$k]),"
+    echo "  array_fill('memory-hash'::text, ARRAY[$k]), array_fill(true, ARRAY[$k]));"
+    echo
+    for ((i = 0; i < $1; ++i)); do
+      local keys="" names="" memories="" j m
+      for ((j = 0; j < k; ++j)); do
+        m=$(((i * k + j) % mems))
+        keys+="${keys:+,}'$2-$i-$j'"; names+="${names:+,}'name-$m'"; memories+="${memories:+,}'cg-$m'"
+      done
+      echo "EXECUTE c(ARRAY[$keys], ARRAY[$names], ARRAY[$memories]);"
+      echo
+    done
+    return
+  fi
   echo "PREPARE c(text, text, text) AS SELECT mep_claim_t('$tenant', \$1, 'fp', 'req', NULL, \$2, \$2, \$2, \$3,"
   echo "  'owner', 30, 'lease-' || \$3, '15.0', '72', NULL, NULL, \$1, 'name-hash', 'memory-hash', true);"
   echo
@@ -64,9 +95,19 @@ count() { # CALLS TAG -> instructions of the whole backend run
     exit 1
   }
   if grep -q ERROR "$dir/out.log"; then grep -m3 ERROR "$dir/out.log" >&2; exit 1; fi
+  local answered # every claim must be a grant, all but each memory's first a re-claim
+  answered="$(grep -o 'outcome[^a-z]*reclaimed' "$dir/out.log" | wc -l)"
+  if ((answered < $1 * per - mems)); then
+    echo "pg_callgrind: $answered re-claims of $(($1 * per)) claims; the backend said:" >&2
+    grep -m3 -o 'status[^,]*,[^,]*,[^,]*' "$dir/out.log" >&2
+    exit 1
+  fi
   awk '/^summary:/ { print $2 }' "$dir/cg.out"
 }
 chmod 777 "$dir"
-a="$(count 200 a)"
-b="$(count $((200 + calls)) b)"
-echo "mep_claim_t under callgrind ($("$bindir/postgres" --version)): $(((b - a) / calls)) instructions per re-claim"
+a="$(count $((200 / per)) a)"
+b="$(count $(((200 + calls) / per)) b)"
+how="one claim per transaction"
+((batch > 0)) && how="$batch claims per mep_claim_batch call"
+echo "mep_claim_t under callgrind ($("$bindir/postgres" --version)), $how:" \
+  "$(((b - a) / (calls / per * per))) instructions per re-claim"
