@@ -58,6 +58,7 @@ extern const std::string_view k_pg_schema_v7;
 extern const std::string_view k_pg_schema_v8;
 extern const std::string_view k_pg_schema_v9;
 extern const std::string_view k_pg_schema_v10;
+extern const std::string_view k_pg_schema_v11;
 
 namespace {
 
@@ -65,9 +66,9 @@ namespace json = boost::json;
 using Clock = std::chrono::steady_clock;
 
 // Each version's schema, applied in turn from the database's version up.
-const std::string_view k_pg_schemas[] = {k_pg_schema_v1, k_pg_schema_v2, k_pg_schema_v3, k_pg_schema_v4,
-                                         k_pg_schema_v5, k_pg_schema_v6, k_pg_schema_v7, k_pg_schema_v8,
-                                         k_pg_schema_v9, k_pg_schema_v10};
+const std::string_view k_pg_schemas[] = {k_pg_schema_v1, k_pg_schema_v2,  k_pg_schema_v3, k_pg_schema_v4,
+                                         k_pg_schema_v5, k_pg_schema_v6,  k_pg_schema_v7, k_pg_schema_v8,
+                                         k_pg_schema_v9, k_pg_schema_v10, k_pg_schema_v11};
 constexpr int k_schema_version = static_cast<int>(std::size(k_pg_schemas));
 constexpr int k_max_attempts = 10;
 constexpr auto k_reconnect_gap = std::chrono::milliseconds(500);

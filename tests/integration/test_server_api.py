@@ -1144,6 +1144,54 @@ class ServerApi(ServerTestCase):
 
     # ---- more of §6 ------------------------------------------------------------------------
 
+    def test_renew_batch_mixed_results_each_lease_once(self):
+        # Every lease named once (as mepd sends them; PostgreSQL renews such a batch in one
+        # statement, then classifies what it did not renew).
+        c = self.client()
+        who = owner()
+        live_n, live_m, _, _ = self.lease(c, who=who)
+        stale_n, stale_m, _, _ = self.lease(c, who=who)
+        self.assertGrant(c.claim(stale_n, stale_m, who))  # token 2 supersedes 1
+        gone_n, gone_m, _, _ = self.lease(c, who=who)
+        self.assertStatus(c.release(gone_n, gone_m, 1, who), 204)
+        cb = self.client(self.token_b)
+        b_n, b_m, _, _ = self.lease(cb, who=who)
+        bad_n, bad_m, _, _ = self.lease(c, who=who)
+        other_n, other_m, _, _ = self.lease(c, who=who)
+        x_n, x_m, _, _ = self.lease(c, who=who)
+        before = c.get_lease(other_n).json["expires_at"]
+        body = {"owner_client_id": who, "leases": [
+            {"canonical_name": stale_n, "memory_instance_id": stale_m, "fencing_token": 1},
+            {"canonical_name": live_n, "memory_instance_id": live_m, "fencing_token": 1, "ttl_seconds": 60},
+            {"canonical_name": gone_n, "memory_instance_id": gone_m, "fencing_token": 1},
+            {"canonical_name": b_n, "memory_instance_id": b_m, "fencing_token": 1},
+            {"canonical_name": bad_n, "memory_instance_id": bad_m, "fencing_token": 1, "ttl_seconds": 301},
+            {"canonical_name": other_n, "memory_instance_id": other_m, "fencing_token": 1,
+             "owner_client_id": owner()},
+            {"canonical_name": x_n + "-x", "memory_instance_id": x_m, "fencing_token": 1},
+        ]}
+        self.assertEqual(len({i["memory_instance_id"] for i in body["leases"]}), len(body["leases"]))
+        r = c.post("/v1/leases/renew-batch", body)
+        self.assertStatus(r, 200)
+        res = r.json["results"]
+        self.assertEqual([x["canonical_name"] for x in res],
+                         [stale_n, live_n, gone_n, b_n, bad_n, other_n, x_n + "-x"])
+        self.assertEqual([x["status"] for x in res][:5], [409, 200, 410, 404, 422], res)
+        self.assertEqual(res[4]["code"], "invalid-ttl")
+        self.assertGreaterEqual(res[5]["status"], 400, res)  # not this owner's
+        self.assertGreaterEqual(res[6]["status"], 400, res)  # not the name of that memory's lease
+        self.assertEqual(c.get_lease(live_n).json["expires_at"], res[1]["expires_at"])
+        self.assertEqual(c.get_lease(live_n).json["ttl_seconds"], 60)
+        self.assertEqual(c.get_lease(other_n).json["expires_at"], before)
+        self.assertEqual(c.get_lease(bad_n).json["ttl_seconds"], 30)
+        self.assertEqual(cb.get_lease(b_n).json["ttl_seconds"], 30)
+        # The same answers from a batch of each item alone.
+        for item, want in zip(body["leases"], res):
+            one = c.post("/v1/leases/renew-batch", {"owner_client_id": who, "leases": [item]})
+            self.assertStatus(one, 200)
+            self.assertEqual(one.json["results"][0]["status"], want["status"], (item, one.json))
+            self.assertEqual(one.json["results"][0].get("code"), want.get("code"), (item, one.json))
+
     def test_renew_batch_mixed_results(self):
         c = self.client()
         who = owner()
