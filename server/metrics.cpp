@@ -43,6 +43,11 @@ constexpr Family k_families[] = {
     {"mep_pg_claim_batches_total", "counter", "PostgreSQL calls that sent several claims in one transaction"},
     {"mep_pg_batched_claims_total", "counter", "Claims sent in PostgreSQL claim batches"},
     {"mep_pg_claim_batch_fallbacks_total", "counter", "PostgreSQL claim batches that failed and were sent one by one"},
+    // The same for single renewals (renew-batch requests are a call each, not counted here).
+    {"mep_pg_renew_batches_total", "counter", "PostgreSQL calls that sent several single renewals in one transaction"},
+    {"mep_pg_batched_renewals_total", "counter", "Single renewals sent in PostgreSQL renewal batches"},
+    {"mep_pg_renew_batch_fallbacks_total", "counter",
+     "PostgreSQL renewal batches that failed and were sent one by one"},
     {"mep_lease_waiters", "gauge", "Claims waiting for a held name or memory (Prefer: wait)"},
     {"mep_lease_wait_seconds", "histogram", "Time a waiting claim waited, by outcome"},
 };

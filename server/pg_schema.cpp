@@ -1448,18 +1448,19 @@ END
 $$;
 )sql";
 
-// Version 11: a renew-batch renews its leases in one UPDATE. v8's mep_renew_batch called
-// mep_renew_one, a function and a statement, for each lease: most of a batch's database
-// CPU went to setting up those statements, not to the rows.
+// Version 11: renewals in one UPDATE. v8's mep_renew_batch called mep_renew_one, a function
+// and a statement, for each lease: most of a batch's database CPU went to setting up those
+// statements, not to the rows. mep_renew_many takes the renewals of several requests (a
+// server sends the single renewals queued together in one call, as it does claims).
 const std::string_view k_pg_schema_v11 = R"sql(
--- As v8's: the results in the order of the arrays, each as mep_renew_one answers. When no
--- lease appears twice in the batch (mepd never sends one twice), one UPDATE renews every
--- item with a valid TTL whose lease matches; each item it did not renew (stale, expired,
--- released, another's, a bad TTL) is then answered by mep_renew_one, which classifies it.
--- A batch that names a lease twice goes item by item, as in v8, so that each item sees the
--- ones before it.
-CREATE OR REPLACE FUNCTION mep_renew_batch(p_tenant text, p_names text[], p_memories text[],
-    p_tokens bigint[], p_owners text[], p_ttls bigint[], p_request_id text, p_bound bigint) RETURNS jsonb
+-- The i-th of each array is one renewal, of tenant p_tenants[i] (mep_renew_one's parameters;
+-- p_request_ids[i] goes into its problem). Answers a JSON array of mep_renew_one's answers,
+-- in order. When no lease appears twice, one UPDATE renews every item with a valid TTL whose
+-- lease matches; each item it did not renew (stale, expired, released, another's, a bad TTL)
+-- is then answered by mep_renew_one, which classifies it. A call that names a lease twice
+-- goes item by item, as v8's mep_renew_batch did, so that each item sees the ones before it.
+CREATE OR REPLACE FUNCTION mep_renew_many(p_tenants text[], p_names text[], p_memories text[],
+    p_tokens bigint[], p_owners text[], p_ttls bigint[], p_request_ids text[], p_bound bigint) RETURNS jsonb
 LANGUAGE plpgsql AS $$
 DECLARE
   v_now bigint := mep_now_ms();
@@ -1470,12 +1471,13 @@ DECLARE
 BEGIN
   IF v_n > 0 AND (SELECT count(DISTINCT m) FROM unnest(p_memories) m) = v_n THEN
     -- (memory_id = ANY: should the planner ever take leases first, it reads only the
-    -- batch's rows, by a unique index.)
+    -- call's rows, by a unique index.)
     WITH r AS (
       UPDATE leases l SET expires_at = greatest(l.expires_at, v_now + b.ttl * 1000), ttl_seconds = b.ttl
-        FROM unnest(p_names, p_memories, p_tokens, p_owners, p_ttls) WITH ORDINALITY AS b(n, m, t, o, ttl, i)
+        FROM unnest(p_tenants, p_names, p_memories, p_tokens, p_owners, p_ttls) WITH ORDINALITY
+             AS b(tenant, n, m, t, o, ttl, i)
        WHERE l.memory_id = ANY(p_memories) AND l.memory_id = b.m AND b.ttl BETWEEN 5 AND 300
-         AND l.fencing_token = b.t AND l.tenant_id = p_tenant AND l.canonical_name = b.n
+         AND l.fencing_token = b.t AND l.tenant_id = b.tenant AND l.canonical_name = b.n
          AND l.owner_client_id = b.o
          AND (l.expires_at > v_take OR mep_step_held(l.expires_at, l.ttl_seconds, v_now))
       RETURNING b.i, l.expires_at)
@@ -1485,13 +1487,22 @@ BEGIN
   SELECT coalesce(jsonb_agg(CASE WHEN v_exp[g] IS NOT NULL
                                  THEN jsonb_build_object('expires_at', v_exp[g], 'ttl_seconds', p_ttls[g],
                                                          'server_time', v_now)
-                                 ELSE mep_renew_one(p_tenant, p_names[g], p_memories[g], p_tokens[g], p_owners[g],
-                                                    p_ttls[g], v_now, v_take, p_request_id) END
+                                 ELSE mep_renew_one(p_tenants[g], p_names[g], p_memories[g], p_tokens[g],
+                                                    p_owners[g], p_ttls[g], v_now, v_take, p_request_ids[g]) END
                             ORDER BY g), '[]'::jsonb)
     INTO v_out
     FROM generate_series(1, v_n) AS g;
   RETURN v_out;
 END
+$$;
+
+-- A renew-batch request: the renewals of one tenant and one request.
+CREATE OR REPLACE FUNCTION mep_renew_batch(p_tenant text, p_names text[], p_memories text[],
+    p_tokens bigint[], p_owners text[], p_ttls bigint[], p_request_id text, p_bound bigint) RETURNS jsonb
+LANGUAGE sql AS $$
+  SELECT mep_renew_many(array_fill(p_tenant, ARRAY[coalesce(array_length(p_names, 1), 0)]), p_names, p_memories,
+                        p_tokens, p_owners, p_ttls,
+                        array_fill(p_request_id, ARRAY[coalesce(array_length(p_names, 1), 0)]), p_bound)
 $$;
 )sql";
 

@@ -198,6 +198,8 @@ constexpr const char* k_sql_wait_beat =
 constexpr const char* k_sql_register = "SELECT mep_register($1, $2, $3, $4, $5)::text";
 constexpr const char* k_sql_branch = "SELECT mep_branch($1, $2, $3, $4, $5, $6::bigint, $7)::text";
 constexpr const char* k_sql_renew = "SELECT mep_renew($1, $2, $3, $4::bigint, $5, $6::bigint, $7, $8::bigint)::text";
+constexpr const char* k_sql_renew_many = "SELECT mep_renew_many($1::text[], $2::text[], $3::text[], "
+                                         "$4::bigint[], $5::text[], $6::bigint[], $7::text[], $8::bigint)::text";
 constexpr const char* k_sql_renew_batch =
     "SELECT mep_renew_batch($1, $2::text[], $3::text[], $4::bigint[], $5::text[], $6::bigint[], $7, $8::bigint)::text";
 // A release or revocation also tells every server LISTENing (waiting claims, Prefer: wait):
@@ -273,6 +275,12 @@ struct PgStore::ClaimCall {
   bool record = true;
   bool hashed = false;
   std::optional<Outcome<lease::Grant>> outcome;
+};
+
+struct PgStore::RenewCall {
+  std::string tenant_id, request_id;
+  LeaseRef ref;
+  std::optional<Outcome<lease::Renewed>> outcome;
 };
 
 // ---- construction, workers, retries -------------------------------------------------------
@@ -371,13 +379,13 @@ void PgStore::submit(Op op, Then<T> then, std::string request_id, bool repeatabl
 }
 
 void PgStore::enqueue(Work work, Finish done, std::string request_id, bool repeatable) {
-  enqueue(Job{std::move(work), std::move(done), std::move(request_id), repeatable, nullptr});
+  enqueue(Job{std::move(work), std::move(done), std::move(request_id), repeatable, nullptr, nullptr});
 }
 
 void PgStore::enqueue(Job job) {
   std::lock_guard lock(m_mutex);
   // A claim while every lane is busy waits for the next batch: no worker could take it.
-  bool runnable = !job.claim || m_claims_running < m_claim_lanes;
+  bool runnable = job.claim ? m_claims_running < m_claim_lanes : job.renew ? m_renewals_running < m_claim_lanes : true;
   m_queue.push_back(std::move(job));
   // Wake the worker that went idle last (LIFO): under light load the same few threads,
   // connections and database backends do the work, warm in every cache.
@@ -391,15 +399,17 @@ void PgStore::enqueue(Job job) {
 
 bool PgStore::take(std::vector<Job>& jobs) {
   for (auto it = m_queue.begin(); it != m_queue.end(); ++it) {
-    if (!it->claim) {
+    if (!it->claim && !it->renew) {
       jobs.push_back(std::move(*it));
       m_queue.erase(it);
       return true;
     }
-    if (m_claims_running < m_claim_lanes) {
-      ++m_claims_running;
+    const bool claim = bool(it->claim);
+    int& running = claim ? m_claims_running : m_renewals_running;
+    if (running < m_claim_lanes) {
+      ++running;
       for (auto c = it; c != m_queue.end() && jobs.size() < k_claim_batch;) {
-        if (c->claim) {
+        if (claim ? bool(c->claim) : bool(c->renew)) {
           jobs.push_back(std::move(*c));
           c = m_queue.erase(c);
         } else {
@@ -430,8 +440,10 @@ void PgStore::worker_loop() {
     }
     std::vector<std::optional<Problem>> failures;
     try {
-      if (jobs.size() > 1) {
+      if (jobs.size() > 1 && jobs.front().claim) {
         failures = execute_batch(slot, jobs);
+      } else if (jobs.size() > 1) {
+        failures = execute_renewals(slot, jobs);
       } else {
         failures.push_back(execute(slot, jobs.front()));
       }
@@ -440,7 +452,7 @@ void PgStore::worker_loop() {
       failures.assign(jobs.size(), Problem(Code::internal, "internal error"));
     }
     // The lane goes back before the answers go out: the next batch need not wait for them.
-    if (jobs.front().claim) free_lane();
+    if (jobs.front().claim || jobs.front().renew) free_lane(jobs.front());
     for (std::size_t i = 0; i < jobs.size(); ++i) {
       try {
         jobs[i].done(std::move(failures[i]));
@@ -451,11 +463,13 @@ void PgStore::worker_loop() {
   }
 }
 
-void PgStore::free_lane() {
+void PgStore::free_lane(const Job& job) {
+  const bool claim = bool(job.claim);
   std::lock_guard lock(m_mutex);
-  --m_claims_running;
-  bool claims_queued = std::any_of(m_queue.begin(), m_queue.end(), [](const Job& j) { return bool(j.claim); });
-  if (claims_queued && !m_idle.empty()) {
+  --(claim ? m_claims_running : m_renewals_running);
+  bool queued = std::any_of(m_queue.begin(), m_queue.end(),
+                            [claim](const Job& j) { return claim ? bool(j.claim) : bool(j.renew); });
+  if (queued && !m_idle.empty()) {
     Idle* w = m_idle.back();
     m_idle.pop_back();
     w->woken = true;
@@ -964,14 +978,88 @@ lease::Verified verified_of(const json::object& r) {
 } // namespace
 
 void PgStore::renew(const Ctx& ctx, LeaseRef ref, Then<lease::Renewed> then) {
-  submit<lease::Renewed>(
-      [this, ctx, ref = std::move(ref)](pg::Conn& c) {
-        auto r = c.exec("renew", k_sql_renew,
-                        {ctx.auth.tenant_id, ref.canonical_name, ref.memory_id, to_s(ref.fencing_token),
-                         ref.owner_client_id, to_s(ref.ttl_s), ctx.request_id, clock_bound()});
-        return finish_simple(r, renewed_of);
-      },
-      std::move(then), ctx.request_id);
+  auto call = std::make_shared<RenewCall>(RenewCall{ctx.auth.tenant_id, ctx.request_id, std::move(ref), {}});
+  Job job;
+  job.work = [this, call](pg::Conn& c) {
+    const LeaseRef& l = call->ref;
+    auto r = c.exec("renew", k_sql_renew,
+                    {call->tenant_id, l.canonical_name, l.memory_id, to_s(l.fencing_token), l.owner_client_id,
+                     to_s(l.ttl_s), call->request_id, clock_bound()});
+    call->outcome.emplace(finish_simple(r, renewed_of));
+  };
+  job.done = [call, then = std::move(then)](std::optional<Problem> failure) {
+    if (failure || !call->outcome)
+      return then(Outcome<lease::Renewed>(failure ? std::move(*failure) : db_unavailable()));
+    then(std::move(*call->outcome));
+  };
+  job.request_id = ctx.request_id;
+  job.renew = std::move(call);
+  enqueue(std::move(job));
+}
+
+std::vector<std::optional<Problem>> PgStore::execute_renewals(Slot& slot, std::vector<Job>& jobs) {
+  auto& metrics = Metrics::global();
+  bool answered = false;
+  bool unanswered = false; // cut off by the timeout: as a single call, not sent again
+  if (slot.conn && slot.conn->usable()) {
+    try {
+      // By memory: two calls lock the leases they share in one order.
+      std::sort(jobs.begin(), jobs.end(),
+                [](const Job& a, const Job& b) { return a.renew->ref.memory_id < b.renew->ref.memory_id; });
+      std::vector<std::string> tenants, names, memories, owners, request_ids;
+      std::vector<std::int64_t> tokens, ttls;
+      for (const Job& j : jobs) {
+        const RenewCall& call = *j.renew;
+        tenants.push_back(call.tenant_id);
+        names.push_back(call.ref.canonical_name);
+        memories.push_back(call.ref.memory_id);
+        tokens.push_back(call.ref.fencing_token);
+        owners.push_back(call.ref.owner_client_id);
+        ttls.push_back(call.ref.ttl_s);
+        request_ids.push_back(call.request_id);
+      }
+      auto res = slot.conn->exec("renew_many", k_sql_renew_many,
+                                 {pg::text_array(tenants), pg::text_array(names), pg::text_array(memories),
+                                  pg::int_array(tokens), pg::text_array(owners), pg::int_array(ttls),
+                                  pg::text_array(request_ids), clock_bound()});
+      json::value v = json::parse(res.text(0, 0));
+      if (!v.is_array() || v.as_array().size() != jobs.size())
+        throw std::runtime_error("mep_renew_many returned an unexpected result");
+      for (std::size_t i = 0; i < jobs.size(); ++i) {
+        const json::object& r = v.as_array()[i].as_object();
+        if (is_problem(r)) {
+          if (str(r, "code") == "stale-fence") metrics.inc("mep_fencing_rejections_total");
+          jobs[i].renew->outcome.emplace(problem_of(r));
+        } else {
+          jobs[i].renew->outcome.emplace(renewed_of(r));
+        }
+      }
+      answered = true;
+      if (!m_healthy.exchange(true)) log::info("database reachable again");
+      metrics.inc("mep_pg_renew_batches_total");
+      metrics.inc("mep_pg_batched_renewals_total", {}, static_cast<double>(jobs.size()));
+    } catch (const pg::Error& e) {
+      if (e.connection_lost()) {
+        slot.conn.reset();
+        if (m_healthy.exchange(false)) log::warn("database connection lost: {}", e.what());
+        unanswered = e.timed_out();
+      }
+      if (!unanswered) log::debug("a batch of {} renewals failed ({}); sending them one by one", jobs.size(), e.what());
+    } catch (const std::exception& e) {
+      log::warn("a batch of {} renewals failed ({}); sending them one by one", jobs.size(), e.what());
+    }
+  }
+  std::vector<std::optional<Problem>> failures(jobs.size());
+  if (unanswered) {
+    for (auto& f : failures) f = db_unavailable();
+  } else if (!answered) {
+    metrics.inc("mep_pg_renew_batch_fallbacks_total");
+    for (std::size_t i = 0; i < jobs.size(); ++i) {
+      jobs[i].renew->outcome.reset();
+      failures[i] = execute(slot, jobs[i]);
+    }
+  }
+  return failures;
 }
 
 void PgStore::renew_batch(const Ctx& ctx, RenewBatch req, Then<lease::RenewBatchResult> then) {

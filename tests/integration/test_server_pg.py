@@ -541,6 +541,98 @@ class ClaimBatches(PgTestCase):
         self.assertGreater(counters["mep_pg_claim_batch_fallbacks_total"], 0, counters)
 
 
+class RenewBatches(PgTestCase):
+    def test_renewals_sent_together_are_each_answered_as_if_alone(self):
+        """With --db-pool 4 a server runs single renewals in one lane, so clients renewing at
+        once are sent in batches (mep_renew_many, one transaction). Each renewal still gets
+        its own answer: a live lease its new expiry (and TTL), a superseded token 409, a
+        released lease 410, another tenant's lease 404, a bad TTL 422, two renewals of one
+        lease both 200. A renewal with a NUL fails its whole batch, whose renewals are then
+        sent one by one: it answers 400, the others as they would have."""
+        self.db = pgfixture.PgDb()
+        token, other = create_token(self.db, "tenant-a"), create_token(self.db, "tenant-b")
+        self.servers = start_servers(self.dir, self.db, 1, ["--db-pool", "4"])
+        server = self.servers[0]
+        leases = []  # (name, memory, owner, token)
+        with server.client(token) as c:
+            for i in range(46):
+                name, mem, who = unique_name(), c.new_memory(), "owner-%d" % i
+                r = c.claim(name, mem, who)
+                self.assertEqual(r.status, 201, r.json)
+                leases.append((name, mem, who, 1))
+            stale = leases[30]  # re-claimed: token 1 is superseded
+            self.assertEqual(c.claim(stale[0], stale[1], stale[2]).status, 201)
+            gone = leases[31]
+            self.assertEqual(c.release(gone[0], gone[1], 1, gone[2]).status, 204)
+        with server.client(other) as c:
+            name, mem = unique_name(), c.new_memory()
+            self.assertEqual(c.claim(name, mem, "owner-b").status, 201)
+            foreign = (name, mem, "owner-b", 1)
+        barrier = threading.Barrier(48)
+        results, errors = {}, []
+        want = {}
+
+        def renewer(i, lease, ttl, expect, rounds=5, tok=token):
+            want[i] = expect
+            with server.client(tok if lease is not foreign else token) as c:
+                barrier.wait()
+                results[i] = [c.renew(lease[0], lease[1], lease[3], lease[2], ttl=ttl) for _ in range(rounds)]
+
+        plan = [(i, leases[i], 60 if i % 2 else None, 200) for i in range(30)]
+        plan += [(30, stale, None, 409), (31, gone, None, 410), (32, foreign, None, 404),
+                 (33, leases[33], 301, 422), (34, leases[34], None, 200), (35, leases[34], 45, 200)]
+        plan += [(i, leases[i], None, 200) for i in range(36, 46)]
+        bad = [(46, leases[38]), (47, leases[39])]
+
+        def bad_renewer(i, lease):
+            want[i] = 400
+            with server.client(token) as c:
+                barrier.wait()
+                results[i] = []
+                for _ in range(3):
+                    results[i].append(c.renew(lease[0], lease[1], lease[3], lease[2] + "\u0000"))
+                    time.sleep(0.01)
+
+        def run(f, *args):
+            try:
+                f(*args)
+            except Exception as e:  # reported below
+                errors.append((args[0], e))
+
+        threads = [threading.Thread(target=run, args=(renewer,) + p) for p in plan]
+        threads += [threading.Thread(target=run, args=(bad_renewer,) + b) for b in bad]
+        self.assertEqual(len(threads), 48)
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=60)
+        self.assertEqual(errors, [])
+        for i, got in results.items():
+            self.assertEqual({r.status for r in got}, {want[i]}, (i, [r.json for r in got]))
+        codes = {30: "stale-fence", 31: "lease-expired", 32: "lease-not-found", 33: "invalid-ttl"}
+        for i, code in codes.items():
+            self.assertEqual({r.json.get("code") for r in results[i]}, {code}, i)
+        with server.client(token) as c:
+            for i in range(30):
+                got = c.get_lease(leases[i][0]).json
+                self.assertEqual(got["ttl_seconds"], 60 if i % 2 else 30, i)
+                self.assertEqual(got["expires_at"], results[i][-1].json["expires_at"], i)
+            self.assertEqual(c.get_lease(leases[33][0]).json["ttl_seconds"], 30)
+        with server.client(other) as c:
+            self.assertEqual(c.get_lease(foreign[0]).json["ttl_seconds"], 30)
+        with server.client(token) as c:
+            text = c.get("/metrics", token=None).raw.decode()
+        counters = {}
+        for line in text.splitlines():
+            if line.startswith("mep_pg_"):
+                name, value = line.rsplit(" ", 1)
+                counters[name] = float(value)
+        batches, batched = counters["mep_pg_renew_batches_total"], counters["mep_pg_batched_renewals_total"]
+        self.assertGreater(batches, 0, counters)
+        self.assertGreater(batched, batches, counters)  # more than one renewal per batch
+        self.assertGreater(counters["mep_pg_renew_batch_fallbacks_total"], 0, counters)
+
+
 class AuditHashes(PgTestCase):
     def test_audit_hashes_of_ended_leases(self):
         self.db = pgfixture.PgDb()
