@@ -48,6 +48,10 @@ constexpr Family k_families[] = {
     {"mep_pg_batched_renewals_total", "counter", "Single renewals sent in PostgreSQL renewal batches"},
     {"mep_pg_renew_batch_fallbacks_total", "counter",
      "PostgreSQL renewal batches that failed and were sent one by one"},
+    {"mep_pg_release_batches_total", "counter", "PostgreSQL calls that sent several releases in one transaction"},
+    {"mep_pg_batched_releases_total", "counter", "Releases sent in PostgreSQL release batches"},
+    {"mep_pg_release_batch_fallbacks_total", "counter",
+     "PostgreSQL release batches that failed and were sent one by one"},
     {"mep_lease_waiters", "gauge", "Claims waiting for a held name or memory (Prefer: wait)"},
     {"mep_lease_wait_seconds", "histogram", "Time a waiting claim waited, by outcome"},
 };

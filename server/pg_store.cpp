@@ -200,6 +200,10 @@ constexpr const char* k_sql_branch = "SELECT mep_branch($1, $2, $3, $4, $5, $6::
 constexpr const char* k_sql_renew = "SELECT mep_renew($1, $2, $3, $4::bigint, $5, $6::bigint, $7, $8::bigint)::text";
 constexpr const char* k_sql_renew_many = "SELECT mep_renew_many($1::text[], $2::text[], $3::text[], "
                                          "$4::bigint[], $5::text[], $6::bigint[], $7::text[], $8::bigint)::text";
+constexpr const char* k_sql_release_many = "SELECT mep_release_many($1::text[], $2::text[], $3::text[], "
+                                           "$4::bigint[], $5::text[], $6::text[])::text, "
+                                           "(SELECT count(pg_notify('mep_lease_freed', n || chr(9) || m)) "
+                                           "FROM unnest($2::text[], $3::text[]) AS f(n, m))";
 constexpr const char* k_sql_renew_batch =
     "SELECT mep_renew_batch($1, $2::text[], $3::text[], $4::bigint[], $5::text[], $6::bigint[], $7, $8::bigint)::text";
 // A release or revocation also tells every server LISTENing (waiting claims, Prefer: wait):
@@ -277,10 +281,11 @@ struct PgStore::ClaimCall {
   std::optional<Outcome<lease::Grant>> outcome;
 };
 
-struct PgStore::RenewCall {
+struct PgStore::RefCall {
   std::string tenant_id, request_id;
   LeaseRef ref;
-  std::optional<Outcome<lease::Renewed>> outcome;
+  std::optional<Outcome<lease::Renewed>> renewed; // a renewal's answer
+  std::optional<Outcome<Released>> released;      // a release's
 };
 
 // ---- construction, workers, retries -------------------------------------------------------
@@ -379,13 +384,13 @@ void PgStore::submit(Op op, Then<T> then, std::string request_id, bool repeatabl
 }
 
 void PgStore::enqueue(Work work, Finish done, std::string request_id, bool repeatable) {
-  enqueue(Job{std::move(work), std::move(done), std::move(request_id), repeatable, nullptr, nullptr});
+  enqueue(Job{std::move(work), std::move(done), std::move(request_id), repeatable, nullptr, nullptr, Batch::none});
 }
 
 void PgStore::enqueue(Job job) {
   std::lock_guard lock(m_mutex);
   // A claim while every lane is busy waits for the next batch: no worker could take it.
-  bool runnable = job.claim ? m_claims_running < m_claim_lanes : job.renew ? m_renewals_running < m_claim_lanes : true;
+  bool runnable = job.batch == Batch::none || running(job.batch) < m_claim_lanes;
   m_queue.push_back(std::move(job));
   // Wake the worker that went idle last (LIFO): under light load the same few threads,
   // connections and database backends do the work, warm in every cache.
@@ -399,17 +404,16 @@ void PgStore::enqueue(Job job) {
 
 bool PgStore::take(std::vector<Job>& jobs) {
   for (auto it = m_queue.begin(); it != m_queue.end(); ++it) {
-    if (!it->claim && !it->renew) {
+    if (it->batch == Batch::none) {
       jobs.push_back(std::move(*it));
       m_queue.erase(it);
       return true;
     }
-    const bool claim = bool(it->claim);
-    int& running = claim ? m_claims_running : m_renewals_running;
-    if (running < m_claim_lanes) {
-      ++running;
+    const Batch kind = it->batch;
+    if (running(kind) < m_claim_lanes) {
+      ++running(kind);
       for (auto c = it; c != m_queue.end() && jobs.size() < k_claim_batch;) {
-        if (claim ? bool(c->claim) : bool(c->renew)) {
+        if (c->batch == kind) {
           jobs.push_back(std::move(*c));
           c = m_queue.erase(c);
         } else {
@@ -440,10 +444,10 @@ void PgStore::worker_loop() {
     }
     std::vector<std::optional<Problem>> failures;
     try {
-      if (jobs.size() > 1 && jobs.front().claim) {
+      if (jobs.size() > 1 && jobs.front().batch == Batch::claim) {
         failures = execute_batch(slot, jobs);
       } else if (jobs.size() > 1) {
-        failures = execute_renewals(slot, jobs);
+        failures = execute_refs(slot, jobs);
       } else {
         failures.push_back(execute(slot, jobs.front()));
       }
@@ -452,7 +456,7 @@ void PgStore::worker_loop() {
       failures.assign(jobs.size(), Problem(Code::internal, "internal error"));
     }
     // The lane goes back before the answers go out: the next batch need not wait for them.
-    if (jobs.front().claim || jobs.front().renew) free_lane(jobs.front());
+    if (jobs.front().batch != Batch::none) free_lane(jobs.front());
     for (std::size_t i = 0; i < jobs.size(); ++i) {
       try {
         jobs[i].done(std::move(failures[i]));
@@ -463,12 +467,15 @@ void PgStore::worker_loop() {
   }
 }
 
+int& PgStore::running(Batch b) {
+  return b == Batch::claim ? m_claims_running : b == Batch::renew ? m_renewals_running : m_releases_running;
+}
+
 void PgStore::free_lane(const Job& job) {
-  const bool claim = bool(job.claim);
+  const Batch kind = job.batch;
   std::lock_guard lock(m_mutex);
-  --(claim ? m_claims_running : m_renewals_running);
-  bool queued = std::any_of(m_queue.begin(), m_queue.end(),
-                            [claim](const Job& j) { return claim ? bool(j.claim) : bool(j.renew); });
+  --running(kind);
+  bool queued = std::any_of(m_queue.begin(), m_queue.end(), [kind](const Job& j) { return j.batch == kind; });
   if (queued && !m_idle.empty()) {
     Idle* w = m_idle.back();
     m_idle.pop_back();
@@ -856,6 +863,7 @@ void PgStore::claim(const Ctx& ctx, Idempotency idem, Claim req, Then<lease::Gra
   };
   job.request_id = ctx.request_id;
   job.claim = std::move(call);
+  job.batch = Batch::claim;
   enqueue(std::move(job));
 }
 
@@ -978,38 +986,44 @@ lease::Verified verified_of(const json::object& r) {
 } // namespace
 
 void PgStore::renew(const Ctx& ctx, LeaseRef ref, Then<lease::Renewed> then) {
-  auto call = std::make_shared<RenewCall>(RenewCall{ctx.auth.tenant_id, ctx.request_id, std::move(ref), {}});
+  auto call = std::make_shared<RefCall>(RefCall{ctx.auth.tenant_id, ctx.request_id, std::move(ref), {}, {}});
   Job job;
   job.work = [this, call](pg::Conn& c) {
     const LeaseRef& l = call->ref;
     auto r = c.exec("renew", k_sql_renew,
                     {call->tenant_id, l.canonical_name, l.memory_id, to_s(l.fencing_token), l.owner_client_id,
                      to_s(l.ttl_s), call->request_id, clock_bound()});
-    call->outcome.emplace(finish_simple(r, renewed_of));
+    call->renewed.emplace(finish_simple(r, renewed_of));
   };
   job.done = [call, then = std::move(then)](std::optional<Problem> failure) {
-    if (failure || !call->outcome)
+    if (failure || !call->renewed)
       return then(Outcome<lease::Renewed>(failure ? std::move(*failure) : db_unavailable()));
-    then(std::move(*call->outcome));
+    then(std::move(*call->renewed));
   };
   job.request_id = ctx.request_id;
-  job.renew = std::move(call);
+  job.ref = std::move(call);
+  job.batch = Batch::renew;
   enqueue(std::move(job));
 }
 
-std::vector<std::optional<Problem>> PgStore::execute_renewals(Slot& slot, std::vector<Job>& jobs) {
+std::vector<std::optional<Problem>> PgStore::execute_refs(Slot& slot, std::vector<Job>& jobs) {
   auto& metrics = Metrics::global();
+  const bool renewals = jobs.front().batch == Batch::renew;
+  const std::string kind = renewals ? "renew" : "release";
   bool answered = false;
-  bool unanswered = false; // cut off by the timeout: as a single call, not sent again
+  // Outcome unknown (a renewal's call cut off by the timeout, any release's call whose answer
+  // was lost), or known to be committed: answered as a single call would be, not sent again.
+  std::optional<Problem> unanswered;
   if (slot.conn && slot.conn->usable()) {
+    bool committed = false;
     try {
       // By memory: two calls lock the leases they share in one order.
       std::sort(jobs.begin(), jobs.end(),
-                [](const Job& a, const Job& b) { return a.renew->ref.memory_id < b.renew->ref.memory_id; });
+                [](const Job& a, const Job& b) { return a.ref->ref.memory_id < b.ref->ref.memory_id; });
       std::vector<std::string> tenants, names, memories, owners, request_ids;
       std::vector<std::int64_t> tokens, ttls;
       for (const Job& j : jobs) {
-        const RenewCall& call = *j.renew;
+        const RefCall& call = *j.ref;
         tenants.push_back(call.tenant_id);
         names.push_back(call.ref.canonical_name);
         memories.push_back(call.ref.memory_id);
@@ -1018,44 +1032,57 @@ std::vector<std::optional<Problem>> PgStore::execute_renewals(Slot& slot, std::v
         ttls.push_back(call.ref.ttl_s);
         request_ids.push_back(call.request_id);
       }
-      auto res = slot.conn->exec("renew_many", k_sql_renew_many,
-                                 {pg::text_array(tenants), pg::text_array(names), pg::text_array(memories),
-                                  pg::int_array(tokens), pg::text_array(owners), pg::int_array(ttls),
-                                  pg::text_array(request_ids), clock_bound()});
+      auto res = renewals
+                     ? slot.conn->exec("renew_many", k_sql_renew_many,
+                                       {pg::text_array(tenants), pg::text_array(names), pg::text_array(memories),
+                                        pg::int_array(tokens), pg::text_array(owners), pg::int_array(ttls),
+                                        pg::text_array(request_ids), clock_bound()})
+                     : slot.conn->exec("release_many", k_sql_release_many,
+                                       {pg::text_array(tenants), pg::text_array(names), pg::text_array(memories),
+                                        pg::int_array(tokens), pg::text_array(owners), pg::text_array(request_ids)});
+      committed = true;
       json::value v = json::parse(res.text(0, 0));
       if (!v.is_array() || v.as_array().size() != jobs.size())
-        throw std::runtime_error("mep_renew_many returned an unexpected result");
+        throw std::runtime_error("mep_" + kind + "_many returned an unexpected result");
       for (std::size_t i = 0; i < jobs.size(); ++i) {
         const json::object& r = v.as_array()[i].as_object();
-        if (is_problem(r)) {
-          if (str(r, "code") == "stale-fence") metrics.inc("mep_fencing_rejections_total");
-          jobs[i].renew->outcome.emplace(problem_of(r));
-        } else {
-          jobs[i].renew->outcome.emplace(renewed_of(r));
-        }
+        RefCall& call = *jobs[i].ref;
+        if (is_problem(r) && str(r, "code") == "stale-fence") metrics.inc("mep_fencing_rejections_total");
+        if (renewals)
+          call.renewed.emplace(is_problem(r) ? Outcome<lease::Renewed>(problem_of(r)) : renewed_of(r));
+        else
+          call.released.emplace(is_problem(r) ? Outcome<Released>(problem_of(r)) : released_of(r));
       }
       answered = true;
       if (!m_healthy.exchange(true)) log::info("database reachable again");
-      metrics.inc("mep_pg_renew_batches_total");
-      metrics.inc("mep_pg_batched_renewals_total", {}, static_cast<double>(jobs.size()));
+      metrics.inc(renewals ? "mep_pg_renew_batches_total" : "mep_pg_release_batches_total");
+      metrics.inc(renewals ? "mep_pg_batched_renewals_total" : "mep_pg_batched_releases_total", {},
+                  static_cast<double>(jobs.size()));
     } catch (const pg::Error& e) {
       if (e.connection_lost()) {
         slot.conn.reset();
         if (m_healthy.exchange(false)) log::warn("database connection lost: {}", e.what());
-        unanswered = e.timed_out();
+        if (e.timed_out() || !renewals) unanswered = db_unavailable(); // see Job::repeatable
       }
-      if (!unanswered) log::debug("a batch of {} renewals failed ({}); sending them one by one", jobs.size(), e.what());
+      if (!unanswered)
+        log::debug("a batch of {} {}s failed ({}); sending them one by one", jobs.size(), kind, e.what());
     } catch (const std::exception& e) {
-      log::warn("a batch of {} renewals failed ({}); sending them one by one", jobs.size(), e.what());
+      if (committed && !renewals) {
+        log::error("a batch of {} releases was committed, but its answer is unreadable: {}", jobs.size(), e.what());
+        unanswered = Problem(Code::internal, "internal error");
+      } else {
+        log::warn("a batch of {} {}s failed ({}); sending them one by one", jobs.size(), kind, e.what());
+      }
     }
   }
   std::vector<std::optional<Problem>> failures(jobs.size());
   if (unanswered) {
-    for (auto& f : failures) f = db_unavailable();
+    for (auto& f : failures) f = *unanswered;
   } else if (!answered) {
-    metrics.inc("mep_pg_renew_batch_fallbacks_total");
+    metrics.inc(renewals ? "mep_pg_renew_batch_fallbacks_total" : "mep_pg_release_batch_fallbacks_total");
     for (std::size_t i = 0; i < jobs.size(); ++i) {
-      jobs[i].renew->outcome.reset();
+      jobs[i].ref->renewed.reset();
+      jobs[i].ref->released.reset();
       failures[i] = execute(slot, jobs[i]);
     }
   }
@@ -1101,14 +1128,24 @@ void PgStore::renew_batch(const Ctx& ctx, RenewBatch req, Then<lease::RenewBatch
 }
 
 void PgStore::release(const Ctx& ctx, LeaseRef ref, Then<Released> then) {
-  submit<Released>(
-      [ctx, ref = std::move(ref)](pg::Conn& c) {
-        auto r = c.exec("release", k_sql_release,
-                        {ctx.auth.tenant_id, ref.canonical_name, ref.memory_id, to_s(ref.fencing_token),
-                         ref.owner_client_id, ctx.request_id});
-        return finish_simple(r, released_of);
-      },
-      std::move(then), ctx.request_id, false);
+  auto call = std::make_shared<RefCall>(RefCall{ctx.auth.tenant_id, ctx.request_id, std::move(ref), {}, {}});
+  Job job;
+  job.work = [call](pg::Conn& c) {
+    const LeaseRef& l = call->ref;
+    auto r = c.exec(
+        "release", k_sql_release,
+        {call->tenant_id, l.canonical_name, l.memory_id, to_s(l.fencing_token), l.owner_client_id, call->request_id});
+    call->released.emplace(finish_simple(r, released_of));
+  };
+  job.done = [call, then = std::move(then)](std::optional<Problem> failure) {
+    if (failure || !call->released) return then(Outcome<Released>(failure ? std::move(*failure) : db_unavailable()));
+    then(std::move(*call->released));
+  };
+  job.request_id = ctx.request_id;
+  job.repeatable = false;
+  job.ref = std::move(call);
+  job.batch = Batch::release;
+  enqueue(std::move(job));
 }
 
 void PgStore::verify(const Ctx& ctx, Verify req, Then<lease::Verified> then) {

@@ -70,7 +70,9 @@ private:
   using Work = std::function<void(pg::Conn&)>;
   using Finish = std::function<void(std::optional<Problem> failure)>;
   struct ClaimCall;
-  struct RenewCall;
+  struct RefCall;
+  /// The jobs that go in batches, each kind on lanes of its own (see m_claim_lanes).
+  enum class Batch { none, claim, renew, release };
   struct Job {
     Work work;
     Finish done;
@@ -83,9 +85,10 @@ private:
     /// Set for a claim, which may be sent with others in one call (execute_batch); `work`
     /// sends it alone.
     std::shared_ptr<ClaimCall> claim;
-    /// Set for a renewal, which may be sent with others in one call (execute_renewals);
-    /// `work` sends it alone.
-    std::shared_ptr<RenewCall> renew;
+    /// Set for a renewal or a release (`batch` says which), which may be sent with others
+    /// of its kind in one call (execute_refs); `work` sends it alone.
+    std::shared_ptr<RefCall> ref;
+    Batch batch = Batch::none;
   };
   // A connection slot: the connection (null while disconnected) and when to try again.
   struct Slot {
@@ -114,11 +117,13 @@ private:
   void submit(Op op, Then<T> then, std::string request_id, bool repeatable = true);
   void worker_loop();
   std::optional<Problem> execute(Slot& slot, Job& job);
-  /// Takes the next job this worker may run (under m_mutex): the first job that is neither a
-  /// claim nor a renewal; or, while a lane of its kind is free, the first claim or renewal
+  /// Takes the next job this worker may run (under m_mutex): the first job that does not go
+  /// in batches; or, while a lane of its kind is free, the first claim, renewal or release
   /// with every one of its kind queued behind it (up to k_claim_batch). False when there is
   /// none.
   bool take(std::vector<Job>& jobs);
+  /// The calls of a kind running now (under m_mutex).
+  int& running(Batch b);
   /// Sends claims in one call of mep_claim_batch, keeping each answer in its ClaimCall; when
   /// that fails, sends them one by one (execute), with the retries of a single claim.
   /// Returns each job's failure, as execute does.
@@ -126,9 +131,10 @@ private:
   /// Fills in what a claim's call takes when it is sent: the audit hashes (once) and a new
   /// event id (a run whose commit was not confirmed may have used the last one).
   void prepare_claim(pg::Conn& c, ClaimCall& call);
-  /// Sends renewals in one call of mep_renew_many, keeping each answer in its RenewCall; when
-  /// that fails, sends them one by one (execute). Returns each job's failure, as execute does.
-  std::vector<std::optional<Problem>> execute_renewals(Slot& slot, std::vector<Job>& jobs);
+  /// Sends renewals in one call of mep_renew_many, or releases in one of mep_release_many,
+  /// keeping each answer in its RefCall; when that fails before its commit, sends them one by
+  /// one (execute). Returns each job's failure, as execute does.
+  std::vector<std::optional<Problem>> execute_refs(Slot& slot, std::vector<Job>& jobs);
   /// Gives the lane of the batch `job` led back (takes m_mutex) and wakes an idle worker for
   /// queued jobs of its kind.
   void free_lane(const Job& job);
@@ -164,12 +170,13 @@ private:
   // 2 used 24 % less database CPU per claim at 8 clients and 10 % less at 64, at the same
   // rate or better; 1 lane lost a fifth of the rate at 64 clients. Claims queued while the
   // lanes are busy wait and go in the next batch.
-  // Single renewals go the same way, on as many lanes of their own: each renewal alone is a
-  // transaction and a commit, and at 8 clients or more most of its database CPU.
+  // Single renewals and releases go the same way, each on as many lanes of their own: each
+  // alone is a transaction and a commit, and at 8 clients or more most of its database CPU.
   static constexpr std::size_t k_claim_batch = 32;
   int m_claim_lanes = 1;
   int m_claims_running = 0;
   int m_renewals_running = 0;
+  int m_releases_running = 0;
   bool m_stopping = false;
   std::vector<std::thread> m_workers;
   // LISTEN mep_lease_freed: releases and revocations through any server wake waiters here.

@@ -633,6 +633,93 @@ class RenewBatches(PgTestCase):
         self.assertGreater(counters["mep_pg_renew_batch_fallbacks_total"], 0, counters)
 
 
+class ReleaseBatches(PgTestCase):
+    CASES = ("live", "stale", "gone", "foreign", "other-owner", "nul")
+
+    def test_releases_sent_together_answer_as_one_by_one(self):
+        """With --db-pool 4 a server runs releases in one lane, so clients releasing at once
+        are sent in batches (mep_release_many, one transaction). Each kind of release (a live
+        lease, a superseded token, a lease already released, another tenant's lease, another
+        owner, a NUL in the owner) is done once alone first; the same kinds sent at once must
+        answer as those did, and leave the leases as those did."""
+        self.db = pgfixture.PgDb()
+        token, other = create_token(self.db, "tenant-a"), create_token(self.db, "tenant-b")
+        self.servers = start_servers(self.dir, self.db, 1, ["--db-pool", "4"])
+        server = self.servers[0]
+
+        def setup(kind):
+            """A lease ready for a release of this kind; returns (client token, release args)."""
+            with server.client(other if kind == "foreign" else token) as c:
+                name, mem, who = unique_name(), c.new_memory(), "owner-" + unique_name()
+                self.assertEqual(c.claim(name, mem, who).status, 201)
+                if kind == "stale":
+                    self.assertEqual(c.claim(name, mem, who).status, 201)  # token 2
+                if kind == "gone":
+                    self.assertEqual(c.release(name, mem, 1, who).status, 204)
+            owner = {"other-owner": "someone-else", "nul": who + "\u0000"}.get(kind, who)
+            return (name, mem, 1, owner)
+
+        def outcome(args):
+            """What is left of the lease: its fencing token, or None."""
+            with server.client(token) as c:
+                r = c.get_lease(args[0])
+            if r.status == 404:
+                with server.client(other) as c:
+                    r = c.get_lease(args[0])
+            return r.json["fencing_token"] if r.status == 200 else None
+
+        alone = {}
+        with server.client(token) as c:
+            for kind in self.CASES:
+                args = setup(kind)
+                r = c.release(*args)
+                alone[kind] = (r.status, r.json.get("code") if r.json else None, outcome(args))
+        self.assertEqual(alone["live"], (204, None, None))
+        self.assertEqual(alone["nul"][0], 400)
+
+        def at_once(plan):
+            barrier = threading.Barrier(len(plan))
+            results, errors = {}, []
+
+            def release(i, args):
+                try:
+                    with server.client(token) as c:
+                        barrier.wait()
+                        r = c.release(*args)
+                        results[i] = (r.status, r.json.get("code") if r.json else None)
+                except Exception as e:  # reported below
+                    errors.append((i, e))
+
+            threads = [threading.Thread(target=release, args=(i, args)) for i, (_, args) in enumerate(plan)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join(timeout=60)
+            self.assertEqual(errors, [])
+            for i, (kind, args) in enumerate(plan):
+                self.assertEqual(results[i] + (outcome(args),), alone[kind], (kind, i))
+
+        def counters():
+            with server.client(token) as c:
+                text = c.get("/metrics", token=None).raw.decode()
+            return {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1])
+                    for line in text.splitlines() if line.startswith("mep_pg_")}
+
+        # Every kind but the NUL, 8 of each at once: batches of more than one release.
+        at_once([(kind, setup(kind)) for kind in self.CASES if kind != "nul" for _ in range(8)])
+        got = counters()
+        self.assertGreater(got["mep_pg_release_batches_total"], 0, got)
+        self.assertGreater(got["mep_pg_batched_releases_total"], got["mep_pg_release_batches_total"], got)
+        released = db_query(self.db, "SELECT count(*) FROM audit_events WHERE event_type = 'LEASE_RELEASED'")
+        self.assertEqual(released, [(2 * (1 + 8),)])  # "gone" set-ups and "live" releases, alone and at once
+        # A NUL among live releases fails its batch, sent again one by one: the same answers.
+        for _ in range(5):
+            at_once([(kind, setup(kind)) for kind in ("nul", "live") for _ in range(4)])
+            if counters()["mep_pg_release_batch_fallbacks_total"] > 0:
+                break
+        self.assertGreater(counters()["mep_pg_release_batch_fallbacks_total"], 0)
+
+
 class AuditHashes(PgTestCase):
     def test_audit_hashes_of_ended_leases(self):
         self.db = pgfixture.PgDb()
