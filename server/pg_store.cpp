@@ -389,7 +389,8 @@ void PgStore::enqueue(Work work, Finish done, std::string request_id, bool repea
 
 void PgStore::enqueue(Job job) {
   std::lock_guard lock(m_mutex);
-  // A claim while every lane is busy waits for the next batch: no worker could take it.
+  // A claim (renewal, release) while every lane of its kind is busy waits for the next batch:
+  // no worker could take it.
   bool runnable = job.batch == Batch::none || running(job.batch) < m_claim_lanes;
   m_queue.push_back(std::move(job));
   // Wake the worker that went idle last (LIFO): under light load the same few threads,
@@ -1017,9 +1018,13 @@ std::vector<std::optional<Problem>> PgStore::execute_refs(Slot& slot, std::vecto
   if (slot.conn && slot.conn->usable()) {
     bool committed = false;
     try {
-      // By memory: two calls lock the leases they share in one order.
-      std::sort(jobs.begin(), jobs.end(),
-                [](const Job& a, const Job& b) { return a.ref->ref.memory_id < b.ref->ref.memory_id; });
+      // By name, as claim batches go: lease rows are then mostly locked in one order. (The
+      // plan decides the order in the end; a deadlock fails one batch, whose items are then
+      // sent one by one.)
+      std::sort(jobs.begin(), jobs.end(), [](const Job& a, const Job& b) {
+        return std::tie(a.ref->ref.canonical_name, a.ref->ref.memory_id) <
+               std::tie(b.ref->ref.canonical_name, b.ref->ref.memory_id);
+      });
       std::vector<std::string> tenants, names, memories, owners, request_ids;
       std::vector<std::int64_t> tokens, ttls;
       for (const Job& j : jobs) {

@@ -172,7 +172,7 @@ private:
   // lanes are busy wait and go in the next batch.
   // Single renewals and releases go the same way, each on as many lanes of their own: each
   // alone is a transaction and a commit, and at 8 clients or more most of its database CPU.
-  static constexpr std::size_t k_claim_batch = 32;
+  static constexpr std::size_t k_claim_batch = 32; // jobs in one batch, of any kind
   int m_claim_lanes = 1;
   int m_claims_running = 0;
   int m_renewals_running = 0;
