@@ -453,6 +453,14 @@ class ClaimPaths(PgTestCase):
         self.assertEqual(db_query(self.db, "SELECT count(*) FROM idempotency WHERE idem_key = ?", (key,)), [(0,)])
 
 
+def pg_counters(server, token):
+    """The server's mep_pg_* counters from /metrics, by name."""
+    with server.client(token) as c:
+        text = c.get("/metrics", token=None).raw.decode()
+    return {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1])
+            for line in text.splitlines() if line.startswith("mep_pg_")}
+
+
 class ClaimBatches(PgTestCase):
     def test_claims_sent_together_are_each_answered_as_if_alone(self):
         """With --db-pool 4 a server runs claims in one lane, so clients claiming at once
@@ -528,13 +536,7 @@ class ClaimBatches(PgTestCase):
             for r in results[i]:
                 self.assertEqual(r.status, 400, r.json)
         self.assertEqual(db_query(self.db, "SELECT count(*) FROM leases"), [(36 + 4 + 1,)])
-        with server.client(token) as c:
-            text = c.get("/metrics", token=None).raw.decode()
-        counters = {}
-        for line in text.splitlines():
-            if line.startswith("mep_pg_"):
-                name, value = line.rsplit(" ", 1)
-                counters[name] = float(value)
+        counters = pg_counters(server, token)
         batches, batched = counters["mep_pg_claim_batches_total"], counters["mep_pg_batched_claims_total"]
         self.assertGreater(batches, 0, counters)
         self.assertGreater(batched, batches, counters)  # more than one claim per batch
@@ -620,13 +622,7 @@ class RenewBatches(PgTestCase):
             self.assertEqual(c.get_lease(leases[33][0]).json["ttl_seconds"], 30)
         with server.client(other) as c:
             self.assertEqual(c.get_lease(foreign[0]).json["ttl_seconds"], 30)
-        with server.client(token) as c:
-            text = c.get("/metrics", token=None).raw.decode()
-        counters = {}
-        for line in text.splitlines():
-            if line.startswith("mep_pg_"):
-                name, value = line.rsplit(" ", 1)
-                counters[name] = float(value)
+        counters = pg_counters(server, token)
         batches, batched = counters["mep_pg_renew_batches_total"], counters["mep_pg_batched_renewals_total"]
         self.assertGreater(batches, 0, counters)
         self.assertGreater(batched, batches, counters)  # more than one renewal per batch
@@ -699,15 +695,9 @@ class ReleaseBatches(PgTestCase):
             for i, (kind, args) in enumerate(plan):
                 self.assertEqual(results[i] + (outcome(args),), alone[kind], (kind, i))
 
-        def counters():
-            with server.client(token) as c:
-                text = c.get("/metrics", token=None).raw.decode()
-            return {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1])
-                    for line in text.splitlines() if line.startswith("mep_pg_")}
-
         # Every kind but the NUL, 8 of each at once: batches of more than one release.
         at_once([(kind, setup(kind)) for kind in self.CASES if kind != "nul" for _ in range(8)])
-        got = counters()
+        got = pg_counters(server, token)
         self.assertGreater(got["mep_pg_release_batches_total"], 0, got)
         self.assertGreater(got["mep_pg_batched_releases_total"], got["mep_pg_release_batches_total"], got)
         released = db_query(self.db, "SELECT count(*) FROM audit_events WHERE event_type = 'LEASE_RELEASED'")
@@ -715,9 +705,9 @@ class ReleaseBatches(PgTestCase):
         # A NUL among live releases fails its batch, sent again one by one: the same answers.
         for _ in range(5):
             at_once([(kind, setup(kind)) for kind in ("nul", "live") for _ in range(4)])
-            if counters()["mep_pg_release_batch_fallbacks_total"] > 0:
+            if pg_counters(server, token)["mep_pg_release_batch_fallbacks_total"] > 0:
                 break
-        self.assertGreater(counters()["mep_pg_release_batch_fallbacks_total"], 0)
+        self.assertGreater(pg_counters(server, token)["mep_pg_release_batch_fallbacks_total"], 0)
 
 
 class AuditHashes(PgTestCase):
