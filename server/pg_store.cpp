@@ -515,21 +515,25 @@ void PgStore::backoff(int attempt) const {
   std::this_thread::sleep_for(std::chrono::microseconds(d(rng)));
 }
 
+bool PgStore::connected(Slot& slot) {
+  if (slot.conn && !slot.conn->usable()) slot.conn.reset(); // e.g. the database restarted
+  if (slot.conn) return true;
+  if (Clock::now() < slot.next_attempt) return false;
+  try {
+    slot.conn = connect();
+    slot.conn->set_timeout(k_worker_timeout);
+    return true;
+  } catch (const pg::Error& e) {
+    slot.next_attempt = Clock::now() + k_reconnect_gap;
+    if (m_healthy.exchange(false)) log::warn("{}", e.what());
+    return false;
+  }
+}
+
 std::optional<Problem> PgStore::execute(Slot& slot, Job& job) {
   bool resent = false;
   for (int attempt = 1;; ++attempt) {
-    if (slot.conn && !slot.conn->usable()) slot.conn.reset(); // e.g. the database restarted
-    if (!slot.conn) {
-      if (Clock::now() < slot.next_attempt) return db_unavailable();
-      try {
-        slot.conn = connect();
-        slot.conn->set_timeout(k_worker_timeout);
-      } catch (const pg::Error& e) {
-        slot.next_attempt = Clock::now() + k_reconnect_gap;
-        if (m_healthy.exchange(false)) log::warn("{}", e.what());
-        return db_unavailable();
-      }
-    }
+    if (!connected(slot)) return db_unavailable();
     try {
       job.work(*slot.conn);
       if (!m_healthy.exchange(true)) log::info("database reachable again");
@@ -886,7 +890,7 @@ std::vector<std::optional<Problem>> PgStore::execute_batch(Slot& slot, std::vect
   auto& metrics = Metrics::global();
   bool answered = false;
   bool unanswered = false; // cut off by the timeout: as a single call, not sent again
-  if (slot.conn && slot.conn->usable()) {
+  if (connected(slot)) {
     try {
       pg::Conn& c = *slot.conn;
       // By name, then memory: batches take names in one order (see mep_claim_batch).
@@ -1015,7 +1019,7 @@ std::vector<std::optional<Problem>> PgStore::execute_refs(Slot& slot, std::vecto
   // Outcome unknown (a renewal's call cut off by the timeout, any release's call whose answer
   // was lost), or known to be committed: answered as a single call would be, not sent again.
   std::optional<Problem> unanswered;
-  if (slot.conn && slot.conn->usable()) {
+  if (connected(slot)) {
     bool committed = false;
     try {
       // By name, as claim batches go: lease rows are then mostly locked in one order. (The

@@ -117,6 +117,9 @@ private:
   void submit(Op op, Then<T> then, std::string request_id, bool repeatable = true);
   void worker_loop();
   std::optional<Problem> execute(Slot& slot, Job& job);
+  /// Whether the slot has a usable connection, after opening one if it had none (not again
+  /// within k_reconnect_gap of a failed attempt).
+  bool connected(Slot& slot);
   /// Takes the next job this worker may run (under m_mutex): the first job that does not go
   /// in batches; or, while a lane of its kind is free, the first claim, renewal or release
   /// with every one of its kind queued behind it (up to k_claim_batch). False when there is
