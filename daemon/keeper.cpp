@@ -230,17 +230,19 @@ void Keeper::resend_intents() {
       if (m_attaching.count(in.key)) continue; // its attach is still sending it
       if (auto f = m_intent_fates.find(in.key); f != m_intent_fates.end()) fate = f->second;
     }
-    auto forgotten = [&] { // the row is gone: nothing left to remember about it
-      std::lock_guard lock(m_attaching_mutex);
-      m_intent_fates.erase(in.key);
-    };
-    if (fate == IntentFate::settled) {
+    auto finish = [&] { // deletes the row; then nothing is left to remember about it
       try {
         m_state.delete_intent(in.key);
-        forgotten();
       } catch (const std::exception& e) {
         g_state_health.failed("delete a claim intent", e);
+        return false;
       }
+      std::lock_guard lock(m_attaching_mutex);
+      m_intent_fates.erase(in.key);
+      return true;
+    };
+    if (fate == IntentFate::settled) {
+      finish();
       continue;
     }
     if (fate == IntentFate::orphaned) in.bind_pid = -1; // its agent was told it failed
@@ -248,14 +250,7 @@ void Keeper::resend_intents() {
     m_cp_requests++;
     auto r = m_cp->claim(in.request, in.key);
     if (!r && outcome_unknown(r.error())) continue; // still unknown: try again later
-    try {
-      m_state.delete_intent(in.key);
-      forgotten();
-    } catch (const std::exception& e) {
-      g_state_health.failed("delete a claim intent", e);
-      continue;
-    }
-    if (!r) continue;
+    if (!finish() || !r) continue;
     Held h = held_from_grant(*r, in.request.owner_client_id, in.path, in.bind_pid, sent);
     h.uid = in.uid;
     h.gid = in.gid;
