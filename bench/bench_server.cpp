@@ -772,9 +772,10 @@ bool run_postgresql(const std::string& pg_arg, double seconds, const fs::path& s
     std::ofstream f(reclaim);
     f << "\\set k random(1, 1000000000000)\n" << claim << ";\n";
   }
-  std::printf("\nmep server on PostgreSQL %s; pool of 16 connections, claims in batches on 2 of them; %g s per cell\n"
-              "(pgbench rows: the same claim function called directly, one round trip each; p50 column = average)\n\n",
-              settings.c_str(), seconds);
+  std::printf(
+      "\nmep server on PostgreSQL %s; pool of 16 connections, claims in batches on up to 2 of them; %g s per cell\n"
+      "(pgbench rows: the same claim function called directly, one round trip each; p50 column = average)\n\n",
+      settings.c_str(), seconds);
   std::printf("%-34s %8s %12s %10s %10s %8s\n", "workload", "clients", "ops/s", "p50 ms", "p99 ms", "errors");
   auto row = [](const char* w, int c, const Result& r) {
     if (r.p99_ms < 0)

@@ -44,7 +44,7 @@ void register_server(CLI::App& app, GlobalOptions& g, Action& action) {
       ->check(CLI::IsMember({"read-committed", "serializable"}))
       ->capture_default_str();
   cmd->add_option("--db-pool", opt->store.pool,
-                  "PostgreSQL connections running lease operations (claims on an eighth of them, batched)")
+                  "PostgreSQL connections running lease operations (claims batched, on up to an eighth of them)")
       ->capture_default_str()
       ->check(CLI::Range(1, 256));
   cmd->add_option("--listen", opt->listen, "HOST:PORT to listen on; port 0 picks a free port")->capture_default_str();

@@ -389,9 +389,10 @@ void PgStore::enqueue(Work work, Finish done, std::string request_id, bool repea
 
 void PgStore::enqueue(Job job) {
   std::lock_guard lock(m_mutex);
-  // A claim (renewal, release) while every lane of its kind is busy waits for the next batch:
+  // A claim (renewal, release) that no lane of its kind is open for waits for the next batch:
   // no worker could take it.
-  bool runnable = job.batch == Batch::none || running(job.batch) < m_claim_lanes;
+  if (job.batch != Batch::none) ++queued(job.batch);
+  bool runnable = job.batch == Batch::none || lane_open(job.batch);
   m_queue.push_back(std::move(job));
   // Wake the worker that went idle last (LIFO): under light load the same few threads,
   // connections and database backends do the work, warm in every cache.
@@ -411,12 +412,13 @@ bool PgStore::take(std::vector<Job>& jobs) {
       return true;
     }
     const Batch kind = it->batch;
-    if (running(kind) < m_claim_lanes) {
+    if (lane_open(kind)) {
       ++running(kind);
       for (auto c = it; c != m_queue.end() && jobs.size() < k_claim_batch;) {
         if (c->batch == kind) {
           jobs.push_back(std::move(*c));
           c = m_queue.erase(c);
+          --queued(kind);
         } else {
           ++c;
         }
@@ -468,6 +470,17 @@ void PgStore::worker_loop() {
   }
 }
 
+// A kind's first lane is always open; each further one only while a full batch of that
+// kind is waiting (see m_claim_lanes).
+bool PgStore::lane_open(Batch b) {
+  const int r = running(b);
+  return r == 0 || (r < m_claim_lanes && queued(b) >= static_cast<int>(k_claim_batch));
+}
+
+int& PgStore::queued(Batch b) {
+  return b == Batch::claim ? m_claims_queued : b == Batch::renew ? m_renewals_queued : m_releases_queued;
+}
+
 int& PgStore::running(Batch b) {
   return b == Batch::claim ? m_claims_running : b == Batch::renew ? m_renewals_running : m_releases_running;
 }
@@ -476,8 +489,7 @@ void PgStore::free_lane(const Job& job) {
   const Batch kind = job.batch;
   std::lock_guard lock(m_mutex);
   --running(kind);
-  bool queued = std::any_of(m_queue.begin(), m_queue.end(), [kind](const Job& j) { return j.batch == kind; });
-  if (queued && !m_idle.empty()) {
+  if (queued(kind) > 0 && !m_idle.empty()) {
     Idle* w = m_idle.back();
     m_idle.pop_back();
     w->woken = true;

@@ -18,6 +18,9 @@
 - `claims_sent_together`: claims queued together go in one transaction (schema v10); each
   is answered as if alone (tokens, a name two want, a key sent twice, a batch that fails
   and is sent one by one), and the metrics show batches of more than one claim.
+- `a_second_lane_opens_only_for_a_full_batch`: claims run on one lane until a full batch
+  waits (a re-claim blocked on a row lock holds the lane; 5 claims wait for it, 32 go on
+  a second lane).
 - `claim_paths`: since v9 a claim looks at its name's row alone first; an own lease that
   expired unswept is still taken over (a new grant, audited), not re-claimed; v8's
   signatures still answer (wrappers), and a waiting attempt keeps no refusal.
@@ -541,6 +544,82 @@ class ClaimBatches(PgTestCase):
         self.assertGreater(batches, 0, counters)
         self.assertGreater(batched, batches, counters)  # more than one claim per batch
         self.assertGreater(counters["mep_pg_claim_batch_fallbacks_total"], 0, counters)
+
+
+class ClaimLanes(PgTestCase):
+    def test_a_second_lane_opens_only_for_a_full_batch(self):
+        """With the default pool (16 connections) claims may run on two lanes, but the
+        second opens only while a full batch (32 claims) waits: fewer, larger batches cost
+        the database less per claim. A re-claim blocked on a row lock holds the first lane;
+        5 claims sent then wait for it (one claim call runs in the database), and when 27
+        more join them, the 32 go on the second lane and are answered while the first is
+        still blocked. The blocked re-claim is answered once the lock goes."""
+        self.db = pgfixture.PgDb()
+        token = create_token(self.db, "tenant-a")
+        self.servers = start_servers(self.dir, self.db, 1)
+        server = self.servers[0]
+        with server.client(token) as c:
+            mems = [c.new_memory() for _ in range(33)]
+            first = c.claim(unique_name(), mems[0], "owner-0")
+            self.assertEqual(first.status, 201, first.json)
+        blocked_name = first.json["canonical_name"]
+        claims_running = ("SELECT count(*) FROM pg_stat_activity WHERE state = 'active' "
+                          "AND query LIKE 'SELECT mep_claim%'")
+
+        def wait_for(sql, want, what):
+            deadline = time.monotonic() + 10
+            while db_query(self.db, sql) != [(want,)]:
+                self.assertLess(time.monotonic(), deadline, what)
+                time.sleep(0.02)
+
+        # A session of its own holds the lease row (psql reads statements as they come).
+        lock = subprocess.Popen(["psql", "-X", "-q", "-v", "ON_ERROR_STOP=1", "-d", self.db.url],
+                                stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        self.addCleanup(lambda: (lock.kill(), lock.wait()))
+        lock.stdin.write(("BEGIN;\nSELECT 1 FROM leases WHERE canonical_name = '%s' FOR UPDATE;\n"
+                          % blocked_name).encode())
+        lock.stdin.flush()
+        wait_for("SELECT count(*) FROM pg_stat_activity WHERE state = 'idle in transaction' "
+                 "AND query LIKE '%FOR UPDATE%'", 1, "the lock is not held")
+        locked_at = time.monotonic()
+        results, errors = {}, []
+
+        def claim(i, name):
+            try:
+                with ApiClient(server.port, token, timeout=30) as c:
+                    results[i] = c.claim(name, mems[i], "owner-%d" % i)
+            except Exception as e:  # reported below
+                errors.append((i, e))
+
+        def start(i, name):
+            t = threading.Thread(target=claim, args=(i, name), daemon=True)
+            t.start()
+            return t
+
+        blocked = start(0, blocked_name)
+        wait_for("SELECT count(*) FROM pg_stat_activity WHERE state = 'active' AND wait_event_type = 'Lock' "
+                 "AND query LIKE 'SELECT mep_claim%'", 1, "the re-claim is not blocked on the lock")
+        few = [start(i, unique_name()) for i in range(1, 6)]
+        time.sleep(0.5)
+        self.assertEqual(sorted(results), [], "claims went on a second lane before a full batch waited")
+        self.assertEqual(db_query(self.db, claims_running), [(1,)])
+        rest = [start(i, unique_name()) for i in range(6, 33)]
+        # A claim waits at most lock_timeout (5 s) for a row lock, then its call fails and the
+        # lane is free: the 32 must be answered before, while the first lane is still blocked.
+        deadline = locked_at + 4.5
+        for t in few + rest:
+            t.join(timeout=max(0.0, deadline - time.monotonic()))
+        self.assertEqual(errors, [])
+        self.assertEqual(sorted(results), list(range(1, 33)),
+                         "the full batch was not answered within 4.5 s of the lock (lock_timeout is 5 s)")
+        for i in range(1, 33):
+            self.assertEqual(results[i].status, 201, results[i].json)
+        lock.stdin.write(b"ROLLBACK;\n")
+        lock.stdin.close()
+        blocked.join(timeout=30)
+        self.assertEqual(errors, [])
+        self.assertEqual(results[0].status, 201, results[0].json)
+        self.assertEqual(results[0].json["fencing_token"], 2)
 
 
 class RenewBatches(PgTestCase):
