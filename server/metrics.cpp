@@ -52,6 +52,8 @@ constexpr Family k_families[] = {
     {"mep_pg_batched_releases_total", "counter", "Releases sent in PostgreSQL release batches"},
     {"mep_pg_release_batch_fallbacks_total", "counter",
      "PostgreSQL release batches that failed and were sent one by one"},
+    {"mep_pg_extra_lanes_total", "counter",
+     "PostgreSQL batch calls started beside a running one of their kind, by reason (full_batch, waited)"},
     {"mep_lease_waiters", "gauge", "Claims waiting for a held name or memory (Prefer: wait)"},
     {"mep_lease_wait_seconds", "histogram", "Time a waiting claim waited, by outcome"},
 };

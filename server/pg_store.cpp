@@ -391,11 +391,15 @@ void PgStore::enqueue(Job job) {
   std::lock_guard lock(m_mutex);
   // A claim (renewal, release) that no lane of its kind is open for waits for the next batch:
   // no worker could take it.
+  const auto now = std::chrono::steady_clock::now();
+  job.queued_at = now;
   if (job.batch != Batch::none) ++queued(job.batch);
-  bool runnable = job.batch == Batch::none || lane_open(job.batch);
+  bool runnable = job.batch == Batch::none || lane_open(job.batch, now) != Lane::closed;
   m_queue.push_back(std::move(job));
   // Wake the worker that went idle last (LIFO): under light load the same few threads,
-  // connections and database backends do the work, warm in every cache.
+  // connections and database backends do the work, warm in every cache. A job that must
+  // wait wakes one to stand by, when none does and another lane could open.
+  if (!runnable && !m_standby && running(m_queue.back().batch) < m_claim_lanes) runnable = true;
   if (runnable && !m_idle.empty()) {
     Idle* w = m_idle.back();
     m_idle.pop_back();
@@ -405,6 +409,7 @@ void PgStore::enqueue(Job job) {
 }
 
 bool PgStore::take(std::vector<Job>& jobs) {
+  const auto now = std::chrono::steady_clock::now();
   for (auto it = m_queue.begin(); it != m_queue.end(); ++it) {
     if (it->batch == Batch::none) {
       jobs.push_back(std::move(*it));
@@ -412,7 +417,10 @@ bool PgStore::take(std::vector<Job>& jobs) {
       return true;
     }
     const Batch kind = it->batch;
-    if (lane_open(kind)) {
+    if (const Lane lane = lane_open(kind, now); lane != Lane::closed) {
+      if (lane != Lane::first)
+        Metrics::global().inc("mep_pg_extra_lanes_total",
+                              lane == Lane::full_batch ? "reason=\"full_batch\"" : "reason=\"waited\"");
       ++running(kind);
       for (auto c = it; c != m_queue.end() && jobs.size() < k_claim_batch;) {
         if (c->batch == kind) {
@@ -439,10 +447,19 @@ void PgStore::worker_loop() {
       std::unique_lock lock(m_mutex);
       while (!take(jobs)) {
         if (m_stopping && m_queue.empty()) return;
-        // (Claims waiting for a lane: the worker that frees one wakes a worker for them.)
+        // (Claims waiting for a lane: the worker that frees one wakes a worker for them; one
+        // idle worker stands by to open another lane when they have waited too long.)
         self.woken = false;
         m_idle.push_back(&self);
-        self.cv.wait(lock, [&] { return self.woken; });
+        const auto deadline = m_standby ? std::nullopt : lane_deadline();
+        if (!deadline) {
+          self.cv.wait(lock, [&] { return self.woken; });
+          continue;
+        }
+        m_standby = true;
+        self.cv.wait_until(lock, *deadline, [&] { return self.woken; });
+        m_standby = false;
+        if (!self.woken) m_idle.erase(std::find(m_idle.begin(), m_idle.end(), &self));
       }
     }
     std::vector<std::optional<Problem>> failures;
@@ -471,10 +488,26 @@ void PgStore::worker_loop() {
 }
 
 // A kind's first lane is always open; each further one only while a full batch of that
-// kind is waiting (see m_claim_lanes).
-bool PgStore::lane_open(Batch b) {
+// kind is waiting, or one of its jobs has waited k_lane_patience (see m_claim_lanes).
+PgStore::Lane PgStore::lane_open(Batch b, std::chrono::steady_clock::time_point now) {
   const int r = running(b);
-  return r == 0 || (r < m_claim_lanes && queued(b) >= static_cast<int>(k_claim_batch));
+  if (r == 0) return Lane::first;
+  if (r >= m_claim_lanes) return Lane::closed;
+  if (queued(b) >= static_cast<int>(k_claim_batch)) return Lane::full_batch;
+  auto first = std::find_if(m_queue.begin(), m_queue.end(), [b](const Job& j) { return j.batch == b; });
+  return first != m_queue.end() && now - first->queued_at >= k_lane_patience ? Lane::waited : Lane::closed;
+}
+
+std::optional<std::chrono::steady_clock::time_point> PgStore::lane_deadline() {
+  std::optional<std::chrono::steady_clock::time_point> soonest;
+  for (Batch b : {Batch::claim, Batch::renew, Batch::release}) {
+    if (queued(b) == 0 || running(b) == 0 || running(b) >= m_claim_lanes) continue;
+    auto first = std::find_if(m_queue.begin(), m_queue.end(), [b](const Job& j) { return j.batch == b; });
+    if (first == m_queue.end()) continue;
+    const auto due = first->queued_at + k_lane_patience;
+    if (!soonest || due < *soonest) soonest = due;
+  }
+  return soonest;
 }
 
 int& PgStore::queued(Batch b) {

@@ -10,6 +10,7 @@
 
 #include <atomic>
 #include <chrono>
+#include <optional>
 #include <condition_variable>
 #include <deque>
 #include <functional>
@@ -89,6 +90,7 @@ private:
     /// of its kind in one call (execute_refs); `work` sends it alone.
     std::shared_ptr<RefCall> ref;
     Batch batch = Batch::none;
+    std::chrono::steady_clock::time_point queued_at{}; ///< set by enqueue
   };
   // A connection slot: the connection (null while disconnected) and when to try again.
   struct Slot {
@@ -129,8 +131,12 @@ private:
   int& running(Batch b);
   /// The jobs of a kind waiting in m_queue (under m_mutex).
   int& queued(Batch b);
-  /// Whether a worker may start a call of a kind now (under m_mutex).
-  bool lane_open(Batch b);
+  /// Whether a worker may start a call of a kind now, and why (under m_mutex).
+  enum class Lane { closed, first, full_batch, waited };
+  Lane lane_open(Batch b, std::chrono::steady_clock::time_point now);
+  /// When the first job that waits for a lane while another could open will have waited
+  /// k_lane_patience (under m_mutex); none when no job waits so.
+  std::optional<std::chrono::steady_clock::time_point> lane_deadline();
   /// Sends claims in one call of mep_claim_batch, keeping each answer in its ClaimCall; when
   /// that fails, sends them one by one (execute), with the retries of a single claim.
   /// Returns each job's failure, as execute does.
@@ -182,9 +188,13 @@ private:
   // (0.310 -> 0.233 ms) at the same rate, and 64 clients a tenth less at 1.06x the rate;
   // renewals and releases gained alike (bench/ab_server.sh, 5 rounds). Claims queued while
   // no lane is open for them wait and go in the next batch.
+  // A call blocked in the database (on a row lock held elsewhere, on a slow backend) would
+  // hold the claims queued behind it: after k_lane_patience of waiting they take another
+  // lane, and an idle worker stands by to see to it (m_standby).
   // Single renewals and releases go the same way, each on as many lanes of their own: each
   // alone is a transaction and a commit, and at 8 clients or more most of its database CPU.
   static constexpr std::size_t k_claim_batch = 32; // jobs in one batch, of any kind
+  static constexpr std::chrono::milliseconds k_lane_patience{100};
   int m_claim_lanes = 1;
   int m_claims_running = 0;
   int m_renewals_running = 0;
@@ -192,6 +202,7 @@ private:
   int m_claims_queued = 0;
   int m_renewals_queued = 0;
   int m_releases_queued = 0;
+  bool m_standby = false; // an idle worker waits for a lane_deadline
   bool m_stopping = false;
   std::vector<std::thread> m_workers;
   // LISTEN mep_lease_freed: releases and revocations through any server wake waiters here.

@@ -1124,7 +1124,7 @@ class ServerApi(ServerTestCase):
         self.assertTrue(any(lab.get("route") == "unmatched" and lab.get("code") == "405"
                             for _, lab, _ in families["mep_http_request_duration_seconds"]["samples"]))
         # No names, ids or paths in labels: only known label names, and no value carries one.
-        allowed = {"route", "code", "outcome", "result", "le"}
+        allowed = {"route", "code", "outcome", "result", "reason", "le"}
         routes = {"/healthz", "/readyz", "/metrics", "/v1/memories", "/v1/memories/branch",
                   "/v1/memories/{id}", "/v1/memories/{id}/lineage", "/v1/leases", "/v1/leases/renew",
                   "/v1/leases/renew-batch", "/v1/leases/release", "/v1/leases/{canonical_name}",
@@ -1134,6 +1134,8 @@ class ServerApi(ServerTestCase):
                 self.assertTrue(set(labels) <= allowed, labels)
                 if "route" in labels:
                     self.assertIn(labels["route"], routes)
+                if "reason" in labels:  # mep_pg_extra_lanes_total
+                    self.assertIn(labels["reason"], {"full_batch", "waited"})
                 if "code" in labels:
                     self.assertRegex(labels["code"], r"^\d{3}$")
                 for v in labels.values():
