@@ -1,8 +1,9 @@
 // The PostgreSQL implementation of Store (SPEC §9): a pool of connections, one thread
 // each, every lease operation one call of a server-side function (one round trip, one
 // transaction), retried on serialization failures and deadlocks. Claims go in batches: one
-// call at a time, more (up to an eighth of the pool) only while a full batch waits, each
-// call carrying the claims queued when it starts (see m_claim_lanes).
+// call at a time, more (up to an eighth of the pool) only while a full batch waits or once
+// a claim has waited 100 ms, each call carrying the claims queued when it starts (see
+// m_claim_lanes).
 #pragma once
 #include "mep/clock_watch.hpp"
 #include "mep/pg.hpp"
@@ -10,12 +11,12 @@
 
 #include <atomic>
 #include <chrono>
-#include <optional>
 #include <condition_variable>
 #include <deque>
 #include <functional>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <set>
 #include <string>
 #include <thread>
