@@ -494,16 +494,21 @@ PgStore::Lane PgStore::lane_open(Batch b, std::chrono::steady_clock::time_point 
   if (r == 0) return Lane::first;
   if (r >= m_claim_lanes) return Lane::closed;
   if (queued(b) >= static_cast<int>(k_claim_batch)) return Lane::full_batch;
-  auto first = std::find_if(m_queue.begin(), m_queue.end(), [b](const Job& j) { return j.batch == b; });
-  return first != m_queue.end() && now - first->queued_at >= k_lane_patience ? Lane::waited : Lane::closed;
+  const Job* first = first_queued(b);
+  return first && now - first->queued_at >= k_lane_patience ? Lane::waited : Lane::closed;
+}
+
+const PgStore::Job* PgStore::first_queued(Batch b) const {
+  auto it = std::find_if(m_queue.begin(), m_queue.end(), [b](const Job& j) { return j.batch == b; });
+  return it == m_queue.end() ? nullptr : &*it;
 }
 
 std::optional<std::chrono::steady_clock::time_point> PgStore::lane_deadline() {
   std::optional<std::chrono::steady_clock::time_point> soonest;
   for (Batch b : {Batch::claim, Batch::renew, Batch::release}) {
     if (queued(b) == 0 || running(b) == 0 || running(b) >= m_claim_lanes) continue;
-    auto first = std::find_if(m_queue.begin(), m_queue.end(), [b](const Job& j) { return j.batch == b; });
-    if (first == m_queue.end()) continue;
+    const Job* first = first_queued(b);
+    if (!first) continue;
     const auto due = first->queued_at + k_lane_patience;
     if (!soonest || due < *soonest) soonest = due;
   }

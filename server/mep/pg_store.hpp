@@ -135,6 +135,8 @@ private:
   /// Whether a worker may start a call of a kind now, and why (under m_mutex).
   enum class Lane { closed, first, full_batch, waited };
   Lane lane_open(Batch b, std::chrono::steady_clock::time_point now);
+  /// The longest-waiting job of a kind in m_queue, or null (under m_mutex).
+  const Job* first_queued(Batch b) const;
   /// When the first job that waits for a lane while another could open will have waited
   /// k_lane_patience (under m_mutex); none when no job waits so.
   std::optional<std::chrono::steady_clock::time_point> lane_deadline();
