@@ -58,7 +58,7 @@ void register_server(CLI::App& app, GlobalOptions& g, Action& action) {
   cmd->add_option("--threads", opt->threads, "I/O threads")->capture_default_str()->check(CLI::Range(1, 64));
   cmd->add_option("--writer-nice", opt->store.writer_nice,
                   "SQLite: nice value of the thread that commits, best effort (below 0 it needs "
-                  "CAP_SYS_NICE or RLIMIT_NICE); 0 leaves it")
+                  "CAP_SYS_NICE or RLIMIT_NICE; batches of renewals alone commit at the process's); 0 leaves it")
       ->capture_default_str()
       ->check(CLI::Range(-20, 19));
 

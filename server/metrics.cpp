@@ -39,6 +39,8 @@ constexpr Family k_families[] = {
     {"mep_sqlite_commits_total", "counter", "SQLite group commits"},
     {"mep_sqlite_committed_requests_total", "counter", "Requests committed by SQLite group commits"},
     {"mep_sqlite_commit_duration_seconds", "histogram", "Time of one SQLite group COMMIT, fsync included"},
+    {"mep_sqlite_checkpoints_total", "counter",
+     "SQLite WAL checkpoints, by who ran them (checkpointer: its own thread; writer: the commit thread)"},
     // PostgreSQL's claim batches (zero on SQLite): claims per batch is the ratio of the first two.
     {"mep_pg_claim_batches_total", "counter", "PostgreSQL calls that sent several claims in one transaction"},
     {"mep_pg_batched_claims_total", "counter", "Claims sent in PostgreSQL claim batches"},

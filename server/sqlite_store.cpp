@@ -5,6 +5,9 @@
 // * Durability: WAL with synchronous=FULL, so COMMIT returns after fsync. Every outcome
 //   of a batch is handed over only after its COMMIT (writer_loop/run_batch): an
 //   acknowledged grant survives a power loss, and a fencing token is never issued twice.
+//   A batch of renewals alone commits without its fsync; the lease clock's checkpoint
+//   makes good after a reboot what it may lose (see "Renewals" at anchor_clock).
+// * Checkpoints run on a thread of their own, not on the writer (on_wal_commit).
 // * Group commit: run_batch opens one BEGIN IMMEDIATE transaction for all queued jobs
 //   and commits once. Jobs run without savepoints; one that fails after writing sends
 //   the batch to a second pass with a SAVEPOINT per job, so it rolls back alone.
@@ -59,6 +62,10 @@ using sqlite::Use;
 
 constexpr int k_schema_version = 9;
 constexpr std::size_t k_max_group = 1024;
+// The log's growth that wakes the checkpointer (SQLite's own default; see on_wal_commit),
+// and the log's size kept after it starts again (the same 1,000 frames).
+constexpr int k_wal_checkpoint_frames = 1000;
+constexpr std::int64_t k_wal_kept_bytes = 4 << 20;
 
 constexpr std::string_view k_schema_v1 = R"sql(
 CREATE TABLE IF NOT EXISTS tenants (
@@ -435,7 +442,21 @@ int lock_serving(const std::string& path) {
 // goes on from that reading plus the boot time since, wall-clock steps while down
 // included; after a reboot (a new boot id) the clock starts from the wall clock, but never
 // below the saved reading, and every lease live at the saved reading keeps at least the
-// time it had left then (leases are extended conservatively, as etcd's new leader does).
+// time it had left then (leases are extended conservatively, as etcd's new leader does),
+// and at least its TTL from the start.
+//
+// Renewals. A batch of nothing but renewals commits at synchronous=NORMAL: written to the
+// log, not synced (run_batch). A process that crashes loses nothing of it (the kernel
+// holds the writes); a reboot (power loss, a kernel crash) may lose renewals committed
+// after the last sync. Every clock checkpoint is synced (the sweep's batch is never lazy),
+// so a lost renewal ran after the last saved checkpoint, on a lease unexpired then: its
+// row on disk is live at the saved reading, and after the reboot it keeps at least its
+// TTL from the start, which ends after any expiry a lost renewal promised (a renewal that
+// raises the TTL is synced before it is answered, so the TTL on disk is at least that of
+// any lost renewal). Nobody else is granted the name before an acknowledged expiry, as
+// SPEC §9 asks; the price is that after a reboot a dead holder's lease lasts up to one TTL
+// longer. What it saves is an fsync per batch of renewals, and with it the stalls that
+// come with each on a busy disk.
 
 namespace {
 constexpr std::string_view k_clock_key = "lease_clock_checkpoint";
@@ -458,7 +479,10 @@ void SqliteStore::anchor_clock() {
       }
     }
   }
-  if (!saved_ms) return; // a new database: the wall clock it is
+  if (!saved_ms) { // a new database: the wall clock it is, saved at once (see "Renewals")
+    save_clock_checkpoint(*m_db, m_clock.now());
+    return;
+  }
   const std::string boot = boot_id();
   if (!boot.empty() && boot == saved_boot) {
     const std::int64_t since = std::max<std::int64_t>(0, boot_ms() - saved_boot_ms);
@@ -467,11 +491,12 @@ void SqliteStore::anchor_clock() {
   }
   const UnixMs start = std::max(now_unix_ms(), *saved_ms);
   m_clock = LeaseClock(start);
-  Use u(m_db->prepare("UPDATE leases SET expires_at = ?1 + (expires_at - ?2) "
-                      "WHERE expires_at > ?2 AND ?1 + (expires_at - ?2) > expires_at"));
+  Use u(m_db->prepare("UPDATE leases SET expires_at = max(?1 + (expires_at - ?2), ?1 + ttl_seconds * 1000) "
+                      "WHERE expires_at > ?2 AND max(?1 + (expires_at - ?2), ?1 + ttl_seconds * 1000) > expires_at"));
   u->bind(1, start).bind(2, *saved_ms).run();
   if (m_db->changes() > 0)
-    log::info("after a reboot: {} live leases keep the time they had left at the last clock checkpoint",
+    log::info("after a reboot: {} leases live at the last clock checkpoint keep the time they had left then, "
+              "and at least their TTL",
               m_db->changes());
 }
 
@@ -483,8 +508,9 @@ void SqliteStore::save_clock_checkpoint(Db& db, UnixMs now) {
 
 // ---- construction and the writer -------------------------------------------------------
 
-SqliteStore::SqliteStore(const std::string& url, bool create, int writer_nice, bool serving)
-    : m_path(with_parent_directory(existing_unless(create, db_path_from_url(url)))), m_writer_nice(writer_nice),
+SqliteStore::SqliteStore(const std::string& url, bool create, int writer_nice, bool serving, int wal_writer_frames)
+    : m_path(with_parent_directory(existing_unless(create, db_path_from_url(url)))),
+      m_wal_writer_frames(std::max(wal_writer_frames, k_wal_checkpoint_frames)), m_writer_nice(writer_nice),
       m_tokens(m_path + "-token-epoch") {
   // SQLite serves one process: a second server on the same file would hand out the same
   // grants' state from two group-commit writers that know nothing of each other's caches.
@@ -495,10 +521,16 @@ SqliteStore::SqliteStore(const std::string& url, bool create, int writer_nice, b
   m_db->exec("PRAGMA synchronous=FULL");
   m_db->exec("PRAGMA foreign_keys=ON");
   m_db->exec("PRAGMA cache_size=-8000");
+  m_db->exec(fmt::format("PRAGMA journal_size_limit={}", k_wal_kept_bytes));
   ::chmod(m_path.c_str(), 0600);
   migrate();
   refresh_migration_state(*m_db);
   anchor_clock();
+  m_checkpoint_db = std::make_unique<Db>(m_path, sqlite::Mode::read_write_create);
+  m_checkpoint_db->exec("PRAGMA synchronous=FULL");
+  ::sqlite3_wal_hook(m_db->handle(), &SqliteStore::on_wal_commit, this); // replaces SQLite's own checkpoints
+  m_wal_writer_at = m_wal_writer_frames;
+  m_checkpointer = std::thread([this] { checkpoint_loop(); });
   m_writer = std::thread([this] { writer_loop(); });
 }
 
@@ -509,6 +541,12 @@ SqliteStore::~SqliteStore() {
   }
   m_cv.notify_all();
   if (m_writer.joinable()) m_writer.join();
+  {
+    std::lock_guard lock(m_checkpoint_mutex);
+    m_checkpoint_stopping = true;
+  }
+  m_checkpoint_cv.notify_all();
+  if (m_checkpointer.joinable()) m_checkpointer.join();
   if (m_serving_lock >= 0) ::close(m_serving_lock);
 }
 
@@ -563,16 +601,16 @@ void SqliteStore::migrate() {
   }
 }
 
-void SqliteStore::enqueue(Work work, Finish done, std::string request_id, bool careful) {
+void SqliteStore::enqueue(Work work, Finish done, std::string request_id, bool careful, bool lazy) {
   {
     std::lock_guard lock(m_mutex);
-    m_queue.push_back(Job{std::move(work), std::move(done), std::move(request_id), careful});
+    m_queue.push_back(Job{std::move(work), std::move(done), std::move(request_id), careful, lazy});
   }
   m_cv.notify_one();
 }
 
 template <class T, class Op>
-void SqliteStore::submit(Op op, Then<T> then, std::string request_id) {
+void SqliteStore::submit(Op op, Then<T> then, std::string request_id, bool lazy) {
   // The outcome lives here between the job's run (writer thread) and its hand-over. A
   // batch run twice (see run_batch) replaces it.
   struct Kept {
@@ -586,7 +624,7 @@ void SqliteStore::submit(Op op, Then<T> then, std::string request_id) {
               return kept->then(Outcome<T>(failure ? std::move(*failure) : db_unavailable()));
             kept->then(std::move(*kept->outcome));
           },
-          std::move(request_id));
+          std::move(request_id), /*careful=*/false, lazy);
 }
 
 template <class T>
@@ -608,9 +646,13 @@ void SqliteStore::writer_loop() {
   // it competes for a CPU with the I/O threads and with the clients on the same machine;
   // with a higher priority it runs at once, and batches follow each other sooner.
   if (m_writer_nice != 0) {
-    if (::setpriority(PRIO_PROCESS, static_cast<id_t>(::gettid()), m_writer_nice) == 0)
+    errno = 0;
+    const int own = ::getpriority(PRIO_PROCESS, static_cast<id_t>(::gettid()));
+    if (errno == 0) m_own_nice = own;
+    if (::setpriority(PRIO_PROCESS, static_cast<id_t>(::gettid()), m_writer_nice) == 0) {
       log::debug("the commit thread runs at nice {}", m_writer_nice);
-    else
+      m_nice_switch = m_own_nice.has_value() && m_writer_nice < *m_own_nice;
+    } else
       log::debug("the commit thread keeps its priority: nice {}: {}", m_writer_nice, std::strerror(errno));
   }
   std::vector<Job> batch;
@@ -627,6 +669,76 @@ void SqliteStore::writer_loop() {
     run_batch(batch);
     batch.clear();
   }
+}
+
+// ---- checkpoints ----------------------------------------------------------------------------
+//
+// SQLite's own checkpoints run in the connection that commits, when the log reaches 1,000
+// frames: on the writer, which then copies pages and waits for two fsyncs (the log's,
+// then the database file's) while every request waits for it. Here a thread of its own
+// checkpoints, PASSIVE (it never blocks the writer or a reader), each time the log has
+// grown by k_wal_checkpoint_frames since it was last woken. A passive checkpoint that runs
+// beside a writer never catches the end of the log, and the log starts again from its
+// beginning only when a transaction begins with every frame copied; so once the log
+// reaches m_wal_writer_frames (32,000 frames, 128 MiB) the writer checkpoints itself,
+// between transactions (and again only k_wal_checkpoint_frames later, should a reader
+// keep the log from starting again): the log stays bounded, at one stall of the writer
+// per that many frames. When it starts again the file is cut back to 4 MiB.
+
+int SqliteStore::on_wal_commit(void* self_, sqlite3* db, const char* schema, int frames) {
+  auto* self = static_cast<SqliteStore*>(self_);
+  if (frames < self->m_wal_frames) { // the log started again
+    self->m_wal_asked = 0;
+    self->m_wal_writer_at = self->m_wal_writer_frames;
+  }
+  self->m_wal_frames = frames;
+  if (frames >= self->m_wal_writer_at) {
+    int rc = ::sqlite3_wal_checkpoint_v2(db, schema, SQLITE_CHECKPOINT_PASSIVE, nullptr, nullptr);
+    if (rc != SQLITE_OK && rc != SQLITE_BUSY) log::warn("checkpoint failed: {}", ::sqlite3_errstr(rc));
+    Metrics::global().inc("mep_sqlite_checkpoints_total", "by=\"writer\"");
+    self->m_wal_writer_at = frames + k_wal_checkpoint_frames;
+    self->m_wal_asked = frames;
+  } else if (frames - self->m_wal_asked >= k_wal_checkpoint_frames) {
+    self->m_wal_asked = frames;
+    {
+      std::lock_guard lock(self->m_checkpoint_mutex);
+      self->m_checkpoint_wanted = true;
+    }
+    self->m_checkpoint_cv.notify_one();
+  }
+  return SQLITE_OK;
+}
+
+void SqliteStore::checkpoint_loop() {
+  ::pthread_setname_np(::pthread_self(), "mep-checkpoint");
+  for (;;) {
+    {
+      std::unique_lock lock(m_checkpoint_mutex);
+      m_checkpoint_cv.wait(lock, [&] { return m_checkpoint_wanted || m_checkpoint_stopping; });
+      if (m_checkpoint_stopping) return;
+      m_checkpoint_wanted = false;
+    }
+    try {
+      int rc =
+          ::sqlite3_wal_checkpoint_v2(m_checkpoint_db->handle(), nullptr, SQLITE_CHECKPOINT_PASSIVE, nullptr, nullptr);
+      if (rc == SQLITE_OK)
+        Metrics::global().inc("mep_sqlite_checkpoints_total", "by=\"checkpointer\"");
+      else if (rc != SQLITE_BUSY) // the writer checkpoints itself when the log grows long
+        log::warn("checkpoint failed: {}", ::sqlite3_errmsg(m_checkpoint_db->handle()));
+    } catch (const std::exception& e) {
+      log::error("checkpointer: {}", e.what());
+    }
+  }
+}
+
+// Makes the last commit durable as synchronous=FULL would have: syncs the log, through
+// SQLite's own handle of it.
+void SqliteStore::sync_wal() {
+  sqlite3_file* wal = nullptr;
+  int rc = ::sqlite3_file_control(m_db->handle(), "main", SQLITE_FCNTL_JOURNAL_POINTER, &wal);
+  if (rc == SQLITE_OK && (!wal || !wal->pMethods)) rc = SQLITE_IOERR_FSYNC;
+  if (rc == SQLITE_OK) rc = wal->pMethods->xSync(wal, SQLITE_SYNC_NORMAL);
+  if (rc != SQLITE_OK) throw sqlite::Error(rc, std::string("cannot sync the log: ") + ::sqlite3_errstr(rc));
 }
 
 namespace {
@@ -649,6 +761,21 @@ void SqliteStore::run_batch(std::vector<Job>& batch) {
     for (auto& job : batch) job.done(db_unavailable());
   };
   bool careful = std::any_of(batch.begin(), batch.end(), [](const Job& j) { return j.careful; });
+  // A batch of renewals only commits without its fsync (see "Renewals" in the notes on
+  // the lease clock); the level can only change between transactions. Such a commit
+  // waits for no disk, so the writer keeps no higher priority than the I/O threads then.
+  const bool lazy = std::all_of(batch.begin(), batch.end(), [](const Job& j) { return j.lazy; });
+  if (lazy != m_lazy_commits) {
+    try {
+      Use(m_db->prepare(lazy ? "PRAGMA synchronous=NORMAL" : "PRAGMA synchronous=FULL"))->run();
+    } catch (const sqlite::Error& e) {
+      log::error("database error: {}", e.what());
+      return fail_batch();
+    }
+    m_lazy_commits = lazy;
+    if (m_nice_switch) ::setpriority(PRIO_PROCESS, static_cast<id_t>(::gettid()), lazy ? *m_own_nice : m_writer_nice);
+  }
+  m_must_sync = false;
   const auto began = std::chrono::steady_clock::now();
   for (;;) {
     try {
@@ -660,7 +787,7 @@ void SqliteStore::run_batch(std::vector<Job>& batch) {
     Pass pass = run_jobs(batch, failures, careful);
     // Requests that arrived while the batch ran join it before the COMMIT: one more fsync
     // shared instead of a batch of their own after this one's.
-    for (std::size_t n; pass == Pass::done && (n = extend_batch(batch, careful, began)) > 0;) {
+    for (std::size_t n; pass == Pass::done && (n = extend_batch(batch, careful, m_lazy_commits, began)) > 0;) {
       failures.resize(batch.size());
       pass = run_jobs(batch, failures, careful, batch.size() - n);
     }
@@ -680,10 +807,12 @@ void SqliteStore::run_batch(std::vector<Job>& batch) {
   try {
     auto started = std::chrono::steady_clock::now();
     Use(m_db->prepare("COMMIT"))->run();
+    const bool deferred = m_lazy_commits && !m_must_sync;
+    if (m_lazy_commits && m_must_sync) sync_wal();
     auto& metrics = Metrics::global();
     metrics.observe("mep_sqlite_commit_duration_seconds", {},
                     std::chrono::duration<double>(std::chrono::steady_clock::now() - started).count());
-    metrics.inc("mep_sqlite_commits_total");
+    metrics.inc("mep_sqlite_commits_total", deferred ? "sync=\"deferred\"" : "sync=\"fsync\"");
     metrics.inc("mep_sqlite_committed_requests_total", {}, static_cast<double>(batch.size()));
     m_healthy = true;
   } catch (const sqlite::Error& e) {
@@ -718,13 +847,14 @@ void SqliteStore::run_batch(std::vector<Job>& batch) {
 // at most k_max_extension after the batch began (a steady stream must not hold back the
 // COMMIT of the requests already run), and in an optimistic pass none that must run
 // carefully (they wait for the next batch).
-std::size_t SqliteStore::extend_batch(std::vector<Job>& batch, bool careful,
+std::size_t SqliteStore::extend_batch(std::vector<Job>& batch, bool careful, bool lazy,
                                       std::chrono::steady_clock::time_point began) {
   constexpr auto k_max_extension = std::chrono::microseconds(250);
   if (std::chrono::steady_clock::now() - began > k_max_extension) return 0;
   std::lock_guard lock(m_mutex);
   std::size_t n = 0;
-  while (!m_queue.empty() && batch.size() < k_max_group && (careful || !m_queue.front().careful)) {
+  while (!m_queue.empty() && batch.size() < k_max_group && (careful || !m_queue.front().careful) &&
+         (!lazy || m_queue.front().lazy)) {
     batch.push_back(std::move(m_queue.front()));
     m_queue.pop_front();
     ++n;
@@ -1123,6 +1253,9 @@ expected<lease::Renewed, Problem> SqliteStore::op_renew(Db& db, UnixMs now, cons
   if (!lease) return make_unexpected(std::move(lease.error()));
   if (lease->canonical_name != ref.canonical_name || lease->owner_client_id != ref.owner_client_id)
     return make_unexpected(Problem(Code::lease_not_found, "no lease of this owner under this name"));
+  // A longer TTL is on disk before it is acknowledged: after a reboot, a renewal that
+  // was lost is made good with the TTL on disk (anchor_clock).
+  if (ref.ttl_s > lease->ttl_s) m_must_sync = true;
   UnixMs expires = std::max(lease->expires_at, now + ref.ttl_s * 1000);
   Use s(db.prepare("UPDATE leases SET expires_at = ?1, ttl_seconds = ?2 WHERE memory_id = ?3"));
   s->bind(1, expires).bind(2, ref.ttl_s).bind(3, lease->memory_id).run();
@@ -1132,7 +1265,7 @@ expected<lease::Renewed, Problem> SqliteStore::op_renew(Db& db, UnixMs now, cons
 void SqliteStore::renew(const Ctx& ctx, LeaseRef ref, Then<lease::Renewed> then) {
   submit<lease::Renewed>([this, ctx, ref = std::move(ref)](
                              Db& db, UnixMs now) { return Outcome<lease::Renewed>(op_renew(db, now, ctx, ref)); },
-                         std::move(then), ctx.request_id);
+                         std::move(then), ctx.request_id, /*lazy=*/true);
 }
 
 void SqliteStore::renew_batch(const Ctx& ctx, RenewBatch req, Then<lease::RenewBatchResult> then) {
@@ -1146,7 +1279,7 @@ void SqliteStore::renew_batch(const Ctx& ctx, RenewBatch req, Then<lease::RenewB
         }
         return Outcome<lease::RenewBatchResult>(std::move(out));
       },
-      std::move(then), ctx.request_id);
+      std::move(then), ctx.request_id, /*lazy=*/true);
 }
 
 void SqliteStore::release(const Ctx& ctx, LeaseRef ref, Then<Released> then) {

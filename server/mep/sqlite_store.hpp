@@ -14,6 +14,7 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <thread>
 #include <vector>
 
@@ -27,7 +28,11 @@ public:
   /// `writer_nice`: see StoreOptions::writer_nice.
   /// `serving`: this process serves the database (mep server, mepd's embedded control
   /// plane): it takes PATH-serving.lock, and a second serving process is refused.
-  explicit SqliteStore(const std::string& url, bool create = true, int writer_nice = 0, bool serving = false);
+  /// `wal_writer_frames`: the log's length (in pages) at which the writer checkpoints it
+  /// itself, between transactions, when the checkpointer thread could not (see
+  /// on_wal_commit); at least 1,000.
+  explicit SqliteStore(const std::string& url, bool create = true, int writer_nice = 0, bool serving = false,
+                       int wal_writer_frames = 32000);
   /// Finishes every queued job, then stops the writer.
   ~SqliteStore() override;
 
@@ -74,6 +79,7 @@ private:
     Finish done;
     std::string request_id;
     bool careful = false; // its work must not run twice (run_sync): savepoints from the start
+    bool lazy = false;    // a renewal: may be answered before it is on disk (see run_batch)
   };
   struct PendingAudit {
     std::string tenant_id;
@@ -97,16 +103,21 @@ private:
 
   void migrate();
   void refresh_migration_state(sqlite::Db& db);
-  void enqueue(Work work, Finish done, std::string request_id = {}, bool careful = false);
+  void enqueue(Work work, Finish done, std::string request_id = {}, bool careful = false, bool lazy = false);
   /// Queues an operation whose outcome goes to `then`.
   template <class T, class Op> // Op: Outcome<T>(sqlite::Db&, UnixMs)
-  void submit(Op op, Then<T> then, std::string request_id);
+  void submit(Op op, Then<T> then, std::string request_id, bool lazy = false);
   /// Runs a read on a pooled read-only connection in the calling thread and answers `then`
   /// (503 when the database cannot be read).
   template <class T>
   void read(const std::function<Outcome<T>(sqlite::Db&, UnixMs)>& op, const Then<T>& then);
   void writer_loop();
+  /// The WAL checkpoints (see the notes in sqlite_store.cpp): on_wal_commit runs on the
+  /// writer after each commit; checkpoint_loop is the checkpointer thread.
+  static int on_wal_commit(void* self, sqlite3* db, const char* schema, int frames);
+  void checkpoint_loop();
   void run_batch(std::vector<Job>& batch);
+  void sync_wal();
   enum class Pass { done, run_carefully, aborted };
   /// Runs the batch's jobs inside the open transaction. Careful: each job in a SAVEPOINT.
   /// Optimistic: none, and run_carefully when a job needs its writes undone (it threw, or
@@ -116,7 +127,8 @@ private:
   Pass run_jobs(std::vector<Job>& batch, std::vector<std::optional<Problem>>& failures, bool careful,
                 std::size_t from = 0);
   /// Moves requests that are waiting into the open batch (see run_batch); their count.
-  std::size_t extend_batch(std::vector<Job>& batch, bool careful, std::chrono::steady_clock::time_point began);
+  std::size_t extend_batch(std::vector<Job>& batch, bool careful, bool lazy,
+                           std::chrono::steady_clock::time_point began);
   template <typename T>
   T run_sync(std::function<T(sqlite::Db&, UnixMs)> fn);
   ReaderLease reader();
@@ -149,6 +161,14 @@ private:
   std::unique_ptr<sqlite::Db> m_db;               // the writer's connection; writer thread only after start
   std::vector<PendingAudit> m_pending_audit;      // writer thread only
   bool m_careful = false;                         // writer thread only: run_jobs' mode
+  std::optional<int> m_own_nice;                  // writer thread only: its nice before writer_nice
+  bool m_nice_switch = false;                     // writer thread only: it may go back to m_own_nice
+  bool m_lazy_commits = false;                    // writer thread only: synchronous=NORMAL is set
+  bool m_must_sync = false;                       // writer thread only: this lazy batch is synced after all
+  int m_wal_frames = 0;                           // writer thread only: the log's length after the last commit
+  int m_wal_asked = 0;                            // writer thread only: its length when the checkpointer was woken
+  int m_wal_writer_at = 0;                        // writer thread only: the length at which it checkpoints itself
+  int m_wal_writer_frames;                        // m_wal_writer_at's first value, after the log starts again
   std::map<std::string, HmacSha256> m_audit_macs; // writer thread only
 
   std::mutex m_mutex;
@@ -159,6 +179,13 @@ private:
   std::atomic<bool> m_migration_in_progress{false};
   std::thread m_writer;
   int m_writer_nice = 0;
+
+  std::unique_ptr<sqlite::Db> m_checkpoint_db; // the checkpointer's connection
+  std::mutex m_checkpoint_mutex;
+  std::condition_variable m_checkpoint_cv;
+  bool m_checkpoint_wanted = false; // under m_checkpoint_mutex
+  bool m_checkpoint_stopping = false;
+  std::thread m_checkpointer;
   CompletionExecutor m_complete; // set before the first operation, read by the writer
   QueueGate m_gate;              // likewise
   std::atomic<std::uint64_t> m_last_ticket{0};

@@ -1107,6 +1107,9 @@ class ServerApi(ServerTestCase):
             timed = [v for n, _, v in families["mep_sqlite_commit_duration_seconds"]["samples"]
                      if n == "mep_sqlite_commit_duration_seconds_count"]
             self.assertGreaterEqual(commits, 4)
+            # The renewal above committed without its fsync, the claims with theirs.
+            syncs = {lab.get("sync") for _, lab, _ in families["mep_sqlite_commits_total"]["samples"]}
+            self.assertEqual(syncs, {"fsync", "deferred"})
             self.assertGreaterEqual(committed, commits)
             self.assertEqual(len(timed), 1)
             # The sweeper may commit between the three updates of one commit.
@@ -1124,7 +1127,7 @@ class ServerApi(ServerTestCase):
         self.assertTrue(any(lab.get("route") == "unmatched" and lab.get("code") == "405"
                             for _, lab, _ in families["mep_http_request_duration_seconds"]["samples"]))
         # No names, ids or paths in labels: only known label names, and no value carries one.
-        allowed = {"route", "code", "outcome", "result", "reason", "le"}
+        allowed = {"route", "code", "outcome", "result", "reason", "sync", "by", "le"}
         routes = {"/healthz", "/readyz", "/metrics", "/v1/memories", "/v1/memories/branch",
                   "/v1/memories/{id}", "/v1/memories/{id}/lineage", "/v1/leases", "/v1/leases/renew",
                   "/v1/leases/renew-batch", "/v1/leases/release", "/v1/leases/{canonical_name}",
@@ -1136,6 +1139,10 @@ class ServerApi(ServerTestCase):
                     self.assertIn(labels["route"], routes)
                 if "reason" in labels:  # mep_pg_extra_lanes_total
                     self.assertIn(labels["reason"], {"full_batch", "waited"})
+                if "sync" in labels:  # mep_sqlite_commits_total
+                    self.assertIn(labels["sync"], {"fsync", "deferred"})
+                if "by" in labels:  # mep_sqlite_checkpoints_total
+                    self.assertIn(labels["by"], {"checkpointer", "writer"})
                 if "code" in labels:
                     self.assertRegex(labels["code"], r"^\d{3}$")
                 for v in labels.values():
