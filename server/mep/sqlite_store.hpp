@@ -167,8 +167,8 @@ private:
   bool m_must_sync = false;                       // writer thread only: this lazy batch is synced after all
   int m_wal_frames = 0;                           // writer thread only: the log's length after the last commit
   int m_wal_asked = 0;                            // writer thread only: its length when the checkpointer was woken
-  int m_wal_writer_at = 0;                        // writer thread only: the length at which it checkpoints itself
-  int m_wal_writer_frames;                        // m_wal_writer_at's first value, after the log starts again
+  int m_wal_retry_at = 0;                         // writer thread only: no checkpoint of its own below this length
+  int m_wal_writer_frames;                        // its own checkpoint after commits that were not synced
   std::map<std::string, HmacSha256> m_audit_macs; // writer thread only
 
   std::mutex m_mutex;
