@@ -17,3 +17,21 @@ if(MEP_BUILD_BENCH)
 endif()
 # tl::expected is header-only (libexpected-dev); toml++ as well (libtomlplusplus-dev).
 find_path(TL_EXPECTED_INCLUDE_DIR tl/expected.hpp REQUIRED)
+
+# The allocator of the binaries that serve (mep: server and store; mepd: the daemon and its
+# embedded control plane): TCMalloc from gperftools (libgoogle-perftools-dev). A request's
+# buffers are allocated on one thread and freed on another (the commit thread and the I/O
+# threads); glibc's malloc returns each such block to its arena under that arena's lock,
+# TCMalloc to a per-thread cache. bench/README says what it bought, measured side by side.
+# (jemalloc did as well, but it cannot start under libfaketime, which the clock tests use,
+# and its upstream is archived.) AddressSanitizer, ThreadSanitizer and libFuzzer bring
+# their own allocator: those builds keep it.
+if(MEP_TCMALLOC AND (MEP_SANITIZE_ADDRESS OR MEP_SANITIZE_THREAD OR MEP_FUZZ))
+  message(STATUS "mep: sanitizer build, TCMalloc left out (the sanitizer's allocator serves)")
+  set(MEP_TCMALLOC OFF)
+endif()
+add_library(mep_allocator INTERFACE)
+if(MEP_TCMALLOC)
+  pkg_check_modules(TCMALLOC REQUIRED IMPORTED_TARGET libtcmalloc_minimal)
+  target_link_libraries(mep_allocator INTERFACE PkgConfig::TCMALLOC)
+endif()

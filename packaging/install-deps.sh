@@ -12,6 +12,8 @@ packages=(
   libboost1.81-dev libboost-json1.81-dev libboost-url1.81-dev
   libicu-dev libsqlite3-dev libpq-dev libssl-dev libcurl4-openssl-dev
   libcli11-dev libfmt-dev libspdlog-dev libexpected-dev libtomlplusplus-dev
+  # the allocator of mep and mepd (TCMalloc; cmake/Dependencies.cmake says why)
+  libgoogle-perftools-dev
   # tests and benchmarks
   catch2 libbenchmark-dev postgresql-15 curl python3 procps util-linux libfaketime nftables iproute2
   # bench_server measures etcd, the peer, in the same run over gRPC (benchmark-only;
