@@ -15,10 +15,12 @@
 
 #include <signal.h>
 #include <sys/socket.h>
+#include <sys/un.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
 #include <algorithm>
+#include <cerrno>
 #include <atomic>
 #include <chrono>
 #include <cstdio>
@@ -79,12 +81,22 @@ void stop(pid_t pid) {
   ::waitpid(pid, nullptr, 0);
 }
 
+// Waits until mepd accepts connections on `path`. The file alone does not say so: mepd
+// binds it, sets its mode, and only then listens, and a connect in between is refused.
 void wait_for_socket(const std::string& path) {
+  sockaddr_un addr{};
+  addr.sun_family = AF_UNIX;
+  if (path.size() >= sizeof addr.sun_path) throw std::runtime_error("socket path too long: " + path);
+  std::memcpy(addr.sun_path, path.c_str(), path.size() + 1);
   for (int i = 0; i < 400; ++i) {
-    if (fs::exists(path)) return;
+    const int fd = ::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    if (fd < 0) throw std::runtime_error(std::string("socket: ") + std::strerror(errno));
+    const bool up = ::connect(fd, reinterpret_cast<const sockaddr*>(&addr), sizeof addr) == 0;
+    ::close(fd);
+    if (up) return;
     std::this_thread::sleep_for(std::chrono::milliseconds(25));
   }
-  throw std::runtime_error("mepd did not create " + path);
+  throw std::runtime_error("mepd did not listen on " + path);
 }
 
 std::string wait_for_line(const std::string& log, const std::string& marker) {
