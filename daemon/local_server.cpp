@@ -17,6 +17,7 @@
 #include <pwd.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
+#include <sys/un.h>
 #include <unistd.h>
 
 namespace mep::daemon {
@@ -85,18 +86,41 @@ void LocalServer::bind_socket(local::acceptor& acceptor) {
     if (!cec) throw std::runtime_error("another mepd is already listening on " + socket_path.string());
     fs::remove(socket_path, ec);
   }
+  // The socket gets its name only once it accepts connections: it is bound under a name of
+  // its own in the same directory, given its mode and group, set listening, and then linked
+  // to its name. A client that waits for the path and connects at once is never refused.
+  // link(2) fails when the name exists, as bind(2) does: of two daemons starting at once on
+  // one path, the second is refused (rename(2) would take the name from the first). Where
+  // the staging name would not fit in a socket address, the socket is bound in place.
+  const fs::path staging = dir / fmt::format(".mepd-{}.sock", ::getpid());
+  const bool staged = staging.native().size() < sizeof(sockaddr_un::sun_path);
+  const fs::path& bound = staged ? staging : socket_path;
+  if (staged) fs::remove(staging, ec); // left by a daemon that died with this pid
+  struct Unlink {
+    const fs::path* path;
+    ~Unlink() {
+      std::error_code e;
+      if (path) fs::remove(*path, e);
+    }
+  } cleanup{staged ? &staging : nullptr};
   mode_t old = ::umask(077);
   beast::error_code bec;
   acceptor.open(local(), bec);
-  if (!bec) acceptor.bind(local::endpoint(socket_path.string()), bec);
+  if (!bec) acceptor.bind(local::endpoint(bound.string()), bec);
   ::umask(old);
-  if (bec) throw std::runtime_error("cannot bind " + socket_path.string() + ": " + bec.message());
-  ::chmod(socket_path.c_str(), m_system ? 0660 : 0600);
-  if (m_system && ::chown(socket_path.c_str(), static_cast<uid_t>(-1), sock_gid) != 0)
+  if (bec) throw std::runtime_error("cannot bind " + bound.string() + ": " + bec.message());
+  ::chmod(bound.c_str(), m_system ? 0660 : 0600);
+  if (m_system && ::chown(bound.c_str(), static_cast<uid_t>(-1), sock_gid) != 0)
     throw std::runtime_error(
-        fmt::format("cannot give {} to the group {}: {}", socket_path.string(), k_system_group, std::strerror(errno)));
+        fmt::format("cannot give {} to the group {}: {}", bound.string(), k_system_group, std::strerror(errno)));
   acceptor.listen(net::socket_base::max_listen_connections, bec);
-  if (bec) throw std::runtime_error("cannot listen on " + socket_path.string() + ": " + bec.message());
+  if (bec) throw std::runtime_error("cannot listen on " + bound.string() + ": " + bec.message());
+  if (staged && ::link(staging.c_str(), socket_path.c_str()) != 0) {
+    if (errno == EEXIST) throw std::runtime_error("another mepd is already listening on " + socket_path.string());
+    // A file system without hard links: the name is taken over instead.
+    if (::rename(staging.c_str(), socket_path.c_str()) != 0)
+      throw std::runtime_error("cannot name the socket " + socket_path.string() + ": " + std::strerror(errno));
+  }
   m_owns_path = true;
 }
 

@@ -556,6 +556,43 @@ class BasicCases:
                            stderr=subprocess.PIPE, timeout=20, check=False)
         return p.returncode, p.stderr.decode()
 
+    def test_socket_path_appears_only_once_it_accepts(self):
+        # A client may wait for the socket's path and connect at once. Here listen(2) waits
+        # 800 ms (slow_listen.cpp, preloaded): had the path appeared at bind(2), as it did,
+        # the connect below would be refused.
+        shim = os.environ.get("MEP_TEST_SLOW_LISTEN", "")
+        if os.environ.get("MEP_TEST_SANITIZED"):
+            self.skipTest("no library is preloaded into a sanitizer build (%s)" % os.environ["MEP_TEST_SANITIZED"])
+        if not os.path.exists(shim):
+            self.skipTest("MEP_TEST_SLOW_LISTEN names no library (ctest builds and sets it)")
+        sock_dir = os.path.join(self.tmp, "late")
+        os.makedirs(sock_dir, mode=0o700)
+        sock = os.path.join(sock_dir, "mepd.sock")
+        argv = [mepd_bin(), "--socket", sock, "--state-dir", os.path.join(self.tmp, "late-state")]
+        if self.mepd.control_plane:
+            argv += ["--control-plane", self.mepd.control_plane, "--token-file", self.mepd.token_file]
+        env = dict(self.env, LD_PRELOAD=shim, MEP_TEST_LISTEN_DELAY_MS="800")
+        with open(os.path.join(self.tmp, "late.log"), "wb") as log:
+            p = subprocess.Popen(argv, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=log)
+        try:
+            deadline = time.monotonic() + 20
+            while not os.path.exists(sock):
+                self.assertIsNone(p.poll(), "mepd exited before it named its socket")
+                self.assertLess(time.monotonic(), deadline, "mepd did not name its socket")
+                time.sleep(0.002)
+            with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+                s.settimeout(10)
+                s.connect(sock)
+                s.sendall(b"GET /healthz HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n\r\n")
+                reply = read_to_close(s)
+            self.assertRegex(reply[:12], rb"^HTTP/1\.1 200")
+            self.assertEqual(os.listdir(sock_dir), ["mepd.sock"])  # the staging name is gone
+            self.assertEqual(stat.S_IMODE(os.stat(sock).st_mode), 0o600)
+        finally:
+            p.terminate()
+            p.wait(timeout=20)
+        self.assertFalse(os.path.exists(sock))
+
     def test_one_daemon_per_state_directory(self):
         # A second mepd on the same state directory (here with a socket of its own) would
         # re-adopt and renew the first one's leases: it stops before it touches any.
