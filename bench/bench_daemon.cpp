@@ -55,6 +55,11 @@ private:
   mep::bench::HttpConn m_http;
 };
 
+// The processes this benchmark started and has not stopped yet: main stops them when a
+// step fails, so that a failed run leaves no server or daemon behind.
+std::vector<pid_t> g_children;
+fs::path g_dir; // the scratch directory, removed at the end either way
+
 pid_t spawn(const std::vector<std::string>& args, const std::string& log) {
   std::fflush(stdout); // the child must not print our buffered output again
   pid_t pid = ::fork();
@@ -67,11 +72,13 @@ pid_t spawn(const std::vector<std::string>& args, const std::string& log) {
     ::execv(argv[0], argv.data());
     _exit(127);
   }
+  if (pid > 0) g_children.push_back(pid);
   return pid;
 }
 
 void stop(pid_t pid) {
   if (pid <= 0) return;
+  g_children.erase(std::remove(g_children.begin(), g_children.end(), pid), g_children.end());
   ::kill(pid, SIGTERM);
   for (int i = 0; i < 100; ++i) {
     if (::waitpid(pid, nullptr, WNOHANG) == pid) return;
@@ -146,7 +153,7 @@ long metric(const std::string& sock, const std::string& name) {
 
 } // namespace
 
-int main(int argc, char** argv) {
+static int run(int argc, char** argv) {
   int ops = 2000, leases = 10000;
   double hold = 120, cycle_seconds = 5;
   for (int i = 1; i < argc; ++i) {
@@ -170,7 +177,8 @@ int main(int argc, char** argv) {
     }
   }
   ::signal(SIGPIPE, SIG_IGN);
-  fs::path dir = fs::path("/var/tmp") / ("mep-bench-daemon-" + std::to_string(::getpid()));
+  g_dir = fs::path("/var/tmp") / ("mep-bench-daemon-" + std::to_string(::getpid()));
+  const fs::path& dir = g_dir;
   fs::create_directories(dir);
   std::printf("mepd benchmark — Unix socket, HTTP/1.1 keep-alive\n\n");
 
@@ -316,4 +324,17 @@ int main(int argc, char** argv) {
   }
   fs::remove_all(dir);
   return 0;
+}
+
+int main(int argc, char** argv) {
+  try {
+    return run(argc, argv);
+  } catch (const std::exception& e) {
+    std::fflush(stdout);
+    std::fprintf(stderr, "bench_daemon: %s\n", e.what());
+    for (pid_t pid : std::vector<pid_t>(g_children)) stop(pid);
+    std::error_code ec;
+    if (!g_dir.empty()) fs::remove_all(g_dir, ec);
+    return 1;
+  }
 }
