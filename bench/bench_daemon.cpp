@@ -15,13 +15,11 @@
 
 #include <signal.h>
 #include <sys/socket.h>
-#include <sys/un.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
 #include <algorithm>
 #include <atomic>
-#include <cerrno>
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
@@ -88,20 +86,16 @@ void stop(pid_t pid) {
   ::waitpid(pid, nullptr, 0);
 }
 
-// Waits until mepd accepts connections on `path`. The file alone does not say so: mepd
-// binds it, sets its mode, and only then listens, and a connect in between is refused.
+// Waits until mepd accepts connections on `path`. The file alone did not say so before
+// mepd named its socket only once listening, and a connect in between was refused.
 void wait_for_socket(const std::string& path) {
-  sockaddr_un addr{};
-  addr.sun_family = AF_UNIX;
-  if (path.size() >= sizeof addr.sun_path) throw std::runtime_error("socket path too long: " + path);
-  std::memcpy(addr.sun_path, path.c_str(), path.size() + 1);
   for (int i = 0; i < 400; ++i) {
-    const int fd = ::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
-    if (fd < 0) throw std::runtime_error(std::string("socket: ") + std::strerror(errno));
-    const bool up = ::connect(fd, reinterpret_cast<const sockaddr*>(&addr), sizeof addr) == 0;
-    ::close(fd);
-    if (up) return;
-    std::this_thread::sleep_for(std::chrono::milliseconds(25));
+    try {
+      UnixConn probe(path);
+      return;
+    } catch (const std::runtime_error&) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(25));
+    }
   }
   throw std::runtime_error("mepd did not listen on " + path);
 }

@@ -24,8 +24,8 @@ find_path(TL_EXPECTED_INCLUDE_DIR tl/expected.hpp REQUIRED)
 # threads); glibc's malloc returns each such block to its arena under that arena's lock,
 # TCMalloc to a per-thread cache. bench/README says what it bought, measured side by side.
 # (jemalloc did as well, but it cannot start under libfaketime, which the clock tests use,
-# and its upstream is archived; mimalloc was slower.) AddressSanitizer, ThreadSanitizer and libFuzzer bring
-# their own allocator: those builds keep it.
+# and its upstream is archived; mimalloc was slower.) AddressSanitizer, ThreadSanitizer and
+# libFuzzer bring their own allocator: those builds keep it.
 if(MEP_TCMALLOC AND (MEP_SANITIZE_ADDRESS OR MEP_SANITIZE_THREAD OR MEP_FUZZ))
   message(STATUS "mep: sanitizer build, TCMalloc left out (the sanitizer's allocator serves)")
   set(MEP_TCMALLOC OFF)

@@ -22,7 +22,7 @@ import time
 import unittest
 import uuid
 
-from daemonfixture import (EventStream, MepServer, Mepd, RecordingProxy, clean_env, mepd_bin,
+from daemonfixture import (EventStream, MepServer, Mepd, Proc, RecordingProxy, clean_env, mepd_bin,
                            parse_time)
 from mephelpers import mep_bin, read_to_close, send_all_then_read, send_expecting_continue
 
@@ -572,25 +572,20 @@ class BasicCases:
         if self.mepd.control_plane:
             argv += ["--control-plane", self.mepd.control_plane, "--token-file", self.mepd.token_file]
         env = dict(self.env, LD_PRELOAD=shim, MEP_TEST_LISTEN_DELAY_MS="800")
-        with open(os.path.join(self.tmp, "late.log"), "wb") as log:
-            p = subprocess.Popen(argv, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=log)
+        late = Proc("late mepd", argv, env, os.path.join(self.tmp, "late.log"))
+        self._sources.append(("late mepd", late))
         try:
             deadline = time.monotonic() + 20
             while not os.path.exists(sock):
-                self.assertIsNone(p.poll(), "mepd exited before it named its socket")
+                self.assertTrue(late.alive(), "mepd exited before it named its socket")
                 self.assertLess(time.monotonic(), deadline, "mepd did not name its socket")
                 time.sleep(0.002)
-            with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
-                s.settimeout(10)
-                s.connect(sock)
-                s.sendall(b"GET /healthz HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n\r\n")
-                reply = read_to_close(s)
+            reply = raw_exchange(sock, b"GET /healthz HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n\r\n")
             self.assertRegex(reply[:12], rb"^HTTP/1\.1 200")
             self.assertEqual(os.listdir(sock_dir), ["mepd.sock"])  # the staging name is gone
             self.assertEqual(stat.S_IMODE(os.stat(sock).st_mode), 0o600)
         finally:
-            p.terminate()
-            p.wait(timeout=20)
+            late.stop()
         self.assertFalse(os.path.exists(sock))
 
     def test_one_daemon_per_state_directory(self):
