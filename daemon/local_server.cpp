@@ -92,6 +92,12 @@ void LocalServer::bind_socket(local::acceptor& acceptor) {
   // link(2) fails when the name exists, as bind(2) does: of two daemons starting at once on
   // one path, the second is refused (rename(2) would take the name from the first). Where
   // the staging name would not fit in a socket address, the socket is bound in place.
+  // link(2) takes any path, a socket address only one of sun_path's size: a longer path
+  // would be named but could not be connected to.
+  if (socket_path.native().size() >= sizeof(sockaddr_un::sun_path))
+    throw std::runtime_error(fmt::format("the socket path {} is {} bytes long; a Unix socket's may be {} at most",
+                                         socket_path.string(), socket_path.native().size(),
+                                         sizeof(sockaddr_un::sun_path) - 1));
   const fs::path staging = dir / fmt::format(".mepd-{}.sock", ::getpid());
   const bool staged = staging.native().size() < sizeof(sockaddr_un::sun_path);
   const fs::path& bound = staged ? staging : socket_path;

@@ -588,6 +588,17 @@ class BasicCases:
             late.stop()
         self.assertFalse(os.path.exists(sock))
 
+    def test_socket_path_too_long_is_refused(self):
+        # A Unix socket's address holds 107 bytes of path: a longer one is an error at start,
+        # not a socket named where no client can connect.
+        sock = os.path.join(self.tmp, "s" * 120 + ".sock")
+        rc, err = self.run_second_mepd(sock, os.path.join(self.tmp, "long-state"))
+        self.assertEqual(rc, 1, err)
+        self.assertIn("bytes long; a Unix socket's may be 107 at most", err)
+        self.assertEqual(len(err.strip().splitlines()), 1, err)
+        self.assertFalse(os.path.exists(sock))
+        self.assertEqual([n for n in os.listdir(self.tmp) if n.startswith(".mepd-")], [])
+
     def test_one_daemon_per_state_directory(self):
         # A second mepd on the same state directory (here with a socket of its own) would
         # re-adopt and renew the first one's leases: it stops before it touches any.
