@@ -1,0 +1,112 @@
+// Renewals answered from memory, for the SQLite store (see "Renewals from memory" in
+// sqlite_store.cpp): the leases the writer has handed over, the expiries renewals gave
+// them since, and which of those the database has yet to be told.
+//
+// The rule that keeps it safe: a lease is either here or the writer's. A renewal is
+// answered here only while the lease is here; before the writer reads a lease row it
+// takes the lease out (take), so no renewal from memory lands after the writer has
+// looked, and the writer writes back what it took. Taken and staged changes follow the
+// writer's transaction: undone when it rolls back, published when it commits.
+#pragma once
+#include "mep/time.hpp"
+
+#include <array>
+#include <atomic>
+#include <cstdint>
+#include <mutex>
+#include <optional>
+#include <string>
+#include <string_view>
+#include <unordered_map>
+#include <vector>
+
+namespace mep::server {
+
+class RenewalTable {
+public:
+  /// Who may renew a lease: a keyed hash of its tenant, name and owner. The key is drawn
+  /// per process and never leaves it, so no caller can make another's tag.
+  using Tag = std::array<std::uint8_t, 16>;
+
+  struct Lease {
+    std::int64_t fencing_token = 0;
+    std::int64_t ttl_s = 0; // as on disk: a renewal with another TTL goes to the writer
+    UnixMs expires_at = 0;
+    Tag who{};
+  };
+  /// A lease as the database must be told (memory_id: the canonical text).
+  struct Pending {
+    std::string memory_id;
+    Lease lease;
+  };
+
+  RenewalTable();
+
+  Tag tag(std::string_view tenant_id, std::string_view canonical_name, std::string_view owner_client_id) const;
+
+  struct Renewal {
+    UnixMs expires_at;
+    bool first_pending; // the database had been told everything before it: wake the writer
+  };
+  /// Any thread. Renews the lease of `memory_id` when it is here, is `token`'s, is `who`'s,
+  /// has `ttl_s` as its TTL and is unexpired at `now`: expiry = max(old, now + ttl).
+  /// nullopt: the writer decides (and answers with the right problem, if any).
+  std::optional<Renewal> renew(std::string_view memory_id, std::int64_t token, const Tag& who, std::int64_t ttl_s,
+                               UnixMs now);
+  /// Any thread: the lease of `memory_id` under `token`, if here (readers' view of the
+  /// renewals the database has not been told yet).
+  std::optional<Lease> find(std::string_view memory_id, std::int64_t token) const;
+
+  // ---- the writer thread only ----
+  /// Takes the lease of `memory_id` out and returns it, if here: the writer gives the row
+  /// its expiry when that is later (a renewal from memory the database was not told).
+  std::optional<Lease> take(std::string_view memory_id);
+  /// The lease will be here, as `lease`, once the open transaction commits.
+  void stage(std::string_view memory_id, const Lease& lease);
+  /// What the database has not been told, marked told; kept until the transaction ends.
+  std::vector<Pending> drain();
+  /// A point in the open transaction (a job's savepoint), and the undo back to it.
+  using Mark = std::size_t;
+  Mark mark() const { return m_log.size(); }
+  void undo_to(Mark m);
+  /// The transaction committed: staged leases are published.
+  void committed();
+  /// The transaction rolled back: taken leases return, drained ones are pending again.
+  void rolled_back();
+
+  /// No renewal is answered here after this (the store stops).
+  void close();
+
+  std::size_t size() const;
+  /// Renewals answered here since the start.
+  std::uint64_t renewals() const { return m_renewals.load(std::memory_order_relaxed); }
+
+private:
+  using Key = std::array<std::uint8_t, 16>;
+  struct KeyHash {
+    std::size_t operator()(const Key& k) const noexcept;
+  };
+  struct Entry {
+    Lease lease;
+    bool pending = false; // renewed here since the database was last told
+  };
+  static std::optional<Key> key_of(std::string_view memory_id);
+  void put_back(const Key& k, const Lease& lease); // under m_mutex
+
+  std::array<std::uint8_t, 32> m_key{};
+  mutable std::mutex m_mutex;
+  std::unordered_map<Key, Entry, KeyHash> m_entries; // under m_mutex
+  std::vector<Key> m_pending;                        // under m_mutex: may name entries no longer pending
+  bool m_closed = false;                             // under m_mutex
+  std::atomic<std::uint64_t> m_renewals{0};
+  // The writer's, for the open transaction: takes and stages in order, and the drained.
+  struct Event {
+    bool take; // else a stage
+    Key key;
+    std::optional<Lease> lease; // a take's: what it took (nullopt: nothing was here)
+  };
+  std::vector<Event> m_log;
+  std::vector<Key> m_drained;
+};
+
+} // namespace mep::server
