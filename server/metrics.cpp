@@ -39,6 +39,8 @@ constexpr Family k_families[] = {
     {"mep_sqlite_commits_total", "counter", "SQLite group commits"},
     {"mep_sqlite_committed_requests_total", "counter", "Requests committed by SQLite group commits"},
     {"mep_sqlite_commit_duration_seconds", "histogram", "Time of one SQLite group COMMIT, fsync included"},
+    {"mep_sqlite_renewals_from_memory_total", "counter",
+     "Renewals answered from memory, without the SQLite writer (counted once a second)"},
     {"mep_sqlite_checkpoints_total", "counter",
      "SQLite WAL checkpoints, by who ran them (checkpointer: its own thread; writer: the commit thread)"},
     // PostgreSQL's claim batches (zero on SQLite): claims per batch is the ratio of the first two.

@@ -68,6 +68,12 @@ constexpr std::size_t k_max_group = 1024;
 // leave (about 1,000 frames), which are then written over in place, never cut and grown
 // again (cycles at 8 and 64 clients ran 10 % slower with 4 MiB).
 constexpr int k_wal_checkpoint_frames = 1000;
+// How long renewals answered from memory wait before they are written, at most, when no
+// other request comes (see "Renewals from memory").
+constexpr auto k_flush_delay = std::chrono::milliseconds(50);
+// Rows that ended this long before now, and no longer ago, are read by list_leases too: a
+// renewal from memory may have moved their expiry past now without the row knowing yet.
+constexpr std::int64_t k_unflushed_margin_ms = 60'000;
 constexpr std::int64_t k_wal_kept_bytes = 16 << 20;
 
 constexpr std::string_view k_schema_v1 = R"sql(
@@ -460,9 +466,35 @@ int lock_serving(const std::string& path) {
 // SPEC §9 asks; the price is that after a reboot a dead holder's lease lasts up to one TTL
 // longer. What it saves is an fsync per batch of renewals, and with it the stalls that
 // come with each on a busy disk.
+//
+// Renewals from memory. A serving store answers most renewals without the writer: once
+// the writer has renewed a lease (op_renew), it hands the lease to m_renewals, and later
+// renewals with the same token, tenant, name, owner and TTL are answered there by the
+// I/O thread (renew_from_memory), expiry = max(old, now + TTL) as op_renew would. The
+// database is told afterwards: the first such renewal wakes the writer, whose next batch
+// writes every expiry renewed since (flush_renewals, unsynced when nothing else is in the
+// batch). Two rules keep this safe:
+// * A lease is either in m_renewals or the writer's. Before the writer reads a lease row
+//   to act on it (classify, op_claim's conflicts, revoke, the sweep) it takes the lease out
+//   (settle), with a later expiry than the row's written back first; a renewal that comes
+//   after that misses and goes to the writer. So the writer never ends a lease on an
+//   expiry that a renewal from memory has moved, and no renewal from memory lands on a
+//   lease the writer ended. What a transaction takes and hands over is undone with it.
+// * A process that ends without flushing (a crash, kill -9) loses renewals it answered.
+//   The clock checkpoint is saved with the clock's reading at its batch's flush, so such a
+//   renewal came after the last checkpoint, on a lease whose row is live at it. A serving
+//   store marks the database while it serves and clears the mark when it stops (after a
+//   last, synced flush); started on a marked database in the same boot, it gives every
+//   lease live at the checkpoint at least its TTL from the start, which ends after any
+//   expiry a lost renewal promised (renewals from memory keep the TTL on disk). After a
+//   reboot the rule above does the same. The price, as for lost lazy commits: after a
+//   crash, a dead holder's lease may last up to one TTL longer.
+// Readers (get_lease, list_leases) see m_renewals' expiries over the rows'.
 
 namespace {
 constexpr std::string_view k_clock_key = "lease_clock_checkpoint";
+// Present while a process serves the database (see "Renewals from memory").
+constexpr std::string_view k_serving_key = "serving";
 } // namespace
 
 void SqliteStore::anchor_clock() {
@@ -482,14 +514,29 @@ void SqliteStore::anchor_clock() {
       }
     }
   }
+  bool crashed = false; // the last process that served it ended without its last flush
+  if (m_serving) {
+    Use s(m_db->prepare("SELECT 1 FROM settings WHERE key = ?1"));
+    s->bind(1, k_serving_key);
+    crashed = s->step();
+  }
   if (!saved_ms) { // a new database: the wall clock it is, saved at once (see "Renewals")
-    save_clock_checkpoint(*m_db, m_clock.now());
+    save_clock_checkpoint(*m_db, {m_clock.now(), boot_ms()});
     return;
   }
   const std::string boot = boot_id();
   if (!boot.empty() && boot == saved_boot) {
     const std::int64_t since = std::max<std::int64_t>(0, boot_ms() - saved_boot_ms);
-    m_clock = LeaseClock(*saved_ms + since);
+    const UnixMs start = *saved_ms + since;
+    m_clock = LeaseClock(start);
+    if (!crashed) return;
+    Use u(m_db->prepare("UPDATE leases SET expires_at = ?1 + ttl_seconds * 1000 "
+                        "WHERE expires_at > ?2 AND ?1 + ttl_seconds * 1000 > expires_at"));
+    u->bind(1, start).bind(2, *saved_ms).run();
+    if (m_db->changes() > 0)
+      log::info("the last server of this database did not stop cleanly: {} leases live at the last clock "
+                "checkpoint keep at least their TTL",
+                m_db->changes());
     return;
   }
   const UnixMs start = std::max(now_unix_ms(), *saved_ms);
@@ -503,10 +550,10 @@ void SqliteStore::anchor_clock() {
               m_db->changes());
 }
 
-void SqliteStore::save_clock_checkpoint(Db& db, UnixMs now) {
+void SqliteStore::save_clock_checkpoint(Db& db, std::pair<UnixMs, std::int64_t> at) {
   Use s(db.prepare("INSERT INTO settings(key, value) VALUES (?1, ?2) "
                    "ON CONFLICT(key) DO UPDATE SET value = excluded.value"));
-  s->bind(1, k_clock_key).bind(2, fmt::format("{} {} {}", now, boot_ms(), boot_id())).run();
+  s->bind(1, k_clock_key).bind(2, fmt::format("{} {} {}", at.first, at.second, boot_id())).run();
 }
 
 // ---- construction and the writer -------------------------------------------------------
@@ -519,6 +566,7 @@ SqliteStore::SqliteStore(const std::string& url, bool create, int writer_nice, b
   // grants' state from two group-commit writers that know nothing of each other's caches.
   // Short commands (mep token, mep migrate) do not serve and may run beside it.
   if (serving) m_serving_lock = lock_serving(m_path);
+  m_serving = serving;
   m_db = std::make_unique<Db>(m_path, sqlite::Mode::read_write_create);
   m_db->exec("PRAGMA journal_mode=WAL");
   m_db->exec("PRAGMA synchronous=FULL");
@@ -529,6 +577,10 @@ SqliteStore::SqliteStore(const std::string& url, bool create, int writer_nice, b
   migrate();
   refresh_migration_state(*m_db);
   anchor_clock();
+  if (m_serving) { // synced (synchronous=FULL): a crash from here on is seen at the next start
+    Use s(m_db->prepare("INSERT INTO settings(key, value) VALUES (?1, '1') ON CONFLICT(key) DO NOTHING"));
+    s->bind(1, k_serving_key).run();
+  }
   m_checkpoint_db = std::make_unique<Db>(m_path, sqlite::Mode::read_write_create);
   m_checkpoint_db->exec("PRAGMA synchronous=FULL");
   ::sqlite3_wal_hook(m_db->handle(), &SqliteStore::on_wal_commit, this); // replaces SQLite's own checkpoints
@@ -661,8 +713,13 @@ void SqliteStore::writer_loop() {
   for (;;) {
     {
       std::unique_lock lock(m_mutex);
-      m_cv.wait(lock, [&] { return !m_queue.empty() || m_stopping; });
-      if (m_queue.empty() && m_stopping) return;
+      m_cv.wait(lock, [&] { return !m_queue.empty() || m_stopping || m_flush_wanted; });
+      // Renewals from memory alone wait a little for more, and for requests to flush with:
+      // a lease renewed again meanwhile is written once.
+      if (m_queue.empty() && !m_stopping)
+        m_cv.wait_for(lock, k_flush_delay, [&] { return !m_queue.empty() || m_stopping; });
+      if (m_queue.empty() && m_stopping) break;
+      m_flush_wanted = false; // an empty batch flushes m_renewals all the same
       std::size_t n = std::min(m_queue.size(), k_max_group);
       batch.assign(std::make_move_iterator(m_queue.begin()),
                    std::make_move_iterator(m_queue.begin() + static_cast<std::ptrdiff_t>(n)));
@@ -671,6 +728,25 @@ void SqliteStore::writer_loop() {
     run_batch(batch);
     batch.clear();
   }
+  stop_serving();
+}
+
+void SqliteStore::stop_serving() {
+  if (!m_serving) return;
+  std::vector<Job> last;
+  last.push_back(Job{[](Db& db, UnixMs) {
+                       Use s(db.prepare("DELETE FROM settings WHERE key = ?1"));
+                       s->bind(1, k_serving_key).run();
+                     },
+                     [](std::optional<Problem> failure) {
+                       if (failure) log::warn("the last renewals could not be written: the next start extends leases");
+                     },
+                     {},
+                     /*careful=*/true,
+                     /*lazy=*/false});
+  m_complete = nullptr; // the I/O threads may be gone: answered here
+  m_renewals.close();   // a renewal from here on goes to the (stopped) writer, not to memory
+  run_batch(last);
 }
 
 // ---- checkpoints ----------------------------------------------------------------------------
@@ -763,6 +839,7 @@ struct NeedsCarefulRun {};
 void SqliteStore::run_batch(std::vector<Job>& batch) {
   std::vector<std::optional<Problem>> failures(batch.size());
   auto fail_batch = [&] {
+    m_renewals.rolled_back();
     m_healthy = false;
     for (auto& job : batch) job.done(db_unavailable());
   };
@@ -790,7 +867,17 @@ void SqliteStore::run_batch(std::vector<Job>& batch) {
       log::error("database error: {}", e.what());
       return fail_batch();
     }
-    Pass pass = run_jobs(batch, failures, careful);
+    // The clock's reading before the flush: what a checkpoint saved in this batch holds
+    // (see "Renewals from memory").
+    m_flushed_at = {m_clock.now(), boot_ms()};
+    Pass pass = Pass::done;
+    try {
+      flush_renewals(*m_db);
+    } catch (const sqlite::Error& e) {
+      log::error("database error: {}", e.what());
+      pass = Pass::aborted; // the batch fails with it: rolled back below, renewals pending again
+    }
+    if (pass == Pass::done) pass = run_jobs(batch, failures, careful);
     // Requests that arrived while the batch ran join it before the COMMIT: one more fsync
     // shared instead of a batch of their own after this one's.
     for (std::size_t n; pass == Pass::done && (n = extend_batch(batch, careful, m_lazy_commits, began)) > 0;) {
@@ -806,6 +893,7 @@ void SqliteStore::run_batch(std::vector<Job>& batch) {
         pass = Pass::aborted;
       }
     }
+    m_renewals.rolled_back();
     if (pass == Pass::aborted || careful) return fail_batch();
     log::debug("a batch of {} requests runs again, each in a savepoint", batch.size());
     careful = true;
@@ -820,15 +908,18 @@ void SqliteStore::run_batch(std::vector<Job>& batch) {
                     std::chrono::duration<double>(std::chrono::steady_clock::now() - started).count());
     metrics.inc("mep_sqlite_commits_total", deferred ? "sync=\"deferred\"" : "sync=\"fsync\"");
     metrics.inc("mep_sqlite_committed_requests_total", {}, static_cast<double>(batch.size()));
+    m_renewals.committed();
     m_healthy = true;
   } catch (const sqlite::Error& e) {
     log::error("commit failed: {}", e.what());
     try {
       m_db->exec("ROLLBACK");
     } catch (...) {}
+    m_renewals.rolled_back();
     m_healthy = false;
     for (auto& f : failures) f = db_unavailable();
   }
+  if (batch.empty()) return; // a flush alone
   if (m_complete) {
     // One hand-over for the whole batch (see Store::set_completion_executor): the replies
     // are rendered and written by the I/O threads, not here. run_sync's callers wait on
@@ -873,6 +964,7 @@ SqliteStore::Pass SqliteStore::run_jobs(std::vector<Job>& batch, std::vector<std
   m_careful = careful;
   for (std::size_t i = from; i < batch.size(); ++i) {
     const std::int64_t before = m_db->total_changes();
+    const RenewalTable::Mark mark = m_renewals.mark();
     try {
       if (careful) Use(m_db->prepare("SAVEPOINT job"))->run();
       m_pending_audit.clear();
@@ -894,6 +986,7 @@ SqliteStore::Pass SqliteStore::run_jobs(std::vector<Job>& batch, std::vector<std
       if (careful) {
         try {
           m_db->exec("ROLLBACK TO job; RELEASE job");
+          m_renewals.undo_to(mark);
         } catch (const sqlite::Error& e2) {
           log::error("rollback of a request failed: {}", e2.what());
           return Pass::aborted;
@@ -1080,10 +1173,59 @@ expected<LeaseRow, Problem> SqliteStore::classify(Db& db, UnixMs now, const Ctx&
     return make_unexpected(std::move(p));
   }
   auto lease = lease_by_memory(db, memory_id);
+  if (lease) settle(db, *lease);
   if (!lease || lease->fencing_token != token || lease->expires_at <= now)
     return make_unexpected(
         Problem(Code::lease_expired, fmt::format("the lease with fencing token {} has ended", token)));
   return *lease;
+}
+
+// ---- renewals from memory (see the notes at the lease clock) ----------------------------------
+
+namespace {
+// A renewal from memory, written to its row (unless the row was released or granted again).
+void write_renewal(Db& db, const std::string& memory_id, const RenewalTable::Lease& l) {
+  Use s(db.prepare("UPDATE leases SET expires_at = ?2, ttl_seconds = ?3 "
+                   "WHERE memory_id = ?1 AND fencing_token = ?4 AND expires_at < ?2 AND expires_at != ?5"));
+  s->bind(1, memory_id).bind(2, l.expires_at).bind(3, l.ttl_s).bind(4, l.fencing_token).bind(5, k_released).run();
+}
+} // namespace
+
+void SqliteStore::settle(Db& db, LeaseRow& row) {
+  auto kept = m_renewals.take(row.memory_id);
+  if (!kept || kept->fencing_token != row.fencing_token || kept->expires_at <= row.expires_at ||
+      row.expires_at == k_released)
+    return;
+  write_renewal(db, row.memory_id, *kept);
+  row.expires_at = kept->expires_at;
+  row.ttl_s = kept->ttl_s;
+}
+
+void SqliteStore::overlay(LeaseRow& row) const {
+  if (!m_serving || row.expires_at == k_released) return;
+  if (auto l = m_renewals.find(row.memory_id, row.fencing_token); l && l->expires_at > row.expires_at)
+    row.expires_at = l->expires_at;
+}
+
+void SqliteStore::flush_renewals(Db& db) {
+  for (const auto& p : m_renewals.drain()) write_renewal(db, p.memory_id, p.lease);
+}
+
+std::optional<lease::Renewed> SqliteStore::renew_from_memory(const Ctx& ctx, const LeaseRef& ref) {
+  if (!m_serving) return std::nullopt;
+  const UnixMs now = m_clock.now();
+  auto r =
+      m_renewals.renew(ref.memory_id, ref.fencing_token,
+                       m_renewals.tag(ctx.auth.tenant_id, ref.canonical_name, ref.owner_client_id), ref.ttl_s, now);
+  if (!r) return std::nullopt;
+  if (r->first_pending) {
+    {
+      std::lock_guard lock(m_mutex);
+      m_flush_wanted = true;
+    }
+    m_cv.notify_one();
+  }
+  return lease::Renewed{r->expires_at, ref.ttl_s, now};
 }
 
 // ---- operations -------------------------------------------------------------------------
@@ -1129,6 +1271,7 @@ expected<lease::Grant, Problem> SqliteStore::op_claim(Db& db, UnixMs now, const 
     s->bind(1, name.canonical_name).bind(2, name.skeleton).bind(3, req.memory_id);
     while (s->step()) {
       LeaseRow row = read_lease(*s);
+      settle(db, row);
       (row.expires_at <= now ? expired : live).push_back(std::move(row));
     }
   }
@@ -1265,25 +1408,40 @@ expected<lease::Renewed, Problem> SqliteStore::op_renew(Db& db, UnixMs now, cons
   UnixMs expires = std::max(lease->expires_at, now + ref.ttl_s * 1000);
   Use s(db.prepare("UPDATE leases SET expires_at = ?1, ttl_seconds = ?2 WHERE memory_id = ?3"));
   s->bind(1, expires).bind(2, ref.ttl_s).bind(3, lease->memory_id).run();
+  // Its next renewals are answered from memory (once this commits).
+  if (m_serving)
+    m_renewals.stage(lease->memory_id, {lease->fencing_token, ref.ttl_s, expires,
+                                        m_renewals.tag(ctx.auth.tenant_id, ref.canonical_name, ref.owner_client_id)});
   return lease::Renewed{expires, ref.ttl_s, now};
 }
 
 void SqliteStore::renew(const Ctx& ctx, LeaseRef ref, Then<lease::Renewed> then) {
+  if (auto r = renew_from_memory(ctx, ref)) return then(Outcome<lease::Renewed>(*r));
   submit<lease::Renewed>([this, ctx, ref = std::move(ref)](
                              Db& db, UnixMs now) { return Outcome<lease::Renewed>(op_renew(db, now, ctx, ref)); },
                          std::move(then), ctx.request_id, /*lazy=*/true);
 }
 
 void SqliteStore::renew_batch(const Ctx& ctx, RenewBatch req, Then<lease::RenewBatchResult> then) {
+  // The leases renewed from memory are answered in place; the others go to the writer.
+  lease::RenewBatchResult out;
+  out.results.resize(req.leases.size());
+  std::vector<std::size_t> left;
+  for (std::size_t i = 0; i < req.leases.size(); ++i) {
+    auto& ref = req.leases[i];
+    if (ref.owner_client_id.empty()) ref.owner_client_id = req.owner_client_id;
+    if (auto r = renew_from_memory(ctx, ref))
+      out.results[i] = renew_item(ref.canonical_name, *r);
+    else
+      left.push_back(i);
+  }
+  if (left.empty()) return then(Outcome<lease::RenewBatchResult>(std::move(out)));
   submit<lease::RenewBatchResult>(
-      [this, ctx, req = std::move(req)](Db& db, UnixMs now) {
-        lease::RenewBatchResult out;
-        out.results.reserve(req.leases.size());
-        for (auto ref : req.leases) {
-          if (ref.owner_client_id.empty()) ref.owner_client_id = req.owner_client_id;
-          out.results.push_back(renew_item(ref.canonical_name, op_renew(db, now, ctx, ref)));
-        }
-        return Outcome<lease::RenewBatchResult>(std::move(out));
+      [this, ctx, req = std::move(req), out = std::move(out), left = std::move(left)](Db& db, UnixMs now) {
+        lease::RenewBatchResult res = out; // a batch may run twice (run_batch)
+        for (std::size_t i : left)
+          res.results[i] = renew_item(req.leases[i].canonical_name, op_renew(db, now, ctx, req.leases[i]));
+        return Outcome<lease::RenewBatchResult>(std::move(res));
       },
       std::move(then), ctx.request_id, /*lazy=*/true);
 }
@@ -1365,6 +1523,7 @@ void SqliteStore::revoke(const Ctx& ctx, std::string canonical_name, Then<Revoke
   submit<Revoked>(
       [this, ctx, canonical_name = std::move(canonical_name)](Db& db, UnixMs now) -> Outcome<Revoked> {
         auto lease = lease_by_name(db, canonical_name);
+        if (lease) settle(db, *lease);
         if (!lease || lease->tenant_id != ctx.auth.tenant_id || lease->expires_at <= now)
           return Problem(Code::lease_not_found, "no live lease under this name");
         delete_lease(db, lease->memory_id);
@@ -1380,6 +1539,7 @@ void SqliteStore::get_lease(const Ctx& ctx, std::string canonical_name, Then<lea
   read<lease::LeaseInfo>(
       [&](Db& db, UnixMs now) -> Outcome<lease::LeaseInfo> {
         auto lease = lease_by_name(db, canonical_name);
+        if (lease) overlay(*lease);
         if (!lease || lease->tenant_id != ctx.auth.tenant_id || lease->expires_at <= now)
           return Problem(Code::lease_not_found, "no live lease of this tenant under this name");
         return to_lease_info(*lease, now);
@@ -1392,22 +1552,27 @@ void SqliteStore::list_leases(const Ctx& ctx, ListLeases req, Then<lease::LeaseP
       [&](Db& db, UnixMs now) -> Outcome<lease::LeasePage> {
         // Two statements, so each is planned onto its index (leases_owner_name or
         // leases_tenant_name) in name order; no name is empty, so "" starts the first page.
+        // No LIMIT: rows that ended lately are read too (k_unflushed_margin_ms), and the
+        // page stops reading once full.
         static const std::string by_tenant =
             fmt::format("SELECT {} FROM leases WHERE tenant_id = ?1 AND canonical_name > ?3 AND expires_at > ?2 "
-                        "ORDER BY canonical_name LIMIT ?4",
+                        "ORDER BY canonical_name",
                         k_lease_cols);
         static const std::string by_owner =
-            fmt::format("SELECT {} FROM leases WHERE tenant_id = ?1 AND owner_client_id = ?5 AND canonical_name > ?3 "
-                        "AND expires_at > ?2 ORDER BY canonical_name LIMIT ?4",
+            fmt::format("SELECT {} FROM leases WHERE tenant_id = ?1 AND owner_client_id = ?4 AND canonical_name > ?3 "
+                        "AND expires_at > ?2 ORDER BY canonical_name",
                         k_lease_cols);
         Use s(db.prepare(req.owner_client_id ? by_owner : by_tenant));
         s->bind(1, ctx.auth.tenant_id)
-            .bind(2, now)
-            .bind(3, req.cursor.value_or(""))
-            .bind(4, static_cast<std::int64_t>(req.limit + 1));
-        if (req.owner_client_id) s->bind(5, *req.owner_client_id);
+            .bind(2, std::max<UnixMs>(k_released, now - k_unflushed_margin_ms))
+            .bind(3, req.cursor.value_or(""));
+        if (req.owner_client_id) s->bind(4, *req.owner_client_id);
         LeasePageBuilder page(req.limit);
-        while (s->step() && page.add(read_lease(*s), now)) {}
+        for (bool more = true; more && s->step();) {
+          LeaseRow row = read_lease(*s);
+          overlay(row);
+          if (row.expires_at > now) more = page.add(row, now);
+        }
         return page.take();
       },
       then);
@@ -1537,7 +1702,8 @@ void SqliteStore::identity_map(const Ctx& ctx, std::optional<std::string> cursor
 std::int64_t SqliteStore::sweep() {
   return run_sync<std::int64_t>([this](Db& db, UnixMs now) {
     refresh_migration_state(db);
-    save_clock_checkpoint(db, now);
+    save_clock_checkpoint(db, m_flushed_at);
+    Metrics::global().set("mep_sqlite_renewals_from_memory_total", static_cast<double>(m_renewals.renewals()));
     std::int64_t removed = 0;
     std::vector<LeaseRow> expired;
     {
@@ -1547,7 +1713,9 @@ std::int64_t SqliteStore::sweep() {
       s->bind(1, now);
       while (s->step()) expired.push_back(read_lease(*s));
     }
-    for (const auto& e : expired) {
+    for (auto& e : expired) {
+      settle(db, e);
+      if (e.expires_at > now) continue; // renewed from memory
       delete_lease(db, e.memory_id);
       if (e.expires_at != k_released)
         audit(e.tenant_id, "LEASE_EXPIRED", e.canonical_name, e.memory_id, e.fencing_token);

@@ -1,6 +1,7 @@
 // The SQLite implementation of Store: embedded, one process, group commit.
 #pragma once
 #include "mep/crypto.hpp"
+#include "mep/renewal_table.hpp"
 #include "mep/sqlite.hpp"
 #include "mep/store.hpp"
 #include "mep/token_cache.hpp"
@@ -143,6 +144,17 @@ private:
                                        std::int64_t token, Code not_found);
   expected<lease::Grant, Problem> op_claim(sqlite::Db& db, UnixMs now, const Ctx& ctx, const Claim& req);
   expected<lease::Renewed, Problem> op_renew(sqlite::Db& db, UnixMs now, const Ctx& ctx, const LeaseRef& ref);
+  /// The renewal answered from memory, when it can be (see "Renewals from memory").
+  std::optional<lease::Renewed> renew_from_memory(const Ctx& ctx, const LeaseRef& ref);
+  /// Writer: takes the lease of `row` out of m_renewals before the writer acts on the row;
+  /// a later expiry a renewal from memory gave it goes into `row` and the database.
+  void settle(sqlite::Db& db, LeaseRow& row);
+  /// Readers: a later expiry that a renewal from memory gave `row`'s lease.
+  void overlay(LeaseRow& row) const;
+  /// Writer: writes what m_renewals has not told the database yet (run_batch).
+  void flush_renewals(sqlite::Db& db);
+  /// Writer, when the store stops: the last flush, synced, and the serving mark removed.
+  void stop_serving();
 
   // Audit rows are collected while a job runs and written after its savepoint is
   // resolved, so rejected requests (stale fences, name conflicts) are audited too.
@@ -150,7 +162,8 @@ private:
              std::optional<std::int64_t> token);
   /// Sets m_clock from the saved checkpoint (see the lease clock's notes in sqlite_store.cpp).
   void anchor_clock();
-  void save_clock_checkpoint(sqlite::Db& db, UnixMs now);
+  /// Saves `at` (a lease-clock reading and CLOCK_BOOTTIME then) as the clock's checkpoint.
+  void save_clock_checkpoint(sqlite::Db& db, std::pair<UnixMs, std::int64_t> at);
   void write_pending_audit();
   /// The tenant's audit HMAC, keyed by its salt (read once per tenant).
   const HmacSha256& audit_mac(sqlite::Db& db, const std::string& tenant_id);
@@ -170,10 +183,14 @@ private:
   int m_wal_retry_at = 0;                         // writer thread only: no checkpoint of its own below this length
   int m_wal_writer_frames;                        // its own checkpoint after commits that were not synced
   std::map<std::string, HmacSha256> m_audit_macs; // writer thread only
+  bool m_serving = false;                         // this process serves the database (see the constructor)
+  RenewalTable m_renewals;                        // renewals answered from memory (serving only)
+  std::pair<UnixMs, std::int64_t> m_flushed_at{}; // writer thread only: clock and boot time of the last flush
 
   std::mutex m_mutex;
   std::condition_variable m_cv;
   std::deque<Job> m_queue;
+  bool m_flush_wanted = false; // under m_mutex: m_renewals has renewals the database was not told
   bool m_stopping = false;
   std::atomic<bool> m_healthy{true};
   std::atomic<bool> m_migration_in_progress{false};

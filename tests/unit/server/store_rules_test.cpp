@@ -28,7 +28,10 @@ namespace {
 // a PostgreSQL database without seeing each other).
 class Rig {
 public:
-  explicit Rig(const std::string& url) : store(open_store(url)) {
+  // `serving`: a serving SQLite store, which answers a lease's renewals from memory once
+  // the commit thread has renewed it; every renewal is then sent twice (see renew).
+  explicit Rig(const std::string& url, bool serving = false)
+      : store(open_store(url, StoreOptions{.serving = serving})), m_twice(serving) {
     tag = uuid_v7().to_string().substr(24); // the random tail: names and tenants unique per case
     ctx = context("tenant-" + tag);
   }
@@ -90,8 +93,15 @@ public:
     return LeaseRef{g.canonical_name, g.memory_id, g.fencing_token, owner, ttl};
   }
 
+  // Twice on a serving store: the second is answered from memory when the first succeeded,
+  // and must answer alike (its expiry is at least the first's).
   Outcome<lease::Renewed> renew(const LeaseRef& r, const Ctx* c = nullptr) {
-    return wait<lease::Renewed>([&](auto then) { store->renew(c ? *c : ctx, r, then); });
+    auto once = wait<lease::Renewed>([&](auto then) { store->renew(c ? *c : ctx, r, then); });
+    if (!m_twice) return once;
+    auto twice = wait<lease::Renewed>([&](auto then) { store->renew(c ? *c : ctx, r, then); });
+    REQUIRE(twice.ok() == once.ok());
+    if (once.ok()) CHECK(twice.value->expires_at >= once.value->expires_at);
+    return twice;
   }
   Outcome<Released> release(const LeaseRef& r, const Ctx* c = nullptr) {
     return wait<Released>([&](auto then) { store->release(c ? *c : ctx, r, then); });
@@ -106,6 +116,7 @@ public:
 
 private:
   std::unique_ptr<LeaseService> m_service;
+  bool m_twice = false;
 };
 
 Code code_of(const auto& outcome) {
@@ -422,10 +433,10 @@ const Case k_cases[] = {
      }},
 };
 
-void run_all(const std::function<std::string()>& url) {
+void run_all(const std::function<std::string()>& url, bool serving = false) {
   for (const auto& c : k_cases) {
     DYNAMIC_SECTION(c.name) {
-      Rig rig(url());
+      Rig rig(url(), serving);
       c.run(rig);
     }
   }
@@ -437,6 +448,13 @@ TEST_CASE("lease rules on SQLite", "[store][sqlite]") {
   test::TempDir dir("mep-store-rules"); // a fresh SQLite file per case
   int n = 0;
   run_all([&] { return "sqlite:" + (dir.path / ("case-" + std::to_string(++n) + ".db")).string(); });
+}
+
+TEST_CASE("lease rules on a serving SQLite store, renewals answered from memory", "[store][sqlite][renewals]") {
+  test::TempDir dir("mep-store-rules-serving");
+  int n = 0;
+  run_all([&] { return "sqlite:" + (dir.path / ("case-" + std::to_string(++n) + ".db")).string(); },
+          /*serving=*/true);
 }
 
 TEST_CASE("lease rules on PostgreSQL (MEP_TEST_PG_URL)", "[store][pg]") {
