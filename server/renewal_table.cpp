@@ -12,7 +12,10 @@
 
 namespace mep::server {
 
-RenewalTable::RenewalTable() { random_bytes(m_key.data(), m_key.size()); }
+RenewalTable::RenewalTable() {
+  static_assert(sizeof(Entry) <= 40, "a map node of 64 bytes holds a lease");
+  random_bytes(m_key.data(), m_key.size());
+}
 
 RenewalTable::Tag RenewalTable::tag(std::string_view tenant_id, std::string_view canonical_name,
                                     std::string_view owner_client_id) const {
@@ -58,9 +61,8 @@ std::optional<RenewalTable::Renewal> RenewalTable::renew(std::string_view memory
   auto it = m_entries.find(*k);
   if (it == m_entries.end() || m_closed) return std::nullopt;
   Entry& e = it->second;
-  if (e.lease.fencing_token != token || e.lease.who != who || e.lease.ttl_s != ttl_s || e.lease.expires_at <= now)
-    return std::nullopt;
-  e.lease.expires_at = std::max(e.lease.expires_at, now + ttl_s * 1000);
+  if (e.fencing_token != token || e.who != who || e.ttl_s != ttl_s || e.expires_at <= now) return std::nullopt;
+  e.expires_at = std::max(e.expires_at, now + ttl_s * 1000);
   bool first = false;
   if (!e.pending) {
     e.pending = true;
@@ -68,7 +70,7 @@ std::optional<RenewalTable::Renewal> RenewalTable::renew(std::string_view memory
     m_pending.push_back(*k);
   }
   m_renewals.fetch_add(1, std::memory_order_relaxed);
-  return Renewal{e.lease.expires_at, first};
+  return Renewal{e.expires_at, first};
 }
 
 std::optional<RenewalTable::Lease> RenewalTable::find(std::string_view memory_id, std::int64_t token) const {
@@ -76,8 +78,8 @@ std::optional<RenewalTable::Lease> RenewalTable::find(std::string_view memory_id
   if (!k) return std::nullopt;
   std::lock_guard lock(m_mutex);
   auto it = m_entries.find(*k);
-  if (it == m_entries.end() || it->second.lease.fencing_token != token) return std::nullopt;
-  return it->second.lease;
+  if (it == m_entries.end() || it->second.fencing_token != token) return std::nullopt;
+  return it->second.lease();
 }
 
 std::optional<RenewalTable::Lease> RenewalTable::take(std::string_view memory_id) {
@@ -91,8 +93,8 @@ std::optional<RenewalTable::Lease> RenewalTable::take(std::string_view memory_id
   }
   const Entry e = it->second;
   m_entries.erase(it);
-  m_log.push_back(Event{true, *k, e.lease});
-  return e.lease;
+  m_log.push_back(Event{true, *k, e.lease()});
+  return e.lease();
 }
 
 void RenewalTable::stage(std::string_view memory_id, const Lease& lease) {
@@ -107,7 +109,7 @@ std::vector<RenewalTable::Pending> RenewalTable::drain() {
     auto it = m_entries.find(k);
     if (it == m_entries.end() || !it->second.pending) continue;
     it->second.pending = false;
-    out.push_back(Pending{Uuid{k}.to_string(), it->second.lease});
+    out.push_back(Pending{Uuid{k}.to_string(), it->second.lease()});
     m_drained.push_back(k);
   }
   m_pending.clear();
@@ -116,8 +118,8 @@ std::vector<RenewalTable::Pending> RenewalTable::drain() {
 
 void RenewalTable::put_back(const Key& k, const Lease& lease) {
   auto [it, inserted] = m_entries.try_emplace(k, Entry{lease, false});
-  if (!inserted && it->second.lease.fencing_token == lease.fencing_token)
-    it->second.lease.expires_at = std::max(it->second.lease.expires_at, lease.expires_at);
+  if (!inserted && it->second.fencing_token == lease.fencing_token)
+    it->second.expires_at = std::max(it->second.expires_at, lease.expires_at);
   if (!it->second.pending) {
     it->second.pending = true;
     m_pending.push_back(k);
