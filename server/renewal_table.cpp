@@ -138,6 +138,8 @@ void RenewalTable::undo_to(Mark m) {
 }
 
 void RenewalTable::committed() {
+  m_drained.clear();
+  if (m_log.empty()) return; // most commits: nothing taken or staged, no lock, no map
   // A lease staged, then taken by a later job of the transaction (released, say), is not
   // published; one taken, then staged (a renewal by the writer) is.
   std::unordered_map<Key, const Lease*, KeyHash> publish;
@@ -150,7 +152,6 @@ void RenewalTable::committed() {
   std::lock_guard lock(m_mutex);
   for (const auto& [k, lease] : publish) m_entries.insert_or_assign(k, Entry{*lease, false});
   m_log.clear();
-  m_drained.clear();
 }
 
 void RenewalTable::rolled_back() {
