@@ -1,6 +1,7 @@
 // mep: the command-line interface (SPEC §7). One file per command; this file wires them.
 #include "commands.hpp"
 
+#include "mep/allocator.hpp"
 #include "mep/problem.hpp"
 
 #include <CLI/CLI.hpp>
@@ -13,6 +14,7 @@
 #endif
 
 int main(int argc, char** argv) {
+  mep::tune_allocator(); // before the server and the store allocate
   using namespace mep::cli;
   // 1. Declare the global options and every command.
   CLI::App app{"mep: globally unique agent names and fenced leases on .uai memory files", "mep"};

@@ -1,5 +1,6 @@
 // mepd: the host daemon (SPEC §7). Local agents attach over a Unix socket; the daemon
 // claims and renews their leases against the control plane (remote, or embedded).
+#include "mep/allocator.hpp"
 #include "mep/config.hpp"
 #include "mep/control_plane.hpp"
 #include "mep/data_plane.hpp"
@@ -76,6 +77,7 @@ int inherited_socket() {
 } // namespace
 
 int main(int argc, char** argv) {
+  mep::tune_allocator();
   mep::log::set_program("mepd");
   mep::http::raise_open_files_limit(); // one descriptor per agent connection
   // 1. Options: flags > MEP_* environment > ~/.config/mep/config.toml > defaults.

@@ -1,0 +1,17 @@
+// What the allocator of the binaries that serve (mep, mepd) keeps for itself.
+#pragma once
+#include <cstddef>
+
+namespace mep {
+
+/// The bound tune_allocator() puts on the bytes TCMalloc keeps in its per-thread caches,
+/// all threads together (its own default is 32 MiB).
+inline constexpr std::size_t k_thread_cache_bytes = 2u << 20;
+
+/// Called first in main by mep and mepd. With TCMalloc: bounds its per-thread caches to
+/// k_thread_cache_bytes, unless TCMALLOC_MAX_TOTAL_THREAD_CACHE_BYTES is set (the
+/// operator's choice stands). Without TCMalloc (a sanitizer build, -DMEP_TCMALLOC=OFF):
+/// nothing. Returns whether TCMalloc is the allocator.
+bool tune_allocator() noexcept;
+
+} // namespace mep
