@@ -19,7 +19,7 @@ namespace {
   std::abort();
 }
 
-const EVP_MD* sha256() {
+const EVP_MD* sha256_md() {
   static EVP_MD* md = [] {
     EVP_MD* m = EVP_MD_fetch(nullptr, "SHA256", nullptr);
     if (!m) crypto_failure("SHA-256 fetch");
@@ -55,17 +55,22 @@ std::string hex_lower(const void* data, std::size_t n) {
   return out;
 }
 
-std::string sha256_hex(std::string_view data) {
+Sha256 sha256(std::string_view data) {
   struct Free {
     void operator()(EVP_MD_CTX* c) const { EVP_MD_CTX_free(c); }
   };
   thread_local std::unique_ptr<EVP_MD_CTX, Free> ctx(new_ctx());
-  unsigned char md[k_digest];
+  Sha256 md;
   unsigned int len = 0;
-  check(EVP_DigestInit_ex(ctx.get(), sha256(), nullptr), "digest init");
+  check(EVP_DigestInit_ex(ctx.get(), sha256_md(), nullptr), "digest init");
   check(EVP_DigestUpdate(ctx.get(), data.data(), data.size()), "digest update");
-  check(EVP_DigestFinal_ex(ctx.get(), md, &len), "digest final");
-  return hex_lower(md, len);
+  check(EVP_DigestFinal_ex(ctx.get(), md.data(), &len), "digest final");
+  return md;
+}
+
+std::string sha256_hex(std::string_view data) {
+  const Sha256 md = sha256(data);
+  return hex_lower(md.data(), md.size());
 }
 
 std::pair<std::string, std::string> hmac_sha256_pads(std::string_view key) {
@@ -73,7 +78,7 @@ std::pair<std::string, std::string> hmac_sha256_pads(std::string_view key) {
   if (k.size() > k_block) {
     unsigned char md[k_digest];
     unsigned int len = 0;
-    if (EVP_Digest(k.data(), k.size(), md, &len, sha256(), nullptr) != 1) crypto_failure("digest");
+    if (EVP_Digest(k.data(), k.size(), md, &len, sha256_md(), nullptr) != 1) crypto_failure("digest");
     k.assign(reinterpret_cast<const char*>(md), len);
   }
   k.resize(k_block, '\0');
@@ -88,9 +93,9 @@ std::pair<std::string, std::string> hmac_sha256_pads(std::string_view key) {
 
 HmacSha256::HmacSha256(std::string_view key) : m_inner(new_ctx()), m_outer(new_ctx()), m_work(new_ctx()) {
   auto [inner, outer] = hmac_sha256_pads(key);
-  check(EVP_DigestInit_ex(m_inner, sha256(), nullptr), "digest init");
+  check(EVP_DigestInit_ex(m_inner, sha256_md(), nullptr), "digest init");
   check(EVP_DigestUpdate(m_inner, inner.data(), inner.size()), "digest update");
-  check(EVP_DigestInit_ex(m_outer, sha256(), nullptr), "digest init");
+  check(EVP_DigestInit_ex(m_outer, sha256_md(), nullptr), "digest init");
   check(EVP_DigestUpdate(m_outer, outer.data(), outer.size()), "digest update");
   OPENSSL_cleanse(inner.data(), inner.size());
   OPENSSL_cleanse(outer.data(), outer.size());

@@ -1,14 +1,12 @@
 // Renewals answered from memory: see renewal_table.hpp and sqlite_store.cpp.
 #include "mep/renewal_table.hpp"
 
+#include "mep/crypto.hpp"
 #include "mep/random.hpp"
 #include "mep/uuid.hpp"
 
-#include <openssl/evp.h>
-
 #include <algorithm>
 #include <cstring>
-#include <stdexcept>
 
 namespace mep::server {
 
@@ -28,12 +26,9 @@ RenewalTable::Tag RenewalTable::tag(std::string_view tenant_id, std::string_view
     in.append(reinterpret_cast<const char*>(&n), sizeof n);
     in.append(part);
   }
-  unsigned char digest[EVP_MAX_MD_SIZE];
-  unsigned int len = 0;
-  if (EVP_Digest(in.data(), in.size(), digest, &len, EVP_sha256(), nullptr) != 1 || len < 16)
-    throw std::runtime_error("SHA-256 failed");
+  const Sha256 digest = sha256(in);
   Tag t;
-  std::memcpy(t.data(), digest, t.size());
+  std::memcpy(t.data(), digest.data(), t.size());
   return t;
 }
 

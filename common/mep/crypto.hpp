@@ -1,6 +1,8 @@
 // Hashes for tokens, fingerprints and audit redaction (OpenSSL).
 #pragma once
+#include <array>
 #include <cstddef>
+#include <cstdint>
 #include <string>
 #include <string_view>
 #include <utility>
@@ -11,6 +13,10 @@ namespace mep {
 
 /// `n` bytes as 2n lower-case hex digits.
 std::string hex_lower(const void* data, std::size_t n);
+
+/// SHA-256 of `data`.
+using Sha256 = std::array<std::uint8_t, 32>;
+Sha256 sha256(std::string_view data);
 
 /// SHA-256 of `data` as 64 lower-case hex digits.
 std::string sha256_hex(std::string_view data);

@@ -7,6 +7,7 @@
 #include <openssl/hmac.h>
 
 #include <string>
+#include <thread>
 
 namespace {
 std::string openssl_hmac_hex(const std::string& key, const std::string& data) {
@@ -23,6 +24,15 @@ TEST_CASE("sha256_hex matches FIPS 180-2 examples") {
   CHECK(mep::sha256_hex("abc") == "ba7816bf8f01cfea414140de5dae2223b00361a396177a9cb410ff61f20015ad");
   CHECK(mep::sha256_hex("abcdbcdecdefdefgefghfghighijhijkijkljklmklmnlmnomnopnopq") ==
         "248d6a61d20638b8e5c026930c3e6039a33ce45964ff2167f6ecedd419db06c1");
+}
+
+TEST_CASE("sha256 gives the digest's bytes, on any thread") {
+  auto hex = [](const mep::Sha256& d) { return mep::hex_lower(d.data(), d.size()); };
+  CHECK(hex(mep::sha256("abc")) == "ba7816bf8f01cfea414140de5dae2223b00361a396177a9cb410ff61f20015ad");
+  std::string other;
+  std::thread([&] { other = hex(mep::sha256("")); }).join(); // each thread has its own context
+  CHECK(other == "e3b0c44298fc1c149afbf4c8996fb92427ae41e4649b934ca495991b7852b855");
+  CHECK(hex(mep::sha256("abc")) == "ba7816bf8f01cfea414140de5dae2223b00361a396177a9cb410ff61f20015ad");
 }
 
 TEST_CASE("HMAC-SHA256 matches RFC 4231") {
