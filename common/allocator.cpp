@@ -26,4 +26,10 @@ bool tune_allocator() noexcept {
 #endif
 }
 
+void release_thread_cache() noexcept {
+#ifdef MEP_WITH_TCMALLOC
+  MallocExtension_MarkThreadTemporarilyIdle();
+#endif
+}
+
 } // namespace mep

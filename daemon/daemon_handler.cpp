@@ -1,6 +1,7 @@
 // mepd's socket API: the route table (decode JSON → DaemonService → encode).
 #include "mep/daemon_handler.hpp"
 
+#include "mep/allocator.hpp"
 #include "mep/json.hpp"
 #include "mep/lease/wire.hpp"
 #include "mep/log.hpp"
@@ -99,7 +100,10 @@ void DaemonHandler::handle(http::Request&& req, const http::Peer& peer, std::sha
   // false, so waiting attaches took the pool's threads).
   const bool may_wait = req.method() == bhttp::verb::post && req.target() == "/v1/attach" &&
                         req.body().find("\"wait_seconds\"") != std::string::npos;
-  auto work = [this, req = std::move(req), peer, responder, fd]() mutable { responder.send(respond(req, peer, fd)); };
+  auto work = [this, req = std::move(req), peer, responder, fd]() mutable {
+    responder.send(respond(req, peer, fd));
+    release_thread_cache(); // 64 workers, mostly idle (allocator.hpp)
+  };
   if (may_wait) {
     std::unique_lock lock(m_waiters_mutex);
     if (!m_stopping && m_waiters < k_max_waiting_attaches) {

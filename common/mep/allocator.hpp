@@ -14,4 +14,11 @@ inline constexpr std::size_t k_thread_cache_bytes = 2u << 20;
 /// nothing. Returns whether TCMalloc is the allocator.
 bool tune_allocator() noexcept;
 
+/// For a thread that may now idle a while (a worker of a pool, between jobs): what its
+/// cache holds goes back to the allocator's shared lists. The bound above does not take
+/// a thread's cache below TCMalloc's floor: mepd holding 10,000 leases had 18.1 MiB in
+/// the caches of its 71 threads (64 of them workers) and 8.7 MiB in use. Without
+/// TCMalloc: nothing.
+void release_thread_cache() noexcept;
+
 } // namespace mep

@@ -3,6 +3,8 @@
 #include <catch2/catch.hpp>
 
 #include <cstdlib>
+#include <memory>
+#include <vector>
 
 #ifdef MEP_WITH_TCMALLOC
 #include <gperftools/malloc_extension_c.h>
@@ -30,6 +32,16 @@ TEST_CASE("tune_allocator leaves the bound an operator set in the environment") 
   REQUIRE(mep::tune_allocator());
   CHECK(thread_cache_bound() == (8u << 20));
   ::unsetenv("TCMALLOC_MAX_TOTAL_THREAD_CACHE_BYTES");
+}
+TEST_CASE("release_thread_cache empties the calling thread's cache") {
+  {
+    std::vector<std::unique_ptr<char[]>> blocks; // freed below: left in this thread's cache
+    for (int i = 0; i < 2000; ++i) blocks.emplace_back(new char[64 + (i % 16) * 32]);
+  }
+  const std::size_t before = MallocExtension_GetThreadCacheSize();
+  REQUIRE(before > 64 * 1024);
+  mep::release_thread_cache();
+  CHECK(MallocExtension_GetThreadCacheSize() < before / 8);
 }
 #else
 TEST_CASE("tune_allocator is a no-op without TCMalloc") {
