@@ -76,10 +76,9 @@ std::string sha256_hex(std::string_view data) {
 std::pair<std::string, std::string> hmac_sha256_pads(std::string_view key) {
   std::string k(key);
   if (k.size() > k_block) {
-    unsigned char md[k_digest];
-    unsigned int len = 0;
-    if (EVP_Digest(k.data(), k.size(), md, &len, sha256_md(), nullptr) != 1) crypto_failure("digest");
-    k.assign(reinterpret_cast<const char*>(md), len);
+    Sha256 md = sha256(k);
+    k.assign(reinterpret_cast<const char*>(md.data()), md.size());
+    OPENSSL_cleanse(md.data(), md.size());
   }
   k.resize(k_block, '\0');
   std::string inner(k_block, '\0'), outer(k_block, '\0');
