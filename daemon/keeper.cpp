@@ -839,8 +839,7 @@ void Keeper::renew_due() {
 // store's mark for them, a try at a time.
 void Keeper::fence_pending() {
   if (!m_dp) return;
-  for (const auto& h : m_book.all()) {
-    if (h.fenced || h.state == LeaseState::lost) continue;
+  for (const auto& h : m_book.unfenced()) {
     auto r = m_dp->advance(h.memory_id, h.fencing_token, std::chrono::seconds(2));
     if (r) {
       m_book.set_fenced(h.canonical_name, h.fencing_token);

@@ -60,22 +60,31 @@ void LeaseBook::emit(std::vector<Event>& events) {
   for (const auto& e : events) m_sink(e);
 }
 
-// Called with m_mutex held.
+// index, unindex, recompute: called with m_mutex held.
+void LeaseBook::index(Held& h) {
+  if (h.state == LeaseState::lost) return;
+  m_by_renew.emplace(h.next_renew, &h);
+  m_by_deadline.emplace(h.local_deadline, &h);
+}
+
+void LeaseBook::unindex(Held& h) {
+  m_by_renew.erase(Slot{h.next_renew, &h});
+  m_by_deadline.erase(Slot{h.local_deadline, &h});
+}
+
 void LeaseBook::recompute() {
-  m_next_renewal = SteadyTime::max();
-  m_next_deadline = SteadyTime::max();
-  for (const auto& [name, h] : m_leases) {
-    if (h.state == LeaseState::lost) continue;
-    m_next_renewal = std::min(m_next_renewal, h.next_renew);
-    m_next_deadline = std::min(m_next_deadline, h.local_deadline);
-  }
+  m_next_renewal = m_by_renew.empty() ? SteadyTime::max() : m_by_renew.begin()->first;
+  m_next_deadline = m_by_deadline.empty() ? SteadyTime::max() : m_by_deadline.begin()->first;
 }
 
 void LeaseBook::put(const Held& h, bool announce) {
   std::vector<Event> events;
   {
     std::lock_guard lock(m_mutex);
-    m_leases[h.canonical_name] = h;
+    auto [it, added] = m_leases.try_emplace(h.canonical_name);
+    if (!added) unindex(it->second);
+    it->second = h;
+    index(it->second);
     recompute();
     if (announce) events.push_back(Event{"granted", h, {}});
   }
@@ -121,6 +130,7 @@ std::optional<Held> LeaseBook::take(const std::string& name, const std::optional
   std::lock_guard lock(m_mutex);
   auto it = m_leases.find(name);
   if (it == m_leases.end() || (lease_id && it->second.lease_id != *lease_id)) return std::nullopt;
+  unindex(it->second);
   Held h = std::move(it->second);
   m_leases.erase(it);
   m_releasing[h.lease_id] = h;
@@ -141,6 +151,7 @@ std::vector<Held> LeaseBook::take_bound_to(pid_t pid) {
   std::vector<Held> out;
   for (auto it = m_leases.begin(); it != m_leases.end();) {
     if (it->second.bind_pid == pid) {
+      unindex(it->second);
       m_releasing[it->second.lease_id] = it->second;
       out.push_back(std::move(it->second));
       it = m_leases.erase(it);
@@ -166,6 +177,14 @@ std::optional<Held> LeaseBook::live_on_memory(const std::string& memory_id, bool
   return live;
 }
 
+std::vector<Held> LeaseBook::unfenced() const {
+  std::lock_guard lock(m_mutex);
+  std::vector<Held> out;
+  for (const auto& [name, h] : m_leases)
+    if (!h.fenced && h.state != LeaseState::lost) out.push_back(h);
+  return out;
+}
+
 void LeaseBook::set_fenced(const std::string& name, std::int64_t token) {
   std::lock_guard lock(m_mutex);
   auto it = m_leases.find(name);
@@ -177,12 +196,12 @@ std::vector<std::string> LeaseBook::expire(SteadyTime now) {
   std::vector<std::string> names;
   {
     std::lock_guard lock(m_mutex);
-    if (now < m_next_deadline) return names; // nothing can have passed: no scan of every lease
-    for (auto& [name, h] : m_leases) {
-      if (h.state == LeaseState::lost || now < h.local_deadline) continue;
+    while (!m_by_deadline.empty() && m_by_deadline.begin()->first <= now) {
+      Held& h = *m_by_deadline.begin()->second;
+      unindex(h);
       h.state = LeaseState::lost;
       h.lost_reason = "deadline";
-      names.push_back(name);
+      names.push_back(h.canonical_name);
       events.push_back(Event{"lost", h, "deadline"});
     }
     recompute();
@@ -198,6 +217,7 @@ std::optional<std::string> LeaseBook::lose(const std::string& name, std::int64_t
     auto it = m_leases.find(name);
     if (it == m_leases.end() || it->second.fencing_token != token || it->second.state == LeaseState::lost)
       return std::nullopt;
+    unindex(it->second);
     it->second.state = LeaseState::lost;
     it->second.lost_reason = std::string(reason);
     events.push_back(Event{"lost", it->second, std::string(reason)});
@@ -211,23 +231,20 @@ std::vector<Due> LeaseBook::due(SteadyTime now, std::size_t max, std::chrono::mi
   std::vector<Due> out;
   std::lock_guard lock(m_mutex);
   if (now < m_next_renewal) return out;
-  auto earliest = SteadyTime::max();
-  for (const auto& [name, h] : m_leases)
-    if (h.state != LeaseState::lost) earliest = std::min(earliest, h.local_deadline);
   auto add = [&](const Held& h) {
     out.push_back(Due{h.canonical_name, h.fencing_token,
                       lease::LeaseRef{h.canonical_name, h.memory_id, h.fencing_token, h.owner_client_id, h.ttl_s}});
   };
-  for (const auto& [name, h] : m_leases)
-    if (h.state != LeaseState::lost && now >= h.next_renew && out.size() < max) add(h);
+  // Those due, most overdue first; then those due within the coming second (at most
+  // ttl/6 early), so that leases attached close together keep sharing a call.
+  auto it = m_by_renew.begin();
+  for (; it != m_by_renew.end() && it->first <= now && out.size() < max; ++it) add(*it->second);
   if (out.empty()) return out;
-  for (const auto& [name, h] : m_leases) {
-    if (h.state == LeaseState::lost || now >= h.next_renew || out.size() >= max) continue;
-    auto lookahead =
-        std::min<SteadyClock::duration>(std::chrono::seconds(1), std::chrono::milliseconds(h.ttl_s * 1000 / 6));
-    if (now >= h.next_renew - lookahead) add(h);
+  for (; it != m_by_renew.end() && it->first <= now + std::chrono::seconds(1) && out.size() < max; ++it) {
+    const Held& h = *it->second;
+    if (now >= h.next_renew - std::chrono::milliseconds(h.ttl_s * 1000 / 6)) add(h);
   }
-  timeout = std::clamp(std::chrono::duration_cast<std::chrono::milliseconds>(earliest - now) / 2,
+  timeout = std::clamp(std::chrono::duration_cast<std::chrono::milliseconds>(m_next_deadline - now) / 2,
                        std::chrono::milliseconds(250), std::chrono::milliseconds(10000));
   return out;
 }
@@ -246,6 +263,7 @@ void LeaseBook::apply(const std::vector<Due>& due, const std::vector<lease::Rene
           it->second.state == LeaseState::lost)
         continue; // detached, replaced or lost while the call was out
       Held& h = it->second;
+      unindex(h);
       const lease::RenewItem* item = answered && i < results.size() ? &results[i] : nullptr;
       const int status = item ? item->status : 0;
       if (status == 200) {
@@ -274,6 +292,7 @@ void LeaseBook::apply(const std::vector<Due>& due, const std::vector<lease::Rene
             std::min<SteadyClock::duration>(std::chrono::milliseconds(250 << std::min(h.failures, 5)), left / 4);
         h.next_renew = now + std::max<SteadyClock::duration>(backoff, std::chrono::milliseconds(100));
       }
+      index(h);
     }
     recompute();
   }

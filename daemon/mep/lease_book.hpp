@@ -11,6 +11,7 @@
 #include <map>
 #include <mutex>
 #include <optional>
+#include <set>
 #include <string>
 #include <string_view>
 #include <sys/types.h>
@@ -102,6 +103,8 @@ public:
   std::vector<Held> take_bound_to(pid_t pid);
   /// The live lease on `memory_id` (held or degraded), else the state it was lost in.
   std::optional<Held> live_on_memory(const std::string& memory_id, bool& lost_one) const;
+  /// The live leases whose data plane mark has not been advanced to their token.
+  std::vector<Held> unfenced() const;
   /// Marks the data plane's mark advanced for this lease's token.
   void set_fenced(const std::string& name, std::int64_t token);
 
@@ -134,12 +137,24 @@ public:
   std::size_t size() const;
 
 private:
+  /// A live lease's place in an index: (time, its record in m_leases, whose nodes do not move).
+  using Slot = std::pair<SteadyTime, Held*>;
+
   void emit(std::vector<Event>& events);
+  /// Adds a live (held or degraded) lease to the two indexes; a lost one is in neither.
+  void index(Held& h);
+  /// Takes a lease out of the indexes, before its times or state change or it is erased.
+  void unindex(Held& h);
+  /// The next renewal and deadline, from the indexes' first entries.
   void recompute();
 
   mutable std::mutex m_mutex;
   std::map<std::string, Held> m_leases;
   std::map<std::string, Held> m_releasing; ///< by lease id: taken, release not finished
+  /// The live leases by next renewal and by local deadline, so that due() and expire() cost
+  /// per lease due, not per lease held.
+  std::set<Slot> m_by_renew;
+  std::set<Slot> m_by_deadline;
   SteadyTime m_next_renewal = SteadyTime::max();
   SteadyTime m_next_deadline = SteadyTime::max();
   Sink m_sink;

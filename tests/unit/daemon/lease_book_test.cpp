@@ -5,6 +5,8 @@
 
 #include <catch2/catch.hpp>
 
+#include <random>
+#include <set>
 #include <vector>
 
 using namespace mep::daemon;
@@ -227,4 +229,70 @@ TEST_CASE("lease book: a taken lease whose deadline passes during its release is
   REQUIRE(after[0].lost_reason == "deadline");
   b.book.released("lease-a");
   REQUIRE(b.book.listed(deadline).empty());
+}
+
+TEST_CASE("lease book: its indexes pick what a scan of every lease would pick", "[lease_book]") {
+  // due(), expire(), next_renewal() and next_deadline() read indexes kept by every change;
+  // a random mix of changes on a fake clock is checked against the rules applied to all().
+  Book b;
+  std::minstd_rand rng(20261204);
+  auto pick = [&](int n) { return static_cast<int>(rng() % static_cast<unsigned>(n)); };
+  auto name = [&] { return "n" + std::to_string(pick(40)); };
+  SteadyTime now = t0;
+  std::int64_t token = 0;
+  std::vector<std::pair<std::string, mep::UnixMs>> renewed;
+  std::vector<std::string> lost;
+  for (int step = 0; step < 4000; ++step) {
+    now += std::chrono::milliseconds(pick(700));
+    const int op = pick(8);
+    if (op <= 1) {
+      b.book.put(held_from_grant(grant(name(), ++token, 3 + pick(30)), "o", "/p", pick(4), now), false);
+    } else if (op == 2) {
+      b.book.take(name());
+    } else if (op == 3) {
+      b.book.take_bound_to(pick(4));
+    } else if (op == 4) {
+      if (auto h = b.book.get(name())) b.book.lose(h->canonical_name, h->fencing_token, "test");
+    } else if (op == 5) {
+      b.book.drop_lost(name());
+    }
+    // What a scan of every lease says.
+    auto all = b.book.all();
+    SteadyTime next_renewal = SteadyTime::max(), next_deadline = SteadyTime::max();
+    std::set<std::string> due_now, due_soon, past_deadline;
+    for (const auto& h : all) {
+      if (h.state == LeaseState::lost) continue;
+      next_renewal = std::min(next_renewal, h.next_renew);
+      next_deadline = std::min(next_deadline, h.local_deadline);
+      if (now >= h.local_deadline) past_deadline.insert(h.canonical_name);
+      if (now >= h.next_renew)
+        due_now.insert(h.canonical_name);
+      else if (now >= h.next_renew - std::min<SteadyClock::duration>(1s, std::chrono::milliseconds(h.ttl_s * 1000 / 6)))
+        due_soon.insert(h.canonical_name);
+    }
+    REQUIRE(b.book.next_renewal() == next_renewal);
+    REQUIRE(b.book.next_deadline() == next_deadline);
+    std::chrono::milliseconds timeout{};
+    auto capped = b.book.due(now, 2, timeout);
+    REQUIRE(capped.size() == std::min<std::size_t>(2, due_now.size() + (due_now.empty() ? 0 : due_soon.size())));
+    for (std::size_t i = 0; i < capped.size() && i < due_now.size(); ++i)
+      REQUIRE(due_now.count(capped[i].canonical_name) == 1); // the due ones before those due soon
+    auto due = b.book.due(now, 1000, timeout);
+    std::set<std::string> got;
+    for (const auto& d : due) got.insert(d.canonical_name);
+    std::set<std::string> want = due_now;
+    if (!due_now.empty()) want.insert(due_soon.begin(), due_soon.end());
+    REQUIRE(got == want);
+    auto expired = b.book.expire(now);
+    REQUIRE(std::set<std::string>(expired.begin(), expired.end()) == past_deadline);
+    if (op >= 6 && !due.empty()) { // a renew-batch answered: renewed, lost, or failed
+      std::vector<mep::lease::RenewItem> results;
+      for (const auto& d : due) {
+        const int status = std::vector<int>{200, 200, 200, 409, 503}[static_cast<std::size_t>(pick(5))];
+        results.push_back(mep::lease::RenewItem{d.canonical_name, status, std::nullopt, ""});
+      }
+      b.book.apply(due, results, op == 6, "unreachable", now, now, renewed, lost);
+    }
+  }
+  REQUIRE(token > 500);
 }
