@@ -42,6 +42,12 @@ function __mep_held_names
     mep status 2>/dev/null | awk 'NR > 1 { print $1 }'
 end
 
+# True when the cursor is on argument N of `mep CMD`, e.g. __mep_arg 2 fetch (its PATH).
+function __mep_arg
+    set -l words (__mep_words)
+    test (count $words) -eq $argv[1]; and test "$words[1]" = "$argv[2]"
+end
+
 complete -c mep -f
 
 # Global options (accepted before or after the command).
@@ -82,6 +88,9 @@ complete -c mep -n '__mep_using run' -l grace -x -d 'Seconds between SIGTERM and
 complete -c mep -n '__mep_using run' -F
 
 complete -c mep -n '__mep_using release' -x -a '(__mep_held_names)'
+complete -c mep -n '__mep_arg 1 sync' -x -a '(__mep_held_names)'
+# fetch: ID (free-form), then the new PATH (a file).
+complete -c mep -n '__mep_arg 2 fetch' -F
 complete -c mep -n '__mep_using init' -F
 complete -c mep -n '__mep_using branch' -F
 complete -c mep -n '__mep_using identify' -F
@@ -97,7 +106,7 @@ complete -c mep -n '__mep_needs_sub token' -a list -d 'List tokens'
 complete -c mep -n '__mep_needs_sub token' -a revoke -d 'Revoke a token by its id'
 complete -c mep -n '__mep_needs_sub token' -a new -d 'Print a new random token (for mep store)'
 complete -c mep -n '__mep_needs_sub token' -a hash -d 'Print the SHA-256 of a token (or of each stdin line)'
-complete -c mep -n '__mep_using token create; or __mep_using token list; or __mep_using token revoke' -l db -x -d 'Database URL (sqlite:PATH)'
+complete -c mep -n '__mep_using token create; or __mep_using token list; or __mep_using token revoke' -l db -x -d 'Database URL (sqlite:PATH or postgresql://...)'
 complete -c mep -n '__mep_using token create; or __mep_using token list' -l tenant -x -d 'Tenant name'
 complete -c mep -n '__mep_using token create' -l scope -x -a 'lease admin' -d 'Token scope'
 complete -c mep -n '__mep_using token create' -l admin -d 'Same as --scope admin'
@@ -136,7 +145,7 @@ complete -c mep -n '__mep_needs_sub migrate' -a plan -d 'Dry run: print the repo
 complete -c mep -n '__mep_needs_sub migrate' -a run -d 'Migrate (resumable and idempotent)'
 complete -c mep -n '__mep_needs_sub migrate' -a activate -d 'Open the lease endpoints'
 complete -c mep -n '__mep_needs_sub migrate' -a status -d 'Counts and the enforcement flag'
-complete -c mep -n '__mep_using migrate' -l db -x -d 'Database URL (sqlite:PATH)'
+complete -c mep -n '__mep_using migrate' -l db -x -d 'Database URL (sqlite:PATH or postgresql://...)'
 complete -c mep -n '__mep_using migrate plan; or __mep_using migrate run' -l input -r -F -d 'Legacy rows, JSON Lines or CSV'
 complete -c mep -n '__mep_using migrate plan; or __mep_using migrate run' -l from-table -x -d 'Read the legacy rows from this table'
 complete -c mep -n '__mep_using migrate plan; or __mep_using migrate run' -l report -r -F -d 'Write one JSON line per legacy row'
