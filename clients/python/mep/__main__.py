@@ -3,7 +3,8 @@
     python -m mep status [--json] [--socket PATH]   the daemon's leases (a table, or JSON)
     python -m mep events [--socket PATH]            follow the event stream (NDJSON)
 
-Exit status as the ``mep`` CLI: 0 ok, 1 other error, 2 usage, 5 daemon unavailable.
+Exit status as the ``mep`` CLI's for the same problem: 0 ok, 1 other, 2 usage (and a config
+file that cannot be read), 3 held, 4 lost, 5 unavailable, 6 invalid name, 7 authentication.
 """
 from __future__ import annotations
 
@@ -15,9 +16,32 @@ from typing import List, Optional, Sequence
 
 from .client import Client
 from .types import LeaseInfo
-from .errors import MepError, TemporarilyUnavailable
+from .errors import ConfigError, MepError
 
-EXIT_OK, EXIT_OTHER, EXIT_USAGE, EXIT_UNAVAILABLE = 0, 1, 2, 5
+EXIT_OK, EXIT_OTHER, EXIT_USAGE, EXIT_HELD, EXIT_LOST, EXIT_UNAVAILABLE, EXIT_INVALID_NAME, EXIT_AUTH = range(8)
+
+#: The ``mep`` CLI's exit status for each problem code (its table: common/problem.cpp).
+EXIT_BY_CODE = {
+    "invalid-request": EXIT_USAGE, "idempotency-key-missing": EXIT_OTHER, "idempotency-key-invalid": EXIT_OTHER,
+    "unauthenticated": EXIT_AUTH, "forbidden": EXIT_AUTH, "not-found": EXIT_OTHER,
+    "memory-not-found": EXIT_OTHER, "lease-not-found": EXIT_OTHER, "method-not-allowed": EXIT_USAGE,
+    "memory-id-taken": EXIT_HELD, "stale-fence": EXIT_LOST, "idempotency-request-in-flight": EXIT_UNAVAILABLE,
+    "lease-expired": EXIT_LOST, "payload-too-large": EXIT_USAGE, "unsupported-media-type": EXIT_USAGE,
+    "invalid-name": EXIT_INVALID_NAME, "invalid-ttl": EXIT_USAGE, "idempotency-key-reused": EXIT_OTHER,
+    "name-held": EXIT_HELD, "name-confusable": EXIT_HELD, "memory-attached": EXIT_HELD,
+    "rate-limited": EXIT_UNAVAILABLE, "internal": EXIT_OTHER, "transaction-conflict": EXIT_UNAVAILABLE,
+    "unavailable": EXIT_UNAVAILABLE, "migration-in-progress": EXIT_UNAVAILABLE, "precondition-failed": EXIT_OTHER,
+    "store-unavailable": EXIT_UNAVAILABLE, "insufficient-storage": EXIT_UNAVAILABLE,
+    "store-not-configured": EXIT_OTHER,
+}
+
+
+def exit_status(error: MepError) -> int:
+    """The exit status the ``mep`` CLI gives for `error`'s problem: a config file that
+    cannot be read is a usage error (2), as for the CLI; a code it does not know, 1."""
+    if isinstance(error, ConfigError):
+        return EXIT_USAGE
+    return EXIT_BY_CODE.get(error.code or "", EXIT_OTHER)
 
 
 def _expires_in(info: LeaseInfo, now: datetime.datetime) -> str:
@@ -64,8 +88,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if not args.command:
         parser.print_usage(sys.stderr)
         return EXIT_USAGE
-    client = Client(getattr(args, "socket_sub", None) or args.socket)
     try:
+        client = Client(getattr(args, "socket_sub", None) or args.socket)
         if args.command == "status":
             leases = client.leases()
             if args.json:
@@ -84,7 +108,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             print(json.dumps(e.to_problem(), ensure_ascii=False))
         else:
             print("mep: %s" % e, file=sys.stderr)
-        return EXIT_UNAVAILABLE if isinstance(e, TemporarilyUnavailable) else EXIT_OTHER
+        return exit_status(e)
 
 
 if __name__ == "__main__":

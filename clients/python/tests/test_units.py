@@ -3,10 +3,11 @@ discovery order, the HTTP framing and the loss-decision state machine."""
 import datetime
 import json
 import os
+import re
 import tempfile
 import unittest
 
-from . import SOURCE_ROOT  # noqa: F401 - puts the source tree on sys.path
+from . import SOURCE_ROOT  # puts the source tree on sys.path
 
 import mep
 from mep import _config, _http
@@ -23,6 +24,25 @@ ALL_CODES = {
     "store-not-configured": 501, "transaction-conflict": 503, "unavailable": 503,
     "migration-in-progress": 503, "store-unavailable": 503, "insufficient-storage": 507,
 }
+
+
+class ExitStatusTest(unittest.TestCase):
+    def test_python_m_mep_exits_as_the_cli_for_every_code(self):
+        """``python -m mep`` gives the CLI's exit status for each problem code: checked
+        against the CLI's own table in common/problem.cpp, so that the two cannot drift."""
+        from mep.__main__ import EXIT_BY_CODE, exit_status
+        table = os.path.join(SOURCE_ROOT, "..", "..", "common", "problem.cpp")
+        if not os.path.exists(table):
+            self.skipTest("the CLI's table (common/problem.cpp) is not beside this SDK: not a source checkout")
+        exits = {"ok": 0, "other": 1, "usage": 2, "held": 3, "lost": 4, "unavailable": 5, "invalid_name": 6, "auth": 7}
+        with open(table, encoding="utf-8") as f:
+            rows = re.findall(r'CodeInfo\{Code::\w+,\s*"([a-z-]+)",\s*\d+,\s*"[^"]*",\s*ec::(\w+)\}', f.read())
+        self.assertGreaterEqual(len(rows), len(ALL_CODES))
+        self.assertEqual(EXIT_BY_CODE, {slug: exits[name] for slug, name in rows})
+        for code, cls in mep.PROBLEM_CODES.items():
+            self.assertEqual(exit_status(cls("x")), EXIT_BY_CODE[code], code)
+        self.assertEqual(exit_status(mep.ConfigError("unreadable")), 2)
+        self.assertEqual(exit_status(mep.MepError("no code")), 1)
 
 
 class ProblemTableTest(unittest.TestCase):
