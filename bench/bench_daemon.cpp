@@ -1,16 +1,19 @@
 // bench_daemon: mepd over its Unix socket.
 //
 //   build/bench/bench_daemon [--mep PATH] [--mepd PATH] [--ops N] [--leases N] [--hold-seconds S]
-//                            [--cycle-seconds S]
+//                            [--cycle-seconds S] [--rounds N] [--etcd auto|off]
 //
 // 1. attach+detach latency with the embedded control plane (p50/p99), next to a bare HTTP
 //    round trip (GET /healthz) over the same socket as the floor;
 // 2. against a remote `mep server` (SQLite): attach+detach cycles by 1, 8 and 64 agents at once,
 //    each with its own name, file and connection, for --cycle-seconds each (cycles/s, p50,
-//    p99: what an agent waits for its lease through mepd when many start together);
+//    p99: what an agent waits for its lease through mepd when many start together), --rounds
+//    times, interleaved with the same number of etcd clients doing what an agent talking to
+//    etcd itself would do (LeaseGrant + Txn put-if-absent + LeaseRevoke; see etcd_peer.hpp);
 //    then N leases (ttl 30 s) held for S seconds against the same server: daemon RSS and
 //    CPU, and control-plane requests per second next to the expected
 //    (leases ÷ (ttl/3)) ÷ batch size — batching must show.
+#include "etcd_peer.hpp"
 #include "http_conn.hpp"
 
 #include <signal.h>
@@ -26,6 +29,7 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <memory>
 #include <sstream>
 #include <stdexcept>
 #include <string>
@@ -145,11 +149,79 @@ long metric(const std::string& sock, const std::string& name) {
   return at == std::string::npos ? -1 : std::atol(body.c_str() + at + name.size() + 2);
 }
 
+double median(std::vector<double> v) {
+  if (v.empty()) return 0;
+  std::sort(v.begin(), v.end());
+  return v[v.size() / 2];
+}
+
+// "1207 (1175..1423)": the median and the range.
+std::string range(const std::vector<double>& v) {
+  if (v.empty()) return "-";
+  char buf[64];
+  std::snprintf(buf, sizeof buf, "%.0f (%.0f..%.0f)", median(v), *std::min_element(v.begin(), v.end()),
+                *std::max_element(v.begin(), v.end()));
+  return buf;
+}
+
+struct CycleCell {
+  double rate = 0, p50 = 0, p99 = 0, wall = 1;
+  long errors = 0;
+};
+
+// `agents` threads, each with its own name, file and connection to mepd, attaching and
+// detaching for `seconds`. The first cycle of each (it may register the file's memory) is
+// not timed.
+CycleCell attach_detach_cell(const std::string& sock, const fs::path& files, int agents, double seconds) {
+  std::vector<std::vector<double>> lat(static_cast<std::size_t>(agents));
+  std::atomic<bool> done{false};
+  std::atomic<long> errors{0};
+  std::vector<std::thread> threads;
+  for (int a = 0; a < agents; ++a) {
+    const std::string name = "agent" + std::to_string(agents) + "-" + std::to_string(a);
+    const std::string file = (files / (name + ".uai")).string();
+    std::ofstream(file) << "memory " << name;
+    threads.emplace_back([&, a, name, file] {
+      UnixConn conn(sock);
+      const std::string attach =
+          "{\"name\":\"" + name + "\",\"path\":\"" + file + "\",\"bind\":\"none\",\"ttl_seconds\":30}";
+      const std::string detach = "{\"name\":\"" + name + "\"}";
+      bool first = true;
+      while (!done) {
+        auto t = Clock::now();
+        auto [s1, b1] = conn.request("POST", "/v1/attach", attach);
+        auto [s2, b2] = conn.request("POST", "/v1/detach", detach);
+        if (s1 != 201 || s2 != 204) {
+          if (errors++ == 0) std::fprintf(stderr, "attach %d detach %d: %s\n", s1, s2, b1.c_str());
+        } else if (!first) {
+          lat[static_cast<std::size_t>(a)].push_back(
+              std::chrono::duration<double, std::milli>(Clock::now() - t).count());
+        }
+        first = false;
+      }
+    });
+  }
+  auto t0 = Clock::now();
+  std::this_thread::sleep_for(std::chrono::duration<double>(seconds));
+  done = true;
+  for (auto& t : threads) t.join();
+  CycleCell c;
+  c.wall = std::chrono::duration<double>(Clock::now() - t0).count();
+  std::vector<double> all;
+  for (auto& v : lat) all.insert(all.end(), v.begin(), v.end());
+  c.rate = static_cast<double>(all.size()) / c.wall;
+  c.p50 = all.empty() ? 0.0 : pct(all, 0.5);
+  c.p99 = all.empty() ? 0.0 : pct(all, 0.99);
+  c.errors = errors.load();
+  return c;
+}
+
 } // namespace
 
 static int run(int argc, char** argv) {
-  int ops = 2000, leases = 10000;
+  int ops = 2000, leases = 10000, rounds = 3;
   double hold = 120, cycle_seconds = 5;
+  std::string etcd_mode = "auto";
   for (int i = 1; i < argc; ++i) {
     std::string a = argv[i];
     if (a == "--mep" && i + 1 < argc)
@@ -164,9 +236,13 @@ static int run(int argc, char** argv) {
       hold = std::atof(argv[++i]);
     else if (a == "--cycle-seconds" && i + 1 < argc)
       cycle_seconds = std::atof(argv[++i]);
+    else if (a == "--rounds" && i + 1 < argc && std::atoi(argv[i + 1]) > 0)
+      rounds = std::atoi(argv[++i]);
+    else if (a == "--etcd" && i + 1 < argc && (std::string(argv[i + 1]) == "auto" || std::string(argv[i + 1]) == "off"))
+      etcd_mode = argv[++i];
     else {
       std::fprintf(stderr, "usage: bench_daemon [--mep PATH] [--mepd PATH] [--ops N] [--leases N] [--hold-seconds S] "
-                           "[--cycle-seconds S]\n");
+                           "[--cycle-seconds S] [--rounds N] [--etcd auto|off]\n");
       return 2;
     }
   }
@@ -230,47 +306,54 @@ static int run(int argc, char** argv) {
     wait_for_socket(sock);
     fs::create_directories(dir / "files");
     if (cycle_seconds > 0) {
-      std::printf("%-44s %8s %10s %10s %10s %8s\n", "attach + detach, remote server (cycles)", "agents", "cycles/s",
-                  "p50 ms", "p99 ms", "errors");
-      for (int agents : {1, 8, 64}) {
-        std::vector<std::vector<double>> lat(static_cast<std::size_t>(agents));
-        std::atomic<bool> done{false};
-        std::atomic<long> errors{0};
-        std::vector<std::thread> threads;
-        for (int a = 0; a < agents; ++a) {
-          const std::string name = "agent" + std::to_string(agents) + "-" + std::to_string(a);
-          const std::string file = (dir / "files" / (name + ".uai")).string();
-          std::ofstream(file) << "memory " << name;
-          threads.emplace_back([&, a, name, file] {
-            UnixConn conn(sock);
-            const std::string attach =
-                "{\"name\":\"" + name + "\",\"path\":\"" + file + "\",\"bind\":\"none\",\"ttl_seconds\":30}";
-            const std::string detach = "{\"name\":\"" + name + "\"}";
-            bool first = true; // the first cycle registers the file's memory: not timed
-            while (!done) {
-              auto t = Clock::now();
-              auto [s1, b1] = conn.request("POST", "/v1/attach", attach);
-              auto [s2, b2] = conn.request("POST", "/v1/detach", detach);
-              if (s1 != 201 || s2 != 204) {
-                if (errors++ == 0) std::fprintf(stderr, "attach %d detach %d: %s\n", s1, s2, b1.c_str());
-              } else if (!first) {
-                lat[static_cast<std::size_t>(a)].push_back(
-                    std::chrono::duration<double, std::milli>(Clock::now() - t).count());
-              }
-              first = false;
-            }
-          });
+      mep::bench::EtcdPeer* etcd = nullptr;
+      std::unique_ptr<mep::bench::EtcdPeer> etcd_owner;
+      if (etcd_mode != "off") {
+        if (const std::string why = mep::bench::etcd_unavailable(); !why.empty()) {
+          std::printf("etcd: not measured here: %s\n\n", why.c_str());
+        } else {
+          etcd_owner = std::make_unique<mep::bench::EtcdPeer>(dir / "etcd");
+          etcd = etcd_owner.get();
         }
-        auto t0 = Clock::now();
-        std::this_thread::sleep_for(std::chrono::duration<double>(cycle_seconds));
-        done = true;
-        for (auto& t : threads) t.join();
-        const double wall = std::chrono::duration<double>(Clock::now() - t0).count();
-        std::vector<double> all;
-        for (auto& v : lat) all.insert(all.end(), v.begin(), v.end());
-        const double rate = static_cast<double>(all.size()) / wall;
-        std::printf("%-44s %8d %10.0f %10.3f %10.3f %8ld\n", "attach + detach, remote server (cycles)", agents, rate,
-                    all.empty() ? 0.0 : pct(all, 0.5), all.empty() ? 0.0 : pct(all, 0.99), errors.load());
+      }
+      std::printf("attach + detach through mepd against a remote mep server (SQLite), each agent with its own\n"
+                  "name, file and connection; ");
+      if (etcd)
+        std::printf("next to %s (single node, fresh data dir, WAL fsync on, gRPC\n"
+                    "clients on one connection): LeaseGrant + Txn put-if-absent + LeaseRevoke, what an agent\n"
+                    "talking to etcd itself would do. Interleaved: %d rounds of a mepd cell then an etcd cell,\n"
+                    "%g s each; medians (range). cpu: cores used by mepd / the mep server, by etcd.\n\n",
+                    etcd->version().c_str(), rounds, cycle_seconds);
+      else
+        std::printf("%d rounds of %g s; medians (range). cpu: cores used by mepd / the mep server.\n\n", rounds,
+                    cycle_seconds);
+      std::printf("%-7s %22s %8s %8s %7s %12s %22s %8s %9s %6s\n", "agents", "mepd cycles/s", "p50 ms", "p99 ms",
+                  "errors", "cpu", "etcd cycles/s", "p99 ms", "mep/etcd", "cpu");
+      for (int agents : {1, 8, 64}) {
+        std::vector<double> m_rate, m_p50, m_p99, m_dcpu, m_scpu, e_rate, e_p99, e_cpu, ratio;
+        long errors = 0;
+        for (int r = 0; r < rounds; ++r) {
+          const double d0 = cpu_seconds(d), s0 = cpu_seconds(server);
+          auto m = attach_detach_cell(sock, dir / "files", agents, cycle_seconds);
+          m_rate.push_back(m.rate);
+          m_p50.push_back(m.p50);
+          m_p99.push_back(m.p99);
+          m_dcpu.push_back((cpu_seconds(d) - d0) / m.wall);
+          m_scpu.push_back((cpu_seconds(server) - s0) / m.wall);
+          errors += m.errors;
+          if (!etcd) continue;
+          auto e = etcd->run(agents, cycle_seconds, 0);
+          e_rate.push_back(e.ops_per_s);
+          e_p99.push_back(e.p99_ms);
+          e_cpu.push_back(e.server_cores);
+          errors += e.errors;
+          ratio.push_back(e.ops_per_s > 0 ? m.rate / e.ops_per_s : 0);
+        }
+        std::printf("%-7d %22s %8.3f %8.3f %7ld %5.2f / %4.2f", agents, range(m_rate).c_str(), median(m_p50),
+                    median(m_p99), errors, median(m_dcpu), median(m_scpu));
+        if (etcd)
+          std::printf(" %22s %8.3f %8.2fx %6.2f", range(e_rate).c_str(), median(e_p99), median(ratio), median(e_cpu));
+        std::printf("\n");
         std::fflush(stdout);
       }
       std::printf("\n");
