@@ -133,7 +133,7 @@ std::optional<Problem> IdentityResolver::foreign(const std::string& memory_id) {
 
 void IdentityResolver::bind(const std::string& memory_id, const std::filesystem::path& path, bool hash,
                             std::optional<std::string> sha256) {
-  m_files.write_id(path, memory_id);
+  if (m_files.read_id(path) != memory_id) m_files.write_id(path, memory_id); // a read costs less than a write
   auto st = m_files.stat(path);
   if (!st) return;
   if (hash && !sha256 && st->size > 0) sha256 = m_files.sha256(path);

@@ -107,9 +107,8 @@ private:
   std::string m_daemon_id;
 
   std::mutex m_queue_mutex; // the writes waiting for the next transaction
-  std::condition_variable m_queue_cv;
   std::vector<Pending*> m_queue;
-  bool m_committing = false;
+  bool m_committing = false; // a thread is committing, or has been named to commit the queue
 };
 
 } // namespace mep::daemon

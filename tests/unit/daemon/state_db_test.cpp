@@ -120,3 +120,42 @@ TEST_CASE("a renewal batch's expiries are written together") {
   for (const auto& l : state.leases()) got[l.canonical_name] = l.expires_at;
   CHECK(got == std::map<std::string, std::int64_t>{{"a", 2'000'000}, {"b", 1'000'000}, {"c", 3'000'000}});
 }
+
+TEST_CASE("a file's record is rewritten when what it says changes, and only then") {
+  // remember_file skips the write when the row already says the same (most detaches): the
+  // skip must never keep a changed memory, inode, birth time, owner or fingerprint out.
+  TempDir dir;
+  StateDb db(dir.path / "state.db");
+  const uid_t me = ::getuid();
+  FileStat st;
+  st.dev = 1;
+  st.ino = 100;
+  st.regular = true;
+  st.birth_ns = 5;
+  auto content = [&](const std::string& sha) { return db.memories_by_content(sha, me); };
+  db.remember_file("mem-a", "/f.uai", st, std::string("sha-1"), me);
+  CHECK(content("sha-1") == std::vector<std::string>{"mem-a"});
+  db.remember_file("mem-a", "/f.uai", st, std::nullopt, me); // no new fingerprint: the old one stays
+  CHECK(content("sha-1") == std::vector<std::string>{"mem-a"});
+  db.remember_file("mem-a", "/f.uai", st, std::string("sha-1"), me); // the same: skipped
+  CHECK(content("sha-1") == std::vector<std::string>{"mem-a"});
+  db.remember_file("mem-a", "/f.uai", st, std::string("sha-2"), me); // the bytes changed
+  CHECK(content("sha-1").empty());
+  CHECK(content("sha-2") == std::vector<std::string>{"mem-a"});
+  FileStat moved = st;
+  moved.ino = 101; // the path now names another inode
+  db.remember_file("mem-a", "/f.uai", moved, std::nullopt, me);
+  CHECK(db.memory_by_inode(moved, me) == std::optional<std::string>("mem-a"));
+  CHECK(!db.memory_by_inode(st, me));
+  FileStat reborn = moved;
+  reborn.birth_ns = 6; // the same inode number, another file
+  db.remember_file("mem-a", "/f.uai", reborn, std::nullopt, me);
+  CHECK(db.memory_by_inode(reborn, me) == std::optional<std::string>("mem-a"));
+  CHECK(!db.memory_by_inode(moved, me));
+  db.remember_file("mem-b", "/f.uai", reborn, std::nullopt, me); // another memory at that path
+  CHECK(db.memory_by_inode(reborn, me) == std::optional<std::string>("mem-b"));
+  CHECK(content("sha-2").empty()); // a fingerprint is not carried over to another memory
+  db.remember_file("mem-b", "/f.uai", reborn, std::nullopt, me + 1); // made for another user
+  CHECK(!db.memory_by_inode(reborn, me));
+  CHECK(db.memory_by_inode(reborn, me + 1) == std::optional<std::string>("mem-b"));
+}
