@@ -32,4 +32,10 @@ void release_thread_cache() noexcept {
 #endif
 }
 
+void release_free_memory() noexcept {
+#ifdef MEP_WITH_TCMALLOC
+  MallocExtension_ReleaseFreeMemory();
+#endif
+}
+
 } // namespace mep

@@ -100,9 +100,13 @@ void DaemonHandler::handle(http::Request&& req, const http::Peer& peer, std::sha
   // false, so waiting attaches took the pool's threads).
   const bool may_wait = req.method() == bhttp::verb::post && req.target() == "/v1/attach" &&
                         req.body().find("\"wait_seconds\"") != std::string::npos;
+  m_busy.fetch_add(1, std::memory_order_relaxed);
   auto work = [this, req = std::move(req), peer, responder, fd]() mutable {
+    struct Done { // 64 workers, mostly idle (allocator.hpp); see m_busy
+      DaemonHandler& h;
+      ~Done() { h.finished(); }
+    } done{*this};
     responder.send(respond(req, peer, fd));
-    release_thread_cache(); // 64 workers, mostly idle (allocator.hpp)
   };
   if (may_wait) {
     std::unique_lock lock(m_waiters_mutex);
@@ -126,6 +130,19 @@ void DaemonHandler::handle(http::Request&& req, const http::Peer& peer, std::sha
     }
   }
   net::post(m_work, std::move(work));
+}
+
+void DaemonHandler::finished() noexcept {
+  const int left = m_busy.fetch_sub(1, std::memory_order_relaxed) - 1;
+  if (left >= k_release_below) return;
+  release_thread_cache();
+  if (left > 0) return;
+  // The last request of a burst: the pages freed since go back too, at most every 2 s.
+  const std::int64_t now =
+      std::chrono::duration_cast<std::chrono::milliseconds>(std::chrono::steady_clock::now().time_since_epoch())
+          .count();
+  std::int64_t last = m_last_release_ms.load(std::memory_order_relaxed);
+  if (now - last >= 2000 && m_last_release_ms.compare_exchange_strong(last, now)) release_free_memory();
 }
 
 http::Response DaemonHandler::respond(const http::Request& req, const http::Peer& peer, int fd) {

@@ -21,4 +21,10 @@ bool tune_allocator() noexcept;
 /// TCMalloc: nothing.
 void release_thread_cache() noexcept;
 
+/// For a process whose load has just ended: the free pages the allocator keeps (its page
+/// heap) go back to the system. After 64 agents attached and detached at once, mepd's page
+/// heap held 8.2 MiB it no longer used. It walks the heap: call it when going idle, not per
+/// request. Without TCMalloc: nothing.
+void release_free_memory() noexcept;
+
 } // namespace mep

@@ -9,6 +9,8 @@
 
 #include <boost/asio/thread_pool.hpp>
 
+#include <atomic>
+
 #include <condition_variable>
 #include <cstddef>
 #include <functional>
@@ -107,6 +109,15 @@ private:
   DaemonService& m_service;
   std::function<bool(const http::Peer&)> m_allowed;
   boost::asio::thread_pool m_work{64};
+  /// Requests being answered or queued. A worker gives its allocator cache back only when
+  /// few are: under load the next request would fetch it again at once (that cost mepd a
+  /// tenth of its CPU at 64 agents), and once the load falls the last ones still return it.
+  std::atomic<int> m_busy{0};
+  static constexpr int k_release_below = 4;
+  std::atomic<std::int64_t> m_last_release_ms{0}; ///< when release_free_memory last ran (steady ms)
+  /// A request answered: gives the worker's cache back when few others are busy, and the
+  /// page heap's free pages when none is (allocator.hpp).
+  void finished() noexcept;
   static constexpr int k_max_waiting_attaches = 1024; // beyond, they queue for the pool
   std::mutex m_waiters_mutex;
   std::condition_variable m_waiters_done;

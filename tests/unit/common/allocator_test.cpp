@@ -43,6 +43,20 @@ TEST_CASE("release_thread_cache empties the calling thread's cache") {
   mep::release_thread_cache();
   CHECK(MallocExtension_GetThreadCacheSize() < before / 8);
 }
+
+TEST_CASE("release_free_memory returns the page heap's free pages to the system") {
+  {
+    std::vector<std::unique_ptr<char[]>> blocks; // large blocks come from the page heap
+    for (int i = 0; i < 64; ++i) blocks.emplace_back(new char[1u << 20]);
+    for (auto& b : blocks) b[0] = 1;
+  }
+  std::size_t free_before = 0, free_after = 0;
+  REQUIRE(MallocExtension_GetNumericProperty("tcmalloc.pageheap_free_bytes", &free_before));
+  REQUIRE(free_before >= (32u << 20));
+  mep::release_free_memory();
+  REQUIRE(MallocExtension_GetNumericProperty("tcmalloc.pageheap_free_bytes", &free_after));
+  CHECK(free_after < free_before / 8);
+}
 #else
 TEST_CASE("tune_allocator is a no-op without TCMalloc") {
   WARN("built without TCMalloc (a sanitizer or -DMEP_TCMALLOC=OFF build): only the no-op is checked");
