@@ -100,13 +100,18 @@ void DaemonHandler::handle(http::Request&& req, const http::Peer& peer, std::sha
   // false, so waiting attaches took the pool's threads).
   const bool may_wait = req.method() == bhttp::verb::post && req.target() == "/v1/attach" &&
                         req.body().find("\"wait_seconds\"") != std::string::npos;
-  m_busy.fetch_add(1, std::memory_order_relaxed);
-  auto work = [this, req = std::move(req), peer, responder, fd]() mutable {
-    struct Done { // 64 workers, mostly idle (allocator.hpp); see m_busy
-      DaemonHandler& h;
-      ~Done() { h.finished(); }
-    } done{*this};
-    responder.send(respond(req, peer, fd));
+  auto work = [this, req = std::move(req), peer, responder, fd]() mutable { responder.send(respond(req, peer, fd)); };
+  // A job for the pool: counted in m_busy until it has run (its threads are long-lived; a
+  // waiting attach's own thread gives its memory back when it ends).
+  auto pooled = [this](auto job) {
+    m_busy.fetch_add(1, std::memory_order_relaxed);
+    return [this, job = std::move(job)]() mutable {
+      struct Done {
+        DaemonHandler& h;
+        ~Done() { h.finished(); }
+      } done{*this};
+      job();
+    };
   };
   if (may_wait) {
     std::unique_lock lock(m_waiters_mutex);
@@ -126,10 +131,10 @@ void DaemonHandler::handle(http::Request&& req, const http::Peer& peer, std::sha
         std::lock_guard l(m_waiters_mutex);
         if (--m_waiters == 0) m_waiters_done.notify_all();
       }
-      return net::post(m_work, [shared] { (*shared)(); });
+      return net::post(m_work, pooled([shared] { (*shared)(); }));
     }
   }
-  net::post(m_work, std::move(work));
+  net::post(m_work, pooled(std::move(work)));
 }
 
 void DaemonHandler::finished() noexcept {

@@ -10,7 +10,6 @@
 #include <boost/asio/thread_pool.hpp>
 
 #include <atomic>
-
 #include <condition_variable>
 #include <cstddef>
 #include <functional>
@@ -109,7 +108,7 @@ private:
   DaemonService& m_service;
   std::function<bool(const http::Peer&)> m_allowed;
   boost::asio::thread_pool m_work{64};
-  /// Requests being answered or queued. A worker gives its allocator cache back only when
+  /// Requests on the pool, being answered or queued. A worker gives its allocator cache back only when
   /// few are: under load the next request would fetch it again at once (that cost mepd a
   /// tenth of its CPU at 64 agents), and once the load falls the last ones still return it.
   std::atomic<int> m_busy{0};
