@@ -15,6 +15,7 @@
 //    (leases ÷ (ttl/3)) ÷ batch size — batching must show.
 #include "etcd_peer.hpp"
 #include "http_conn.hpp"
+#include "stats.hpp"
 
 #include <signal.h>
 #include <sys/socket.h>
@@ -149,20 +150,8 @@ long metric(const std::string& sock, const std::string& name) {
   return at == std::string::npos ? -1 : std::atol(body.c_str() + at + name.size() + 2);
 }
 
-double median(std::vector<double> v) {
-  if (v.empty()) return 0;
-  std::sort(v.begin(), v.end());
-  return v[v.size() / 2];
-}
-
-// "1207 (1175..1423)": the median and the range.
-std::string range(const std::vector<double>& v) {
-  if (v.empty()) return "-";
-  char buf[64];
-  std::snprintf(buf, sizeof buf, "%.0f (%.0f..%.0f)", median(v), *std::min_element(v.begin(), v.end()),
-                *std::max_element(v.begin(), v.end()));
-  return buf;
-}
+using mep::bench::median;
+using mep::bench::median_range;
 
 struct CycleCell {
   double rate = 0, p50 = 0, p99 = 0, wall = 1;
@@ -349,10 +338,11 @@ static int run(int argc, char** argv) {
           errors += e.errors;
           ratio.push_back(e.ops_per_s > 0 ? m.rate / e.ops_per_s : 0);
         }
-        std::printf("%-7d %22s %8.3f %8.3f %7ld %5.2f / %4.2f", agents, range(m_rate).c_str(), median(m_p50),
+        std::printf("%-7d %22s %8.3f %8.3f %7ld %5.2f / %4.2f", agents, median_range(m_rate).c_str(), median(m_p50),
                     median(m_p99), errors, median(m_dcpu), median(m_scpu));
         if (etcd)
-          std::printf(" %22s %8.3f %8.2fx %6.2f", range(e_rate).c_str(), median(e_p99), median(ratio), median(e_cpu));
+          std::printf(" %22s %8.3f %8.2fx %6.2f", median_range(e_rate).c_str(), median(e_p99), median(ratio),
+                      median(e_cpu));
         std::printf("\n");
         std::fflush(stdout);
       }

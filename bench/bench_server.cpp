@@ -14,6 +14,7 @@
 #include "etcd_peer.hpp"
 #include "http_conn.hpp"
 #include "run_capture.hpp"
+#include "stats.hpp"
 
 #include <signal.h>
 #include <sqlite3.h>
@@ -833,11 +834,7 @@ bool run_postgresql(const std::string& pg_arg, double seconds, const fs::path& s
   return true;
 }
 
-double median(std::vector<double> v) {
-  if (v.empty()) return 0;
-  std::sort(v.begin(), v.end());
-  return v[v.size() / 2];
-}
+using mep::bench::median;
 
 // The round whose pauses were the median share of its time.
 mep::bench::Stalls median_stalls(std::vector<mep::bench::Stalls> v) {
@@ -954,15 +951,10 @@ void compare_with_etcd(Server& s, const std::string& token, const fs::path& dir,
         scpu.push_back(e.server_cores);
         errors += m.errors + e.errors;
       }
-      auto range = [](const std::vector<double>& v) {
-        char buf[64];
-        std::snprintf(buf, sizeof buf, "%.0f (%.0f..%.0f)", median(v), *std::min_element(v.begin(), v.end()),
-                      *std::max_element(v.begin(), v.end()));
-        return std::string(buf);
-      };
       std::printf("%-8s %7d %22s %22s %9.2fx   %4.2f / %-4.2f   %4.2f / %-4.2f  %4.1f / %-4.1f", cell.name, clients,
-                  range(m_ops).c_str(), range(e_ops).c_str(), median(ratios), median(mccpu), median(mscpu),
-                  median(ccpu), median(scpu), median_stalls(m_stalls).percent(), median_stalls(e_stalls).percent());
+                  mep::bench::median_range(m_ops).c_str(), mep::bench::median_range(e_ops).c_str(), median(ratios),
+                  median(mccpu), median(mscpu), median(ccpu), median(scpu), median_stalls(m_stalls).percent(),
+                  median_stalls(e_stalls).percent());
       if (db_cpu) std::printf("  %9.3f", median(db_ms));
       std::printf("%s\n", errors ? "  ERRORS" : "");
       if (errors) ++g_failed_cells;

@@ -4,6 +4,7 @@
 // store in the next round); and the store's RSS while 64 clients upload 256 MiB objects.
 // Prints a table; asserts nothing.
 #include "http_conn.hpp"
+#include "stats.hpp"
 
 #include <algorithm>
 #include <atomic>
@@ -51,10 +52,7 @@ double percentile(std::vector<double>& v, double q) {
   return v[std::min(v.size() - 1, static_cast<std::size_t>(q * static_cast<double>(v.size())))];
 }
 
-double median(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  return v.empty() ? 0 : v[v.size() / 2];
-}
+using mep::bench::median;
 
 std::string run_capture(const std::string& cmd) {
   std::string out;

@@ -159,20 +159,23 @@ void StateDb::commit(const std::vector<Pending*>& batch) {
 
 void StateDb::remember_file(const std::string& memory_id, const std::string& path, const FileStat& st,
                             const std::optional<std::string>& sha256, uid_t uid) {
+  // The row's values, numbered alike in the check and the write (?6, updated_at, is the write's).
+  auto bind_row = [&](sqlite::Stmt& s) -> sqlite::Stmt& {
+    return s.bind(1, path)
+        .bind(2, memory_id)
+        .bind(3, static_cast<std::int64_t>(st.dev))
+        .bind(4, static_cast<std::int64_t>(st.ino))
+        .bind(5, sha256)
+        .bind(7, st.birth_ns)
+        .bind(8, static_cast<std::int64_t>(uid));
+  };
   {
     // Most binds find the row as it would be written (an agent attaching and detaching the
     // same file): then there is nothing to make durable, and no transaction to wait for.
     std::lock_guard lock(m_mutex);
     Use s(m_db->prepare("SELECT 1 FROM files WHERE path = ?1 AND memory_id = ?2 AND dev = ?3 AND ino = ?4 "
-                        "AND (?5 IS NULL OR sha256 = ?5) AND btime IS ?6 AND peer_uid IS ?7"));
-    s->bind(1, path)
-        .bind(2, memory_id)
-        .bind(3, static_cast<std::int64_t>(st.dev))
-        .bind(4, static_cast<std::int64_t>(st.ino))
-        .bind(5, sha256)
-        .bind(6, st.birth_ns)
-        .bind(7, static_cast<std::int64_t>(uid));
-    if (s->step()) return;
+                        "AND (?5 IS NULL OR sha256 = ?5) AND btime IS ?7 AND peer_uid IS ?8"));
+    if (bind_row(*s).step()) return;
   }
   const std::int64_t now = now_unix_ms();
   write([&](sqlite::Db& db) {
@@ -183,15 +186,7 @@ void StateDb::remember_file(const std::string& memory_id, const std::string& pat
                      "ON CONFLICT(path) DO UPDATE SET memory_id = ?2, dev = ?3, ino = ?4, "
                      "sha256 = coalesce(?5, CASE WHEN files.memory_id = ?2 THEN files.sha256 END), updated_at = ?6, "
                      "btime = ?7, peer_uid = ?8"));
-    s->bind(1, path)
-        .bind(2, memory_id)
-        .bind(3, static_cast<std::int64_t>(st.dev))
-        .bind(4, static_cast<std::int64_t>(st.ino))
-        .bind(5, sha256)
-        .bind(6, now)
-        .bind(7, st.birth_ns)
-        .bind(8, static_cast<std::int64_t>(uid))
-        .run();
+    bind_row(*s).bind(6, now).run();
   });
 }
 
