@@ -16,7 +16,11 @@
 //   the renewer (renew_due: one renew-batch per tick) and the deadline thread (expire on
 //   the local monotonic deadline, never behind a renewal in flight).
 // * → released: detach(), or the bound process exiting (on_process_exit, from the pid
-//   watcher), which releases within its 200 ms poll.
+//   watcher), which releases within its 200 ms poll. Both end in end_taken: the release on
+//   the control plane first, the row's delete after (lazily: see state_db.hpp's Sync).
+// * Durability: only the intent is fsynced. A power loss may take back a lease's row (the
+//   intent comes back with it and is resent: the same grant, replayed, is held until its
+//   expiry and renewed at once) or a row's delete (re-adopted, its renewal learns it ended).
 // * Locks: the lease book's mutex guards memory only; the state database has its own;
 //   per-file mutexes order identity resolution. No network call, hash or fsync runs under
 //   the lease book's lock. Every thread loop's body is one try: a failed pass is logged and
@@ -161,7 +165,7 @@ void Keeper::start() {
     h.bind_pid = s.bind_pid;
     h.uid = s.uid;
     h.gid = s.gid;
-    h.local_deadline = steady + left - margin(h.ttl_s);
+    h.local_deadline = deadline_from_expiry(s.expires_at, s.ttl_s, wall, steady);
     h.next_renew = steady; // renew at once: proves the stored token is still current
     h.fenced = !m_dp;      // re-adopted: the store's mark is advanced again (fence_pending)
     if (h.bind_pid && !pid_alive(h.bind_pid)) {
@@ -254,6 +258,11 @@ void Keeper::resend_intents() {
     Held h = held_from_grant(*r, in.request.owner_client_id, in.path, in.bind_pid, sent);
     h.uid = in.uid;
     h.gid = in.gid;
+    // The answer may replay a grant made long before (the daemon crashed, or a power loss
+    // took back the lease's row after the agent had it): the lease ends at that grant's
+    // expiry, not a TTL after this resend. Renewed at once, which also proves it is current.
+    h.local_deadline = std::min(h.local_deadline, deadline_from_expiry(h.expires_at, h.ttl_s, now_unix_ms(), sent));
+    h.next_renew = sent;
     if (h.bind_pid && !pid_alive(h.bind_pid)) {
       // The agent that asked is gone (or was told it failed: -1); the claim must not linger.
       log::info("releasing lease {} adopted from an intent whose agent is not waiting for it", h.canonical_name);
@@ -487,12 +496,38 @@ void Keeper::remember_fate(const std::string& key, IntentFate fate) {
   m_intent_fates[key] = fate;
 }
 
-void Keeper::release_on_server(const Held& h) {
+bool Keeper::release_on_server(const Held& h) {
   m_cp_requests++;
   auto r = m_cp->release(lease::LeaseRef{h.canonical_name, h.memory_id, h.fencing_token, h.owner_client_id, h.ttl_s});
-  if (!r && outcome_unknown(r.error()))
+  if (!r && outcome_unknown(r.error())) {
     log::warn("release of {} did not reach the control plane ({}); it expires with its TTL", h.canonical_name,
               r.error().detail);
+    return false;
+  }
+  return true;
+}
+
+// The fingerprint is refreshed (so a copy made later is recognized), the lease released on
+// the control plane, and only then its row deleted: lazily (no fsync) when the control plane
+// answered, since a row that a power loss brings back is re-adopted and its first renewal
+// learns that the lease ended. A release that did not reach the control plane has its delete
+// made durable: otherwise a restart would renew a lease its agent was told was released. The
+// delete names the lease id, so a grant that replaced the row meanwhile keeps it.
+void Keeper::end_taken(const Held& h) {
+  Releasing releasing(m_book, h.lease_id);
+  try {
+    OwnerScope as_owner(h); // the file is read as its owner, not as the daemon
+    m_resolver.bind(h.memory_id, h.path, true);
+  } catch (const std::exception& e) {
+    g_state_health.failed("refresh a fingerprint", e);
+  }
+  const bool ended = h.state == LeaseState::lost || release_on_server(h);
+  try {
+    m_state.forget_lease(h.canonical_name, h.lease_id, ended ? Sync::lazy : Sync::durable);
+  } catch (const std::exception& e) {
+    g_state_health.failed("forget a lease", e); // re-adoption renews it and learns it is over
+  }
+  on_event(Event{"released", h, {}});
 }
 
 void Keeper::forget(const std::vector<std::string>& names) {
@@ -516,17 +551,7 @@ expected<void, Problem> Keeper::detach(const std::string& display, const std::op
     return make_unexpected(
         Problem(Code::lease_not_found, lease_id ? "this daemon holds no lease with that id under that name"
                                                 : "this daemon holds no lease under that name"));
-  Releasing releasing(m_book, h->lease_id);
-  forget({key});
-  try {
-    // The fingerprint is refreshed at release, so a copy made later is recognized.
-    OwnerScope as_owner(*h);
-    m_resolver.bind(h->memory_id, h->path, true);
-  } catch (const std::exception& e) {
-    g_state_health.failed("refresh a fingerprint", e);
-  }
-  if (h->state != LeaseState::lost) release_on_server(*h);
-  on_event(Event{"released", *h, {}});
+  end_taken(*h);
   return {};
 }
 
@@ -871,17 +896,8 @@ void Keeper::deadline_loop() {
 
 void Keeper::on_process_exit(pid_t pid) {
   for (auto& h : m_book.take_bound_to(pid)) {
-    Releasing releasing(m_book, h.lease_id);
-    forget({h.canonical_name});
-    try {
-      OwnerScope as_owner(h); // the file is read as its owner, not as the daemon
-      m_resolver.bind(h.memory_id, h.path, true);
-    } catch (const std::exception& e) {
-      g_state_health.failed("refresh a fingerprint", e);
-    }
-    if (h.state != LeaseState::lost) release_on_server(h);
+    end_taken(h);
     log::info("agent process exited; released {}", h.canonical_name);
-    on_event(Event{"released", h, {}});
   }
 }
 

@@ -55,6 +55,10 @@ Held held_from_grant(const lease::Grant& g, std::string owner, std::string path,
   return h;
 }
 
+SteadyTime deadline_from_expiry(UnixMs expires_at, std::int64_t ttl_s, UnixMs wall, SteadyTime steady) {
+  return steady + std::chrono::milliseconds(expires_at - wall) - margin(ttl_s);
+}
+
 void LeaseBook::emit(std::vector<Event>& events) {
   if (!m_sink) return;
   for (const auto& e : events) m_sink(e);

@@ -8,6 +8,8 @@
 
 #include <fmt/format.h>
 
+#include <algorithm>
+
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -85,16 +87,17 @@ StateDb::~StateDb() = default;
 // them next, never every waiting thread (with 64 agents, a broadcast per commit cost more
 // CPU than the commits).
 struct StateDb::Pending {
-  explicit Pending(const std::function<void(sqlite::Db&)>* o) : op(o) {}
+  Pending(const std::function<void(sqlite::Db&)>* o, Sync s) : op(o), sync(s) {}
   const std::function<void(sqlite::Db&)>* op;
+  Sync sync;
   std::exception_ptr error;
   bool done = false;
   bool lead = false; // named to commit the queue
   std::condition_variable cv;
 };
 
-void StateDb::write(const std::function<void(sqlite::Db&)>& op) {
-  Pending me(&op);
+void StateDb::write(const std::function<void(sqlite::Db&)>& op, Sync sync) {
+  Pending me(&op, sync);
   std::unique_lock q(m_queue_mutex);
   m_queue.push_back(&me);
   if (m_committing)
@@ -128,6 +131,13 @@ void StateDb::write(const std::function<void(sqlite::Db&)>& op) {
 void StateDb::commit(const std::vector<Pending*>& batch) {
   std::lock_guard lock(m_mutex);
   try {
+    // The setting is the connection's, read at COMMIT, and may not change inside a transaction.
+    const bool full =
+        std::any_of(batch.begin(), batch.end(), [](const Pending* p) { return p->sync == Sync::durable; });
+    if (full != m_full) {
+      m_db->exec(full ? "PRAGMA synchronous=FULL" : "PRAGMA synchronous=NORMAL");
+      m_full = full;
+    }
     m_db->exec("BEGIN IMMEDIATE");
     try {
       for (Pending* p : batch) {
@@ -239,27 +249,29 @@ void StateDb::mark_registered(const std::string& memory_id) {
 }
 
 void StateDb::save_lease(const SavedLease& l, const std::string& finished_intent) {
-  write([&](sqlite::Db& db) {
-    Use s(db.prepare("INSERT OR REPLACE INTO leases(canonical_name, display_name, memory_id, lease_id, "
-                     "owner_client_id, fencing_token, ttl_seconds, expires_at, path, bind_pid, peer_uid, peer_gid) "
-                     "VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12)"));
-    s->bind(1, l.canonical_name)
-        .bind(2, l.display_name)
-        .bind(3, l.memory_id)
-        .bind(4, l.lease_id)
-        .bind(5, l.owner_client_id)
-        .bind(6, l.fencing_token)
-        .bind(7, l.ttl_s)
-        .bind(8, l.expires_at)
-        .bind(9, l.path)
-        .bind(10, static_cast<std::int64_t>(l.bind_pid));
-    bind_owner(*s, 11, l.uid, l.gid);
-    s->run();
-    if (!finished_intent.empty()) {
-      Use d(db.prepare("DELETE FROM intents WHERE idem_key = ?1"));
-      d->bind(1, finished_intent).run();
-    }
-  });
+  write(
+      [&](sqlite::Db& db) {
+        Use s(db.prepare("INSERT OR REPLACE INTO leases(canonical_name, display_name, memory_id, lease_id, "
+                         "owner_client_id, fencing_token, ttl_seconds, expires_at, path, bind_pid, peer_uid, "
+                         "peer_gid) VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12)"));
+        s->bind(1, l.canonical_name)
+            .bind(2, l.display_name)
+            .bind(3, l.memory_id)
+            .bind(4, l.lease_id)
+            .bind(5, l.owner_client_id)
+            .bind(6, l.fencing_token)
+            .bind(7, l.ttl_s)
+            .bind(8, l.expires_at)
+            .bind(9, l.path)
+            .bind(10, static_cast<std::int64_t>(l.bind_pid));
+        bind_owner(*s, 11, l.uid, l.gid);
+        s->run();
+        if (!finished_intent.empty()) {
+          Use d(db.prepare("DELETE FROM intents WHERE idem_key = ?1"));
+          d->bind(1, finished_intent).run();
+        }
+      },
+      Sync::lazy);
 }
 
 void StateDb::save_expiries(const std::vector<std::pair<std::string, UnixMs>>& expiries) {
@@ -272,11 +284,15 @@ void StateDb::save_expiries(const std::vector<std::pair<std::string, UnixMs>>& e
   });
 }
 
-void StateDb::forget_lease(const std::string& canonical_name) {
-  write([&](sqlite::Db& db) {
-    Use s(db.prepare("DELETE FROM leases WHERE canonical_name = ?1"));
-    s->bind(1, canonical_name).run();
-  });
+void StateDb::forget_lease(const std::string& canonical_name, const std::string& lease_id, Sync sync) {
+  write(
+      [&](sqlite::Db& db) {
+        Use s(db.prepare("DELETE FROM leases WHERE canonical_name = ?1 AND (?2 IS NULL OR lease_id = ?2)"));
+        s->bind(1, canonical_name)
+            .bind(2, lease_id.empty() ? std::nullopt : std::optional<std::string>(lease_id))
+            .run();
+      },
+      sync);
 }
 
 std::vector<SavedLease> StateDb::leases() {

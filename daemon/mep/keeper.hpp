@@ -74,7 +74,10 @@ private:
   /// Keeps `h`: saved for re-adoption (unless `save` is false: saved already), with
   /// `finished_intent` deleted in the same write; in the book; its agent watched.
   void adopt(Held h, bool announce, const std::string& finished_intent = {}, bool save = true);
-  void release_on_server(const Held& h);
+  /// False when the outcome is unknown (the control plane was not reached, or did not answer).
+  bool release_on_server(const Held& h);
+  /// Ends a lease taken from the book (a detach, its agent's exit): see keeper.cpp.
+  void end_taken(const Held& h);
   void forget(const std::vector<std::string>& names);
   void on_event(const Event& e);
   void on_process_exit(pid_t pid);

@@ -60,6 +60,10 @@ std::chrono::milliseconds margin(std::int64_t ttl_s);
 /// renewal at ttl/3.
 Held held_from_grant(const lease::Grant& g, std::string owner, std::string path, pid_t pid, SteadyTime sent);
 
+/// The local deadline of a lease known only by its wall-clock expiry (a row re-adopted after a
+/// restart, a replayed grant): `steady` + (expires_at − `wall`) − margin.
+SteadyTime deadline_from_expiry(UnixMs expires_at, std::int64_t ttl_s, UnixMs wall, SteadyTime steady);
+
 /// An event for the agents' stream (GET /v1/events).
 struct Event {
   std::string kind; ///< granted | renewed | degraded | lost | released

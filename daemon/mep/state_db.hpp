@@ -49,12 +49,23 @@ struct Intent {
   gid_t gid = static_cast<gid_t>(-1);
 };
 
-/// Thread-safe. A read takes the connection's mutex for its statements only. A write returns
-/// once it is durable (synchronous=FULL), and writes from several threads at once share a
-/// transaction and its fsync (group commit: one agent's attach or detach writes two or three
-/// times, and 64 agents attaching at once were one fsync after another). Every call may
-/// throw sqlite::Error (a full or read-only disk, a deleted file): callers turn that into a
-/// 503 for new work and go on renewing what they hold.
+/// How far a write must have gone when its call returns.
+enum class Sync {
+  /// On disk (fsync, synchronous=FULL): survives a power loss.
+  durable,
+  /// Committed to the WAL without an fsync (synchronous=NORMAL): survives the daemon's crash
+  /// (kill -9) but not the host's. A power loss can take back only a suffix of the writes
+  /// (the WAL is replayed in order up to its first torn frame), and the next durable write
+  /// makes every earlier one durable too. For writes that a restart can do without because
+  /// something durable already covers them (see save_lease, forget_lease).
+  lazy,
+};
+
+/// Thread-safe. A read takes the connection's mutex for its statements only. Writes from
+/// several threads at once share a transaction and its fsync (group commit: 64 agents
+/// attaching at once were one fsync after another); a transaction is durable when any of its
+/// writes asks for it. Every call may throw sqlite::Error (a full or read-only disk, a
+/// deleted file): callers turn that into a 503 for new work and go on renewing what they hold.
 class StateDb {
 public:
   /// Opens (creating, upgrading) `path`. Throws std::runtime_error / sqlite::Error.
@@ -81,11 +92,16 @@ public:
   void mark_registered(const std::string& memory_id);
 
   /// Saves `l`; with `finished_intent`, the claim intent that won it goes in the same
-  /// transaction (one fsync where an attach took two).
+  /// transaction. Lazy: until the next durable write, a power loss takes back both the row and
+  /// the intent's delete, and the restart resends the (durable) intent under its key, which the
+  /// control plane answers with the same grant for 24 h; the host's agents died with it.
   void save_lease(const SavedLease& l, const std::string& finished_intent = {});
   /// New expiries of held leases, in one transaction (one fsync for a renewal batch).
   void save_expiries(const std::vector<std::pair<std::string, UnixMs>>& expiries);
-  void forget_lease(const std::string& canonical_name);
+  /// Deletes the row of `canonical_name` (only while it holds `lease_id`, when one is given:
+  /// a grant that replaced it stays). Lazy by default: a row brought back by a power loss is
+  /// re-adopted, and its first renewal learns from the control plane that it ended.
+  void forget_lease(const std::string& canonical_name, const std::string& lease_id = {}, Sync sync = Sync::lazy);
   std::vector<SavedLease> leases();
 
   void add_intent(const Intent& intent);
@@ -95,10 +111,10 @@ public:
 
 private:
   /// Runs `op` in the next transaction, with the writes of the other threads that queued
-  /// while the one before committed. Returns once that transaction is durable; throws what
-  /// `op` threw (its changes undone, the batch's others kept) or what the commit threw (the
-  /// whole batch undone).
-  void write(const std::function<void(sqlite::Db&)>& op);
+  /// while the one before committed. Returns once that transaction has committed as far as
+  /// `sync` asks; throws what `op` threw (its changes undone, the batch's others kept) or what
+  /// the commit threw (the whole batch undone).
+  void write(const std::function<void(sqlite::Db&)>& op, Sync sync = Sync::durable);
   struct Pending;
   void commit(const std::vector<Pending*>& batch);
 
@@ -109,6 +125,7 @@ private:
   std::mutex m_queue_mutex; // the writes waiting for the next transaction
   std::vector<Pending*> m_queue;
   bool m_committing = false; // a thread is committing, or has been named to commit the queue
+  bool m_full = true;        // the connection's synchronous setting is FULL (else NORMAL)
 };
 
 } // namespace mep::daemon

@@ -3,7 +3,10 @@ small tmpfs (root only: mount), mepd keeps running and keeps renewing what it ho
 that disk is full or read-only, answers new work with a 503 problem that says why, logs
 it once, and recovers when space returns; a state database deleted under it does not end
 it either. And a write refused between an attach's two writes (its claim intent, then the
-lease) does not make the daemon claim again later what its agent has let go.
+lease) does not make the daemon claim again later what its agent has let go. And the states
+a power loss can leave (a lease's row and the delete of its intent are written without an
+fsync) are re-adopted through the durable intent, never past the grant's expiry, and a
+released lease's row brought back does not bring the lease back.
 """
 import os
 import shutil
@@ -121,17 +124,19 @@ class StateDiskFaults(DaemonTestCase):
         self.assertEqual(self.client.request("GET", "/healthz").status, 200)
 
 
-class StateWriteRefused(DaemonTestCase):
-    """Writes refused by the state database itself while the daemon runs, injected with a
-    trigger on its own database (SQLite's RAISE), so that exactly one kind of write fails:
-    no mount, no root, no hook in the daemon."""
-
+class StateDbCase(DaemonTestCase):
     MODE = "remote"
 
     def state_db(self):
         db = sqlite3.connect(os.path.join(self.mepd.state_dir, "mepd.db"), timeout=10)
         self.addCleanup(db.close)
         return db
+
+
+class StateWriteRefused(StateDbCase):
+    """Writes refused by the state database itself while the daemon runs, injected with a
+    trigger on its own database (SQLite's RAISE), so that exactly one kind of write fails:
+    no mount, no root, no hook in the daemon."""
 
     def test_lease_save_refused_after_the_intent_is_not_claimed_again(self):
         # The attach's intent goes in; the lease's first save (which also deletes the intent)
@@ -194,6 +199,74 @@ class StateWriteRefused(DaemonTestCase):
         self.assertNotIn("unknown-agent", self.client.leases())
         self.assertEqual(self.poll(lambda: self.server_lease("unknown-agent").status == 404, 5), True)
         self.assertEqual(db.execute("SELECT count(*) FROM intents").fetchone()[0], 0)
+
+
+class PowerLossStates(StateDbCase):
+    """mepd writes a lease's row (with the delete of the claim intent that won it) and the
+    delete of a released lease's row without an fsync: a power loss may take them back, and
+    only them (the intent is written with one, before the claim leaves). Such a state is made
+    here from the daemon's own rows, while it is down after a SIGKILL, and the daemon restarted
+    on it: no power cut, but exactly what one may leave on disk."""
+
+    def test_states_a_power_loss_may_leave(self):
+        db = self.state_db()
+        # Every intent the daemon deletes is kept aside, to be put back as a power loss would.
+        db.execute("CREATE TABLE kept_intents AS SELECT * FROM intents WHERE 0")
+        db.execute("CREATE TRIGGER keep_intents AFTER DELETE ON intents BEGIN "
+                   "INSERT INTO kept_intents SELECT old.idem_key, old.body, old.path, old.bind_pid, old.created_at, "
+                   "old.peer_uid, old.peer_gid; END")
+        db.commit()
+        live = self.attach_ok("pl-live", self.new_file("pl-live.uai"), ttl_seconds=30, bind="none")
+        old = self.attach_ok("pl-old", self.new_file("pl-old.uai"), ttl_seconds=12, bind="none")
+        gone = self.attach_ok("pl-gone", self.new_file("pl-gone.uai"), ttl_seconds=30, bind="none")
+        gone_row = db.execute("SELECT * FROM leases WHERE canonical_name = 'pl-gone'").fetchall()
+        self.assertEqual(len(gone_row), 1)
+        self.assertEqual(self.client.detach("pl-gone").status, 204)
+        self.assertEqual(self.server_lease("pl-gone").status, 404)
+        live_before = self.lease_expiry("pl-live")
+        self.mepd.proc.kill9()
+        # pl-live and pl-old: the row and the intent's delete taken back; pl-gone: its delete.
+        db.execute("DROP TRIGGER keep_intents")
+        db.execute("DELETE FROM leases WHERE canonical_name IN ('pl-live', 'pl-old')")
+        db.execute("INSERT INTO intents SELECT * FROM kept_intents WHERE body LIKE '%pl-live%' OR body LIKE '%pl-old%'")
+        db.execute("INSERT INTO leases VALUES (%s)" % ", ".join("?" * len(gone_row[0])), gone_row[0])
+        db.commit()
+        self.assertEqual(db.execute("SELECT count(*) FROM intents").fetchone()[0], 2)
+        time.sleep(12.5)  # pl-old's grant expires on the control plane meanwhile
+        self.assertEqual(self.server_lease("pl-old").status, 404)
+        self.mepd.start()
+
+        # pl-live: the intent is resent under its key; the control plane answers with the same
+        # grant, which is adopted and renewed at once (its expiry moves forward, same token).
+        adopted = self.client.leases().get("pl-live")
+        self.assertIsNotNone(adopted, "the lease was not re-adopted through its intent")
+        self.assertEqual((adopted["lease_id"], adopted["fencing_token"]), (live["lease_id"], live["fencing_token"]))
+        self.assertEqual(adopted["state"], "held")
+        moved = lambda: self.lease_expiry("pl-live")[0] > live_before[0]
+        self.assertTrue(self.poll(moved, 5, 0.2), "the adopted lease was not renewed at once")
+        self.assertEqual(self.lease_expiry("pl-live")[1], live["fencing_token"])
+
+        # pl-old: the same replayed grant, expired since: never held past its expiry. It is
+        # renewed at once too, and the control plane says it is over (before: held locally
+        # until its first renewal, ttl/3 after the restart, with nobody holding it any more).
+        def not_held():
+            lease = self.client.leases().get("pl-old")
+            return lease is None or lease["state"] != "held"
+        self.assertTrue(self.poll(not_held, 2), "a replayed grant that had expired is held: %r"
+                        % self.client.leases().get("pl-old"))
+        self.assertEqual(self.server_lease("pl-old").status, 404)
+
+        # pl-gone: its row is back, but the release had reached the control plane: the renewal
+        # learns it is over, and the lease is not taken again.
+        def gone_not_held():
+            lease = self.client.leases().get("pl-gone")
+            return lease is None or lease["state"] != "held"
+        self.assertTrue(self.poll(gone_not_held, 5), "a released lease's row brought it back")
+        self.assertEqual(self.server_lease("pl-gone").status, 404)
+        self.assertEqual(db.execute("SELECT count(*) FROM intents").fetchone()[0], 0)
+        again = self.attach_ok("pl-gone", self.new_file("pl-gone-2.uai"), ttl_seconds=30)
+        self.assertNotEqual(again["lease_id"], gone["lease_id"])
+        self.assertEqual(self.client.detach("pl-live").status, 204)
 
 
 if __name__ == "__main__":

@@ -7,6 +7,7 @@
 #include "mep/sqlite.hpp"
 
 #include <catch2/catch.hpp>
+#include <sqlite3.h>
 
 #include <atomic>
 #include <filesystem>
@@ -20,6 +21,66 @@ using namespace mep::daemon;
 namespace fs = std::filesystem;
 
 namespace {
+
+// A VFS in front of the default one that counts xSync calls (the fsyncs SQLite asks for),
+// made the default while a test runs.
+struct CountingVfs {
+  struct File {
+    sqlite3_file base;
+    sqlite3_file* real() { return reinterpret_cast<sqlite3_file*>(this + 1); }
+  };
+  static inline sqlite3_vfs* s_base = nullptr;
+  static inline std::atomic<int> s_syncs{0};
+  static inline sqlite3_io_methods s_methods{};
+  sqlite3_vfs vfs{};
+
+  static sqlite3_file* real(sqlite3_file* f) { return reinterpret_cast<File*>(f)->real(); }
+  static const sqlite3_io_methods* m(sqlite3_file* f) { return real(f)->pMethods; }
+
+  CountingVfs() {
+    s_base = sqlite3_vfs_find(nullptr);
+    vfs = *s_base;
+    vfs.zName = "counting";
+    vfs.szOsFile = static_cast<int>(sizeof(File)) + s_base->szOsFile;
+    vfs.xOpen = [](sqlite3_vfs*, sqlite3_filename name, sqlite3_file* f, int flags, int* out) {
+      int rc = s_base->xOpen(s_base, name, reinterpret_cast<File*>(f)->real(), flags, out);
+      f->pMethods = rc == SQLITE_OK ? &s_methods : nullptr;
+      return rc;
+    };
+    s_methods.iVersion = 3;
+    s_methods.xClose = [](sqlite3_file* f) { return m(f)->xClose(real(f)); };
+    s_methods.xRead = [](sqlite3_file* f, void* b, int n, sqlite3_int64 o) { return m(f)->xRead(real(f), b, n, o); };
+    s_methods.xWrite = [](sqlite3_file* f, const void* b, int n, sqlite3_int64 o) {
+      return m(f)->xWrite(real(f), b, n, o);
+    };
+    s_methods.xTruncate = [](sqlite3_file* f, sqlite3_int64 n) { return m(f)->xTruncate(real(f), n); };
+    s_methods.xSync = [](sqlite3_file* f, int flags) {
+      s_syncs++;
+      return m(f)->xSync(real(f), flags);
+    };
+    s_methods.xFileSize = [](sqlite3_file* f, sqlite3_int64* n) { return m(f)->xFileSize(real(f), n); };
+    s_methods.xLock = [](sqlite3_file* f, int l) { return m(f)->xLock(real(f), l); };
+    s_methods.xUnlock = [](sqlite3_file* f, int l) { return m(f)->xUnlock(real(f), l); };
+    s_methods.xCheckReservedLock = [](sqlite3_file* f, int* r) { return m(f)->xCheckReservedLock(real(f), r); };
+    s_methods.xFileControl = [](sqlite3_file* f, int op, void* a) { return m(f)->xFileControl(real(f), op, a); };
+    s_methods.xSectorSize = [](sqlite3_file* f) { return m(f)->xSectorSize(real(f)); };
+    s_methods.xDeviceCharacteristics = [](sqlite3_file* f) { return m(f)->xDeviceCharacteristics(real(f)); };
+    s_methods.xShmMap = [](sqlite3_file* f, int i, int n, int e, void volatile** p) {
+      return m(f)->xShmMap(real(f), i, n, e, p);
+    };
+    s_methods.xShmLock = [](sqlite3_file* f, int o, int n, int fl) { return m(f)->xShmLock(real(f), o, n, fl); };
+    s_methods.xShmBarrier = [](sqlite3_file* f) { m(f)->xShmBarrier(real(f)); };
+    s_methods.xShmUnmap = [](sqlite3_file* f, int d) { return m(f)->xShmUnmap(real(f), d); };
+    s_methods.xFetch = [](sqlite3_file* f, sqlite3_int64 o, int n, void** p) { return m(f)->xFetch(real(f), o, n, p); };
+    s_methods.xUnfetch = [](sqlite3_file* f, sqlite3_int64 o, void* p) { return m(f)->xUnfetch(real(f), o, p); };
+    sqlite3_vfs_register(&vfs, 1);
+  }
+  ~CountingVfs() {
+    sqlite3_vfs_unregister(&vfs);
+    sqlite3_vfs_register(s_base, 1);
+  }
+  int syncs() const { return s_syncs.load(); }
+};
 
 struct TempDir {
   fs::path path;
@@ -158,4 +219,36 @@ TEST_CASE("a file's record is rewritten when what it says changes, and only then
   db.remember_file("mem-b", "/f.uai", reborn, std::nullopt, me + 1); // made for another user
   CHECK(!db.memory_by_inode(reborn, me));
   CHECK(db.memory_by_inode(reborn, me + 1) == std::optional<std::string>("mem-b"));
+}
+
+TEST_CASE("a lease's save and delete are written without an fsync; an intent with one") {
+  TempDir dir;
+  const auto path = dir.path / "mepd.db";
+  {
+    CountingVfs vfs;
+    StateDb db(path);
+    int before = vfs.syncs();
+    db.add_intent(intent("a")); // before the claim leaves: durable
+    CHECK(vfs.syncs() > before);
+    before = vfs.syncs();
+    db.save_lease(lease("a"), "a"); // the row and the intent's delete: lazy
+    db.save_lease(lease("b"));
+    db.forget_lease("a");
+    CHECK(vfs.syncs() == before);
+    db.forget_lease("b", "lease-b", Sync::durable); // a release that did not reach the server
+    CHECK(vfs.syncs() > before);
+    before = vfs.syncs();
+    // A delete that names another lease id keeps the row (a grant that replaced it).
+    db.save_lease(lease("c"));
+    db.forget_lease("c", "lease-of-an-older-grant");
+    CHECK(vfs.syncs() == before);
+    CHECK(db.leases().size() == 1);
+    CHECK(db.intents().empty());
+  }
+  // Lazy writes are committed all the same: the database opened again (a restart) has them.
+  StateDb again(path);
+  auto rows = again.leases();
+  REQUIRE(rows.size() == 1);
+  CHECK(rows[0].canonical_name == "c");
+  CHECK(again.intents().empty());
 }
