@@ -178,7 +178,7 @@ int main(int argc, char** argv) {
     //    The keeper outlives the io_context: event streams still open unsubscribe from it
     //    when the io_context is destroyed.
     mep::daemon::Keeper keeper(state, std::move(cp), std::move(dp));
-    boost::asio::io_context ioc;
+    boost::asio::io_context ioc(1);
     mep::daemon::LocalServer server(ioc, keeper, sock, inherited_socket(), system);
     keeper.start();
     server.start();
@@ -201,10 +201,7 @@ int main(int argc, char** argv) {
     signals.async_wait(on_signal);
     mep::log::info("listening on {}{} (control plane: {})", sock, system ? " for the group mep (system mode)" : "",
                    describe);
-    std::vector<std::thread> pool;
-    for (int i = 0; i < 3; ++i) pool.emplace_back([&] { mep::http::run_io_thread(ioc); });
     mep::http::run_io_thread(ioc);
-    for (auto& t : pool) t.join();
   } catch (const std::exception& e) {
     mep::log::error("{}", e.what());
     return mep::exit_code::other;
