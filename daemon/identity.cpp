@@ -102,7 +102,9 @@ expected<Resolved, Problem> IdentityResolver::resolve(const std::filesystem::pat
   if (!st || !st->regular)
     return make_unexpected(Problem(Code::invalid_request, "no such regular file: create it with 'mep init PATH'"));
   Resolved r;
-  std::optional<std::string> id = m_files.read_id(path);
+  r.stat = *st;
+  r.xattr = m_files.read_id(path);
+  std::optional<std::string> id = r.xattr;
   if (!id) id = m_db.memory_by_inode(*st, acting_uid());
   if (!id && st->size > 0) {
     if ((r.sha256 = m_files.sha256(path))) {
@@ -132,9 +134,10 @@ std::optional<Problem> IdentityResolver::foreign(const std::string& memory_id) {
 }
 
 void IdentityResolver::bind(const std::string& memory_id, const std::filesystem::path& path, bool hash,
-                            std::optional<std::string> sha256) {
-  if (m_files.read_id(path) != memory_id) m_files.write_id(path, memory_id); // a read costs less than a write
-  auto st = m_files.stat(path);
+                            std::optional<std::string> sha256, const Resolved* seen) {
+  const std::optional<std::string> xattr = seen ? seen->xattr : m_files.read_id(path);
+  if (xattr != memory_id) m_files.write_id(path, memory_id); // a read costs less than a write
+  auto st = seen ? std::optional<FileStat>(seen->stat) : m_files.stat(path);
   if (!st) return;
   if (hash && !sha256 && st->size > 0) sha256 = m_files.sha256(path);
   m_db.remember_file(memory_id, path.string(), *st, sha256, acting_uid());

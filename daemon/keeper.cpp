@@ -320,7 +320,8 @@ expected<Resolved, Problem> Keeper::resolve_registered(const fs::path& path) {
   if (r->fresh || r->unregistered) {
     if (auto p = register_memory(r->memory_id)) return make_unexpected(std::move(*p));
   }
-  m_resolver.bind(r->memory_id, path, r->fresh, r->sha256);
+  // A fresh or unregistered id went to the control plane meanwhile: the file is looked at again.
+  m_resolver.bind(r->memory_id, path, r->fresh, r->sha256, r->fresh || r->unregistered ? nullptr : &*r);
   return r;
 }
 
@@ -368,7 +369,7 @@ expected<Held, Problem> Keeper::attach(const AttachRequest& req) {
   const std::string owner = m_state.daemon_id() + "/" + attach_id;
   const std::string path = req.path.string();
   const pid_t bound = req.bind_pid ? req.pid : 0;
-  if (const Peer* peer = current_peer(); peer && peer->uid != ::geteuid()) {
+  if (const Peer* peer = current_peer(); peer && peer->uid != daemon_euid()) {
     // System mode: the daemon may open more than this peer may; attach only what it could.
     if (auto p = check_peer_may_write(req.path.c_str())) return make_unexpected(std::move(*p));
   }
@@ -612,7 +613,7 @@ expected<Identified, Problem> Keeper::identify(const fs::path& path) {
   auto ident = m_resolver.resolve(path, false);
   if (!ident) return make_unexpected(std::move(ident.error()));
   try {
-    m_resolver.bind(ident->memory_id, path, false, ident->sha256);
+    m_resolver.bind(ident->memory_id, path, false, ident->sha256, &*ident);
   } catch (const std::exception& e) {
     g_state_health.failed("record a file", e);
   }

@@ -64,7 +64,7 @@ std::vector<gid_t> user_groups(uid_t uid, gid_t gid) {
 
 Peer Peer::connected(uid_t uid, gid_t gid, pid_t pid) {
   Peer p{uid, gid, pid, {}};
-  if (uid == ::geteuid()) return p; // the daemon's own user: never switched to (AsPeer)
+  if (uid == daemon_euid()) return p; // the daemon's own user: never switched to (AsPeer)
   // The groups the process has now (newgrp, a service's SupplementaryGroups=), read only
   // when /proc still shows that process running as the peer's uid.
   std::ifstream status("/proc/" + std::to_string(pid) + "/status");
@@ -86,15 +86,23 @@ Peer Peer::connected(uid_t uid, gid_t gid, pid_t pid) {
 }
 
 Peer Peer::user(uid_t uid, gid_t gid) {
-  if (uid == ::geteuid()) return Peer{uid, gid, 0, {}}; // never switched to: no group lookup
+  if (uid == daemon_euid()) return Peer{uid, gid, 0, {}}; // never switched to: no group lookup
   return Peer{uid, gid, 0, user_groups(uid, gid)};
 }
 
 bool may_act_on(uid_t viewer, uid_t owner) { return acts_for_all(viewer) || viewer == owner; }
 
-bool acts_for_all(uid_t uid) { return uid == 0 || uid == ::getuid(); }
+bool acts_for_all(uid_t uid) {
+  static const uid_t real = ::getuid();
+  return uid == 0 || uid == real;
+}
 
-uid_t acting_uid() { return t_peer ? t_peer->uid : ::geteuid(); }
+uid_t daemon_euid() {
+  static const uid_t euid = ::geteuid();
+  return euid;
+}
+
+uid_t acting_uid() { return t_peer ? t_peer->uid : daemon_euid(); }
 
 int open_as_peer(const char* path, int flags, mode_t mode) {
   AsPeer as;
@@ -115,7 +123,7 @@ PeerScope::~PeerScope() { t_peer = m_previous; }
 AsPeer::AsPeer() {
   const Peer* p = t_peer;
   if (!p || t_acting == p) return;
-  if (p->uid == ::geteuid()) return; // the daemon's own user (its groups may differ: newgrp)
+  if (p->uid == daemon_euid()) return; // the daemon's own user (its groups may differ: newgrp)
   m_fsuid = current_fsuid();
   m_fsgid = current_fsgid();
   m_groups = current_groups();

@@ -52,6 +52,8 @@ struct Resolved {
   bool fresh = false;                ///< minted now: register it with the control plane, then bind()
   bool unregistered = false;         ///< a known id this daemon never registered (a copy from another host)
   std::optional<std::string> sha256; ///< computed while resolving
+  FileStat stat;                     ///< the file as resolve() saw it
+  std::optional<std::string> xattr;  ///< the id its xattr had then
 };
 
 /// SPEC §7's resolution order: xattr, then (device, inode) with the birth time, then a
@@ -65,9 +67,11 @@ public:
   /// it has no identity and `mint` is false.
   expected<Resolved, Problem> resolve(const std::filesystem::path& path, bool mint);
   /// Records that `path` is `memory_id`: the xattr (where supported) and the path map,
-  /// with a fresh content fingerprint when `hash` (or the one given).
+  /// with a fresh content fingerprint when `hash` (or the one given). `seen`: what resolve()
+  /// found a moment ago, under the same file lock and with no call in between, taken as is
+  /// instead of looking at the file again.
   void bind(const std::string& memory_id, const std::filesystem::path& path, bool hash,
-            std::optional<std::string> sha256 = std::nullopt);
+            std::optional<std::string> sha256 = std::nullopt, const Resolved* seen = nullptr);
   /// System mode: 403 when this host knows `memory_id` only as another local user's file
   /// (the acting user is neither root nor the daemon's): not that user's to attach, branch
   /// or fetch, whatever xattr its own file carries. May throw sqlite::Error.

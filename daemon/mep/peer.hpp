@@ -75,6 +75,8 @@ private:
 /// Each local user has a path map of its own (state_db), so one user's files never lend
 /// their identity to another's, and a lookup tells nothing of another user's files.
 uid_t acting_uid();
+/// The daemon's effective uid, read once (mepd switches its file-system ids, never its euid).
+uid_t daemon_euid();
 
 /// True when `uid` is root or the daemon's own user (they act on every user's leases).
 bool acts_for_all(uid_t uid);
