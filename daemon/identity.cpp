@@ -98,12 +98,13 @@ std::optional<std::string> file_sha256(const std::filesystem::path& path) {
 // created later at the same number (the first one deleted) has another birth time, and is
 // not that memory. Where the filesystem keeps no birth time, the inode number alone counts.
 expected<Resolved, Problem> IdentityResolver::resolve(const std::filesystem::path& path, bool mint) {
-  auto st = m_files.stat(path);
-  if (!st || !st->regular)
+  auto look = m_files.look(path, false);
+  if (!look || !look->stat.regular)
     return make_unexpected(Problem(Code::invalid_request, "no such regular file: create it with 'mep init PATH'"));
   Resolved r;
-  r.stat = *st;
-  r.xattr = m_files.read_id(path);
+  r.stat = look->stat;
+  r.xattr = look->id;
+  const FileStat* st = &r.stat;
   std::optional<std::string> id = r.xattr;
   if (!id) id = m_db.memory_by_inode(*st, acting_uid());
   if (!id && st->size > 0) {
@@ -135,12 +136,14 @@ std::optional<Problem> IdentityResolver::foreign(const std::string& memory_id) {
 
 void IdentityResolver::bind(const std::string& memory_id, const std::filesystem::path& path, bool hash,
                             std::optional<std::string> sha256, const Resolved* seen) {
-  const std::optional<std::string> xattr = seen ? seen->xattr : m_files.read_id(path);
-  if (xattr != memory_id) m_files.write_id(path, memory_id); // a read costs less than a write
-  auto st = seen ? std::optional<FileStat>(seen->stat) : m_files.stat(path);
-  if (!st) return;
-  if (hash && !sha256 && st->size > 0) sha256 = m_files.sha256(path);
-  m_db.remember_file(memory_id, path.string(), *st, sha256, acting_uid());
+  std::optional<Files::Look> look;
+  if (seen)
+    look = Files::Look{seen->stat, seen->xattr, std::nullopt};
+  else if (!(look = m_files.look(path, hash && !sha256)))
+    return;
+  if (look->id != memory_id) m_files.write_id(path, memory_id); // a read costs less than a write
+  if (!sha256) sha256 = std::move(look->sha256);
+  m_db.remember_file(memory_id, path.string(), look->stat, sha256, acting_uid());
 }
 
 // Each call opens the file as the peer (open_as_peer) and works on that descriptor: the
@@ -153,21 +156,6 @@ std::optional<FileStat> Files::stat(const std::filesystem::path& p) {
   ::close(fd);
   return st;
 }
-std::optional<std::string> Files::read_id(const std::filesystem::path& p) {
-  int fd = open_regular(p);
-  if (fd < 0) return std::nullopt;
-  char buf[64];
-  ssize_t n;
-  {
-    AsPeer as; // reading an xattr is checked against the caller's rights, even on a descriptor
-    n = ::fgetxattr(fd, k_xattr_name, buf, sizeof buf);
-  }
-  ::close(fd);
-  if (n <= 0) return std::nullopt;
-  auto u = Uuid::parse(std::string_view(buf, static_cast<std::size_t>(n)));
-  if (!u) return std::nullopt;
-  return u->to_string();
-}
 bool Files::write_id(const std::filesystem::path& p, const std::string& id) {
   int fd = open_regular(p);
   if (fd < 0) return false;
@@ -176,6 +164,32 @@ bool Files::write_id(const std::filesystem::path& p, const std::string& id) {
   ::close(fd);
   return ok;
 }
+std::optional<Files::Look> Files::look(const std::filesystem::path& p, bool hash) {
+  int fd = open_as_peer(p.c_str(), O_RDONLY | O_NONBLOCK | O_NOCTTY);
+  if (fd < 0) { // unreadable (or gone): what stat alone tells
+    auto st = stat(p);
+    if (!st) return std::nullopt;
+    return Look{*st, std::nullopt, std::nullopt};
+  }
+  std::optional<Look> out;
+  if (auto st = statx_file(fd, "", AT_EMPTY_PATH)) {
+    out = Look{*st, std::nullopt, std::nullopt};
+    if (st->regular) {
+      char buf[64];
+      ssize_t n;
+      {
+        AsPeer as; // reading an xattr is checked against the caller's rights, even on a descriptor
+        n = ::fgetxattr(fd, k_xattr_name, buf, sizeof buf);
+      }
+      if (n > 0)
+        if (auto u = Uuid::parse(std::string_view(buf, static_cast<std::size_t>(n)))) out->id = u->to_string();
+      if (hash && st->size > 0 && st->size <= k_max_fingerprinted) out->sha256 = sha256_of_fd(fd);
+    }
+  }
+  ::close(fd);
+  return out;
+}
+
 std::optional<std::string> Files::sha256(const std::filesystem::path& p) {
   int fd = open_regular(p);
   if (fd < 0) return std::nullopt;

@@ -39,9 +39,17 @@ class Files {
 public:
   virtual ~Files() = default;
   virtual std::optional<FileStat> stat(const std::filesystem::path& p);
-  virtual std::optional<std::string> read_id(const std::filesystem::path& p);
   virtual bool write_id(const std::filesystem::path& p, const std::string& id);
   virtual std::optional<std::string> sha256(const std::filesystem::path& p);
+
+  /// stat, the id in the xattr and (with `hash`, for a non-empty file) sha256, on one open
+  /// of the file; nullopt when stat would be. A file the peer may not read has its stat only.
+  struct Look {
+    FileStat stat;
+    std::optional<std::string> id;
+    std::optional<std::string> sha256;
+  };
+  virtual std::optional<Look> look(const std::filesystem::path& p, bool hash);
 };
 
 class StateDb;
