@@ -73,27 +73,6 @@ int open_regular(const std::filesystem::path& p) {
 
 std::optional<FileStat> stat_file(const std::filesystem::path& path) { return statx_file(AT_FDCWD, path.c_str(), 0); }
 
-std::optional<std::string> read_id_xattr(const std::filesystem::path& path) {
-  char buf[64];
-  ssize_t n = ::getxattr(path.c_str(), k_xattr_name, buf, sizeof buf);
-  if (n <= 0) return std::nullopt;
-  auto u = Uuid::parse(std::string_view(buf, static_cast<std::size_t>(n)));
-  if (!u) return std::nullopt;
-  return u->to_string();
-}
-
-bool write_id_xattr(const std::filesystem::path& path, const std::string& id) {
-  return ::setxattr(path.c_str(), k_xattr_name, id.data(), id.size(), 0) == 0;
-}
-
-std::optional<std::string> file_sha256(const std::filesystem::path& path) {
-  int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
-  if (fd < 0) return std::nullopt;
-  auto out = sha256_of_fd(fd);
-  ::close(fd);
-  return out;
-}
-
 // An inode number names the file it was recorded for only while that file exists: a file
 // created later at the same number (the first one deleted) has another birth time, and is
 // not that memory. Where the filesystem keeps no birth time, the inode number alone counts.
@@ -102,14 +81,12 @@ expected<Resolved, Problem> IdentityResolver::resolve(const std::filesystem::pat
   if (!look || !look->stat.regular)
     return make_unexpected(Problem(Code::invalid_request, "no such regular file: create it with 'mep init PATH'"));
   Resolved r;
-  r.stat = look->stat;
-  r.xattr = look->id;
-  const FileStat* st = &r.stat;
-  std::optional<std::string> id = r.xattr;
-  if (!id) id = m_db.memory_by_inode(*st, acting_uid());
-  if (!id && st->size > 0) {
-    if ((r.sha256 = m_files.sha256(path))) {
-      auto found = m_db.memories_by_content(*r.sha256, acting_uid());
+  r.file = std::move(*look);
+  std::optional<std::string> id = r.file.id;
+  if (!id) id = m_db.memory_by_inode(r.file.stat, acting_uid());
+  if (!id && r.file.stat.size > 0) {
+    if (auto hashed = m_files.look(path, true); hashed && (r.file.sha256 = hashed->sha256)) {
+      auto found = m_db.memories_by_content(*r.file.sha256, acting_uid());
       if (found.size() == 1) id = found.front();
     }
   }
@@ -135,12 +112,9 @@ std::optional<Problem> IdentityResolver::foreign(const std::string& memory_id) {
 }
 
 void IdentityResolver::bind(const std::string& memory_id, const std::filesystem::path& path, bool hash,
-                            std::optional<std::string> sha256, const Resolved* seen) {
-  std::optional<Files::Look> look;
-  if (seen)
-    look = Files::Look{seen->stat, seen->xattr, std::nullopt};
-  else if (!(look = m_files.look(path, hash && !sha256)))
-    return;
+                            std::optional<std::string> sha256, const Files::Look* seen) {
+  std::optional<Files::Look> look = seen ? std::optional<Files::Look>(*seen) : m_files.look(path, hash && !sha256);
+  if (!look) return;
   if (look->id != memory_id) m_files.write_id(path, memory_id); // a read costs less than a write
   if (!sha256) sha256 = std::move(look->sha256);
   m_db.remember_file(memory_id, path.string(), look->stat, sha256, acting_uid());
@@ -186,16 +160,6 @@ std::optional<Files::Look> Files::look(const std::filesystem::path& p, bool hash
       if (hash && st->size > 0 && st->size <= k_max_fingerprinted) out->sha256 = sha256_of_fd(fd);
     }
   }
-  ::close(fd);
-  return out;
-}
-
-std::optional<std::string> Files::sha256(const std::filesystem::path& p) {
-  int fd = open_regular(p);
-  if (fd < 0) return std::nullopt;
-  struct stat st {};
-  std::optional<std::string> out;
-  if (::fstat(fd, &st) == 0 && static_cast<std::uint64_t>(st.st_size) <= k_max_fingerprinted) out = sha256_of_fd(fd);
   ::close(fd);
   return out;
 }

@@ -321,7 +321,7 @@ expected<Resolved, Problem> Keeper::resolve_registered(const fs::path& path) {
     if (auto p = register_memory(r->memory_id)) return make_unexpected(std::move(*p));
   }
   // A fresh or unregistered id went to the control plane meanwhile: the file is looked at again.
-  m_resolver.bind(r->memory_id, path, r->fresh, r->sha256, r->fresh || r->unregistered ? nullptr : &*r);
+  m_resolver.bind(r->memory_id, path, r->fresh, r->file.sha256, r->fresh || r->unregistered ? nullptr : &r->file);
   return r;
 }
 
@@ -613,7 +613,7 @@ expected<Identified, Problem> Keeper::identify(const fs::path& path) {
   auto ident = m_resolver.resolve(path, false);
   if (!ident) return make_unexpected(std::move(ident.error()));
   try {
-    m_resolver.bind(ident->memory_id, path, false, ident->sha256, &*ident);
+    m_resolver.bind(ident->memory_id, path, false, ident->file.sha256, &ident->file);
   } catch (const std::exception& e) {
     g_state_health.failed("record a file", e);
   }

@@ -26,24 +26,19 @@ struct FileStat {
 
 /// statx(2) of `path`; nullopt when it does not exist or cannot be read.
 std::optional<FileStat> stat_file(const std::filesystem::path& path);
-/// The id in the file's xattr, if present and a UUID.
-std::optional<std::string> read_id_xattr(const std::filesystem::path& path);
-/// Writes the xattr; false where the filesystem does not support user xattrs.
-bool write_id_xattr(const std::filesystem::path& path, const std::string& id);
-/// SHA-256 of the file's bytes (hex), or nullopt on a read error.
-std::optional<std::string> file_sha256(const std::filesystem::path& path);
 
-/// The file-system calls identity resolution makes (the functions above), each with the
-/// current peer's credentials (peer.hpp: AsPeer); unit tests give a fake.
+/// The file-system calls identity resolution makes, each with the current peer's
+/// credentials (peer.hpp: AsPeer).
 class Files {
 public:
   virtual ~Files() = default;
   virtual std::optional<FileStat> stat(const std::filesystem::path& p);
+  /// Writes the id to the xattr; false where the filesystem does not support user xattrs.
   virtual bool write_id(const std::filesystem::path& p, const std::string& id);
-  virtual std::optional<std::string> sha256(const std::filesystem::path& p);
 
-  /// stat, the id in the xattr and (with `hash`, for a non-empty file) sha256, on one open
-  /// of the file; nullopt when stat would be. A file the peer may not read has its stat only.
+  /// stat, the id in the xattr (if a UUID) and, with `hash`, the SHA-256 of a non-empty file
+  /// (hex), on one open of the file; nullopt when stat would be. A file the peer may not read
+  /// has its stat only.
   struct Look {
     FileStat stat;
     std::optional<std::string> id;
@@ -57,11 +52,9 @@ class StateDb;
 /// A file's memory id, and what the caller still has to do about it.
 struct Resolved {
   std::string memory_id;
-  bool fresh = false;                ///< minted now: register it with the control plane, then bind()
-  bool unregistered = false;         ///< a known id this daemon never registered (a copy from another host)
-  std::optional<std::string> sha256; ///< computed while resolving
-  FileStat stat;                     ///< the file as resolve() saw it
-  std::optional<std::string> xattr;  ///< the id its xattr had then
+  bool fresh = false;        ///< minted now: register it with the control plane, then bind()
+  bool unregistered = false; ///< a known id this daemon never registered (a copy from another host)
+  Files::Look file;          ///< the file as resolve() saw it (its SHA-256 only if its content was matched)
 };
 
 /// SPEC §7's resolution order: xattr, then (device, inode) with the birth time, then a
@@ -79,7 +72,7 @@ public:
   /// found a moment ago, under the same file lock and with no call in between, taken as is
   /// instead of looking at the file again.
   void bind(const std::string& memory_id, const std::filesystem::path& path, bool hash,
-            std::optional<std::string> sha256 = std::nullopt, const Resolved* seen = nullptr);
+            std::optional<std::string> sha256 = std::nullopt, const Files::Look* seen = nullptr);
   /// System mode: 403 when this host knows `memory_id` only as another local user's file
   /// (the acting user is neither root nor the daemon's): not that user's to attach, branch
   /// or fetch, whatever xattr its own file carries. May throw sqlite::Error.
