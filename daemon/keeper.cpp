@@ -228,10 +228,22 @@ void Keeper::resend_intents() {
     return;
   }
   for (auto in : intents) {
-    std::optional<IntentFate> fate;
     {
       std::lock_guard lock(m_attaching_mutex);
       if (m_attaching.count(in.key)) continue; // its attach is still sending it
+    }
+    // Its attach may have ended since the read (this loop waits for each claim it resends):
+    // then the lease's save has deleted the intent, or a failed save has settled its fate.
+    // Resent, its grant would be adopted over the lease that attach made since.
+    try {
+      if (!m_state.has_intent(in.key)) continue;
+    } catch (const std::exception& e) {
+      g_state_health.failed("read the claim intents", e);
+      return;
+    }
+    std::optional<IntentFate> fate;
+    {
+      std::lock_guard lock(m_attaching_mutex);
       if (auto f = m_intent_fates.find(in.key); f != m_intent_fates.end()) fate = f->second;
     }
     auto finish = [&] { // deletes the row; then nothing is left to remember about it

@@ -334,6 +334,13 @@ void StateDb::delete_intent(const std::string& key) {
   });
 }
 
+bool StateDb::has_intent(const std::string& key) {
+  std::lock_guard lock(m_mutex);
+  Use s(m_db->prepare("SELECT 1 FROM intents WHERE idem_key = ?1"));
+  s->bind(1, key);
+  return s->step();
+}
+
 std::vector<Intent> StateDb::intents() {
   std::lock_guard lock(m_mutex);
   Use s(m_db->prepare("SELECT idem_key, body, path, bind_pid, peer_uid, peer_gid FROM intents"));

@@ -108,6 +108,7 @@ public:
   void orphan_intent(const std::string& key);
   void delete_intent(const std::string& key);
   std::vector<Intent> intents();
+  bool has_intent(const std::string& key);
 
 private:
   /// Runs `op` in the next transaction, with the writes of the other threads that queued

@@ -434,10 +434,29 @@ class EventStream:
 # ---- a recording TCP proxy ----------------------------------------------------------------------
 
 
+class Hold:
+    """Requests to the upstream whose first chunk `match`es: each is held at the proxy until
+    let_go(), then sent on, or answered by the proxy itself with the raw HTTP bytes
+    `answer` (the upstream never sees it)."""
+
+    def __init__(self, match, answer=None):
+        self.match = match
+        self.answer = answer
+        self._arrived = threading.Semaphore(0)
+        self._go = threading.Semaphore(0)
+
+    def arrival(self, timeout):
+        """True once one more held request has arrived (within `timeout` seconds)."""
+        return self._arrived.acquire(timeout=timeout)
+
+    def let_go(self):
+        self._go.release()
+
+
 class RecordingProxy:
     """127.0.0.1:PORT → upstream, recording every byte in both directions. refuse(True)
     cuts every connection and closes new ones at once (an unreachable upstream) until
-    refuse(False)."""
+    refuse(False). hold(Hold(...)) stops matching requests (see Hold)."""
 
     def __init__(self, upstream_host, upstream_port):
         self.upstream = (upstream_host, upstream_port)
@@ -451,6 +470,7 @@ class RecordingProxy:
         self._socks = []
         self._stopped = False
         self._refusing = False
+        self._holds = []
         self._threads = [threading.Thread(target=self._accept, daemon=True)]
         self._threads[0].start()
 
@@ -486,6 +506,16 @@ class RecordingProxy:
                 data = src.recv(65536)
                 if not data:
                     break
+                hold = None
+                if key == "up":
+                    with self._lock:
+                        hold = next((h for h in self._holds if h.match(data)), None)
+                if hold:
+                    hold._arrived.release()
+                    hold._go.acquire(timeout=30)
+                    if hold.answer:
+                        src.sendall(hold.answer)
+                        continue
                 with self._lock:
                     self._chunks[key].append(data)
                 dst.sendall(data)
@@ -501,6 +531,23 @@ class RecordingProxy:
         """All bytes seen in one direction ("up": to the server, "down": from it)."""
         with self._lock:
             return b"".join(self._chunks[direction])
+
+    def hold(self, h):
+        with self._lock:
+            self._holds.append(h)
+        return h
+
+    def unhold(self, h):
+        with self._lock:
+            if h in self._holds:
+                self._holds.remove(h)
+        for _ in range(64):
+            h.let_go()  # whatever it still holds goes on
+
+    def count(self, match):
+        """How many chunks sent upstream so far `match` (held ones once let go)."""
+        with self._lock:
+            return sum(1 for c in self._chunks["up"] if match(c))
 
     def refuse(self, on):
         self._refusing = on

@@ -6,16 +6,18 @@ it either. And a write refused between an attach's two writes (its claim intent,
 lease) does not make the daemon claim again later what its agent has let go. And the states
 a power loss can leave (a lease's row and the delete of its intent are written without an
 fsync) are re-adopted through the durable intent, never past the grant's expiry, and a
-released lease's row brought back does not bring the lease back.
+released lease's row brought back does not bring the lease back. And the renewer's resend
+of pending intents does not resend one whose attach ended while it waited for another.
 """
 import os
 import shutil
 import sqlite3
 import subprocess
+import threading
 import time
 import unittest
 
-from daemonfixture import Mepd, RecordingProxy
+from daemonfixture import Hold, Mepd, RecordingProxy
 from test_daemon import DaemonTestCase
 
 TTL = 6
@@ -199,6 +201,70 @@ class StateWriteRefused(StateDbCase):
         self.assertNotIn("unknown-agent", self.client.leases())
         self.assertEqual(self.poll(lambda: self.server_lease("unknown-agent").status == 404, 5), True)
         self.assertEqual(db.execute("SELECT count(*) FROM intents").fetchone()[0], 0)
+
+
+def claim_of(name):
+    """Matches the first chunk of a claim (POST /v1/leases) of `name`."""
+    return lambda data: data.startswith(b"POST /v1/leases HTTP/") and (b'"%s"' % name.encode()) in data
+
+
+UNAVAILABLE = (b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/problem+json\r\n"
+               b"Content-Length: 2\r\n\r\n{}")
+
+
+class ResendRace(StateDbCase):
+    """The renewer resends pending claim intents every 2 s, skipping those an attach is still
+    sending. It reads the intents first and then waits for each claim it resends, so an
+    attach in flight at the read can end while it waits: that intent must not be resent
+    (its grant, replayed, was adopted again over whatever its agent did since)."""
+
+    def test_an_intent_whose_attach_ended_since_the_read_is_not_resent(self):
+        proxy = RecordingProxy("127.0.0.1", self.server.port)
+        self.addCleanup(proxy.stop)
+        self.mepd.stop()
+        d = Mepd(self.tmp, self.env, control_plane=proxy.url, token=self.token, tag="behind-proxy")
+        d.state_dir = self.mepd.state_dir
+        self._sources.append(("behind-proxy", d))
+        self.addCleanup(d.stop)
+        self.mepd = d.start()
+        self.client = self.mepd.client()
+        # An intent left pending (its outcome unknown), resent by every pass; the proxy holds
+        # each resend until let go, then answers 503: the pass waits there, and it stays.
+        orphan = self.new_file("race-orphan.uai")
+        self.attach_ok("race-orphan", orphan, ttl_seconds=30)  # registered: then only claims
+        self.assertEqual(self.client.detach("race-orphan").status, 204)
+        resend = proxy.hold(Hold(claim_of("race-orphan"), UNAVAILABLE))
+        self.addCleanup(proxy.unhold, resend)
+        proxy.refuse(True)
+        self.assertEqual(self.client.attach("race-orphan", orphan, ttl_seconds=30).status, 503)
+        proxy.refuse(False)
+        live_file = self.new_file("race-live.uai")
+        self.attach_ok("race-live", live_file, ttl_seconds=30)
+        self.assertEqual(self.client.detach("race-live").status, 204)
+        live_claim = proxy.hold(Hold(claim_of("race-live")))
+        self.addCleanup(proxy.unhold, live_claim)
+
+        self.assertTrue(resend.arrival(10), "the pending intent was not resent")  # pass 1 waits
+        answer = {}
+        attach = threading.Thread(target=lambda: answer.update(r=self.client.attach("race-live", live_file,
+                                                                                    ttl_seconds=30)))
+        attach.start()
+        self.assertTrue(live_claim.arrival(10), "the attach's claim did not leave")  # its intent is written
+        resend.let_go()  # pass 1 ends
+        self.assertTrue(resend.arrival(10), "no second pass")  # pass 2 has read both intents
+        live_claim.let_go()
+        attach.join(15)
+        self.assertFalse(attach.is_alive())
+        self.assertEqual(answer["r"].status, 201, answer["r"])
+        proxy.unhold(live_claim)  # a resend of its intent would now reach the server
+        claims = proxy.count(claim_of("race-live"))
+        self.assertEqual(claims, 2)
+        resend.let_go()  # pass 2 goes on to the attach's intent, ended meanwhile
+        self.assertTrue(resend.arrival(10), "no third pass")  # pass 2 is over
+        self.assertEqual(proxy.count(claim_of("race-live")), claims, "the ended attach's intent was resent")
+        self.assertNotIn("adopted lease race-live", self.mepd.log_text())
+        self.assertEqual(self.client.detach("race-live").status, 204)
+        self.assertEqual(self.server_lease("race-live").status, 404)
 
 
 class PowerLossStates(StateDbCase):
