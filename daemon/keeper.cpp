@@ -146,7 +146,7 @@ void Keeper::start() {
     auto left = std::chrono::milliseconds(s.expires_at - wall);
     if (left <= margin(s.ttl_s)) {
       try {
-        m_state.forget_lease(s.canonical_name);
+        m_state.forget_lease(s.canonical_name, s.lease_id);
       } catch (const std::exception& e) {
         g_state_health.failed("forget an expired lease", e);
       }
@@ -178,7 +178,7 @@ void Keeper::start() {
   }
   // Leases whose process died while the daemon was down are released now.
   for (const auto& h : dead) {
-    forget({h.canonical_name});
+    forget({{h.canonical_name, h.lease_id}});
     release_on_server(h);
   }
   pull_identity_map();
@@ -490,7 +490,7 @@ expected<Held, Problem> Keeper::attach(const AttachRequest& req) {
     }
     if (auto f = fence(h); !f) {
       log::warn("lease {} given back: {}", h.canonical_name, f.error().detail);
-      forget({h.canonical_name});
+      forget({{h.canonical_name, h.lease_id}});
       release_on_server(h);
       return make_unexpected(std::move(f.error()));
     }
@@ -543,10 +543,10 @@ void Keeper::end_taken(const Held& h) {
   on_event(Event{"released", h, {}});
 }
 
-void Keeper::forget(const std::vector<std::string>& names) {
-  for (const auto& n : names) {
+void Keeper::forget(const std::vector<Ended>& ended) {
+  for (const auto& gone : ended) {
     try {
-      m_state.forget_lease(n);
+      m_state.forget_lease(gone.canonical_name, gone.lease_id);
     } catch (const std::exception& e) {
       g_state_health.failed("forget a lease", e); // re-adoption renews it and learns it is lost
     }
@@ -706,7 +706,7 @@ expected<VerifiedLease, Problem> Keeper::verify(const std::string& display, uid_
   auto r = m_cp->verify(lease::VerifyRequest{h->memory_id, h->fencing_token});
   if (!r) {
     if (r.error().code == Code::stale_fence || r.error().code == Code::lease_expired) {
-      if (m_book.lose(name, h->fencing_token, r.error().slug())) forget({name});
+      if (auto ended = m_book.lose(name, h->fencing_token, r.error().slug())) forget({*ended});
     }
     return make_unexpected(std::move(r.error()));
   }
@@ -748,7 +748,7 @@ expected<ObjectResult, Problem> Keeper::sync(const std::string& display, uid_t v
     if (r.error().code == Code::stale_fence) {
       // A newer holder's token reached the store: this lease is over, whatever the control
       // plane has said so far.
-      if (m_book.lose(name, h->fencing_token, "stale-fence")) forget({name});
+      if (auto ended = m_book.lose(name, h->fencing_token, "stale-fence")) forget({*ended});
     }
     return make_unexpected(std::move(r.error()));
   }
@@ -858,7 +858,7 @@ void Keeper::renew_due() {
   m_batches++;
   m_batch_leases += static_cast<long>(due.size());
   std::vector<std::pair<std::string, UnixMs>> renewed;
-  std::vector<std::string> lost;
+  std::vector<Ended> lost;
   static const std::vector<lease::RenewItem> none;
   std::string why = r ? std::string()
                       : (r.error().status() == 503 && r.error().detail.find("unreachable") != std::string::npos
@@ -882,7 +882,7 @@ void Keeper::fence_pending() {
     if (r) {
       m_book.set_fenced(h.canonical_name, h.fencing_token);
     } else if (r.error().code == Code::stale_fence) {
-      if (m_book.lose(h.canonical_name, h.fencing_token, "stale-fence")) forget({h.canonical_name});
+      if (auto ended = m_book.lose(h.canonical_name, h.fencing_token, "stale-fence")) forget({*ended});
     }
   }
 }

@@ -195,9 +195,9 @@ void LeaseBook::set_fenced(const std::string& name, std::int64_t token) {
   if (it != m_leases.end() && it->second.fencing_token == token) it->second.fenced = true;
 }
 
-std::vector<std::string> LeaseBook::expire(SteadyTime now) {
+std::vector<Ended> LeaseBook::expire(SteadyTime now) {
   std::vector<Event> events;
-  std::vector<std::string> names;
+  std::vector<Ended> ended;
   {
     std::lock_guard lock(m_mutex);
     while (!m_by_deadline.empty() && m_by_deadline.begin()->first <= now) {
@@ -205,17 +205,18 @@ std::vector<std::string> LeaseBook::expire(SteadyTime now) {
       unindex(h);
       h.state = LeaseState::lost;
       h.lost_reason = "deadline";
-      names.push_back(h.canonical_name);
+      ended.push_back(Ended{h.canonical_name, h.lease_id});
       events.push_back(Event{"lost", h, "deadline"});
     }
     recompute();
   }
   emit(events);
-  return names;
+  return ended;
 }
 
-std::optional<std::string> LeaseBook::lose(const std::string& name, std::int64_t token, std::string_view reason) {
+std::optional<Ended> LeaseBook::lose(const std::string& name, std::int64_t token, std::string_view reason) {
   std::vector<Event> events;
+  std::optional<Ended> ended;
   {
     std::lock_guard lock(m_mutex);
     auto it = m_leases.find(name);
@@ -225,10 +226,11 @@ std::optional<std::string> LeaseBook::lose(const std::string& name, std::int64_t
     it->second.state = LeaseState::lost;
     it->second.lost_reason = std::string(reason);
     events.push_back(Event{"lost", it->second, std::string(reason)});
+    ended = Ended{name, it->second.lease_id};
     recompute();
   }
   emit(events);
-  return name;
+  return ended;
 }
 
 std::vector<Due> LeaseBook::due(SteadyTime now, std::size_t max, std::chrono::milliseconds& timeout) {
@@ -255,7 +257,7 @@ std::vector<Due> LeaseBook::due(SteadyTime now, std::size_t max, std::chrono::mi
 
 void LeaseBook::apply(const std::vector<Due>& due, const std::vector<lease::RenewItem>& results, bool answered,
                       std::string_view why, SteadyTime sent, SteadyTime now,
-                      std::vector<std::pair<std::string, UnixMs>>& renewed, std::vector<std::string>& lost) {
+                      std::vector<std::pair<std::string, UnixMs>>& renewed, std::vector<Ended>& lost) {
   // ±10 % jitter spreads renewals; it needs no cryptographic randomness.
   static thread_local std::minstd_rand jitter_rng{std::random_device{}()};
   std::vector<Event> events;
@@ -283,7 +285,7 @@ void LeaseBook::apply(const std::vector<Due>& due, const std::vector<lease::Rene
       } else if (status == 409 || status == 410 || status == 404) {
         h.state = LeaseState::lost;
         h.lost_reason = item->code.empty() ? "lost" : item->code;
-        lost.push_back(h.canonical_name);
+        lost.push_back(Ended{h.canonical_name, h.lease_id});
         events.push_back(Event{"lost", h, h.lost_reason});
       } else {
         ++h.failures;

@@ -78,7 +78,8 @@ private:
   bool release_on_server(const Held& h);
   /// Ends a lease taken from the book (a detach, its agent's exit): see keeper.cpp.
   void end_taken(const Held& h);
-  void forget(const std::vector<std::string>& names);
+  /// Deletes the records of leases that ended (lazily: see StateDb::forget_lease).
+  void forget(const std::vector<Ended>& ended);
   void on_event(const Event& e);
   void on_process_exit(pid_t pid);
   void renew_loop();

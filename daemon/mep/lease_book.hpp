@@ -78,6 +78,14 @@ struct Due {
   lease::LeaseRef ref;
 };
 
+/// A lease that ended: its record is deleted by name and lease id, so that a grant that
+/// replaced it meanwhile keeps its own.
+struct Ended {
+  std::string canonical_name;
+  std::string lease_id;
+  bool operator==(const Ended&) const = default;
+};
+
 /// The leases, by canonical name. Thread-safe; its mutex is held only for memory
 /// operations — never across I/O. Events go to the sink after the mutex is released.
 class LeaseBook {
@@ -112,11 +120,11 @@ public:
   /// Marks the data plane's mark advanced for this lease's token.
   void set_fenced(const std::string& name, std::int64_t token);
 
-  /// Marks lost (emits `lost`, names returned so their records can be forgotten) every
-  /// lease whose local deadline has passed at `now`.
-  std::vector<std::string> expire(SteadyTime now);
-  /// Marks one lease lost with `reason` (when it still has `token`); its name when it was live.
-  std::optional<std::string> lose(const std::string& name, std::int64_t token, std::string_view reason);
+  /// Marks lost (emits `lost`, returned so their records can be forgotten) every lease whose
+  /// local deadline has passed at `now`.
+  std::vector<Ended> expire(SteadyTime now);
+  /// Marks one lease lost with `reason` (when it still has `token`); returned when it was live.
+  std::optional<Ended> lose(const std::string& name, std::int64_t token, std::string_view reason);
 
   /// The leases to renew at `now` in one call: every one due, then those due within the
   /// coming second (at most ttl/6 early: a few leases keep sharing calls), at most `max`.
@@ -126,10 +134,10 @@ public:
   /// 200 moves the local deadline and schedules the next renewal at ttl/3 ±10 %; 409/410/404
   /// lose the lease; anything else (or no answer: `results` empty) makes it degraded and
   /// retries with backoff inside the time left (`why`, the call's failure, names it in the
-  /// degraded event). Fills (name, expiry) to persist and the names lost.
+  /// degraded event). Fills (name, expiry) to persist and the leases lost.
   void apply(const std::vector<Due>& due, const std::vector<lease::RenewItem>& results, bool answered,
              std::string_view why, SteadyTime sent, SteadyTime now,
-             std::vector<std::pair<std::string, UnixMs>>& renewed, std::vector<std::string>& lost);
+             std::vector<std::pair<std::string, UnixMs>>& renewed, std::vector<Ended>& lost);
   /// When the next renewal and the next deadline fall due (the threads sleep until then).
   SteadyTime next_renewal() const;
   SteadyTime next_deadline() const;
