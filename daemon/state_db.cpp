@@ -167,6 +167,12 @@ void StateDb::commit(const std::vector<Pending*>& batch) {
   }
 }
 
+bool StateDb::KnownFile::says(const std::string& memory_id_, const FileStat& st,
+                              const std::optional<std::string>& sha256_, uid_t uid_) const {
+  return memory_id == memory_id_ && dev == st.dev && ino == st.ino && btime == st.birth_ns && uid == uid_ &&
+         (!sha256_ || sha256 == sha256_);
+}
+
 void StateDb::remember_file(const std::string& memory_id, const std::string& path, const FileStat& st,
                             const std::optional<std::string>& sha256, uid_t uid) {
   // The row's values, numbered alike in the check and the write (?6, updated_at, is the write's).
@@ -182,10 +188,28 @@ void StateDb::remember_file(const std::string& memory_id, const std::string& pat
   {
     // Most binds find the row as it would be written (an agent attaching and detaching the
     // same file): then there is nothing to make durable, and no transaction to wait for.
-    std::lock_guard lock(m_mutex);
-    Use s(m_db->prepare("SELECT 1 FROM files WHERE path = ?1 AND memory_id = ?2 AND dev = ?3 AND ino = ?4 "
-                        "AND (?5 IS NULL OR sha256 = ?5) AND btime IS ?7 AND peer_uid IS ?8"));
-    if (bind_row(*s).step()) return;
+    // What a check found is kept in memory, so the next one needs no read either. The check
+    // and the keeping are one step under m_cache_mutex, and a write forgets what was kept
+    // after it commits: what is kept is never older than the row.
+    std::lock_guard cache(m_cache_mutex);
+    auto known = m_known_files.find(path);
+    if (known != m_known_files.end() && known->second.says(memory_id, st, sha256, uid)) return;
+    bool same = false;
+    {
+      std::lock_guard lock(m_mutex);
+      Use s(m_db->prepare("SELECT 1 FROM files WHERE path = ?1 AND memory_id = ?2 AND dev = ?3 AND ino = ?4 "
+                          "AND (?5 IS NULL OR sha256 = ?5) AND btime IS ?7 AND peer_uid IS ?8"));
+      same = bind_row(*s).step();
+    }
+    if (same) {
+      // Without a fingerprint the check says nothing of the row's: one known before stays.
+      std::optional<std::string> sha = sha256;
+      if (!sha && known != m_known_files.end() && known->second.says(memory_id, st, std::nullopt, uid))
+        sha = known->second.sha256;
+      if (known == m_known_files.end() && m_known_files.size() >= k_known_files) m_known_files.clear();
+      m_known_files[path] = KnownFile{memory_id, st.dev, st.ino, st.birth_ns, uid, std::move(sha)};
+      return;
+    }
   }
   const std::int64_t now = now_unix_ms();
   write([&](sqlite::Db& db) {
@@ -198,6 +222,8 @@ void StateDb::remember_file(const std::string& memory_id, const std::string& pat
                      "btime = ?7, peer_uid = ?8"));
     bind_row(*s).bind(6, now).run();
   });
+  std::lock_guard cache(m_cache_mutex);
+  m_known_files.erase(path);
 }
 
 // Rows without a user were made before there were several: the daemon's own user's.
@@ -235,10 +261,18 @@ std::vector<std::string> StateDb::memories_by_content(const std::string& sha256,
 }
 
 bool StateDb::registered(const std::string& memory_id) {
-  std::lock_guard lock(m_mutex);
-  Use s(m_db->prepare("SELECT 1 FROM registered WHERE memory_id = ?1"));
-  s->bind(1, memory_id);
-  return s->step();
+  {
+    std::lock_guard cache(m_cache_mutex);
+    if (m_registered.count(memory_id)) return true;
+  }
+  {
+    std::lock_guard lock(m_mutex);
+    Use s(m_db->prepare("SELECT 1 FROM registered WHERE memory_id = ?1"));
+    s->bind(1, memory_id);
+    if (!s->step()) return false;
+  }
+  known_registered(memory_id);
+  return true;
 }
 
 void StateDb::mark_registered(const std::string& memory_id) {
@@ -246,6 +280,13 @@ void StateDb::mark_registered(const std::string& memory_id) {
     Use s(db.prepare("INSERT OR IGNORE INTO registered(memory_id) VALUES (?1)"));
     s->bind(1, memory_id).run();
   });
+  known_registered(memory_id);
+}
+
+void StateDb::known_registered(const std::string& memory_id) {
+  std::lock_guard cache(m_cache_mutex);
+  if (m_registered.size() >= k_known_files) m_registered.clear();
+  m_registered.insert(memory_id);
 }
 
 void StateDb::save_lease(const SavedLease& l, const std::string& finished_intent) {

@@ -13,6 +13,8 @@
 #include <mutex>
 #include <optional>
 #include <string>
+#include <unordered_map>
+#include <unordered_set>
 #include <sys/types.h>
 #include <utility>
 #include <vector>
@@ -122,6 +124,25 @@ private:
   std::mutex m_mutex; // the connection
   std::unique_ptr<sqlite::Db> m_db;
   std::string m_daemon_id;
+
+  // What the hot path's reads found, so that they are not made again (an attach+detach made
+  // three): a path's row as last checked, and memories known registered (never unregistered).
+  // At most k_known_files of each, forgotten all at once when full.
+  struct KnownFile {
+    std::string memory_id;
+    std::uint64_t dev = 0, ino = 0;
+    std::optional<std::int64_t> btime;
+    uid_t uid = 0;
+    std::optional<std::string> sha256; // none: not known
+    /// True when the row is known to say this (`sha256`: when one is given).
+    bool says(const std::string& memory_id, const FileStat& st, const std::optional<std::string>& sha256,
+              uid_t uid) const;
+  };
+  static constexpr std::size_t k_known_files = 16384;
+  void known_registered(const std::string& memory_id);
+  std::mutex m_cache_mutex; // taken before m_mutex, never after
+  std::unordered_map<std::string, KnownFile> m_known_files;
+  std::unordered_set<std::string> m_registered;
 
   std::mutex m_queue_mutex; // the writes waiting for the next transaction
   std::vector<Pending*> m_queue;

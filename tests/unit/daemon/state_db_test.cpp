@@ -252,3 +252,31 @@ TEST_CASE("a lease's save and delete are written without an fsync; an intent wit
   CHECK(rows[0].canonical_name == "c");
   CHECK(again.intents().empty());
 }
+
+TEST_CASE("a file's record known from a check is not trusted after a write changed it") {
+  // remember_file keeps what its check found in memory; a write in between must not leave
+  // the old row believed, or writing it back would be skipped.
+  TempDir dir;
+  StateDb db(dir.path / "state.db");
+  const uid_t me = ::getuid();
+  FileStat st;
+  st.dev = 1;
+  st.ino = 100;
+  st.regular = true;
+  db.remember_file("mem-a", "/f.uai", st, std::string("sha-1"), me); // written
+  db.remember_file("mem-a", "/f.uai", st, std::string("sha-1"), me); // checked: known
+  db.remember_file("mem-b", "/f.uai", st, std::nullopt, me);         // another memory there
+  CHECK(db.memory_by_inode(st, me) == std::optional<std::string>("mem-b"));
+  db.remember_file("mem-a", "/f.uai", st, std::string("sha-1"), me); // and back
+  CHECK(db.memory_by_inode(st, me) == std::optional<std::string>("mem-a"));
+  CHECK(db.memories_by_content("sha-1", me) == std::vector<std::string>{"mem-a"});
+  // Registration, known once seen, whoever wrote it.
+  CHECK(!db.registered("mem-a"));
+  {
+    StateDb other(dir.path / "state.db");
+    other.mark_registered("mem-a");
+  }
+  CHECK(db.registered("mem-a"));
+  db.mark_registered("mem-b");
+  CHECK(db.registered("mem-b"));
+}
