@@ -167,10 +167,10 @@ void StateDb::commit(const std::vector<Pending*>& batch) {
   }
 }
 
-bool StateDb::KnownFile::says(const std::string& memory_id_, const FileStat& st,
-                              const std::optional<std::string>& sha256_, uid_t uid_) const {
-  return memory_id == memory_id_ && dev == st.dev && ino == st.ino && btime == st.birth_ns && uid == uid_ &&
-         (!sha256_ || sha256 == sha256_);
+bool StateDb::KnownFile::says(const std::string& id, const FileStat& st, const std::optional<std::string>& sha,
+                              uid_t owner) const {
+  return memory_id == id && dev == st.dev && ino == st.ino && btime == st.birth_ns && uid == owner &&
+         (!sha || sha256 == sha);
 }
 
 void StateDb::remember_file(const std::string& memory_id, const std::string& path, const FileStat& st,

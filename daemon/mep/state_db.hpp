@@ -110,6 +110,7 @@ public:
   void orphan_intent(const std::string& key);
   void delete_intent(const std::string& key);
   std::vector<Intent> intents();
+  /// Whether the intent `key` is still there (the renewer asks just before resending it).
   bool has_intent(const std::string& key);
 
 private:
@@ -134,9 +135,8 @@ private:
     std::optional<std::int64_t> btime;
     uid_t uid = 0;
     std::optional<std::string> sha256; // none: not known
-    /// True when the row is known to say this (`sha256`: when one is given).
-    bool says(const std::string& memory_id, const FileStat& st, const std::optional<std::string>& sha256,
-              uid_t uid) const;
+    /// True when the row is known to say this (the fingerprint `sha`: when one is given).
+    bool says(const std::string& id, const FileStat& st, const std::optional<std::string>& sha, uid_t owner) const;
   };
   static constexpr std::size_t k_known_files = 16384;
   void known_registered(const std::string& memory_id);
