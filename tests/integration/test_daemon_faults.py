@@ -134,6 +134,19 @@ class StateDbCase(DaemonTestCase):
         self.addCleanup(db.close)
         return db
 
+    def behind_proxy(self):
+        """Restarts the daemon (same state) with its control plane behind a RecordingProxy."""
+        proxy = RecordingProxy("127.0.0.1", self.server.port)
+        self.addCleanup(proxy.stop)
+        self.mepd.stop()
+        d = Mepd(self.tmp, self.env, control_plane=proxy.url, token=self.token, tag="behind-proxy")
+        d.state_dir = self.mepd.state_dir
+        self._sources.append(("behind-proxy", d))
+        self.addCleanup(d.stop)
+        self.mepd = d.start()
+        self.client = self.mepd.client()
+        return proxy
+
 
 class StateWriteRefused(StateDbCase):
     """Writes refused by the state database itself while the daemon runs, injected with a
@@ -174,15 +187,7 @@ class StateWriteRefused(StateDbCase):
         # outcome: its intent stays, to be resent, and is marked so that a grant the resend
         # finds is released (the agent was told it failed). That mark is refused. When the
         # control plane is back, the resend's grant must still be released, not adopted.
-        proxy = RecordingProxy("127.0.0.1", self.server.port)
-        self.addCleanup(proxy.stop)
-        self.mepd.stop()
-        d = Mepd(self.tmp, self.env, control_plane=proxy.url, token=self.token, tag="behind-proxy")
-        d.state_dir = self.mepd.state_dir
-        self._sources.append(("behind-proxy", d))
-        self.addCleanup(d.stop)
-        self.mepd = d.start()
-        self.client = self.mepd.client()
+        proxy = self.behind_proxy()
         db = self.state_db()
         db.execute("CREATE TRIGGER refuse_intent_marks BEFORE UPDATE ON intents "
                    "BEGIN SELECT RAISE(ABORT, 'injected: intent updates refused'); END")
@@ -219,15 +224,7 @@ class ResendRace(StateDbCase):
     (its grant, replayed, was adopted again over whatever its agent did since)."""
 
     def test_an_intent_whose_attach_ended_since_the_read_is_not_resent(self):
-        proxy = RecordingProxy("127.0.0.1", self.server.port)
-        self.addCleanup(proxy.stop)
-        self.mepd.stop()
-        d = Mepd(self.tmp, self.env, control_plane=proxy.url, token=self.token, tag="behind-proxy")
-        d.state_dir = self.mepd.state_dir
-        self._sources.append(("behind-proxy", d))
-        self.addCleanup(d.stop)
-        self.mepd = d.start()
-        self.client = self.mepd.client()
+        proxy = self.behind_proxy()
         # An intent left pending (its outcome unknown), resent by every pass; the proxy holds
         # each resend until let go, then answers 503: the pass waits there, and it stays.
         orphan = self.new_file("race-orphan.uai")

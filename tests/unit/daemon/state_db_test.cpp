@@ -106,6 +106,15 @@ Intent intent(const std::string& key) {
   return in;
 }
 
+// A regular file's stat: device 1, inode 100.
+FileStat a_file() {
+  FileStat st;
+  st.dev = 1;
+  st.ino = 100;
+  st.regular = true;
+  return st;
+}
+
 SavedLease lease(const std::string& name) {
   SavedLease l;
   l.canonical_name = name;
@@ -188,10 +197,7 @@ TEST_CASE("a file's record is rewritten when what it says changes, and only then
   TempDir dir;
   StateDb db(dir.path / "state.db");
   const uid_t me = ::getuid();
-  FileStat st;
-  st.dev = 1;
-  st.ino = 100;
-  st.regular = true;
+  FileStat st = a_file();
   st.birth_ns = 5;
   auto content = [&](const std::string& sha) { return db.memories_by_content(sha, me); };
   db.remember_file("mem-a", "/f.uai", st, std::string("sha-1"), me);
@@ -259,10 +265,7 @@ TEST_CASE("a file's record known from a check is not trusted after a write chang
   TempDir dir;
   StateDb db(dir.path / "state.db");
   const uid_t me = ::getuid();
-  FileStat st;
-  st.dev = 1;
-  st.ino = 100;
-  st.regular = true;
+  const FileStat st = a_file();
   db.remember_file("mem-a", "/f.uai", st, std::string("sha-1"), me); // written
   db.remember_file("mem-a", "/f.uai", st, std::string("sha-1"), me); // checked: known
   db.remember_file("mem-b", "/f.uai", st, std::nullopt, me);         // another memory there
