@@ -169,47 +169,34 @@ void StateDb::commit(const std::vector<Pending*>& batch) {
 
 bool StateDb::KnownFile::says(const std::string& id, const FileStat& st, const std::optional<std::string>& sha,
                               uid_t owner) const {
-  return memory_id == id && dev == st.dev && ino == st.ino && btime == st.birth_ns && uid == owner &&
-         (!sha || sha256 == sha);
+  return memory_id == id && dev == st.dev && ino == st.ino && btime == st.birth_ns &&
+         uid == static_cast<std::int64_t>(owner) && (!sha || sha256 == sha);
 }
 
 void StateDb::remember_file(const std::string& memory_id, const std::string& path, const FileStat& st,
                             const std::optional<std::string>& sha256, uid_t uid) {
-  // The row's values, numbered alike in the check and the write (?6, updated_at, is the write's).
-  auto bind_row = [&](sqlite::Stmt& s) -> sqlite::Stmt& {
-    return s.bind(1, path)
-        .bind(2, memory_id)
-        .bind(3, static_cast<std::int64_t>(st.dev))
-        .bind(4, static_cast<std::int64_t>(st.ino))
-        .bind(5, sha256)
-        .bind(7, st.birth_ns)
-        .bind(8, static_cast<std::int64_t>(uid));
-  };
   {
     // Most binds find the row as it would be written (an agent attaching and detaching the
     // same file): then there is nothing to make durable, and no transaction to wait for.
-    // What a check found is kept in memory, so the next one needs no read either. The check
-    // and the keeping are one step under m_cache_mutex, and a write forgets what was kept
-    // after it commits: what is kept is never older than the row.
+    // The path's row is read once and kept in memory, so the next check needs no read
+    // either. The read and the keeping are one step under m_cache_mutex, and a write forgets
+    // what was kept after it commits: what is kept is never older than the row.
     std::lock_guard cache(m_cache_mutex);
     auto known = m_known_files.find(path);
-    if (known != m_known_files.end() && known->second.says(memory_id, st, sha256, uid)) return;
-    bool same = false;
-    {
+    if (known == m_known_files.end()) {
       std::lock_guard lock(m_mutex);
-      Use s(m_db->prepare("SELECT 1 FROM files WHERE path = ?1 AND memory_id = ?2 AND dev = ?3 AND ino = ?4 "
-                          "AND (?5 IS NULL OR sha256 = ?5) AND btime IS ?7 AND peer_uid IS ?8"));
-      same = bind_row(*s).step();
+      Use s(m_db->prepare("SELECT memory_id, dev, ino, btime, peer_uid, sha256 FROM files WHERE path = ?1"));
+      s->bind(1, path);
+      if (s->step()) {
+        if (m_known_files.size() >= k_known_files) m_known_files.clear();
+        known = m_known_files
+                    .emplace(path, KnownFile{s->text(0), static_cast<std::uint64_t>(s->int64(1)),
+                                             static_cast<std::uint64_t>(s->int64(2)), s->opt_int64(3), s->opt_int64(4),
+                                             s->opt_text(5)})
+                    .first;
+      }
     }
-    if (same) {
-      // Without a fingerprint the check says nothing of the row's: one known before stays.
-      std::optional<std::string> sha = sha256;
-      if (!sha && known != m_known_files.end() && known->second.says(memory_id, st, std::nullopt, uid))
-        sha = known->second.sha256;
-      if (known == m_known_files.end() && m_known_files.size() >= k_known_files) m_known_files.clear();
-      m_known_files[path] = KnownFile{memory_id, st.dev, st.ino, st.birth_ns, uid, std::move(sha)};
-      return;
-    }
+    if (known != m_known_files.end() && known->second.says(memory_id, st, sha256, uid)) return;
   }
   const std::int64_t now = now_unix_ms();
   write([&](sqlite::Db& db) {
@@ -220,7 +207,15 @@ void StateDb::remember_file(const std::string& memory_id, const std::string& pat
                      "ON CONFLICT(path) DO UPDATE SET memory_id = ?2, dev = ?3, ino = ?4, "
                      "sha256 = coalesce(?5, CASE WHEN files.memory_id = ?2 THEN files.sha256 END), updated_at = ?6, "
                      "btime = ?7, peer_uid = ?8"));
-    bind_row(*s).bind(6, now).run();
+    s->bind(1, path)
+        .bind(2, memory_id)
+        .bind(3, static_cast<std::int64_t>(st.dev))
+        .bind(4, static_cast<std::int64_t>(st.ino))
+        .bind(5, sha256)
+        .bind(6, now)
+        .bind(7, st.birth_ns)
+        .bind(8, static_cast<std::int64_t>(uid))
+        .run();
   });
   std::lock_guard cache(m_cache_mutex);
   m_known_files.erase(path);

@@ -70,7 +70,7 @@ public:
   /// Records that `path` is `memory_id`: the xattr (where supported) and the path map,
   /// with a fresh content fingerprint when `hash` (or the one given). `seen`: what resolve()
   /// found a moment ago, under the same file lock and with no call in between, taken as is
-  /// instead of looking at the file again.
+  /// instead of looking at the file again (its fingerprint too: `hash` then hashes nothing).
   void bind(const std::string& memory_id, const std::filesystem::path& path, bool hash,
             std::optional<std::string> sha256 = std::nullopt, const Files::Look* seen = nullptr);
   /// System mode: 403 when this host knows `memory_id` only as another local user's file

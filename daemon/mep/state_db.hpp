@@ -127,15 +127,15 @@ private:
   std::string m_daemon_id;
 
   // What the hot path's reads found, so that they are not made again (an attach+detach made
-  // three): a path's row as last checked, and memories known registered (never unregistered).
+  // three): a path's row as last read, and memories known registered (never unregistered).
   // At most k_known_files of each, forgotten all at once when full.
   struct KnownFile {
     std::string memory_id;
     std::uint64_t dev = 0, ino = 0;
     std::optional<std::int64_t> btime;
-    uid_t uid = 0;
-    std::optional<std::string> sha256; // none: not known
-    /// True when the row is known to say this (the fingerprint `sha`: when one is given).
+    std::optional<std::int64_t> uid; // none: a row from before there were several users
+    std::optional<std::string> sha256;
+    /// True when the row says this (the fingerprint `sha`: when one is given).
     bool says(const std::string& id, const FileStat& st, const std::optional<std::string>& sha, uid_t owner) const;
   };
   static constexpr std::size_t k_known_files = 16384;
