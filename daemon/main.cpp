@@ -143,36 +143,43 @@ int main(int argc, char** argv) {
   std::string store_url = cfg->get("store", store, "--store", "").value;
   std::string store_tok_file = cfg->get("store_token_file", store_token_file, "--store-token-file", "").value;
 
+  // 2. The remote planes, built from the option values before anything is touched: a bad URL,
+  //    an unreadable token file or a missing token is a usage error (2), as for mep server.
+  std::unique_ptr<mep::daemon::ControlPlane> cp;
+  std::unique_ptr<mep::daemon::DataPlane> dp;
   try {
-    // 2. State directory (0700) and the control plane.
-    std::error_code ec;
-    fs::create_directories(state, ec);
-    ::chmod(state.c_str(), 0700);
-    lock_state_dir(state);
-    std::unique_ptr<mep::daemon::ControlPlane> cp;
     std::string token;
-    if (cp_url.empty()) {
-      cp = mep::daemon::make_embedded_control_plane(state);
-    } else {
+    if (!cp_url.empty()) {
       if (!tok_file.empty())
         token = read_token(tok_file);
       else if (const char* t = std::getenv("MEP_TOKEN"))
         token = t;
       cp = mep::daemon::make_remote_control_plane(cp_url, token);
     }
-    std::string describe = cp->describe();
     //    The data plane, when there is one: its own token, else the control plane's.
-    std::unique_ptr<mep::daemon::DataPlane> dp;
     if (!store_url.empty()) {
       std::string store_token = !store_tok_file.empty() ? read_token(store_tok_file) : token;
       if (store_token.empty())
         throw std::runtime_error(
             "--store needs --store-token-file (the embedded control plane has no token a store accepts)");
       dp = std::make_unique<mep::daemon::DataPlane>(store_url, store_token);
-      describe += ", data plane: " + dp->url();
     }
+  } catch (const std::exception& e) {
+    mep::log::error("{}", e.what());
+    return mep::exit_code::usage;
+  }
 
-    // 3. The keeper re-adopts leases and resends claim intents, then the socket opens.
+  try {
+    // 3. State directory (0700), and the embedded control plane when there is no remote one.
+    std::error_code ec;
+    fs::create_directories(state, ec);
+    ::chmod(state.c_str(), 0700);
+    lock_state_dir(state);
+    if (!cp) cp = mep::daemon::make_embedded_control_plane(state);
+    std::string describe = cp->describe();
+    if (dp) describe += ", data plane: " + dp->url();
+
+    // 4. The keeper re-adopts leases and resends claim intents, then the socket opens.
     std::signal(SIGPIPE, SIG_IGN);
     //    The socket is bound first: a daemon that cannot have it touches no lease.
     //    The keeper outlives the io_context: event streams still open unsubscribe from it
@@ -183,7 +190,7 @@ int main(int argc, char** argv) {
     keeper.start();
     server.start();
 
-    // 4. SIGTERM/SIGINT: stop serving and exit 0 without releasing (a quick restart
+    // 5. SIGTERM/SIGINT: stop serving and exit 0 without releasing (a quick restart
     //    re-adopts the leases; `mep release` is the way to give one up).
     //    SIGHUP (the terminal mepd was started from closed, or a reload) changes nothing:
     //    there is nothing to reload, and dying would leave the socket behind.

@@ -921,6 +921,35 @@ class EmbeddedBasicTests(BasicCases, DaemonTestCase):
 class RemoteDaemonTests(DaemonTestCase):
     MODE = "remote"
 
+    def test_bad_option_values_are_usage_errors(self):
+        # mepd(8): a malformed option value exits 2 with one line, before the state directory
+        # is touched, as mep server does for the same URL.
+        token = os.path.join(self.tmp, "usage-token")
+        with open(token, "w") as f:
+            f.write("mep_not_checked_before_use\n")
+        cp = self.mepd.control_plane
+        cases = [
+            (["--control-plane", "http://example.com", "--token-file", token], "loopback"),
+            (["--control-plane", "ftp://127.0.0.1:1", "--token-file", token], "must start with https:// or http://"),
+            (["--control-plane", cp], "needs a token"),
+            (["--control-plane", cp, "--token-file", os.path.join(self.tmp, "absent")], "cannot read the token file"),
+            (["--store", "ftp://x", "--store-token-file", token], "must start with https:// or http://"),
+            (["--store", "http://127.0.0.1:1"], "--store needs --store-token-file"),
+        ]
+        env = {k: v for k, v in self.env.items() if k != "MEP_TOKEN"}
+        for i, (extra, says) in enumerate(cases):
+            state = os.path.join(self.tmp, "usage-state-%d" % i)
+            sock = os.path.join(self.tmp, "usage-%d.sock" % i)
+            p = subprocess.run([mepd_bin(), "--socket", sock, "--state-dir", state] + extra, env=env,
+                               stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                               timeout=20, check=False)
+            err = p.stderr.decode()
+            self.assertEqual(p.returncode, 2, (extra, err))
+            self.assertIn(says, err, extra)
+            self.assertEqual(len(err.strip().splitlines()), 1, err)
+            self.assertFalse(os.path.exists(state), extra)
+            self.assertFalse(os.path.exists(sock), extra)
+
     def test_paths_never_reach_control_plane(self):
         # Replace the daemon by one that reaches the server through a recording proxy.
         self.mepd.stop()
