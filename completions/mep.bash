@@ -7,6 +7,7 @@ _mep_valued=" --socket --config --ttl --wait --on-loss --grace --format --profil
  --tls-cert --tls-key --rate-limit --log-level --threads --tenant --limit --scope --input
  --from-table --report --batch --isolation --db-pool --writer-nice --dir --token-file
  --control-plane --max-object-size "
+_mep_valued=${_mep_valued//$'\n'/ } # each name between spaces, also at the ends of lines
 
 # Completes the value of option $1 (the previous word), with $2 the current word.
 # Returns 1 when $1 takes no value.

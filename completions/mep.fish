@@ -4,7 +4,7 @@
 function __mep_words
     set -l valued --socket --config --ttl --wait --on-loss --grace --format --profile --db --listen \
         --tls-cert --tls-key --rate-limit --log-level --threads --tenant --limit --scope --input \
-        --from-table --report --batch --isolation --db-pool --dir --token-file --control-plane \
+        --from-table --report --batch --isolation --db-pool --writer-nice --dir --token-file --control-plane \
         --max-object-size
     set -l skip 0
     for w in (commandline -opc)[2..-1]

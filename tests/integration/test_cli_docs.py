@@ -89,6 +89,20 @@ def help_flags(text):
     return flags
 
 
+def help_valued_flags(text):
+    """The long options an --help text lists with a value ("--ttl INT=30", "--db TEXT")."""
+    flags = set()
+    in_options = False
+    for line in text.splitlines():
+        if re.match(r"^(Options|Positionals|Subcommands):", line):
+            in_options = line.startswith("Options")
+            continue
+        m = re.match(r"^  +(?:-\w,)?(--[a-z][a-z-]*) [A-Z]", line) if in_options else None
+        if m:
+            flags.add(m.group(1))
+    return flags
+
+
 def help_defaults(text):
     """{flag: default} for the options an --help text shows with a default (`--ttl INT=30`)."""
     defaults = {}
@@ -280,6 +294,19 @@ class ManPages(unittest.TestCase):
         self.assertEqual("not built yet" in page_source("mep-migrate.8"), not built)
 
 
+def valued_flag_cases():
+    """(command path, an option it takes with a value, its other flags) for every such option."""
+    cases = []
+    for path in COMMAND_PAGES:
+        if not path:
+            continue
+        text = help_text([mep_bin(), *path])
+        flags = help_flags(text)
+        cases += [(path, valued, flags - {valued}) for valued in sorted(help_valued_flags(text))]
+    assert cases, "no command takes an option with a value?"
+    return cases
+
+
 class Completions(unittest.TestCase):
     """completions/: bash driven through its function; zsh and fish at least parse."""
 
@@ -340,6 +367,32 @@ class Completions(unittest.TestCase):
         self.assertLessEqual(set(help_subcommands(help_text([mep_bin()]))), offered)
         rc, _, err = check_output(["fish", "--no-config", "-n", os.path.join(src, "mepd.fish")])
         self.assertEqual((rc, err), (0, ""))
+
+    def test_bash_skips_every_option_value(self):
+        for path, valued, others in valued_flag_cases():
+            offered = set(bash_complete(["mep", *path, valued, "7", "--"]))
+            self.assertLessEqual(others, offered, "mep %s %s 7 --" % (" ".join(path), valued))
+
+    def test_fish_skips_every_option_value(self):
+        # An option's value is not a command word: after "mep server --writer-nice 5" the
+        # server's flags are still offered.
+        if shutil.which("fish") is None:
+            self.skipTest("fish is not installed")
+        src = os.path.join(env_dir("MEP_SOURCE_DIR"), "completions", "mep.fish")
+        cases = valued_flag_cases()
+        script = "source %s; " % src + "; ".join(
+            "echo '== %d'; complete -C 'mep %s %s 7 --'" % (i, " ".join(path), valued)
+            for i, (path, valued, _) in enumerate(cases))
+        rc, out, err = check_output(["fish", "--no-config", "-c", script])
+        self.assertEqual(rc, 0, err)
+        offered = {}
+        for line in out.splitlines():
+            if line.startswith("== "):
+                current = offered.setdefault(int(line[3:]), set())
+            else:
+                current.add(line.split("\t")[0])
+        for i, (path, valued, others) in enumerate(cases):
+            self.assertLessEqual(others, offered.get(i, set()), "mep %s %s 7 --" % (" ".join(path), valued))
 
 
 class SystemdUnits(unittest.TestCase):
