@@ -92,9 +92,14 @@ void register_token(CLI::App& app, GlobalOptions& g, Action& action) {
   });
 
   auto* fresh = cmd->add_subcommand("new", "Print a new random bearer token (256 bits), stored nowhere");
-  fresh->callback([&action] {
-    action = [] {
-      std::printf("mep_%s\n", random_hex(32).c_str());
+  fresh->add_flag("--json", g.json, "Print {\"token\"}");
+  fresh->callback([&g, &action] {
+    action = [&g] {
+      const std::string token = "mep_" + random_hex(32);
+      if (g.json)
+        std::printf("%s\n", json::dump(boost::json::object{{"token", token}}).c_str());
+      else
+        std::printf("%s\n", token.c_str());
       return exit_code::ok;
     };
   });
@@ -103,17 +108,24 @@ void register_token(CLI::App& app, GlobalOptions& g, Action& action) {
   auto* hash = cmd->add_subcommand(
       "hash", "Print the SHA-256 of a token (or of each line on stdin): the lines of mep store --token-file");
   hash->add_option("token", *hash_token, "The token (default: read one per line from stdin)");
-  hash->callback([=, &action] {
-    action = [=] {
+  hash->add_flag("--json", g.json, "One {\"sha256\"} per token, one per line");
+  hash->callback([=, &g, &action] {
+    action = [=, &g] {
+      auto print = [&g](const std::string& token) {
+        if (g.json)
+          std::printf("%s\n", json::dump(boost::json::object{{"sha256", sha256_hex(token)}}).c_str());
+        else
+          std::printf("%s\n", sha256_hex(token).c_str());
+      };
       if (!hash_token->empty()) {
-        std::printf("%s\n", sha256_hex(*hash_token).c_str());
+        print(*hash_token);
         return exit_code::ok;
       }
       int n = 0;
       for (std::string line; std::getline(std::cin, line);) {
         while (!line.empty() && (line.back() == '\r' || line.back() == ' ' || line.back() == '\t')) line.pop_back();
         if (line.empty()) continue;
-        std::printf("%s\n", sha256_hex(line).c_str());
+        print(line);
         ++n;
       }
       if (n == 0) {
@@ -129,6 +141,7 @@ void register_token(CLI::App& app, GlobalOptions& g, Action& action) {
   auto* revoke = cmd->add_subcommand("revoke", "Revoke a token by its id (see mep token list)");
   revoke->add_option("--db", *rv_db, "Database URL")->envname("MEP_DB");
   revoke->add_option("token_id", *rv_id, "The token id")->required();
+  revoke->add_flag("--json", g.json, "Print {\"token_id\", \"revoked\": true}");
   revoke->callback([=, &g, &action] {
     action = [=, &g] {
       auto store = open(*rv_db, g, false);
@@ -136,6 +149,8 @@ void register_token(CLI::App& app, GlobalOptions& g, Action& action) {
         std::fprintf(stderr, "mep: no active token with id %s\n", rv_id->c_str());
         return exit_code::other;
       }
+      if (g.json)
+        std::printf("%s\n", json::dump(boost::json::object{{"token_id", *rv_id}, {"revoked", true}}).c_str());
       return exit_code::ok;
     };
   });

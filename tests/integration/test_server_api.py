@@ -14,6 +14,7 @@ import signal
 import socket
 import sqlite3
 import struct
+import subprocess
 import tempfile
 import threading
 import time
@@ -22,7 +23,7 @@ import urllib.parse
 
 import pgfixture
 
-from mephelpers import read_to_close, send_expecting_continue
+from mephelpers import mep_bin, read_to_close, send_expecting_continue
 from serverfixture import (HEX64_RE, PROBLEM_BASE, RFC3339_MS_RE, UUID_RE, ApiClient, MepServer,
                            ServerTestCase, create_token, db_execute, db_query, db_url, new_key, parse_rfc3339_ms,
                            drop_db, new_db, raw_exchange, revoke_token, run_mep, token_id_of, unique_name, uuid7)
@@ -1954,6 +1955,30 @@ class SqliteFiles(unittest.TestCase):
             rc, out, err = run_mep(["token", "list", "--db", db_url(db)])
             self.assertEqual(rc, 0, err)
             self.assertIn(token_id_of(db, "t")[0], out)
+
+
+    def test_token_commands_print_json(self):
+        # mep-token(1): with --json each prints a JSON document (hash: one per token, one per
+        # line), and what it prints is what the plain form prints.
+        with tempfile.TemporaryDirectory(prefix="mep-files-") as tmp:
+            db = os.path.join(tmp, "control.db")
+            fresh = json.loads(run_mep(["--json", "token", "new"])[1])
+            self.assertRegex(fresh["token"], r"^mep_[0-9a-f]{64}$")
+            plain = run_mep(["token", "hash", fresh["token"]])[1].strip()
+            self.assertEqual(json.loads(run_mep(["token", "hash", "--json", fresh["token"]])[1]), {"sha256": plain})
+            self.assertEqual(plain, hashlib.sha256(fresh["token"].encode()).hexdigest())
+            p = subprocess.run([mep_bin(), "token", "hash", "--json"], input=b"a\n\nb\n", stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE, timeout=30, check=False)
+            self.assertEqual(p.returncode, 0, p.stderr)
+            self.assertEqual([json.loads(line) for line in p.stdout.decode().splitlines()],
+                             [{"sha256": hashlib.sha256(t).hexdigest()} for t in (b"a", b"b")])
+            create_token(db, "t", "lease")
+            token_id = token_id_of(db, "t")[0]
+            rc, out, err = run_mep(["token", "revoke", "--json", "--db", db_url(db), token_id])
+            self.assertEqual((rc, json.loads(out)), (0, {"token_id": token_id, "revoked": True}), err)
+            rc, out, err = run_mep(["--json", "token", "revoke", "--db", db_url(db), token_id], check=False)
+            self.assertEqual((rc, out), (1, ""), err)
+            self.assertIn("no active token with id", err)
 
 
 @unittest.skipUnless(pgfixture.backend() == "postgresql", "several servers share a database on PostgreSQL only")
