@@ -149,8 +149,7 @@ void register_token(CLI::App& app, GlobalOptions& g, Action& action) {
         std::fprintf(stderr, "mep: no active token with id %s\n", rv_id->c_str());
         return exit_code::other;
       }
-      if (g.json)
-        std::printf("%s\n", json::dump(boost::json::object{{"token_id", *rv_id}, {"revoked", true}}).c_str());
+      if (g.json) std::printf("%s\n", json::dump(boost::json::object{{"token_id", *rv_id}, {"revoked", true}}).c_str());
       return exit_code::ok;
     };
   });
