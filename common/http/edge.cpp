@@ -25,6 +25,7 @@
 #include "mep/uuid.hpp"
 
 #include <sys/resource.h>
+#include <algorithm>
 #include <boost/asio/dispatch.hpp>
 #include <boost/asio/ip/address.hpp>
 #include <boost/asio/post.hpp>
@@ -602,12 +603,30 @@ TcpListener::TcpListener(net::io_context& ioc, tcp::endpoint endpoint, Handler& 
 
 tcp::endpoint TcpListener::local_endpoint() const { return m_acceptor.local_endpoint(); }
 
+void AcceptPacing::then(const boost::system::error_code& ec, std::function<void()> next) {
+  if (!ec) {
+    if (m_failures > 0) log::info("accepting connections again, after {} failed attempts", m_failures);
+    m_failures = 0;
+    m_delay = std::chrono::milliseconds(0);
+    return next();
+  }
+  if (m_failures++ == 0)
+    log::warn("accept failed: {}; trying again in 5 ms, then less often (up to every second) until it works",
+              ec.message());
+  m_delay = std::min(std::max(m_delay * 2, std::chrono::milliseconds(5)), std::chrono::milliseconds(1000));
+  m_timer.expires_after(m_delay);
+  m_timer.async_wait([next = std::move(next)](const boost::system::error_code& e) {
+    if (!e) next();
+  });
+}
+
 void TcpListener::start() { do_accept(); }
 
 void TcpListener::stop_accepting() {
   net::post(m_acceptor.get_executor(), [this] {
     beast::error_code ec;
     m_acceptor.close(ec);
+    m_pacing.cancel();
   });
 }
 
@@ -629,10 +648,8 @@ void TcpListener::do_accept() {
                                                      m_in_flight)
             ->run();
       }
-    } else {
-      log::warn("accept failed: {}", ec.message());
     }
-    do_accept();
+    m_pacing.then(ec, [this] { do_accept(); });
   });
 }
 
@@ -645,6 +662,7 @@ void UnixListener::stop_accepting() {
   net::post(m_acceptor.get_executor(), [this] {
     beast::error_code ec;
     m_acceptor.close(ec);
+    m_pacing.cancel();
   });
 }
 
@@ -665,10 +683,8 @@ void UnixListener::do_accept() {
       }
       using Stream = beast::basic_stream<local>;
       std::make_shared<Session<Stream>>(Stream(std::move(socket)), m_handler, peer, m_options, m_in_flight)->run();
-    } else {
-      log::warn("accept failed: {}", ec.message());
     }
-    do_accept();
+    m_pacing.then(ec, [this] { do_accept(); });
   });
 }
 

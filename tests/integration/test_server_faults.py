@@ -17,6 +17,7 @@ import json
 import os
 import shutil
 import signal
+import socket
 import sqlite3
 import subprocess
 import sys
@@ -27,6 +28,7 @@ import unittest
 
 import pgfixture
 from history import History
+from mephelpers import wait_for
 from serverfixture import (ApiClient, MepServer, create_token, db_query, drop_db, new_db, parse_rfc3339_ms,
                            unique_name)
 
@@ -411,3 +413,33 @@ class DiskFullTest(unittest.TestCase):
                 self.assertEqual(r.json["fencing_token"], grant["fencing_token"], name)
                 self.assertEqual(r.json["memory_instance_id"], grant["memory_instance_id"], name)
         self.assertEqual(self.server.stop(), 0, self.server.stderr_text()[-2000:])
+
+
+class OutOfDescriptorsTest(unittest.TestCase):
+    def test_failed_accepts_are_paced_and_reported_once(self):
+        # Out of file descriptors, accept(2) fails at once and every time while connections
+        # wait in the backlog. The server must not spin on it (a core, and a log line per
+        # attempt: 20 MB in 3 s): it tries again later and later, says so once, and serves
+        # again when descriptors are free.
+        with tempfile.TemporaryDirectory(prefix="mep-nofile-") as tmp:
+            db = os.path.join(tmp, "control.db")
+            token = create_token(db, "t", "lease")
+            srv = MepServer(tmp, db, wrap=lambda argv: ["prlimit", "--nofile=64:64", "--", *argv]).start()
+            self.addCleanup(srv.stop)
+            held = []
+            try:
+                for _ in range(120):
+                    held.append(socket.create_connection(("127.0.0.1", srv.port), timeout=10))
+                self.assertTrue(wait_for(lambda: "accept failed" in srv.stderr_text(), timeout=20),
+                                "the server never ran out of descriptors:\n" + srv.stderr_text()[-2000:])
+                time.sleep(3)  # the failures go on while the connections wait
+                log = srv.stderr_text()
+                self.assertEqual(log.count("accept failed"), 1, log[-2000:])
+                self.assertLess(len(log), 64 * 1024)
+            finally:
+                for s in held:
+                    s.close()
+            with ApiClient(srv.port, token) as c:
+                self.assertTrue(wait_for(lambda: c.get("/v1/leases").status == 200, timeout=20))
+            self.assertTrue(wait_for(lambda: "accepting connections again" in srv.stderr_text(), timeout=10))
+            self.assertEqual(srv.stop(), 0, srv.stderr_text()[-2000:])

@@ -10,6 +10,7 @@
 #include <boost/asio/ip/tcp.hpp>
 #include <boost/asio/local/stream_protocol.hpp>
 #include <boost/asio/ssl/context.hpp>
+#include <boost/asio/steady_timer.hpp>
 #include <boost/beast/http/file_body.hpp>
 #include <boost/beast/http/message.hpp>
 #include <boost/beast/http/string_body.hpp>
@@ -127,6 +128,26 @@ Response problem_response(Problem p, unsigned version, bool keep_alive, std::str
 /// "16 KiB", "1 GiB", "1000 bytes": a limit as the 413 detail says it.
 std::string format_size(std::size_t bytes);
 
+/// When the next accept is started. After a failed one (out of file descriptors, most
+/// often; the failure repeats at once while it lasts) the next waits 5 ms, doubling up to
+/// 1 s, as Go's net/http does, and the run of failures is logged once, not per attempt.
+class AcceptPacing {
+public:
+  /// `executor`: the acceptor's (a strand, where several threads run the io_context).
+  explicit AcceptPacing(const boost::asio::any_io_executor& executor) : m_timer(executor) {}
+  /// Runs `next` at once after an accept that succeeded, later after one that failed.
+  void then(const boost::system::error_code& ec, std::function<void()> next);
+  /// Drops a pending `next` (the listener is stopping).
+  void cancel() { m_timer.cancel(); }
+  /// The wait before the next accept (0 after a success).
+  std::chrono::milliseconds delay() const { return m_delay; }
+
+private:
+  boost::asio::steady_timer m_timer;
+  std::chrono::milliseconds m_delay{0};
+  std::uint64_t m_failures = 0;
+};
+
 /// Accepts TCP connections (TLS when given a context) and runs sessions until stopped.
 class TcpListener {
 public:
@@ -148,6 +169,7 @@ private:
   boost::asio::ssl::context* m_tls;
   EdgeOptions m_options;
   std::shared_ptr<std::atomic<int>> m_in_flight = std::make_shared<std::atomic<int>>(0);
+  AcceptPacing m_pacing{m_acceptor.get_executor()};
 };
 
 /// Accepts connections on a bound, listening Unix-socket acceptor.
@@ -166,6 +188,7 @@ private:
   Handler& m_handler;
   EdgeOptions m_options;
   std::shared_ptr<std::atomic<int>> m_in_flight = std::make_shared<std::atomic<int>>(0);
+  AcceptPacing m_pacing{m_acceptor.get_executor()};
 };
 
 /// HOST:PORT ([v6]:PORT too; "localhost" is 127.0.0.1) as an endpoint; nullopt when it is not one.
