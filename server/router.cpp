@@ -6,6 +6,7 @@
 
 #include "mep/canonical.hpp"
 #include "mep/crypto.hpp"
+#include "mep/expected.hpp"
 #include "mep/json.hpp"
 #include "mep/lease/wire.hpp"
 #include "mep/log.hpp"
@@ -14,10 +15,12 @@
 #include "mep/uuid.hpp"
 #include "mep/utf8.hpp"
 
+#include <boost/algorithm/string/predicate.hpp>
 #include <boost/beast/http.hpp>
 #include <boost/url/parse.hpp>
 #include <fmt/format.h>
 
+#include <charconv>
 #include <chrono>
 #include <memory>
 
@@ -195,7 +198,7 @@ Then<T> answer_created(CallPtr c) {
   return [c = std::move(c)](Outcome<T> o) { finish(c, encode(c, o, o.ok() && o.value->created ? 201 : 200)); };
 }
 
-std::optional<std::string> header_once(const HttpRequest& req, bhttp::field f, bool& doubled) {
+std::optional<std::string> header_once(const bhttp::fields& req, bhttp::field f, bool& doubled) {
   auto range = req.equal_range(f);
   std::optional<std::string> value;
   doubled = false;
@@ -206,7 +209,7 @@ std::optional<std::string> header_once(const HttpRequest& req, bhttp::field f, b
   return value;
 }
 
-std::optional<std::string> header_once(const HttpRequest& req, std::string_view name, bool& doubled) {
+std::optional<std::string> header_once(const bhttp::fields& req, std::string_view name, bool& doubled) {
   auto range = req.equal_range(name);
   std::optional<std::string> value;
   doubled = false;
@@ -217,19 +220,20 @@ std::optional<std::string> header_once(const HttpRequest& req, std::string_view 
   return value;
 }
 
-// Authenticates the bearer token (SPEC §6: before anything else).
-bool authenticate(const CallPtr& c, Store& store, RateLimiter& audit_budget) {
+// The bearer token of a request (SPEC §6: checked before anything else): its tenant and
+// scopes, or the problem to answer (401; 503 when the lookup itself failed).
+expected<AuthInfo, Problem> check_bearer(const bhttp::fields& fields, Store& store, RateLimiter& audit_budget) {
   bool doubled = false;
-  auto h = header_once(c->req, bhttp::field::authorization, doubled);
-  auto unauth = [&](std::string detail) {
+  auto h = header_once(fields, bhttp::field::authorization, doubled);
+  auto unauth = [](std::string detail) {
     Metrics::global().inc("mep_auth_failures_total");
-    fail(c, Problem(Code::unauthenticated, std::move(detail)));
-    return false;
+    return make_unexpected(Problem(Code::unauthenticated, std::move(detail)));
   };
   if (!h) return unauth("an Authorization: Bearer token is required");
   if (doubled) return unauth("more than one Authorization header");
   std::string_view v = *h;
-  if (v.size() < 7 || !(v.substr(0, 7) == "Bearer " || v.substr(0, 7) == "bearer "))
+  // The scheme is case-insensitive (RFC 9110 §11.1); one or more spaces follow it.
+  if (v.size() < 7 || !boost::algorithm::iequals(v.substr(0, 6), "Bearer") || v[6] != ' ')
     return unauth("the Authorization header must be 'Bearer <token>'");
   v.remove_prefix(7);
   while (!v.empty() && v.front() == ' ') v.remove_prefix(1);
@@ -240,14 +244,22 @@ bool authenticate(const CallPtr& c, Store& store, RateLimiter& audit_budget) {
     auth = store.authenticate(sha256_hex(v));
   } catch (const std::exception& e) {
     log::error("authentication lookup failed: {}", e.what());
-    fail(c, db_unavailable());
-    return false;
+    return make_unexpected(db_unavailable());
   }
   if (!auth) {
     if (audit_budget.acquire("auth-failed") == 0) store.audit_auth_failure("");
     return unauth("unknown or revoked bearer token");
   }
-  c->ctx.auth = *auth;
+  return *auth;
+}
+
+bool authenticate(const CallPtr& c, Store& store, RateLimiter& audit_budget) {
+  auto auth = check_bearer(c->req, store, audit_budget);
+  if (!auth) {
+    fail(c, std::move(auth.error()));
+    return false;
+  }
+  c->ctx.auth = std::move(*auth);
   return true;
 }
 
@@ -631,6 +643,45 @@ std::vector<std::string> segments_of(const boost::urls::url_view_base& u) {
   return segs;
 }
 
+// Where a request goes: its route, or the methods its path allows (for 405).
+struct Found {
+  bool parsed = false;          // the target is an origin-form URI
+  const Route* route = nullptr; // null: 404 (allow empty) or 405
+  std::string allow;
+  bool open_path = false; // the path is only that of open endpoints (/healthz): its 405 needs no token
+};
+
+Found find_route(std::string_view raw_target, bhttp::verb method, std::vector<std::string>* params = nullptr,
+                 boost::urls::params_view* query = nullptr) {
+  Found found;
+  if (method == bhttp::verb::head) method = bhttp::verb::get;
+  auto target = boost::urls::parse_origin_form(raw_target);
+  if (!target) return found;
+  found.parsed = true;
+  std::vector<std::string> segs = segments_of(*target);
+  if (query) *query = target->params();
+  bool all_open = true; // of the routes on this path with other methods
+  for (const auto& r : k_routes) {
+    if (!match(r.pattern, segs)) continue;
+    if (r.method == method) {
+      found.route = &r;
+      if (params) match(r.pattern, segs, params);
+      break;
+    }
+    if (!found.allow.empty()) found.allow += ", ";
+    found.allow += http::allow_entry(r.method);
+    all_open = all_open && r.auth == Auth::none;
+  }
+  found.open_path = !found.allow.empty() && all_open;
+  return found;
+}
+
+// Whether the request needs no token: the open endpoints, and other methods on their paths.
+bool open_to(const Found& found, const Peer& peer) {
+  if (!found.route) return found.open_path;
+  return found.route->auth == Auth::none || (found.route->auth == Auth::metrics && peer.loopback);
+}
+
 } // namespace
 
 std::size_t body_limit_for(std::string_view target) {
@@ -680,9 +731,20 @@ Router::Router(Store& store, double rate_limit) : m_service(store), m_limiter(ra
 
 Router::~Router() = default;
 
-http::BodyPlan Router::plan(const http::RequestHeader& header, const Peer&) {
+http::BodyPlan Router::plan(const http::RequestHeader& header, const Peer& peer) {
   http::BodyPlan plan;
   plan.limit = body_limit_for(header.target());
+  // A body announced over the limit is refused before it is read, and a request without a
+  // valid token is refused for that first (SPEC §6): 401, not 413.
+  std::uint64_t length = 0;
+  const std::string_view announced = header[bhttp::field::content_length];
+  if (std::from_chars(announced.data(), announced.data() + announced.size(), length).ec == std::errc() &&
+      length > plan.limit) {
+    Found found = find_route(header.target(), header.method());
+    if (!open_to(found, peer))
+      if (auto auth = check_bearer(header, m_service.store(), m_auth_failures); !auth)
+        plan.refuse = std::move(auth.error());
+  }
   return plan;
 }
 
@@ -709,29 +771,22 @@ void Router::dispatch(HttpRequest&& req, const Peer& peer, Send send, int fd) {
   const bool head = c->req.method() == bhttp::verb::head;
   const bhttp::verb method = head ? bhttp::verb::get : c->req.method();
 
-  // 1. Route: 404 for unknown paths, 405 (with Allow) for known paths and other methods.
-  auto target = boost::urls::parse_origin_form(c->req.target());
-  if (!target) return fail(c, Problem(Code::invalid_request, "malformed request target"));
-  std::vector<std::string> segs = segments_of(*target);
-  c->query = target->params();
-  std::string allow;
-  for (const auto& r : k_routes) {
-    if (!match(r.pattern, segs)) continue;
-    if (r.method == method) {
-      c->route = &r;
-      match(r.pattern, segs, &c->params);
-      break;
-    }
-    if (!allow.empty()) allow += ", ";
-    allow += http::allow_entry(r.method);
-  }
-  if (!c->route) {
-    if (allow.empty()) return fail(c, Problem(Code::not_found, "no such endpoint"));
+  // 1. Route, then the token (SPEC §6: checked before anything else): a client without a
+  //    valid one learns nothing, not even which endpoints there are. Health, readiness and
+  //    metrics on loopback are open.
+  Found found = find_route(c->req.target(), method, &c->params, &c->query);
+  const bool open = open_to(found, peer);
+  if (!open && !authenticate(c, m_service.store(), m_auth_failures)) return;
+  if (!found.parsed) return fail(c, Problem(Code::invalid_request, "malformed request target"));
+  if (!found.route) {
+    //  404 for unknown paths, 405 (with Allow) for known paths and other methods.
+    if (found.allow.empty()) return fail(c, Problem(Code::not_found, "no such endpoint"));
     Reply r = problem_reply(Problem(Code::method_not_allowed, "this endpoint does not accept that method"),
                             c->ctx.request_id);
-    r.allow = std::move(allow);
+    r.allow = std::move(found.allow);
     return finish(c, std::move(r));
   }
+  c->route = found.route;
   c->route_label = std::string(c->route->pattern);
   const Route& route = *c->route;
 
@@ -739,9 +794,8 @@ void Router::dispatch(HttpRequest&& req, const Peer& peer, Send send, int fd) {
     return fail(c, Problem(Code::payload_too_large,
                            route.body_limit == k_body_limit ? "the body exceeds 16 KiB" : "the body is too large"));
 
-  // 2. Authentication and scope (metrics are open on loopback only).
-  if (route.auth == Auth::none || (route.auth == Auth::metrics && peer.loopback)) return route.handler(c, m_service);
-  if (!authenticate(c, m_service.store(), m_auth_failures)) return;
+  // 2. Scope.
+  if (open) return route.handler(c, m_service);
   bool need_admin = route.auth == Auth::admin || route.auth == Auth::metrics;
   if ((need_admin && !c->ctx.auth.scope_admin) || (!need_admin && !c->ctx.auth.scope_lease))
     return fail(c, Problem(Code::forbidden,

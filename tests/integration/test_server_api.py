@@ -964,6 +964,29 @@ class ServerApi(ServerTestCase):
         # A's retry still replays A's grant.
         self.assertEqual(ca.post("/v1/leases", a_body, idem=key).raw, ra.raw)
 
+    def test_the_token_is_checked_before_anything_else(self):
+        # SPEC §6: without a valid token a client learns nothing, not even which endpoints
+        # exist or what they accept; with one, the same requests get what they deserve.
+        big = b"{" + b" " * 20000 + b"}"
+        cases = [("GET", "/v1/nope", None, 404, "not-found"),
+                 ("DELETE", "/v1/leases/x", None, 405, "method-not-allowed"),
+                 ("POST", "/v1/leases", big, 413, "payload-too-large"),
+                 ("GET", "/v1/leases#f", None, 400, "invalid-request")]
+        anonymous, known = self.client(token=None), self.client()
+        for method, path, data, status, code in cases:
+            with self.subTest(method=method, path=path):
+                r = anonymous.request(method, path, data)
+                self.assertProblem(r, 401, "unauthenticated")
+                self.assertIsNone(r.header("Allow"), r)
+                self.assertProblem(known.request(method, path, data), status, code)
+        # The open endpoints stay open.
+        for path in ("/healthz", "/readyz", "/metrics"):
+            self.assertStatus(anonymous.get(path), 200)
+        # The scheme is case-insensitive (RFC 9110 §11.1).
+        for scheme in ("bearer", "BEARER", "BeArEr"):
+            r = anonymous.request("GET", "/v1/leases", headers=[("Authorization", scheme + " " + self.token_a)])
+            self.assertStatus(r, 200)
+
     def test_unauthenticated_401(self):
         c = self.client(token=None)
         body = {"display_name": unique_name(), "memory_instance_id": uuid7(), "owner_client_id": "o"}
