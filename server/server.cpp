@@ -16,6 +16,7 @@
 #include <boost/asio/steady_timer.hpp>
 
 #include <chrono>
+#include <cmath>
 #include <condition_variable>
 #include <csignal>
 #include <thread>
@@ -53,7 +54,7 @@ int run_server(const ServerOptions& o) {
     errors.push_back("refusing to serve plain HTTP on " + o.listen +
                      ", which is not a loopback address: give --tls-cert and --tls-key, or "
                      "--insecure-plaintext if a TLS proxy sits in front");
-  if (o.rate_limit < 0) errors.push_back("--rate-limit must be 0 (off) or positive");
+  if (!std::isfinite(o.rate_limit) || o.rate_limit < 0) errors.push_back("--rate-limit must be 0 (off) or positive");
   if (!errors.empty()) {
     for (const auto& e : errors) log::error("{}", e);
     return exit_code::usage;

@@ -33,10 +33,9 @@ std::optional<std::int64_t> parse_prefer_wait(std::string_view value) {
       if (v.size() >= 2 && v.front() == '"' && v.back() == '"') v = v.substr(1, v.size() - 2);
       bool is_wait = name.size() == 4 &&
                      std::equal(name.begin(), name.end(), "wait", [](char a, char b) { return (a | 0x20) == b; });
-      if (is_wait && !v.empty() && v.size() <= 9 &&
-          std::all_of(v.begin(), v.end(), [](char ch) { return ch >= '0' && ch <= '9'; })) {
-        std::int64_t n = 0;
-        for (char ch : v) n = n * 10 + (ch - '0');
+      if (is_wait && !v.empty() && std::all_of(v.begin(), v.end(), [](char ch) { return ch >= '0' && ch <= '9'; })) {
+        std::int64_t n = 0; // saturated: a longer wait than anyone is given is capped, not ignored
+        for (char ch : v) n = std::min<std::int64_t>(n * 10 + (ch - '0'), 1'000'000'000);
         if (!found) found = n; // the first occurrence wins (RFC 7240 §2)
       }
     }

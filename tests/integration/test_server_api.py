@@ -1980,6 +1980,17 @@ class SqliteFiles(unittest.TestCase):
             self.assertIn(token_id_of(db, "t")[0], out)
 
 
+    def test_a_rate_limit_that_is_not_a_number_is_a_usage_error(self):
+        # "nan" parses as a double; it compared false with 0 and the server then answered
+        # every request 429.
+        with tempfile.TemporaryDirectory(prefix="mep-files-") as tmp:
+            db = os.path.join(tmp, "control.db")
+            for value in ("nan", "inf", "-1"):
+                rc, out, err = run_mep(["server", "--db", db_url(db), "--listen", "127.0.0.1:0",
+                                        "--rate-limit", value], check=False)
+                self.assertEqual(rc, 2, (value, err))
+                self.assertIn("--rate-limit must be 0 (off) or positive", err)
+
     def test_token_commands_print_json(self):
         # mep-token(1): with --json each prints a JSON document (hash: one per token, one per
         # line), and what it prints is what the plain form prints.

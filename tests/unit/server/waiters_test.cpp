@@ -96,7 +96,10 @@ TEST_CASE("Prefer: wait=N is read as RFC 7240 says", "[waiters]") {
   CHECK_FALSE(parse_prefer_wait("wait="));
   CHECK_FALSE(parse_prefer_wait("wait=-1"));
   CHECK_FALSE(parse_prefer_wait("wait=1e3"));
-  CHECK_FALSE(parse_prefer_wait("wait=9999999999"));
+  // Any run of digits is a wait, saturated (the router caps it at 300 s): a long one is
+  // not ignored as if no wait had been asked for.
+  CHECK(parse_prefer_wait("wait=9999999999") == 1'000'000'000);
+  CHECK(parse_prefer_wait("wait=" + std::string(400, '9')) == 1'000'000'000);
   CHECK_FALSE(parse_prefer_wait("waiting=3"));
   CHECK_FALSE(parse_prefer_wait("respond-async"));
   CHECK_FALSE(parse_prefer_wait(""));
