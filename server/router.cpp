@@ -320,8 +320,8 @@ bool finish_reader(const CallPtr& c, json::ObjectReader& r) {
   return true;
 }
 
-std::optional<std::string> owner_field(json::ObjectReader& r) {
-  auto owner = r.string("owner_client_id", Need::required);
+std::optional<std::string> owner_field(json::ObjectReader& r, Need need = Need::required) {
+  auto owner = r.string("owner_client_id", need);
   if (owner && (owner->empty() || owner->size() > 255)) {
     r.fail("field \"owner_client_id\" must be 1-255 bytes");
     return std::nullopt;
@@ -429,7 +429,7 @@ void on_renew_batch(const CallPtr& c, LeaseService& svc) {
       auto ref = lease_ref(ir, false, true);
       // A daemon renews the leases of several local owners in one call: an item may
       // name its own owner; otherwise the batch's owner applies.
-      auto item_owner = ir.string("owner_client_id", Need::optional);
+      auto item_owner = owner_field(ir, Need::optional);
       if (ref && item_owner) ref->owner_client_id = *item_owner;
       if (auto ok = ir.finish(); !ok)
         r.fail("leases[" + std::to_string(i) + "]: " + ok.error().detail);

@@ -301,7 +301,8 @@ class BadInput(BadInputBase):
                     p = self.expect(self.send("renew-batch", body), 400, "invalid-request", "%s=%r" % (field, v))
                     self.assertIn("leases[1]", p["detail"])
         # Items with unknown, mistyped or missing members.
-        for extra, value in (("zzz", 1), ("owner_client_id", 1), ("owner_client_id", [])):
+        for extra, value in (("zzz", 1), ("owner_client_id", 1), ("owner_client_id", []), ("owner_client_id", ""),
+                             ("owner_client_id", "x" * 256)):
             body = copy.deepcopy(base)
             body["leases"][0][extra] = value
             p = self.expect(self.send("renew-batch", body), 400, "invalid-request", "item %s=%r" % (extra, value))
