@@ -272,15 +272,35 @@ std::optional<boost::json::object> body_object(const CallPtr& c, bool empty_ok) 
     fail(c, Problem(Code::invalid_request, "more than one Content-Type header"));
     return std::nullopt;
   }
-  std::string_view type = ct ? std::string_view(*ct) : std::string_view();
-  type = type.substr(0, type.find(';'));
-  while (!type.empty() && type.back() == ' ') type.remove_suffix(1);
-  bool is_json = type.size() == 16 && std::equal(type.begin(), type.end(), "application/json",
-                                                 [](char a, char b) { return std::tolower(a) == b; });
-  if (!is_json) {
-    fail(c, Problem(Code::unsupported_media_type, "the request body must be application/json"));
+  auto trim = [](std::string_view v) {
+    while (!v.empty() && (v.front() == ' ' || v.front() == '\t')) v.remove_prefix(1);
+    while (!v.empty() && (v.back() == ' ' || v.back() == '\t')) v.remove_suffix(1);
+    return v;
+  };
+  const std::string_view whole = ct ? std::string_view(*ct) : std::string_view();
+  const std::string_view type = trim(whole.substr(0, whole.find(';')));
+  // JSON is UTF-8 (RFC 8259 §8.1): a charset parameter, if any, must say so.
+  bool utf8 = true;
+  for (std::size_t at = whole.find(';'); at != std::string_view::npos;) {
+    std::size_t next = whole.find(';', at + 1);
+    std::string_view param = trim(whole.substr(at + 1, next == std::string_view::npos ? next : next - at - 1));
+    if (boost::algorithm::istarts_with(param, "charset=")) {
+      std::string_view v = trim(param.substr(8));
+      if (v.size() >= 2 && v.front() == '"' && v.back() == '"') v = v.substr(1, v.size() - 2);
+      utf8 = boost::algorithm::iequals(v, "utf-8");
+    }
+    at = next;
+  }
+  if (!boost::algorithm::iequals(type, "application/json") || !utf8) {
+    fail(c, Problem(Code::unsupported_media_type, "the request body must be application/json in UTF-8"));
     return std::nullopt;
   }
+  // Bodies are not encoded (no gzip): one that is would only fail to parse.
+  for (auto [it, end] = c->req.equal_range(bhttp::field::content_encoding); it != end; ++it)
+    if (!boost::algorithm::iequals(trim(it->value()), "identity")) {
+      fail(c, Problem(Code::unsupported_media_type, "the request body must not be encoded (Content-Encoding)"));
+      return std::nullopt;
+    }
   auto obj = json::parse_object(c->req.body());
   if (!obj) {
     fail(c, std::move(obj.error()));

@@ -448,10 +448,21 @@ class BadInput(BadInputBase):
             for ctype in (None, "text/plain", "application/xml", "application/x-www-form-urlencoded",
                           "multipart/form-data; boundary=x", "application/jsonp", "application/json-patch+json",
                           "application/problem+json", "json", "", "application/", "*/*", "text/json",
-                          "application/json5", "application/ json"):
+                          "application/json5", "application/ json", "application/json; charset=utf-16",
+                          "application/json;charset=latin1"):
                 with self.subTest(endpoint=what, content_type=ctype):
                     r = self.send(what, base, content_type=ctype)
                     self.expect(r, 415, "unsupported-media-type", "%s %r" % (what, ctype))
+            # What is JSON in UTF-8 is taken, however it is spelled: the body is read (and here
+            # refused for an unknown member, which changes nothing).
+            for ctype in ("Application/JSON", "application/json; charset=UTF-8", 'application/json;charset="utf-8"',
+                          "application/json ; x=y"):
+                with self.subTest(endpoint=what, content_type=ctype):
+                    r = self.send(what, dict(base, zzz_unknown=1), content_type=ctype)
+                    self.assertIn("zzz_unknown", self.expect(r, 400, "invalid-request", ctype)["detail"])
+            # A body is never encoded: gzip is refused as such, not as JSON that does not parse.
+            r = self.send(what, base, headers=[("Content-Encoding", "gzip")])
+            self.expect(r, 415, "unsupported-media-type", what + " gzip")
             r = self.send(what, base, content_type=None,
                           headers=[("Content-Type", "application/json"), ("Content-Type", "application/json")])
             self.expect(r, 400, "invalid-request", what + " doubled Content-Type")
