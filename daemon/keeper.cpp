@@ -743,15 +743,25 @@ expected<ObjectResult, Problem> Keeper::sync(const std::string& display, uid_t v
   struct stat st {};
   ::fstat(fd, &st);
   auto r = m_dp->put(h->memory_id, h->fencing_token, fd, static_cast<std::uint64_t>(st.st_size));
+  // A file written while it was sent: what the store got may be a state the file never
+  // had (its size at the start, bytes from before and after a write).
+  struct stat after {};
+  const bool changed = ::fstat(fd, &after) != 0 || after.st_size != st.st_size ||
+                       after.st_mtim.tv_sec != st.st_mtim.tv_sec || after.st_mtim.tv_nsec != st.st_mtim.tv_nsec;
   ::close(fd);
-  if (!r) {
-    if (r.error().code == Code::stale_fence) {
-      // A newer holder's token reached the store: this lease is over, whatever the control
-      // plane has said so far.
-      if (auto ended = m_book.lose(name, h->fencing_token, "stale-fence")) forget({*ended});
-    }
+  if (!r && r.error().code == Code::stale_fence) {
+    // A newer holder's token reached the store: this lease is over, whatever the control
+    // plane has said so far.
+    if (auto ended = m_book.lose(name, h->fencing_token, "stale-fence")) forget({*ended});
     return make_unexpected(std::move(r.error()));
   }
+  if (changed) {
+    Problem p(Code::unavailable, "the memory file changed while it was being sent, so the object stored may be "
+                                 "torn: sync again once it is not being written");
+    p.retry_after_s = 1;
+    return make_unexpected(std::move(p));
+  }
+  if (!r) return make_unexpected(std::move(r.error()));
   return ObjectResult{h->canonical_name, h->memory_id, {}, r->fencing_token, r->etag, r->size};
 }
 

@@ -23,6 +23,8 @@ struct Exchange {
   ClientResponse* res = nullptr;
   bool write_failed = false;
   bool cancelled = false;
+  std::uint64_t uploaded = 0; // of req->upload_size
+  bool upload_short = false;  // the file ended before upload_size
 };
 
 size_t on_body(char* p, size_t size, size_t n, void* user) {
@@ -80,11 +82,24 @@ size_t on_header(char* p, size_t size, size_t n, void* user) {
   return size * n;
 }
 
+// Exactly upload_size bytes, the Content-Length sent: a file that grew meanwhile must not
+// send more (they would reach the server as the start of another request), and one that
+// shrank ends the exchange (the connection with it).
 size_t on_upload(char* p, size_t size, size_t n, void* user) {
   auto* x = static_cast<Exchange*>(user);
+  const std::uint64_t left = x->req->upload_size - x->uploaded;
+  if (left == 0) return 0;
+  const std::size_t want = static_cast<std::size_t>(std::min<std::uint64_t>(left, size * n));
   for (;;) {
-    ssize_t r = ::read(x->req->upload_fd, p, size * n);
-    if (r >= 0) return static_cast<size_t>(r);
+    ssize_t r = ::read(x->req->upload_fd, p, want);
+    if (r > 0) {
+      x->uploaded += static_cast<std::uint64_t>(r);
+      return static_cast<size_t>(r);
+    }
+    if (r == 0) {
+      x->upload_short = true;
+      return CURL_READFUNC_ABORT;
+    }
     if (errno != EINTR) return CURL_READFUNC_ABORT;
   }
 }
@@ -191,9 +206,10 @@ ClientResponse Client::perform(const ClientRequest& req) {
     res.status = static_cast<int>(code);
   } else {
     res.status = 0;
-    res.error = x.write_failed ? std::string("cannot write the downloaded bytes: ") + std::strerror(errno)
-                : x.cancelled  ? std::string("cancelled")
-                               : curl_easy_strerror(rc);
+    res.error = x.write_failed   ? std::string("cannot write the downloaded bytes: ") + std::strerror(errno)
+                : x.cancelled    ? std::string("cancelled")
+                : x.upload_short ? std::string("the file ended before the size it had when the upload began")
+                                 : curl_easy_strerror(rc);
   }
   curl_slist_free_all(headers);
   release(c);

@@ -305,6 +305,55 @@ class SyncAndFetch(DataPlaneCase):
         self.assertEqual(self.mep_json(self.a, "sync", "err-agent", expect=1)["code"], "lease-not-found")
         self.assertEqual(self.objects.get(memory).body, b"good")
 
+    def test_a_file_written_while_it_is_sent(self):
+        # An upload sends exactly the size the file had when it began: bytes appended
+        # meanwhile must not follow, or the store reads them as the start of another request
+        # and answers it on the connection the next store call reuses. The sync says the
+        # object may be torn (503, exit 5); the next one, on a quiet file, stores it whole.
+        path = self.new_memory(self.a, "grow.uai")
+        self.mep_json(self.a, "claim", "grower", path)
+        with open(path, "wb") as f:
+            f.write(os.urandom(1024) * (48 * 1024))  # 48 MiB: more than the sockets' buffers hold
+
+        def sent_so_far():
+            # How far mepd has read the file (its descriptor's offset), or 0.
+            fds = "/proc/%d/fd" % self.a.proc.pid
+            for fd in os.listdir(fds):
+                try:
+                    if os.readlink(os.path.join(fds, fd)) == path:
+                        with open("/proc/%d/fdinfo/%s" % (self.a.proc.pid, fd)) as info:
+                            return int(info.readline().split()[1])
+                except OSError:
+                    continue
+            return 0
+
+        self.store.proc.send_signal(signal.SIGSTOP)  # the upload blocks once the buffers are full
+        try:
+            sync = subprocess.Popen([mep_bin(), "--socket", self.a.socket_path, "--json", "sync", "grower"],
+                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=self.env)
+            self.addCleanup(lambda: sync.poll() is None and sync.kill())
+            deadline = time.monotonic() + 30
+            while sent_so_far() == 0:
+                self.assertLess(time.monotonic(), deadline, "mepd never started sending the file")
+                time.sleep(0.05)
+            with open(path, "ab") as f:
+                f.write(b"appended while it was sent\n" * 4096)
+        finally:
+            self.store.proc.send_signal(signal.SIGCONT)
+        out, err = sync.communicate(timeout=60)
+        self.assertEqual(sync.returncode, 5, err)
+        problem = json.loads(out)
+        self.assertEqual(problem["code"], "unavailable", problem)
+        self.assertIn("changed while it was being sent", problem["detail"])
+        # The store's connection is whole: a claim (its fence advanced) and a sync go through.
+        other = self.new_memory(self.a, "after.uai")
+        self.mep_json(self.a, "claim", "after-grow", other)
+        stored = self.mep_json(self.a, "sync", "grower")
+        with open(path, "rb") as f:
+            whole = f.read()
+        self.assertEqual(stored["size"], len(whole))
+        self.assertEqual(self.objects.get(stored["memory_instance_id"]).body, whole)
+
     def test_sync_and_fetch_need_a_data_plane(self):
         plain = Mepd(self.tmp, self.env, control_plane=self.server.url, token=self.token, tag="no-store")
         self.addCleanup(plain.stop)
