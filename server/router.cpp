@@ -15,7 +15,6 @@
 #include "mep/uuid.hpp"
 #include "mep/utf8.hpp"
 
-#include <boost/algorithm/string/predicate.hpp>
 #include <boost/beast/http.hpp>
 #include <boost/url/parse.hpp>
 #include <fmt/format.h>
@@ -231,13 +230,9 @@ expected<AuthInfo, Problem> check_bearer(const bhttp::fields& fields, Store& sto
   };
   if (!h) return unauth("an Authorization: Bearer token is required");
   if (doubled) return unauth("more than one Authorization header");
-  std::string_view v = *h;
-  // The scheme is case-insensitive (RFC 9110 §11.1); one or more spaces follow it.
-  if (v.size() < 7 || !boost::algorithm::iequals(v.substr(0, 6), "Bearer") || v[6] != ' ')
-    return unauth("the Authorization header must be 'Bearer <token>'");
-  v.remove_prefix(7);
-  while (!v.empty() && v.front() == ' ') v.remove_prefix(1);
-  while (!v.empty() && v.back() == ' ') v.remove_suffix(1);
+  auto bearer = http::bearer_token(*h);
+  if (!bearer) return unauth("the Authorization header must be 'Bearer <token>'");
+  std::string_view v = *bearer;
   if (v.empty() || v.size() > 512) return unauth("invalid bearer token");
   std::optional<AuthInfo> auth;
   try {
@@ -266,41 +261,10 @@ bool authenticate(const CallPtr& c, Store& store, RateLimiter& audit_budget) {
 // Decodes the JSON body of a POST: media type, size (the parser enforces 16 KiB), syntax.
 std::optional<boost::json::object> body_object(const CallPtr& c, bool empty_ok) {
   if (empty_ok && c->req.body().empty()) return boost::json::object{};
-  bool doubled = false;
-  auto ct = header_once(c->req, bhttp::field::content_type, doubled);
-  if (doubled) {
-    fail(c, Problem(Code::invalid_request, "more than one Content-Type header"));
+  if (auto p = http::json_body_problem(c->req)) {
+    fail(c, std::move(*p));
     return std::nullopt;
   }
-  auto trim = [](std::string_view v) {
-    while (!v.empty() && (v.front() == ' ' || v.front() == '\t')) v.remove_prefix(1);
-    while (!v.empty() && (v.back() == ' ' || v.back() == '\t')) v.remove_suffix(1);
-    return v;
-  };
-  const std::string_view whole = ct ? std::string_view(*ct) : std::string_view();
-  const std::string_view type = trim(whole.substr(0, whole.find(';')));
-  // JSON is UTF-8 (RFC 8259 §8.1): a charset parameter, if any, must say so.
-  bool utf8 = true;
-  for (std::size_t at = whole.find(';'); at != std::string_view::npos;) {
-    std::size_t next = whole.find(';', at + 1);
-    std::string_view param = trim(whole.substr(at + 1, next == std::string_view::npos ? next : next - at - 1));
-    if (boost::algorithm::istarts_with(param, "charset=")) {
-      std::string_view v = trim(param.substr(8));
-      if (v.size() >= 2 && v.front() == '"' && v.back() == '"') v = v.substr(1, v.size() - 2);
-      utf8 = boost::algorithm::iequals(v, "utf-8");
-    }
-    at = next;
-  }
-  if (!boost::algorithm::iequals(type, "application/json") || !utf8) {
-    fail(c, Problem(Code::unsupported_media_type, "the request body must be application/json in UTF-8"));
-    return std::nullopt;
-  }
-  // Bodies are not encoded (no gzip): one that is would only fail to parse.
-  for (auto [it, end] = c->req.equal_range(bhttp::field::content_encoding); it != end; ++it)
-    if (!boost::algorithm::iequals(trim(it->value()), "identity")) {
-      fail(c, Problem(Code::unsupported_media_type, "the request body must not be encoded (Content-Encoding)"));
-      return std::nullopt;
-    }
   auto obj = json::parse_object(c->req.body());
   if (!obj) {
     fail(c, std::move(obj.error()));

@@ -101,13 +101,9 @@ std::string http_date(UnixMs ms) {
 
 std::optional<std::string> bearer_of(const http::RequestHeader& h) {
   if (h.count(bhttp::field::authorization) != 1) return std::nullopt;
-  std::string_view v = h[bhttp::field::authorization];
-  if (v.size() < 8 || !(v.substr(0, 7) == "Bearer " || v.substr(0, 7) == "bearer ")) return std::nullopt;
-  v.remove_prefix(7);
-  while (!v.empty() && v.front() == ' ') v.remove_prefix(1);
-  while (!v.empty() && v.back() == ' ') v.remove_suffix(1);
-  if (v.empty() || v.size() > 512) return std::nullopt;
-  return std::string(v);
+  auto v = http::bearer_token(h[bhttp::field::authorization]);
+  if (!v || v->empty() || v->size() > 512) return std::nullopt;
+  return std::string(*v);
 }
 
 // The sink a PUT's body goes into: its Upload's version file.
@@ -139,14 +135,17 @@ public:
     plan.limit = k_small_body;
     std::vector<std::string> params;
     const RouteRow* row = match(h, params);
-    if (!row) return plan; // handle() answers 404/405
-    if (row->route == Route::health || row->route == Route::ready) return plan;
-    if (row->route == Route::metrics && peer.loopback) return plan;
+    // The token first, unless the endpoint is open: without one, a client learns nothing,
+    // not even which endpoints exist (handle() answers 404 and 405 to those with one).
+    const RouteRow* open = row ? row : match(h, params, bhttp::verb::get); // 405s of open paths are open
+    const bool is_open = open && (open->route == Route::health || open->route == Route::ready ||
+                                  (open->route == Route::metrics && peer.loopback));
+    if (is_open) return plan;
     if (auto p = authenticate(h)) {
       plan.refuse = std::move(*p);
       return plan;
     }
-    if (row->route != Route::put_object) return plan;
+    if (!row || row->route != Route::put_object) return plan; // handle() answers 404 and 405
     // A PUT: everything that can be checked before the body arrives is.
     auto id = Uuid::parse(params[0]);
     if (!id) return refuse(plan, Problem(Code::invalid_request, "the memory id in the path must be a UUID"));
@@ -154,10 +153,7 @@ public:
     if (!token) return refuse(plan, std::move(token.error()));
     if (auto pre = parse_preconditions(h); !pre) return refuse(plan, std::move(pre.error()));
     const std::string memory_id = id->to_string();
-    if (auto st = m_store.state(memory_id); st && *token < st->mark) {
-      Metrics::global().inc("mep_fencing_rejections_total");
-      return refuse(plan, stale_fence(*token, st->mark));
-    }
+    if (auto st = m_store.state(memory_id); st && *token < st->mark) return refuse(plan, stale_fence(*token, st->mark));
     auto upload = m_store.begin(memory_id);
     if (!upload) return refuse(plan, std::move(upload.error()));
     plan.limit = m_store.max_object_size();
@@ -277,12 +273,14 @@ public:
   }
 
 private:
-  const RouteRow* match(const http::RequestHeader& h, std::vector<std::string>& params) const {
+  // The route of the request, or of its path with `method` instead of its own.
+  const RouteRow* match(const http::RequestHeader& h, std::vector<std::string>& params,
+                        std::optional<bhttp::verb> method = std::nullopt) const {
     auto target = http::parse_target(h.target());
     if (!target) return nullptr;
     std::string allow;
-    const bhttp::verb method = h.method() == bhttp::verb::head ? bhttp::verb::get : h.method();
-    return http::find_route(k_routes, method, target->segments, params, allow);
+    if (!method) method = h.method() == bhttp::verb::head ? bhttp::verb::get : h.method();
+    return http::find_route(k_routes, *method, target->segments, params, allow);
   }
 
   static http::BodyPlan& refuse(http::BodyPlan& plan, Problem p) {
@@ -338,6 +336,7 @@ private:
 
   template <class Finish, class Fail>
   void advance(http::Request&& req, Finish finish, Fail fail) {
+    if (auto p = http::json_body_problem(req.base())) return fail(std::move(*p));
     auto body = json::parse_object(req.body());
     if (!body) return fail(std::move(body.error()));
     json::ObjectReader r(*body);
@@ -380,7 +379,14 @@ private:
     r.url = m_cp + "/v1/fence/verify";
     r.headers = {{"Authorization", "Bearer " + bearer}, {"Content-Type", "application/json"}};
     r.body = json::dump(boost::json::object{{"memory_instance_id", memory_id}, {"fencing_token", token}});
-    return control_plane_refusal(m_client.perform(r));
+    auto p = control_plane_refusal(m_client.perform(r));
+    if (p && p->code == Code::stale_fence) {
+      // Shaped as this store's own refusal (SPEC §8): the token presented, and the live one.
+      p->extensions["presented_token"] = token;
+      if (auto* cur = p->extensions.if_contains("current_fencing_token"); cur && cur->is_int64())
+        p->extensions["current_token"] = cur->as_int64();
+    }
+    return p;
   }
 
   // The control plane's answer as this store's refusal, or nullopt for a 2xx.

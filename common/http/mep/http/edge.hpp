@@ -222,6 +222,14 @@ std::optional<Target> parse_target(std::string_view target);
 bool match_pattern(std::string_view pattern, const std::vector<std::string>& segments,
                    std::vector<std::string>& params);
 
+/// Why a request's body may not be read as JSON: a Content-Type other than application/json
+/// in UTF-8, or a Content-Encoding (415), or two Content-Types (400). nullopt when it may.
+std::optional<Problem> json_body_problem(const boost::beast::http::fields& headers);
+
+/// Whether an Authorization header value is a Bearer credential (the scheme in any case,
+/// RFC 9110 §11.1): the token, trimmed, or nullopt.
+std::optional<std::string_view> bearer_token(std::string_view authorization);
+
 /// A route's method as the Allow header of a 405 names it: GET routes answer HEAD too.
 std::string allow_entry(Verb v);
 
