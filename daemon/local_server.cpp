@@ -78,7 +78,16 @@ void LocalServer::bind_socket(local::acceptor& acceptor) {
     throw std::runtime_error(fmt::format("the socket's directory {} is writable by others (mode {:04o}); make it 0700",
                                          dir.string(), st.st_mode & 07777));
   }
-  if (fs::exists(socket_path, ec)) {
+  if (struct stat st{}; ::lstat(socket_path.c_str(), &st) == 0) {
+    // Only a socket is ever replaced: anything else at the path is someone's file.
+    if (!S_ISSOCK(st.st_mode))
+      throw std::runtime_error(fmt::format("{} exists and is not a socket (it is {}); mepd replaces only a socket "
+                                           "that a daemon which died left behind",
+                                           socket_path.string(),
+                                           S_ISDIR(st.st_mode)   ? "a directory"
+                                           : S_ISLNK(st.st_mode) ? "a symbolic link"
+                                           : S_ISREG(st.st_mode) ? "a file"
+                                                                 : "not a socket"));
     // A socket left by a daemon that died: remove it only if nobody answers on it.
     local::socket probe(ioc);
     beast::error_code cec;

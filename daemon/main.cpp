@@ -40,6 +40,27 @@ std::string default_socket() {
 // One daemon per state directory: a second one would re-adopt and renew the first one's
 // leases, and share its databases. The lock lasts as long as the process (the descriptor
 // stays open; the kernel drops the lock however the process ends).
+// The state directory: created 0700 when missing. One that exists is used as it is (its mode
+// is its owner's business: --state-dir may name any directory) unless others may write in
+// it, where they could plant the daemon's databases.
+void prepare_state_dir(const fs::path& state) {
+  struct stat st {};
+  if (::stat(state.c_str(), &st) != 0) {
+    if (errno != ENOENT)
+      throw std::runtime_error(fmt::format("cannot use {}: {}", state.string(), std::strerror(errno)));
+    std::error_code ec;
+    fs::create_directories(state, ec);
+    if (ec) throw std::runtime_error(fmt::format("cannot create {}: {}", state.string(), ec.message()));
+    ::chmod(state.c_str(), 0700);
+    return;
+  }
+  if (!S_ISDIR(st.st_mode)) throw std::runtime_error(fmt::format("{} is not a directory", state.string()));
+  if ((st.st_mode & (S_IWGRP | S_IWOTH)) != 0)
+    throw std::runtime_error(fmt::format("the state directory {} is writable by others (mode {:04o}); give mepd "
+                                         "a directory of its own (it creates a missing one 0700)",
+                                         state.string(), st.st_mode & 07777));
+}
+
 void lock_state_dir(const fs::path& state) {
   const fs::path lock = state / "mepd.lock";
   int fd = ::open(lock.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0600);
@@ -138,6 +159,10 @@ int main(int argc, char** argv) {
       return mep::exit_code::other;
     }
   }
+  if (state.empty() || sock.empty()) {
+    mep::log::error("{} must not be empty", state.empty() ? "--state-dir" : "--socket");
+    return mep::exit_code::usage;
+  }
   std::string cp_url = cfg->get("control_plane", control_plane, "--control-plane", "").value;
   std::string tok_file = cfg->get("token_file", token_file, "--token-file", "").value;
   std::string store_url = cfg->get("store", store, "--store", "").value;
@@ -171,9 +196,7 @@ int main(int argc, char** argv) {
 
   try {
     // 3. State directory (0700), and the embedded control plane when there is no remote one.
-    std::error_code ec;
-    fs::create_directories(state, ec);
-    ::chmod(state.c_str(), 0700);
+    prepare_state_dir(state);
     lock_state_dir(state);
     if (!cp) cp = mep::daemon::make_embedded_control_plane(state);
     std::string describe = cp->describe();

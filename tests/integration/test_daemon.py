@@ -631,6 +631,55 @@ class BasicCases:
         self.assertIsNotNone(self.poll(lambda: self.mepd.log_text().count("SIGHUP") >= 2, timeout=5))
         self.assertEqual(self.client.request("GET", "/healthz").status, 200)
 
+    def test_what_is_at_the_socket_path_or_state_dir_is_never_destroyed(self):
+        # mepd(8): only a socket a dead daemon left is replaced. A file, a directory or a
+        # symbolic link at --socket is refused and left as it was; an existing --state-dir
+        # keeps its mode (it was chmod'ed 0700), and one others may write in is refused.
+        d = os.path.join(self.tmp, "precious")
+        os.makedirs(d, mode=0o700)
+        with open(os.path.join(d, "f.txt"), "w") as f:
+            f.write("data")
+        os.mkdir(os.path.join(d, "empty"))
+        os.symlink("f.txt", os.path.join(d, "link"))
+        for name, kind in (("f.txt", "a file"), ("empty", "a directory"), ("link", "a symbolic link")):
+            rc, err = self.run_second_mepd(os.path.join(d, name), os.path.join(self.tmp, "state-" + name))
+            self.assertEqual(rc, 1, err)
+            self.assertIn("exists and is not a socket (it is %s)" % kind, err)
+        with open(os.path.join(d, "f.txt")) as f:
+            self.assertEqual(f.read(), "data")
+        self.assertTrue(os.path.isdir(os.path.join(d, "empty")))
+        self.assertEqual(os.readlink(os.path.join(d, "link")), "f.txt")
+        # State directories.
+        shared = os.path.join(self.tmp, "shared")
+        os.mkdir(shared)
+        os.chmod(shared, 0o1777)
+        rc, err = self.run_second_mepd(os.path.join(self.tmp, "s1.sock"), shared)
+        self.assertEqual(rc, 1, err)
+        self.assertIn("is writable by others (mode 1777)", err)
+        self.assertEqual(os.stat(shared).st_mode & 0o7777, 0o1777)
+        self.assertEqual(os.listdir(shared), [])
+        a_file = os.path.join(self.tmp, "notes.txt")
+        with open(a_file, "w") as f:
+            f.write("n")
+        os.chmod(a_file, 0o644)
+        rc, err = self.run_second_mepd(os.path.join(self.tmp, "s2.sock"), a_file)
+        self.assertEqual(rc, 1, err)
+        self.assertIn("is not a directory", err)
+        self.assertEqual(os.stat(a_file).st_mode & 0o777, 0o644)
+        mine = os.path.join(self.tmp, "mine")
+        os.mkdir(mine)
+        os.chmod(mine, 0o755)
+        sock = os.path.join(self.tmp, "s3.sock")
+        second = Mepd(self.tmp, self.env, tag="own-state")  # embedded: its state is all in the directory
+        second.socket_path, second.state_dir = sock, mine
+        self.addCleanup(second.stop)
+        second.start()
+        self.assertEqual(os.stat(mine).st_mode & 0o777, 0o755)  # used as it is
+        self.assertTrue(os.path.exists(os.path.join(mine, "mepd.db")))
+        rc, err = self.run_second_mepd(os.path.join(self.tmp, "s4.sock"), "")
+        self.assertEqual(rc, 2, err)
+        self.assertIn("--state-dir must not be empty", err)
+
     def test_socket_directory_writable_by_others_is_refused(self):
         # Anyone who may write in the socket's directory could put their own socket there.
         open_dir = os.path.join(self.tmp, "open")
