@@ -472,6 +472,22 @@ expected<Held, Problem> Keeper::attach(const AttachRequest& req) {
     remember_fate(intent.key, !r && outcome_unknown(r.error()) ? IntentFate::orphaned : IntentFate::settled);
   }
   if (!r) return make_unexpected(std::move(r.error()));
+  if (cancelled()) {
+    // The agent went away (an interrupted mep claim --wait) as the grant came: nobody will
+    // learn of this lease, so it is given back rather than held for no one.
+    Held gone = held_from_grant(*r, owner, path, bound, sent);
+    log::info("lease {} given back: the agent that asked for it went away", gone.canonical_name);
+    try {
+      if (release_on_server(gone))
+        m_state.delete_intent(intent.key);
+      else
+        m_state.orphan_intent(intent.key); // the renewer resends it and releases what it wins
+    } catch (const std::exception& e) {
+      g_state_health.failed("update a claim intent", e);
+      remember_fate(intent.key, IntentFate::orphaned);
+    }
+    return make_unexpected(Problem(Code::unavailable, "the agent went away before the lease was granted"));
+  }
   // After a wait the grant is no earlier than the request's sending plus the server's
   // Mep-Waited-Ms (up to the attempt that granted): count the lease from there, not from
   // the sending, or a wait longer than the TTL would be a lease lost on arrival.

@@ -680,6 +680,37 @@ class BasicCases:
         self.assertEqual(rc, 2, err)
         self.assertIn("--state-dir must not be empty", err)
 
+    def cp_requests(self):
+        text = self.client.request("GET", "/metrics").body.decode()
+        return int(re.search(r"^mepd_control_plane_requests_total (\d+)$", text, re.M).group(1))
+
+    def test_a_grant_that_comes_as_its_agent_goes_is_given_back(self):
+        # An agent waiting for a name goes away (mep claim --wait interrupted) as the holder
+        # lets go: the grant and the departure reach the daemon together. The lease must be
+        # given back, not kept and renewed for no one. (The daemon looks for a departure
+        # every 100 ms; the grant comes within a few, so it usually arrives first: 4 tries.)
+        for attempt in range(4):
+            name = "left-%d" % attempt
+            self.attach_ok(name, self.new_file("held-%d.uai" % attempt))
+            body = json.dumps({"name": name, "path": self.new_file("wanted-%d.uai" % attempt), "bind": "none",
+                               "wait_seconds": 30}).encode()
+            sent = self.cp_requests()
+            waiter = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            waiter.connect(self.mepd.socket_path)
+            waiter.sendall(b"POST /v1/attach HTTP/1.1\r\nHost: mepd\r\nContent-Type: application/json\r\n"
+                           b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+            self.assertTrue(self.poll(lambda: self.cp_requests() > sent, timeout=10), "the attach never claimed")
+            waiter.close()
+            self.assertEqual(self.client.detach(name).status, 204)
+            # Nobody keeps it: not this daemon, and (once a claim whose answer was lost with
+            # the agent is settled by the renewer) not the control plane.
+            self.assertTrue(self.poll(lambda: name not in self.client.leases(), timeout=10),
+                            "attempt %d: %s is kept for an agent gone" % (attempt, name))
+            after = self.new_file("after-%d.uai" % attempt)
+            self.assertTrue(self.poll(lambda: self.client.attach(name, after).status == 201, timeout=10, interval=0.5),
+                            "attempt %d: %s stays held for an agent gone" % (attempt, name))
+            self.assertEqual(self.client.detach(name).status, 204)
+
     def test_socket_directory_writable_by_others_is_refused(self):
         # Anyone who may write in the socket's directory could put their own socket there.
         open_dir = os.path.join(self.tmp, "open")
