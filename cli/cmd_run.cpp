@@ -275,7 +275,8 @@ int run(const RunOptions& o, const GlobalOptions& g) {
         ::kill(-child, SIGTERM);
         ::kill(-child, SIGCONT); // a stopped process acts on SIGTERM only once it runs
         std::lock_guard lock(watch.mutex);
-        auto grace = std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(o.grace));
+        // Bounded before the cast (inf or 1e308 would overflow it): the expiry caps it anyway.
+        auto grace = std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(std::min(o.grace, 1e6)));
         kill_at = std::min(now + grace, std::max(now, watch.expiry - k_kill_margin));
         kill_pending = true;
       }
