@@ -24,12 +24,6 @@ namespace fs = std::filesystem;
 
 namespace {
 
-std::string absolute(const std::string& p) {
-  std::error_code ec;
-  auto a = fs::absolute(p, ec);
-  return ec ? p : a.lexically_normal().string();
-}
-
 std::string url_encode(const std::string& s) {
   static constexpr char hex[] = "0123456789ABCDEF";
   std::string out;
@@ -163,7 +157,7 @@ void register_lease_commands(CLI::App& app, GlobalOptions& g, Action& action) {
     if (!wait) throw CLI::ValidationError("--wait", "must be a number of seconds or inf (got \"" + c->wait + "\")");
     action = [c, &g, wait = *wait] {
       boost::json::object body{
-          {"name", c->name}, {"path", absolute(c->path)}, {"ttl_seconds", c->ttl}, {"bind", "none"}};
+          {"name", c->name}, {"path", path_argument(c->path)}, {"ttl_seconds", c->ttl}, {"bind", "none"}};
       std::string socket = resolve_socket(g.socket, g.config_file);
       DaemonReply r = attach(socket, std::move(body), wait);
       if (r.status < 200 || r.status >= 300) return report_problem(r, socket, g.json);
@@ -195,7 +189,7 @@ void register_lease_commands(CLI::App& app, GlobalOptions& g, Action& action) {
   init->add_option("path", *init_path, "The new .uai file")->required();
   init->callback([init_path, &g, &action] {
     action = [init_path, &g] {
-      return call(g, "POST", "/v1/init", json::dump(boost::json::object{{"path", absolute(*init_path)}}),
+      return call(g, "POST", "/v1/init", json::dump(boost::json::object{{"path", path_argument(*init_path)}}),
                   [](const boost::json::object& o) {
                     std::printf("created %s  memory=%s\n", str(o, "path").c_str(),
                                 str(o, "memory_instance_id").c_str());
@@ -211,7 +205,7 @@ void register_lease_commands(CLI::App& app, GlobalOptions& g, Action& action) {
   branch->callback([br, &g, &action] {
     action = [br, &g] {
       std::string body =
-          json::dump(boost::json::object{{"path", absolute(br->first)}, {"new_path", absolute(br->second)}});
+          json::dump(boost::json::object{{"path", path_argument(br->first)}, {"new_path", path_argument(br->second)}});
       return call(g, "POST", "/v1/branch", body, [](const boost::json::object& o) {
         std::printf("branched %s  memory=%s  parent=%s  at token %s\n", str(o, "path").c_str(),
                     str(o, "memory_instance_id").c_str(), str(o, "parent_memory_instance_id").c_str(),
@@ -246,7 +240,7 @@ void register_lease_commands(CLI::App& app, GlobalOptions& g, Action& action) {
   fetch->callback([fe, &g, &action] {
     action = [fe, &g] {
       std::string body =
-          json::dump(boost::json::object{{"memory_instance_id", fe->first}, {"path", absolute(fe->second)}});
+          json::dump(boost::json::object{{"memory_instance_id", fe->first}, {"path", path_argument(fe->second)}});
       return call(g, "POST", "/v1/fetch", body, [](const boost::json::object& o) {
         std::printf("fetched %s  memory=%s  token=%s  size=%s\n", str(o, "path").c_str(),
                     str(o, "memory_instance_id").c_str(), str(o, "fencing_token").c_str(), str(o, "size").c_str());
@@ -282,7 +276,7 @@ void register_lease_commands(CLI::App& app, GlobalOptions& g, Action& action) {
   identify->add_option("path", *id_path, "A .uai file")->required();
   identify->callback([id_path, &g, &action] {
     action = [id_path, &g] {
-      return call(g, "GET", "/v1/identify?path=" + url_encode(absolute(*id_path)), "",
+      return call(g, "GET", "/v1/identify?path=" + url_encode(path_argument(*id_path)), "",
                   [](const boost::json::object& o) {
                     std::string parent = str(o, "parent_memory_instance_id");
                     std::printf("%s  memory=%s  parent=%s\n", str(o, "path").c_str(),
@@ -304,7 +298,8 @@ void register_lease_commands(CLI::App& app, GlobalOptions& g, Action& action) {
   lineage->callback([ln, &g, &action] {
     action = [ln, &g] {
       bool is_id = ln->what.size() == 36 && ln->what[8] == '-' && !fs::exists(ln->what);
-      std::string target = is_id ? "/v1/lineage?id=" + ln->what : "/v1/lineage?path=" + url_encode(absolute(ln->what));
+      std::string target =
+          is_id ? "/v1/lineage?id=" + ln->what : "/v1/lineage?path=" + url_encode(path_argument(ln->what));
       GlobalOptions local = g;
       if (ln->format == "json") local.json = true;
       return call(local, "GET", target, "", [ln](const boost::json::object& o) {

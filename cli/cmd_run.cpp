@@ -138,8 +138,7 @@ int run(const RunOptions& o, const GlobalOptions& g) {
   for (int i = 0; i < 200 && !connected; ++i) std::this_thread::sleep_for(std::chrono::milliseconds(5));
 
   // 2. Claim, bound to this process: if `mep run` dies, mepd releases the lease.
-  std::error_code ec;
-  std::string abs = std::filesystem::absolute(o.path, ec).lexically_normal().string();
+  std::string abs = path_argument(o.path);
   boost::json::object body{{"name", o.name}, {"path", abs}, {"ttl_seconds", o.ttl}, {"bind", "pid"}};
   auto sent = Clock::now();
   DaemonReply r = attach(socket, std::move(body), o.wait_s);

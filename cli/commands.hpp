@@ -32,9 +32,15 @@ struct UserError : std::runtime_error {
   using std::runtime_error::runtime_error;
 };
 
-/// A config file that cannot be read or parsed: `mep: <message>` and the usage status 2.
-struct ConfigError : UserError {
+/// A usage error found after parsing (a path mep cannot pass on): `mep: <message>` and the
+/// usage status 2.
+struct UsageError : UserError {
   using UserError::UserError;
+};
+
+/// A config file that cannot be read or parsed: `mep: <message>` and the usage status 2.
+struct ConfigError : UsageError {
+  using UsageError::UsageError;
 };
 
 /// The control-plane store at `url` (server::open_store), its failures as UserError.

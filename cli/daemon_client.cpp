@@ -4,6 +4,7 @@
 
 #include "mep/config.hpp"
 #include "mep/json.hpp"
+#include "mep/utf8.hpp"
 
 #include <boost/json/parse.hpp>
 
@@ -14,12 +15,21 @@
 #include <cstdlib>
 #include <cerrno>
 #include <cstring>
+#include <filesystem>
 #include <poll.h>
 #include <sys/socket.h>
 #include <sys/un.h>
 #include <unistd.h>
 
 namespace mep::cli {
+
+std::string path_argument(const std::string& path) {
+  if (!utf8::decode(path))
+    throw UsageError("a path is not valid UTF-8, and mep passes paths to mepd as JSON text: rename the file");
+  std::error_code ec;
+  auto a = std::filesystem::absolute(path, ec);
+  return ec ? path : a.string();
+}
 
 std::string resolve_socket(const std::string& flag, const std::string& config_file) {
   auto cfg = Config::load(config_file);

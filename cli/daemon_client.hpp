@@ -12,6 +12,11 @@
 
 namespace mep::cli {
 
+/// A file path as mepd is to take it: absolute (from this process's directory) but not
+/// normalized, since ".." after a symbolic link is for the kernel (mepd) to resolve, not
+/// text to drop. Throws UsageError for a path that is not UTF-8 (it travels as JSON text).
+std::string path_argument(const std::string& path);
+
 /// The socket path: --socket, else MEP_SOCKET / config `socket`, else
 /// $XDG_RUNTIME_DIR/mep/mepd.sock, else /run/mep/mepd.sock.
 std::string resolve_socket(const std::string& flag, const std::string& config_file);

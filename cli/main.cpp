@@ -79,7 +79,7 @@ int main(int argc, char** argv) {
   // 3. Run the chosen command; anything unexpected is a bug reported on one line.
   try {
     return action ? action() : mep::exit_code::usage;
-  } catch (const mep::cli::ConfigError& e) {
+  } catch (const mep::cli::UsageError& e) {
     std::fprintf(stderr, "mep: %s\n", e.what());
     return mep::exit_code::usage;
   } catch (const mep::cli::UserError& e) {

@@ -50,7 +50,21 @@ expected<fs::path, Problem> client_path(const std::string& p, pid_t pid) {
                                                             "absolute path"));
     path = cwd / path;
   }
-  return path.lexically_normal();
+  // ".." after a symbolic link is the parent of the link's target for the kernel, not the
+  // link's own directory: a path with ".." has its directory resolved by the kernel (as
+  // the peer), the only reading that names the file the client would open.
+  if (std::none_of(path.begin(), path.end(), [](const fs::path& c) { return c == ".."; }))
+    return path.lexically_normal();
+  std::error_code ec;
+  fs::path dir;
+  {
+    AsPeer as;
+    dir = fs::canonical(path.parent_path(), ec);
+  }
+  if (ec)
+    return make_unexpected(
+        Problem(Code::invalid_request, "cannot resolve the directory of " + path.string() + ": " + ec.message()));
+  return dir / path.filename();
 }
 
 // The mode a file the client creates itself would get: 0666 less the client's umask, as

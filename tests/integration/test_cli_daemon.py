@@ -464,6 +464,39 @@ class Commands(CliTestCase):
         self.assertIn("config.toml:1", err)
 
 
+class Paths(CliTestCase):
+    def test_dotdot_after_a_symbolic_link_is_the_kernels(self):
+        # L -> A/B: L/.. is A for the kernel (cat L/../t.uai reads A/t.uai), not the work
+        # directory as a textual clean-up would have it. mep must act on the file the
+        # kernel opens, for an existing file and for one it creates.
+        os.makedirs(os.path.join(self.work, "A", "B"))
+        os.symlink(os.path.join("A", "B"), os.path.join(self.work, "L"))
+        inside = self.ok_json("init", os.path.join("A", "t.uai"))["memory_instance_id"]
+        self.ok_json("init", "t.uai")  # the decoy the textual reading would pick
+        name = unique()
+        lease = self.claim(name, os.path.join("L", "..", "t.uai"))
+        self.assertEqual(lease["memory_instance_id"], inside)
+        self.assertEqual(os.path.realpath(lease["path"]), os.path.join(os.path.realpath(self.work), "A", "t.uai"))
+        self.ok("init", os.path.join("L", "..", "c.uai"))
+        self.assertTrue(os.path.exists(os.path.join(self.work, "A", "c.uai")))
+        self.assertFalse(os.path.exists(os.path.join(self.work, "c.uai")))
+        # A directory that does not exist: one line, usage.
+        rc, out, err = self.mep("init", os.path.join("nowhere", "..", "x.uai"))
+        self.assertEqual(rc, 2, err)
+        self.assertOneLine(err)
+
+    def test_a_path_that_is_not_utf8_is_a_usage_error(self):
+        # JSON carries text: such a path would reach mepd as another name (U+FFFD in place
+        # of the byte), and mep would create or lease that other file.
+        for cmd in (("init",), ("claim", unique()), ("identify",)):
+            with self.subTest(cmd=cmd[0]):
+                rc, out, err = self.mep(*cmd, "new\udce9.uai")  # the byte 0xE9, as Python passes it
+                self.assertEqual(rc, 2, err)
+                self.assertOneLine(err)
+                self.assertIn("not valid UTF-8", err)
+        self.assertEqual([n for n in os.listdir(self.work) if n.startswith("new")], [])
+
+
 class ErrorClasses(CliTestCase):
     """Each error class: its exit code, one line on stderr, or a problem document with --json."""
 
