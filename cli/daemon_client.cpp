@@ -49,6 +49,8 @@ boost::json::object DaemonReply::json() const {
 
 Problem DaemonReply::problem(const std::string& socket) const {
   if (status == 0) {
+    if (error.rfind("permission denied", 0) == 0)
+      return Problem(Code::forbidden, "cannot use mepd at " + socket + ": " + error);
     Problem p(Code::unavailable, "cannot reach mepd at " + socket + " (" + error +
                                      "): start it with 'mepd' or 'systemctl --user start mepd.socket'");
     return p;
@@ -71,7 +73,10 @@ int connect_unix(const std::string& path, std::string& error) {
   }
   std::memcpy(addr.sun_path, path.c_str(), path.size() + 1);
   if (::connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof addr) != 0) {
-    error = std::strerror(errno);
+    // Refused or missing: no daemon. Denied: a daemon that is not this user's to use.
+    error = errno == EACCES ? std::string("permission denied: the socket belongs to another user; use your own "
+                                          "mepd, or the system one (/run/mep/mepd.sock) as a member of the group mep")
+                            : std::strerror(errno);
     ::close(fd);
     return -1;
   }

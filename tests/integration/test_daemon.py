@@ -944,6 +944,15 @@ class BasicCases:
             self.assertEqual(p.returncode, 7, (args, p.stderr))
         self.assertEqual(self.client.leases(), {})
         self.assertEqual(self.client.request("GET", "/healthz").status, 200)
+        # With the socket closed to others again (0600) the kernel refuses the connect: the
+        # same status 7, and a message that says whose socket it is, not "start mepd".
+        os.chmod(self.mepd.socket_path, 0o600)
+        p = subprocess.run([mep_copy, "--socket", self.mepd.socket_path, "status"], stdout=subprocess.PIPE,
+                           stderr=subprocess.PIPE, preexec_fn=as_nobody, cwd="/",
+                           env={"PATH": os.environ.get("PATH", "/usr/bin:/bin")}, timeout=30, check=False)
+        self.assertEqual(p.returncode, 7, p.stderr)
+        self.assertIn(b"the socket belongs to another user", p.stderr)
+        self.assertNotIn(b"start it with", p.stderr)
 
     def test_daemon_restart_readopts_leases(self):
         path = self.new_file("restart.uai")
