@@ -54,6 +54,15 @@ int main(int argc, char** argv) {
     else
       break;
   }
+  if (run < argc && argv[run][0] != '-') {
+    // CLI11 would say "A subcommand is required" for a command it does not know.
+    const std::string_view word = argv[run];
+    const auto known = app.get_subcommands([&](CLI::App* sub) { return sub->get_name() == word; });
+    if (known.empty()) {
+      std::fprintf(stderr, "mep: unknown command '%s'\nRun 'mep --help' for the commands.\n", argv[run]);
+      return mep::exit_code::usage;
+    }
+  }
   if (run < argc && std::string_view(argv[run]) == "run") {
     for (int i = run + 1; i < argc; ++i) {
       if (std::string_view(argv[i]) != "--") continue;

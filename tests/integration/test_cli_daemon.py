@@ -542,6 +542,12 @@ class ErrorClasses(CliTestCase):
             rc, out, err = self.mep(*args)
             self.assertEqual((rc, out), (EXIT_USAGE, ""), args)
             self.assertTrue(err.startswith("mep: "), (args, err))
+        # A command mep does not know is named as such (CLI11 alone said "A subcommand is
+        # required", as if none had been given).
+        for word in ("frobnicate", "help", "clam"):
+            rc, out, err = self.mep(word)
+            self.assertEqual((rc, out), (EXIT_USAGE, ""), word)
+            self.assertIn("mep: unknown command '%s'" % word, err)
         # Bad values the daemon rejects are usage errors too.
         rc, out, err = self.mep("claim", "--ttl", "1", unique(), path)
         self.assertEqual((rc, out), (EXIT_USAGE, ""))
