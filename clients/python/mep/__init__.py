@@ -111,9 +111,11 @@ def events() -> EventStream:
     return default_client().events()
 
 
-def fetch(memory_instance_id: str, path: PathLike) -> FetchResult:
-    """Download a memory's latest stored object into the new file ``path``, bound to its identity."""
-    return default_client().fetch(memory_instance_id, path)
+def fetch(memory_instance_id: str, path: PathLike, *, timeout: Optional[float] = None) -> FetchResult:
+    """Download a memory's latest stored object into the new file ``path``, bound to its
+    identity. ``timeout``: seconds to wait for the answer; None (default): as long as the
+    download takes (see :meth:`Client.fetch`)."""
+    return default_client().fetch(memory_instance_id, path, timeout=timeout)
 
 
 def health() -> Health:

@@ -14,6 +14,7 @@ import json
 import sys
 from typing import List, Optional, Sequence
 
+from ._config import load_config
 from .client import Client
 from .types import LeaseInfo
 from .errors import ConfigError, MepError
@@ -89,7 +90,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         parser.print_usage(sys.stderr)
         return EXIT_USAGE
     try:
-        client = Client(getattr(args, "socket_sub", None) or args.socket)
+        socket_path = getattr(args, "socket_sub", None) or args.socket
+        if socket_path:
+            # As the CLI: the config file is read (and must be valid) even with --socket.
+            load_config()
+        client = Client(socket_path)
         if args.command == "status":
             leases = client.leases()
             if args.json:

@@ -25,6 +25,9 @@ _SEND_FLAGS = getattr(socket, "MSG_NOSIGNAL", 0)
 #: "this mepd does not have it", not "no such lease".
 NEWER_ENDPOINTS = ("/v1/verify", "/v1/sync", "/v1/fetch")
 
+#: Seconds to connect and send a request when the answer itself may take any time.
+DEFAULT_CONNECT_TIMEOUT_S = 30.0
+
 
 def build_request(method: str, target: str, body: Optional[Any] = None) -> bytes:
     """The bytes of one request; ``body`` (if not None) is sent as JSON."""
@@ -206,26 +209,36 @@ def request(
     method: str,
     target: str,
     body: Optional[Any] = None,
-    timeout: float = 30.0,
+    timeout: Optional[float] = 30.0,
+    connect_timeout: Optional[float] = None,
 ) -> Response:
-    """One request/response on a fresh connection, all of it within ``timeout`` seconds.
+    """One request/response on a fresh connection, all of it within ``timeout`` seconds;
+    ``timeout=None`` sets no limit on waiting for the answer (for uploads and downloads,
+    which the daemon answers only once done), while connecting and sending the request
+    stay bounded by ``connect_timeout`` (default: ``timeout``, else 30 s).
     Raises :class:`~mep.DaemonNotRunning`, :class:`~mep.DaemonTimeout` or
     :class:`~mep.ProtocolError`; an HTTP error status is returned, not raised."""
-    deadline = time.monotonic() + timeout
-    s = connect(socket_path, origin, timeout)
+    deadline = None if timeout is None else time.monotonic() + timeout
+    if connect_timeout is None:
+        connect_timeout = timeout if timeout is not None else DEFAULT_CONNECT_TIMEOUT_S
+    s = connect(socket_path, origin, connect_timeout)
     try:
         try:
             s.sendall(build_request(method, target, body), _SEND_FLAGS)
         except (BrokenPipeError, ConnectionResetError):
             pass  # a daemon that refuses the peer answers without reading: read the answer
         except socket.timeout:
-            raise DaemonTimeout("mepd at %s did not take the request within %.0f s" % (socket_path, timeout)) from None
+            raise DaemonTimeout("mepd at %s did not take the request within %.0f s" % (socket_path, connect_timeout)) from None
         parser = ResponseParser()
         while not parser.done:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise DaemonTimeout("mepd at %s did not answer %s %s within %.0f s" % (socket_path, method, target, timeout))
-            s.settimeout(left)
+            if deadline is None:
+                s.settimeout(None)
+            else:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise DaemonTimeout("mepd at %s did not answer %s %s within %g s"
+                                        % (socket_path, method, target, timeout))
+                s.settimeout(left)
             try:
                 data = s.recv(65536)
             except socket.timeout:

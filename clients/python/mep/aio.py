@@ -27,9 +27,9 @@ import types
 import urllib.parse
 from typing import Any, Awaitable, Callable, Dict, List, Optional, Tuple, Type, Union
 
-from . import _config, _http
+from . import _args, _config, _http
 from ._tracker import LossTracker
-from .client import (CLI_TIMEOUT_S, DEFAULT_TIMEOUT_S, PathLike, _abs, _check_bind, _detach_body, _UUID_RE,
+from .client import (CLI_TIMEOUT_S, DEFAULT_TIMEOUT_S, PathLike, _abs, _attach_body, _detach_body, _lineage_query,
                      parse_canonicalize_output)
 from .errors import (
     DaemonTimeout,
@@ -41,7 +41,7 @@ from .errors import (
     StaleFence,
     Unavailable,
 )
-from .lease import _current, LeaseBase, current_lease
+from .lease import _current, LeaseBase, _transfer_timeout, current_lease
 from .types import (
     BranchResult,
     CanonicalName,
@@ -88,6 +88,7 @@ LostCallback = Callable[["AsyncLease"], Union[None, Awaitable[Any]]]
 
 async def _open(socket_path: str, origin: str, timeout: float
                 ) -> Tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+    # Connecting is always bounded, even when the answer may take any time.
     try:
         return await asyncio.wait_for(asyncio.open_unix_connection(socket_path, limit=_STREAM_LIMIT), timeout)
     except asyncio.TimeoutError:
@@ -105,10 +106,14 @@ async def _close(writer: asyncio.StreamWriter) -> None:
 
 
 async def request(socket_path: str, origin: str, method: str, target: str, body: Optional[Any] = None,
-                  timeout: float = DEFAULT_TIMEOUT_S) -> _http.Response:
-    """One request/response on a fresh connection within ``timeout`` seconds (the async
-    twin of :func:`mep._http.request`)."""
-    reader, writer = await _open(socket_path, origin, timeout)
+                  timeout: Optional[float] = DEFAULT_TIMEOUT_S,
+                  connect_timeout: Optional[float] = None) -> _http.Response:
+    """One request/response on a fresh connection within ``timeout`` seconds (None: no
+    limit on the answer; connecting within ``connect_timeout``, default ``timeout`` else
+    30 s) — the async twin of :func:`mep._http.request`."""
+    if connect_timeout is None:
+        connect_timeout = timeout if timeout is not None else _http.DEFAULT_CONNECT_TIMEOUT_S
+    reader, writer = await _open(socket_path, origin, connect_timeout)
     parser = _http.ResponseParser()
 
     async def exchange() -> None:
@@ -130,7 +135,7 @@ async def request(socket_path: str, origin: str, method: str, target: str, body:
     try:
         await asyncio.wait_for(exchange(), timeout)
     except asyncio.TimeoutError:
-        raise DaemonTimeout("mepd at %s did not answer %s %s within %.0f s" % (socket_path, method, target, timeout)) from None
+        raise DaemonTimeout("mepd at %s did not answer %s %s within %g s" % (socket_path, method, target, timeout)) from None
     finally:
         await _close(writer)
     return parser.response()
@@ -320,11 +325,11 @@ class AsyncLease(LeaseBase):
             self._callbacks.append(callback)
 
     def check(self) -> None:
-        """Raise :class:`~mep.LeaseLost` if the lease is lost (or released); consults the
-        local deadline first. No I/O."""
+        """Raise :class:`~mep.LeaseLost` if the lease is lost (or released, or being
+        released); consults the local deadline first. No I/O."""
         self._tracker.tick(time.monotonic())
         self._apply_flags()
-        if self._tracker.lost or self._released:
+        if self._given_up():
             if self._tracker.lost:
                 self._loop.call_soon(self._fire_callbacks)
             raise self._lost_error()
@@ -347,11 +352,13 @@ class AsyncLease(LeaseBase):
         self.check()
         return result
 
-    async def sync(self) -> SyncResult:
+    async def sync(self, *, timeout: Optional[float] = None) -> SyncResult:
         """Upload the memory file under this lease's token (``POST /v1/sync``); raises like
-        :meth:`mep.Lease.sync`."""
+        :meth:`mep.Lease.sync`. ``timeout``: seconds to wait for the answer; None (default):
+        no limit, however long the upload takes (the client's ``timeout`` does not apply)."""
+        limit = _transfer_timeout(timeout)
         self.check()
-        resp = await self._client._request("POST", "/v1/sync", {"name": self.canonical_name})
+        resp = await self._client._request("POST", "/v1/sync", {"name": self.canonical_name}, timeout=limit)
         self._judge_answer(resp, "/v1/sync")
         return SyncResult.from_json(resp.json_object())
 
@@ -360,14 +367,18 @@ class AsyncLease(LeaseBase):
         return await self._client.get_lease(self.canonical_name)
 
     async def release(self) -> None:
-        """Give the lease up (idempotent); see :meth:`mep.Lease.release`."""
+        """Give the lease up (idempotent once it succeeded); see :meth:`mep.Lease.release`:
+        if the daemon cannot be reached the error propagates, the lease stays held by the
+        daemon and calling :meth:`release` again retries."""
         if self._released:
             return
-        self._released = True
+        first = not self._tracker.closing
         self._tracker.closing = True
-        await self._stop_watcher()
-        self._fire_callbacks()
-        await self._detach_if_ours()
+        if first:
+            await self._stop_watcher()
+            self._fire_callbacks()
+        await self._detach_if_ours()  # raises if the daemon cannot be asked: release() again retries
+        self._released = True
 
     async def __aenter__(self) -> "AsyncLease":
         self._cv_tokens.append(_current.set(self))
@@ -640,8 +651,11 @@ class AsyncClient:
 
     async def _request(self, method: str, target: str, body: Optional[Any] = None,
                        timeout: Optional[float] = None) -> _http.Response:
+        """One request; ``timeout`` None is the client's :attr:`timeout`, ``math.inf`` no limit."""
         path, origin = self.resolve_socket()
-        return await request(path, origin, method, target, body, self.timeout if timeout is None else timeout)
+        t = self.timeout if timeout is None else timeout
+        return await request(path, origin, method, target, body, None if t == float("inf") else t,
+                             connect_timeout=self.timeout)
 
     async def _obj(self, method: str, target: str, body: Optional[Any] = None,
                    timeout: Optional[float] = None) -> Dict[str, Any]:
@@ -655,16 +669,11 @@ class AsyncClient:
     async def acquire(self, name: str, path: PathLike, *, ttl: Optional[int] = 30, wait: Optional[float] = None,
                       bind: str = "pid") -> AsyncLease:
         """Attach and return the held :class:`AsyncLease` (see :meth:`mep.Client.acquire`)."""
-        body: Dict[str, Any] = {"name": name, "path": _abs(path), "bind": _check_bind(bind)}
-        if ttl is not None:
-            body["ttl_seconds"] = int(ttl)
-        if wait is not None:
-            if wait < 0:
-                raise ValueError("wait must be >= 0 seconds or None")
-            body["wait_seconds"] = wait
+        body = _attach_body(name, path, ttl, wait, bind)
+        wait = body.get("wait_seconds")
         sock_path, origin = self.resolve_socket()
         conn = await _AsyncEventConnection.open(sock_path, origin, timeout=min(self.timeout, 10.0))
-        lease = AsyncLease(self, conn, float(ttl or 30))
+        lease = AsyncLease(self, conn, float(body.get("ttl_seconds") or 30))
         try:
             sent = time.monotonic()
             resp = await request(sock_path, origin, "POST", "/v1/attach", body, self.timeout + (wait or 0.0))
@@ -684,7 +693,7 @@ class AsyncClient:
     def lease(self, name: str, path: PathLike, ttl: Optional[int] = 30, wait: Optional[float] = None, *,
               bind: str = "pid") -> AsyncLeaseContext:
         """``async with client.lease(...) as lease:``."""
-        _check_bind(bind)
+        _attach_body(name, path, ttl, wait, bind)  # wrong arguments raise here, not on entry
         return AsyncLeaseContext(self, name, path, ttl, wait, bind)
 
     async def detach(self, name: str, lease_id: Optional[str] = None) -> None:
@@ -706,20 +715,22 @@ class AsyncClient:
 
     async def get_lease(self, name: str) -> LeaseInfo:
         """``GET /v1/leases/{name}``."""
-        return LeaseInfo.from_json(await self._obj("GET", "/v1/leases/" + urllib.parse.quote(name, safe="")))
+        return LeaseInfo.from_json(await self._obj("GET", "/v1/leases/" +
+                                                   urllib.parse.quote(_args.text(name, "name"), safe="")))
 
     async def verify(self, name: str) -> VerifyResult:
         """``POST /v1/verify``."""
-        return VerifyResult.from_json(await self._obj("POST", "/v1/verify", {"name": name}))
+        return VerifyResult.from_json(await self._obj("POST", "/v1/verify", {"name": _args.text(name, "name")}))
 
-    async def sync(self, name: str) -> SyncResult:
-        """``POST /v1/sync``."""
-        return SyncResult.from_json(await self._obj("POST", "/v1/sync", {"name": name}))
+    async def sync(self, name: str, *, timeout: Optional[float] = None) -> SyncResult:
+        """``POST /v1/sync``; ``timeout`` as :meth:`mep.Client.sync` (None: no limit)."""
+        body = {"name": _args.text(name, "name")}
+        return SyncResult.from_json(await self._obj("POST", "/v1/sync", body, _transfer_timeout(timeout)))
 
-    async def fetch(self, memory_instance_id: str, path: PathLike) -> FetchResult:
-        """``POST /v1/fetch``."""
-        return FetchResult.from_json(await self._obj("POST", "/v1/fetch", {"memory_instance_id": memory_instance_id,
-                                                                           "path": _abs(path)}))
+    async def fetch(self, memory_instance_id: str, path: PathLike, *, timeout: Optional[float] = None) -> FetchResult:
+        """``POST /v1/fetch``; ``timeout`` as :meth:`mep.Client.fetch` (None: no limit)."""
+        body = {"memory_instance_id": _args.text(memory_instance_id, "memory_instance_id"), "path": _abs(path)}
+        return FetchResult.from_json(await self._obj("POST", "/v1/fetch", body, _transfer_timeout(timeout)))
 
     def events(self) -> AsyncEventStream:
         """The daemon's event stream (``async for`` / ``async with``)."""
@@ -732,7 +743,7 @@ class AsyncClient:
     async def branch(self, path: PathLike, new_path: PathLike) -> BranchResult:
         """``POST /v1/branch``."""
         return BranchResult.from_json(await self._obj("POST", "/v1/branch",
-                                                      {"path": _abs(path), "new_path": _abs(new_path)}))
+                                                      {"path": _abs(path), "new_path": _abs(new_path, "new_path")}))
 
     async def identify(self, path: PathLike) -> MemoryIdentity:
         """``GET /v1/identify``."""
@@ -741,12 +752,7 @@ class AsyncClient:
 
     async def lineage(self, path_or_id: PathLike) -> Lineage:
         """``GET /v1/lineage`` by path or memory id."""
-        s = os.fspath(path_or_id)
-        if _UUID_RE.match(s) and not os.path.exists(s):
-            q = "id=" + urllib.parse.quote(s, safe="")
-        else:
-            q = "path=" + urllib.parse.quote(_abs(s), safe="")
-        return Lineage.from_json(await self._obj("GET", "/v1/lineage?" + q))
+        return Lineage.from_json(await self._obj("GET", "/v1/lineage?" + _lineage_query(path_or_id)))
 
     async def health(self) -> Health:
         """``GET /healthz``."""
@@ -754,6 +760,7 @@ class AsyncClient:
 
     async def canonicalize(self, name: str) -> CanonicalName:
         """Like :meth:`mep.Client.canonicalize`, running the CLI as an asyncio subprocess."""
+        _args.text(name, "name")
         if "\x00" in name:
             i = name.index("\x00")
             raise InvalidName("invalid agent name: disallowed character U+0000 at index %d" % i,
@@ -833,9 +840,9 @@ async def status() -> List[LeaseInfo]:
     return await default_client().status()
 
 
-async def fetch(memory_instance_id: str, path: PathLike) -> FetchResult:
+async def fetch(memory_instance_id: str, path: PathLike, *, timeout: Optional[float] = None) -> FetchResult:
     """See :func:`mep.fetch`."""
-    return await default_client().fetch(memory_instance_id, path)
+    return await default_client().fetch(memory_instance_id, path, timeout=timeout)
 
 
 async def health() -> Health:

@@ -11,9 +11,9 @@ import time
 import urllib.parse
 from typing import Any, Dict, Iterator, List, Optional, Tuple, Union
 
-from . import _config, _http
+from . import _args, _config, _http
 from .errors import InvalidName, MepError, ProtocolError
-from .lease import Lease, LeaseContext
+from .lease import Lease, LeaseContext, _transfer_timeout
 from .types import (
     BranchResult,
     CanonicalName,
@@ -39,26 +39,45 @@ DEFAULT_TIMEOUT_S = 30.0
 CLI_TIMEOUT_S = 20.0
 
 
-def _abs(path: PathLike) -> str:
-    return os.path.abspath(os.fspath(path))
+def _abs(path: PathLike, arg: str = "path") -> str:
+    return _args.path(path, arg)
 
 
 def _check_bind(bind: str) -> str:
-    if bind not in ("pid", "none"):
-        raise ValueError('bind must be "pid" or "none", not %r' % (bind,))
-    return bind
+    return _args.bind(bind)
+
+
+def _attach_body(name: str, path: PathLike, ttl: Optional[int], wait: Optional[float], bind: str) -> Dict[str, Any]:
+    """The body of ``POST /v1/attach``, every argument checked (shared with :mod:`mep.aio`)."""
+    body: Dict[str, Any] = {"name": _args.text(name, "name"), "path": _abs(path), "bind": _check_bind(bind)}
+    t = _args.ttl(ttl)
+    if t is not None:
+        body["ttl_seconds"] = t
+    w = _args.wait(wait)
+    if w is not None:
+        body["wait_seconds"] = w
+    return body
+
+
+def _lineage_query(path_or_id: PathLike) -> str:
+    """The query of ``GET /v1/lineage`` for a path or a memory id (shared with :mod:`mep.aio`)."""
+    s = _args.path_text(path_or_id, "path_or_id")
+    if _UUID_RE.match(s) and not os.path.exists(s):
+        return "id=" + urllib.parse.quote(s, safe="")
+    return "path=" + urllib.parse.quote(_abs(s, "path_or_id"), safe="")
 
 
 def _detach_body(name: str, lease_id: Optional[str]) -> Dict[str, Any]:
     """The body of ``POST /v1/detach`` (shared with :mod:`mep.aio`)."""
-    body: Dict[str, Any] = {"name": name}
+    body: Dict[str, Any] = {"name": _args.text(name, "name")}
     if lease_id is not None:
-        body["lease_id"] = lease_id
+        body["lease_id"] = _args.text(lease_id, "lease_id")
     return body
 
 
 def canonicalize_with_cli(mep_bin: str, name: str, timeout: float = CLI_TIMEOUT_S) -> CanonicalName:
     """Run ``mep canonicalize --json -- NAME`` and read its answer (shared with :mod:`mep.aio`)."""
+    _args.text(name, "name")
     if "\x00" in name:
         i = name.index("\x00")
         raise InvalidName("invalid agent name: disallowed character U+0000 at index %d" % i,
@@ -192,8 +211,12 @@ class Client:
 
     def _request(self, method: str, target: str, body: Optional[Any] = None,
                  timeout: Optional[float] = None) -> _http.Response:
+        """One request; ``timeout`` None is the client's :attr:`timeout`, ``math.inf`` no
+        limit on the answer (connecting and sending still within :attr:`timeout`)."""
         path, origin = self.resolve_socket()
-        return _http.request(path, origin, method, target, body, self.timeout if timeout is None else timeout)
+        t = self.timeout if timeout is None else timeout
+        return _http.request(path, origin, method, target, body, None if t == float("inf") else t,
+                             connect_timeout=self.timeout)
 
     def _call(self, method: str, target: str, body: Optional[Any] = None,
               timeout: Optional[float] = None) -> Any:
@@ -224,16 +247,11 @@ class Client:
         :class:`~mep.InvalidRequest` (no such file: make one with :meth:`init`),
         :class:`~mep.Unavailable`, :class:`~mep.DaemonNotRunning`, ...
         """
-        body: Dict[str, Any] = {"name": name, "path": _abs(path), "bind": _check_bind(bind)}
-        if ttl is not None:
-            body["ttl_seconds"] = int(ttl)
-        if wait is not None:
-            if wait < 0:
-                raise ValueError("wait must be >= 0 seconds or None")
-            body["wait_seconds"] = wait
+        body = _attach_body(name, path, ttl, wait, bind)
+        wait = body.get("wait_seconds")
         sock_path, origin = self.resolve_socket()
         conn = _http.EventConnection.open(sock_path, origin, timeout=min(self.timeout, 10.0))
-        lease = Lease(self, conn, float(ttl or 30))
+        lease = Lease(self, conn, float(body.get("ttl_seconds") or 30))
         try:
             sent = time.monotonic()
             resp = _http.request(sock_path, origin, "POST", "/v1/attach", body, self.timeout + (wait or 0.0))
@@ -254,19 +272,15 @@ class Client:
               bind: str = "pid") -> LeaseContext:
         """A context manager that acquires on entry (see :meth:`acquire`) and releases on
         exit: ``with client.lease("My Agent", "memory.uai") as lease: ...``."""
-        _check_bind(bind)
+        _attach_body(name, path, ttl, wait, bind)  # wrong arguments raise here, not on entry
         return LeaseContext(self, name, path, ttl, wait, bind)
 
     def attach(self, name: str, path: PathLike, *, ttl: Optional[int] = None, wait: Optional[float] = None,
                bind: str = "pid") -> LeaseInfo:
         """The bare ``POST /v1/attach`` (no event stream, no loss tracking): prefer
         :meth:`acquire`. With ``bind="pid"`` the lease is bound to this process."""
-        body: Dict[str, Any] = {"name": name, "path": _abs(path), "bind": _check_bind(bind)}
-        if ttl is not None:
-            body["ttl_seconds"] = int(ttl)
-        if wait is not None:
-            body["wait_seconds"] = wait
-        return LeaseInfo.from_json(self._obj("POST", "/v1/attach", body, self.timeout + (wait or 0.0)))
+        body = _attach_body(name, path, ttl, wait, bind)
+        return LeaseInfo.from_json(self._obj("POST", "/v1/attach", body, self.timeout + body.get("wait_seconds", 0)))
 
     def detach(self, name: str, lease_id: Optional[str] = None) -> None:
         """``POST /v1/detach``: release the daemon's lease on ``name`` (display or canonical
@@ -288,27 +302,33 @@ class Client:
 
     def get_lease(self, name: str) -> LeaseInfo:
         """``GET /v1/leases/{name}``; :class:`~mep.LeaseNotFound` if the daemon holds none."""
-        return LeaseInfo.from_json(self._obj("GET", "/v1/leases/" + urllib.parse.quote(name, safe="")))
+        return LeaseInfo.from_json(self._obj("GET", "/v1/leases/" + urllib.parse.quote(_args.text(name, "name"), safe="")))
 
     def verify(self, name: str) -> VerifyResult:
         """``POST /v1/verify``: the control plane confirms the daemon's lease on ``name`` is
         current; :class:`~mep.StaleFence`, :class:`~mep.LeaseExpired`,
         :class:`~mep.LeaseNotFound`, :class:`~mep.Unavailable` otherwise.
         :meth:`Lease.verify` also marks a lease lost on 409/410."""
-        return VerifyResult.from_json(self._obj("POST", "/v1/verify", {"name": name}))
+        return VerifyResult.from_json(self._obj("POST", "/v1/verify", {"name": _args.text(name, "name")}))
 
-    def sync(self, name: str) -> SyncResult:
+    def sync(self, name: str, *, timeout: Optional[float] = None) -> SyncResult:
         """``POST /v1/sync``: upload the memory file of the lease on ``name`` to the data
-        plane under its token (see :meth:`Lease.sync`)."""
-        return SyncResult.from_json(self._obj("POST", "/v1/sync", {"name": name}))
+        plane under its token (see :meth:`Lease.sync`). ``timeout``: seconds to wait for
+        the daemon's answer; None (default) waits as long as the upload takes."""
+        body = {"name": _args.text(name, "name")}
+        return SyncResult.from_json(self._obj("POST", "/v1/sync", body, _transfer_timeout(timeout)))
 
-    def fetch(self, memory_instance_id: str, path: PathLike) -> FetchResult:
+    def fetch(self, memory_instance_id: str, path: PathLike, *, timeout: Optional[float] = None) -> FetchResult:
         """``POST /v1/fetch``: download the memory's latest stored object into the new file
         ``path`` (it must not exist) and bind that file to the memory's identity — how a
         memory moves to another host. :class:`~mep.MemoryNotFound` if nothing is stored;
-        :class:`~mep.StoreNotConfigured`, :class:`~mep.StoreUnavailable`."""
-        return FetchResult.from_json(self._obj("POST", "/v1/fetch", {"memory_instance_id": memory_instance_id,
-                                                                     "path": _abs(path)}))
+        :class:`~mep.StoreNotConfigured`, :class:`~mep.StoreUnavailable`.
+
+        ``timeout``: seconds to wait for the daemon's answer (:class:`~mep.DaemonTimeout`
+        after that); None (default) sets no limit — the daemon answers only once the
+        download is done, and gives up itself on a transfer that stalls (no progress for 30 s)."""
+        body = {"memory_instance_id": _args.text(memory_instance_id, "memory_instance_id"), "path": _abs(path)}
+        return FetchResult.from_json(self._obj("POST", "/v1/fetch", body, _transfer_timeout(timeout)))
 
     def events(self) -> EventStream:
         """Follow the daemon's event stream (every lease of the daemon: filter on
@@ -326,7 +346,8 @@ class Client:
         """``POST /v1/branch``: copy the held memory at ``path`` to ``new_path`` as a new
         identity whose lineage records the parent and its token. Needs a live lease on
         ``path``'s memory (:class:`~mep.LeaseNotFound` / :class:`~mep.LeaseExpired`)."""
-        return BranchResult.from_json(self._obj("POST", "/v1/branch", {"path": _abs(path), "new_path": _abs(new_path)}))
+        return BranchResult.from_json(self._obj("POST", "/v1/branch", {"path": _abs(path),
+                                                                       "new_path": _abs(new_path, "new_path")}))
 
     def identify(self, path: PathLike) -> MemoryIdentity:
         """``GET /v1/identify``: the identity of the memory file ``path``."""
@@ -335,12 +356,7 @@ class Client:
     def lineage(self, path_or_id: PathLike) -> Lineage:
         """``GET /v1/lineage``: ancestors and children of a memory, given as a file path or
         as a memory id (a UUID that is not the name of an existing file)."""
-        s = os.fspath(path_or_id)
-        if _UUID_RE.match(s) and not os.path.exists(s):
-            q = "id=" + urllib.parse.quote(s, safe="")
-        else:
-            q = "path=" + urllib.parse.quote(_abs(s), safe="")
-        return Lineage.from_json(self._obj("GET", "/v1/lineage?" + q))
+        return Lineage.from_json(self._obj("GET", "/v1/lineage?" + _lineage_query(path_or_id)))
 
     def health(self) -> Health:
         """``GET /healthz``."""
@@ -353,4 +369,5 @@ class Client:
         it runs the offline ``mep canonicalize --json`` CLI (``mep_bin``, ``$MEP_BIN`` or
         ``mep`` on PATH; :class:`~mep.CliNotFound` if there is none) — the same code the
         daemon and the control plane use."""
+        _args.text(name, "name")
         return canonicalize_with_cli(self.mep_bin or _config.find_mep_bin(), name)

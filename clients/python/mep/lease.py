@@ -18,7 +18,7 @@ import types
 import urllib.parse
 from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Type
 
-from . import _http
+from . import _args, _http
 from ._tracker import LossTracker
 from .errors import LeaseLost, LeaseNotFound, MepError, NotFound, StaleFence
 from .types import Event, LeaseInfo, SyncResult, VerifyResult
@@ -39,6 +39,12 @@ _BACKOFF_FIRST_S = 0.05
 _BACKOFF_MAX_S = 2.0
 # Timeouts of the watcher's own requests (reconnect, re-check).
 _WATCH_REQUEST_TIMEOUT_S = 5.0
+
+
+def _transfer_timeout(timeout: Optional[float]) -> float:
+    """The timeout of a sync as the client's ``_request`` takes it (``inf``: no limit)."""
+    t = _args.timeout(timeout)
+    return float("inf") if t is None else t
 
 
 def current_lease() -> "Optional[LeaseBase]":
@@ -123,8 +129,14 @@ class LeaseBase:
 
     @property
     def released(self) -> bool:
-        """Whether this process released the lease (the block ended or :meth:`release` ran)."""
+        """Whether this process released the lease (the block ended or :meth:`release`
+        returned). False after a :meth:`release` that raised: call it again."""
         return self._released
+
+    def _given_up(self) -> bool:
+        """Lost, released, or :meth:`release` was called (even if it failed): the token
+        must not be used any more."""
+        return self._tracker.lost or self._released or self._tracker.closing
 
     def seconds_left(self) -> Optional[float]:
         """Seconds until the SDK's local deadline (how long the lease can be relied on
@@ -135,9 +147,13 @@ class LeaseBase:
         if self._tracker.lost:
             reason = self._tracker.lost_reason or "lost"
             detail = "the lease on %s (token %d) was lost: %s" % (self.canonical_name, self.token, reason)
-        else:
+        elif self._released:
             reason = "closed"
             detail = "the lease on %s (token %d) was released by this process" % (self.canonical_name, self.token)
+        else:
+            reason = "closed"
+            detail = ("the lease on %s (token %d) is being released by this process (a release that failed "
+                      "is retried by calling release() again)" % (self.canonical_name, self.token))
         return LeaseLost(
             detail,
             extensions={"reason": reason, "canonical_name": self.canonical_name,
@@ -148,14 +164,16 @@ class LeaseBase:
         """``{"Fencing-Token": "<token>"}`` for the agent's own writes to a fenced store
         (``mep store`` or any storage that applies the rule of SPEC §8). With ``strict``
         (the default) raises :class:`~mep.LeaseLost` first if the SDK considers the lease
-        lost; the store stays the authority either way (a superseded token gets 409)."""
-        if strict and self._tracker.lost:
+        lost, or once it was released (``reason == "closed"``), as :meth:`check` does;
+        ``strict=False`` returns the header anyway. The store stays the authority either
+        way (a superseded token gets 409)."""
+        if strict and self._given_up():
             raise self._lost_error()
         return {"Fencing-Token": str(self.token)}
 
     def __repr__(self) -> str:
-        state = "released" if self._released else ("lost" if self._tracker.lost else
-                                                   ("at-risk" if self._tracker.at_risk else "held"))
+        state = "released" if self._released else ("lost" if self._tracker.lost else (
+            "releasing" if self._tracker.closing else ("at-risk" if self._tracker.at_risk else "held")))
         return "<%s %s token=%d memory=%s %s>" % (type(self).__name__, self.canonical_name, self.token,
                                                  self.memory_instance_id, state)
 
@@ -227,7 +245,7 @@ class Lease(LeaseBase):
         this answer late. Cheap: no I/O."""
         with self._lock:
             self._tracker.tick(time.monotonic())
-            gone = self._tracker.lost or self._released
+            gone = self._given_up()
         self._apply_flags()
         if gone:
             raise self._lost_error()
@@ -258,15 +276,21 @@ class Lease(LeaseBase):
         self.check()  # the local deadline may have passed while the answer came
         return result
 
-    def sync(self) -> SyncResult:
+    def sync(self, *, timeout: Optional[float] = None) -> SyncResult:
         """Upload the memory file's bytes to the data plane under this lease's token
         (``POST /v1/sync``). Raises :class:`~mep.LeaseLost` first if the lease is lost;
         :class:`~mep.StaleFence` if the store has seen a newer token (the lease is then
         marked lost); :class:`~mep.StoreUnavailable`, :class:`~mep.InsufficientStorage`,
         :class:`~mep.StoreNotConfigured` (mepd without ``--store``), or
-        :class:`~mep.NotSupported` on a mepd that predates the endpoint."""
+        :class:`~mep.NotSupported` on a mepd that predates the endpoint.
+
+        ``timeout``: seconds to wait for the daemon's answer (:class:`~mep.DaemonTimeout`
+        after that). None (the default) sets no limit: the daemon answers only once the
+        upload is done, however long a large file takes, and itself gives up on a transfer
+        that makes no progress for 30 s. The client's ``timeout`` does not apply."""
+        limit = _transfer_timeout(timeout)
         self.check()
-        resp = self._client._request("POST", "/v1/sync", {"name": self.canonical_name})
+        resp = self._client._request("POST", "/v1/sync", {"name": self.canonical_name}, timeout=limit)
         self._judge_answer(resp, "/v1/sync")
         return SyncResult.from_json(resp.json_object())
 
@@ -275,22 +299,32 @@ class Lease(LeaseBase):
         return self._client.get_lease(self.canonical_name)
 
     def release(self) -> None:
-        """Give the lease up (``POST /v1/detach``); idempotent. A lease the daemon already
-        gave up (lost, or released by someone else) is only forgotten. Callbacks of a loss
-        that was not reported yet run before this returns."""
+        """Give the lease up (``POST /v1/detach``); idempotent once it succeeded. A lease
+        the daemon already gave up (lost, or released by someone else) is only forgotten.
+        Callbacks of a loss that was not reported yet run before this returns.
+
+        From the first call on the token is not to be used (:meth:`check` and
+        :meth:`fencing_headers` raise :class:`~mep.LeaseLost`) and the lease is no longer
+        watched. If the daemon cannot be reached (:class:`~mep.DaemonNotRunning`,
+        :class:`~mep.DaemonTimeout`, ...) the error propagates and the lease is *not*
+        released — the daemon keeps it (a restarted mepd re-adopts it) until the process
+        exits: call :meth:`release` again, and once the daemon answers it is released."""
         with self._lock:
             if self._released:
                 return
-            self._released = True
+            first = not self._tracker.closing
             self._tracker.closing = True
-        self._stop.set()
-        self._wake()
-        if threading.current_thread() is not self._thread:
-            self._thread.join(timeout=10)
-        self._close_conn()
-        self._fire_callbacks()
-        self._close_wake()
-        self._detach_if_ours()
+        if first:
+            self._stop.set()
+            self._wake()
+            if threading.current_thread() is not self._thread:
+                self._thread.join(timeout=10)
+            self._close_conn()
+            self._fire_callbacks()
+            self._close_wake()
+        self._detach_if_ours()  # raises if the daemon cannot be asked: release() again retries
+        with self._lock:
+            self._released = True
 
     # ---- context manager ---------------------------------------------------------------
     def __enter__(self) -> "Lease":

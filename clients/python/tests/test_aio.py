@@ -36,6 +36,8 @@ class AioTest(DaemonTestCase):
                     await self.c.acquire("async agent", path)
             self.assertIsNone(mep.current_lease())
             self.assertEqual(await self.c.leases(), [])
+            with self.assertRaises(mep.LeaseLost):
+                lease.fencing_headers()  # released: as check()
             self.assertEqual((await self.c.identify(path)).memory_instance_id, created.memory_instance_id)
             self.assertEqual((await self.c.canonicalize("My Agent")).canonical_name, "myagent")
 
@@ -48,6 +50,37 @@ class AioTest(DaemonTestCase):
             with self.assertRaises(KeyError):
                 async with self.c.lease("raiser", path):
                     raise KeyError("x")
+            self.assertEqual(await self.c.leases(), [])
+
+        self.run_async(main())
+
+    def test_failed_release_is_retried_after_a_daemon_restart(self):
+        async def main():
+            path = os.path.join(self.work, "m.uai")
+            await self.c.init(path)
+            loop = asyncio.get_running_loop()
+            lease = await self.c.acquire("aio stuck", path, ttl=10)
+            await loop.run_in_executor(None, self.d.stop)
+            with self.assertRaises(mep.DaemonNotRunning):
+                await lease.release()
+            self.assertFalse(lease.released)
+            with self.assertRaises(mep.LeaseLost):
+                lease.check()
+            with self.assertRaises(mep.LeaseLost):
+                lease.fencing_headers()
+            await loop.run_in_executor(None, self.d.start)
+            await lease.release()
+            self.assertTrue(lease.released)
+            self.assertEqual(await self.c.leases(), [])
+            async with self.c.lease("aio stuck", path) as again:
+                self.assertGreater(again.token, lease.token)
+            # Leaving an `async with` block normally while the daemon is down raises too,
+            # and the lease can still be released.
+            with self.assertRaises(mep.DaemonNotRunning):
+                async with self.c.lease("aio stuck", path, ttl=10) as blocked:
+                    await loop.run_in_executor(None, self.d.stop)
+            await loop.run_in_executor(None, self.d.start)
+            await blocked.release()
             self.assertEqual(await self.c.leases(), [])
 
         self.run_async(main())

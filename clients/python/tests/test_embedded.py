@@ -44,6 +44,11 @@ class AcquireReleaseTest(DaemonTestCase):
         with self.assertRaises(mep.LeaseLost) as cm:
             lease.check()
         self.assertEqual(cm.exception.reason, "closed")
+        # The token is not handed out any more either, as check() says (strict=False does).
+        with self.assertRaises(mep.LeaseLost) as cm:
+            lease.fencing_headers()
+        self.assertEqual(cm.exception.reason, "closed")
+        self.assertEqual(lease.fencing_headers(strict=False), {"Fencing-Token": str(lease.token)})
         # Claimed again: a larger token.
         with c.lease("My Agent", path) as again:
             self.assertGreater(again.token, lease.token)
@@ -224,6 +229,55 @@ class ProcessBindingTest(DaemonTestCase):
         self.assertTrue(wait_until(lambda: c.leases() == [], 3.0),
                         "the daemon still lists %r after the agent died" % c.leases())
         self.assertLess(time.monotonic() - t0, 3.0)
+
+
+class ReleaseRetryTest(DaemonTestCase):
+    """A release that fails (the daemon is down) raises, and the lease can be released
+    by calling release() again once the daemon is back: it is not leaked for the life of
+    the process."""
+
+    def test_failed_release_is_retried_after_a_daemon_restart(self):
+        d = self.start_mepd()
+        c = d.client(timeout=5)
+        path = self.new_memory(c)
+        lease = c.acquire("stuck", path, ttl=10)
+        d.stop()  # SIGTERM: the daemon keeps the lease and re-adopts it on restart
+        with self.assertRaises(mep.DaemonNotRunning):
+            lease.release()
+        self.assertFalse(lease.released)
+        with self.assertRaises(mep.LeaseLost) as cm:
+            lease.check()  # the holder gave it up: the token is not to be used
+        self.assertEqual(cm.exception.reason, "closed")
+        with self.assertRaises(mep.LeaseLost):
+            lease.fencing_headers()
+        with self.assertRaises(mep.DaemonNotRunning):
+            lease.release()  # still down: raises again
+        d.start()
+        self.assertEqual([(l.lease_id, l.state) for l in c.leases()], [(lease.lease_id, "held")],
+                         "the restarted daemon re-adopted the lease")
+        lease.release()
+        self.assertTrue(lease.released)
+        self.assertFalse(lease.lost.is_set())
+        self.assertEqual(c.leases(), [])
+        with c.lease("stuck", path) as again:  # another agent gets the name at once
+            self.assertGreater(again.token, lease.token)
+        lease.release()  # idempotent once released
+
+    def test_leaving_the_block_while_the_daemon_is_down(self):
+        d = self.start_mepd()
+        c = d.client(timeout=5)
+        path = self.new_memory(c)
+        with self.assertRaises(mep.DaemonNotRunning):
+            with c.lease("stuck block", path, ttl=10) as lease:
+                d.stop()
+        self.assertFalse(lease.released)
+        self.assertIsNone(mep.current_lease())
+        d.start()
+        lease.release()
+        self.assertTrue(lease.released)
+        self.assertEqual(c.leases(), [])
+        with c.lease("stuck block", path):
+            pass
 
 
 class DetachTest(DaemonTestCase):

@@ -1,12 +1,17 @@
 """The token carried into writes, against a real data plane (``mep store``): sync, fetch
 on a second daemon, and a stale token refused. Skipped (with the reason printed) while
 ``$MEP_BIN`` has no ``mep store``."""
+import asyncio
 import os
+import signal
+import threading
+import time
 import unittest
 
 from .harness import DaemonTestCase, require_store
 
 import mep
+import mep.aio
 
 
 class StoreTest(DaemonTestCase):
@@ -43,7 +48,9 @@ class StoreTest(DaemonTestCase):
             self.assertGreater(new.token, old.token)
             # The zombie's token: the daemon advanced the store's mark before handing out
             # the new one, so the old token is refused.
-            status, body = store.put(old.memory_instance_id, b"zombie write", old.fencing_headers())
+            with self.assertRaises(mep.LeaseLost):
+                old.fencing_headers()  # released: the SDK refuses to hand out the token
+            status, body = store.put(old.memory_instance_id, b"zombie write", old.fencing_headers(strict=False))
             self.assertEqual(status, 409, body)
             self.assertIn(b"stale-fence", body)
             status, body = store.put(new.memory_instance_id, b"fresh write", new.fencing_headers())
@@ -53,6 +60,68 @@ class StoreTest(DaemonTestCase):
             self.assertEqual(new.sync().fencing_token, new.token)
         with self.assertRaises(mep.MemoryNotFound):
             c2.fetch("01a23331-0cc3-7298-afd1-580522a5ec00", os.path.join(self.work, "nothing.uai"))
+
+    def test_sync_and_fetch_are_not_cut_by_the_request_timeout(self):
+        # mepd answers a sync or a fetch only once the transfer is done, so a large file
+        # keeps the socket silent for as long as it takes: the client's per-request timeout
+        # (1 s here) must not cut it. The store is paused (SIGSTOP) for 3 s meanwhile.
+        store = self.start_store()
+        _, d = self.start_remote(store=store)
+        c = d.client()
+        path = self.new_memory(c)
+        with open(path, "wb") as f:
+            f.write(b"a large memory " * 10000)
+
+        def paused(fn, seconds=3.0):
+            store.proc.signal(signal.SIGSTOP)
+            timer = threading.Timer(seconds, store.proc.signal, (signal.SIGCONT,))
+            timer.start()
+            try:
+                t0 = time.monotonic()
+                return fn(), time.monotonic() - t0
+            finally:
+                timer.cancel()
+                timer.join()
+                store.proc.signal(signal.SIGCONT)
+
+        with c.lease("slow store", path, ttl=30) as lease:
+            c.timeout = 1.0
+            try:
+                try:
+                    result, took = paused(lease.sync)
+                except mep.NotSupported as e:
+                    self.skipTest("this mepd has no POST /v1/sync yet: %s" % e)
+                self.assertGreater(took, 2.5)
+                self.assertEqual((result.fencing_token, result.size), (lease.token, os.path.getsize(path)))
+                # An explicit timeout still bounds it.
+                with self.assertRaises(mep.DaemonTimeout):
+                    paused(lambda: lease.sync(timeout=0.5))
+                with self.assertRaises(ValueError):
+                    lease.sync(timeout=0)
+            finally:
+                c.timeout = 20.0
+        c.timeout = 1.0
+        fetched, took = paused(lambda: c.fetch(lease.memory_instance_id, os.path.join(self.work, "copy.uai")))
+        self.assertGreater(took, 2.5)
+        self.assertEqual(fetched.size, os.path.getsize(path))
+
+        async def aio():
+            ac = mep.aio.AsyncClient(d.socket_path, timeout=20)
+            async with ac.lease("slow store", path, ttl=30) as alease:
+                ac.timeout = 1.0
+                loop = asyncio.get_running_loop()
+                store.proc.signal(signal.SIGSTOP)
+                loop.call_later(3.0, store.proc.signal, signal.SIGCONT)
+                try:
+                    t0 = time.monotonic()
+                    r = await alease.sync()
+                    self.assertGreater(time.monotonic() - t0, 2.5)
+                    self.assertEqual(r.fencing_token, alease.token)
+                finally:
+                    store.proc.signal(signal.SIGCONT)
+                    ac.timeout = 20.0
+
+        asyncio.run(asyncio.wait_for(aio(), 60))
 
     def test_sync_without_a_store(self):
         d = self.start_mepd()

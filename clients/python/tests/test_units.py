@@ -10,7 +10,8 @@ import unittest
 from . import SOURCE_ROOT  # puts the source tree on sys.path
 
 import mep
-from mep import _config, _http
+import mep.aio
+from mep import _args, _config, _http
 from mep._tracker import LossTracker, margin_seconds
 from mep.types import Event, LeaseInfo
 
@@ -106,7 +107,7 @@ class SocketDiscoveryTest(unittest.TestCase):
         cfg = os.path.join(self.home, ".config", "mep")
         os.makedirs(cfg)
         with open(os.path.join(cfg, "config.toml"), "w") as f:
-            f.write('# comment\nsocket = "/from/config.sock"  # trailing\n[table]\nsocket = "no"\n')
+            f.write('# comment\nsocket = "/from/config.sock"  # trailing\nlog_level = "info"\n')
         self.assertEqual(_config.find_socket(env), ("/from/config.sock", "config file " + os.path.join(cfg, "config.toml")))
         env["XDG_CONFIG_HOME"] = os.path.join(self.home, "elsewhere")
         self.assertEqual(_config.find_socket(env)[0], "/xdg/run/mep/mepd.sock")
@@ -122,20 +123,133 @@ class SocketDiscoveryTest(unittest.TestCase):
         with self.assertRaises(mep.ConfigError):
             _config.find_socket({"HOME": self.home, "MEP_CONFIG": os.path.join(self.home, "nope.toml")})
         bad = os.path.join(self.home, "bad.toml")
-        with open(bad, "w") as f:
-            f.write("socket = 5\n")
-        with self.assertRaises(mep.ConfigError):
-            _config.find_socket({"HOME": self.home, "MEP_CONFIG": bad})
-
-
-    def test_fallback_reader_without_tomllib(self):
-        for use in (True, False):
-            text = '# c\nsocket = "/a \\"b\\".sock" # x\nother = 1\n[t]\nsocket = "/no"\n'
-            self.assertEqual(_config.socket_from_toml(text, "f", use_tomllib=use), '/a "b".sock')
-            self.assertEqual(_config.socket_from_toml("socket = '/lit'\n", "f", use_tomllib=use), "/lit")
-            self.assertIsNone(_config.socket_from_toml("x = 1\n", "f", use_tomllib=use))
+        for text in ("socket = 1.5\n", "socket = \n", "[table]\n", "socket = 'x'\nsocket = 'y'\n"):
+            with open(bad, "w") as f:
+                f.write(text)
             with self.assertRaises(mep.ConfigError):
-                _config.socket_from_toml("socket = 5\n", "f", use_tomllib=use)
+                _config.find_socket({"HOME": self.home, "MEP_CONFIG": bad})
+        with self.assertRaises(mep.ConfigError):  # not a regular file
+            _config.find_socket({"HOME": self.home, "MEP_CONFIG": self.home})
+
+    def test_the_config_file_is_checked_even_with_mep_socket(self):
+        # As the CLI: $MEP_SOCKET wins over the file's socket, but a config file that is
+        # missing ($MEP_CONFIG) or cannot be parsed is an error all the same (mep exits 2).
+        env = {"HOME": self.home, "MEP_SOCKET": "/env.sock"}
+        with self.assertRaises(mep.ConfigError):
+            _config.find_socket(dict(env, MEP_CONFIG="/nonexistent.toml"))
+        bad = os.path.join(self.home, "bad.toml")
+        with open(bad, "w") as f:
+            f.write("socket = \n")
+        with self.assertRaises(mep.ConfigError):
+            _config.find_socket(dict(env, MEP_CONFIG=bad))
+        cfg = os.path.join(self.home, ".config", "mep")
+        os.makedirs(cfg)
+        with open(os.path.join(cfg, "config.toml"), "w") as f:
+            f.write("[table]\n")
+        with self.assertRaises(mep.ConfigError):
+            _config.find_socket(env)  # the default file, when it exists, must be valid too
+        with open(os.path.join(cfg, "config.toml"), "w") as f:
+            f.write("socket = '/file.sock'\n")
+        self.assertEqual(_config.find_socket(env), ("/env.sock", "$MEP_SOCKET"))
+
+    def test_values_as_the_cli_reads_them(self):
+        text = '# c\nsocket = "/a \\"b\\".sock" # x\nother = 1\n'
+        self.assertEqual(_config.socket_from_toml(text, "f"), '/a "b".sock')
+        self.assertEqual(_config.socket_from_toml("socket = '/lit'\n", "f"), "/lit")
+        self.assertIsNone(_config.socket_from_toml("x = 1\n", "f"))
+        # An integer or a boolean is taken as its text, as the CLI does.
+        self.assertEqual(_config.socket_from_toml("socket = 5\n", "f"), "5")
+        self.assertEqual(_config.parse_config(b"a = true\nb = 0x10\n", "f"), {"a": "true", "b": "16"})
+
+
+class PathArgumentTest(unittest.TestCase):
+    def test_a_relative_path_is_made_absolute_but_not_normalized(self):
+        # ".." after a symbolic link is the link target's parent for the kernel: the path
+        # goes to mepd as given (after the working directory), which resolves it so.
+        self.assertEqual(_args.path(os.path.join("L", "..", "t.uai")),
+                         os.path.join(os.getcwd(), "L", "..", "t.uai"))
+        self.assertEqual(_args.path("/a/L/../t.uai"), "/a/L/../t.uai")
+
+
+class ArgumentsTest(unittest.TestCase):
+    """Wrong arguments are a TypeError or ValueError naming the argument, raised before any
+    I/O (the client's socket does not exist: anything sent would be DaemonNotRunning)."""
+
+    def setUp(self):
+        self.tmp = tempfile.TemporaryDirectory()
+        self.addCleanup(self.tmp.cleanup)
+        self.c = mep.Client(os.path.join(self.tmp.name, "no.sock"), mep_bin=os.path.join(self.tmp.name, "no-mep"))
+        self.ac = mep.aio.AsyncClient(os.path.join(self.tmp.name, "no.sock"), mep_bin=os.path.join(self.tmp.name, "no-mep"))
+        self.path = os.path.join(self.tmp.name, "m.uai")
+
+    def check(self, exc, arg, fn, *args, **kw):
+        with self.assertRaises(exc) as cm:
+            fn(*args, **kw)
+        self.assertIn(arg, str(cm.exception))
+        return cm.exception
+
+    def acheck(self, exc, arg, coro_fn, *args, **kw):
+        import asyncio
+
+        async def run():
+            return await coro_fn(*args, **kw)
+
+        self.check(exc, arg, lambda: asyncio.run(run()))
+
+    def test_names(self):
+        c = self.c
+        e = self.check(ValueError, "name", c.acquire, "a\udc80", self.path)
+        self.assertIn("U+DC80", str(e))
+        self.check(TypeError, "name", c.acquire, None, self.path)
+        self.check(TypeError, "name", c.acquire, b"agent", self.path)
+        self.check(ValueError, "name", c.lease, "a\udc80", self.path)
+        self.check(ValueError, "name", c.attach, "a\ud800b", self.path)
+        self.check(ValueError, "name", c.get_lease, "a\udc80")
+        self.check(TypeError, "name", c.detach, 7)
+        self.check(TypeError, "lease_id", c.detach, "agent", 7)
+        self.check(TypeError, "name", c.verify, None)
+        self.check(ValueError, "name", c.sync, "a\udc80")
+        self.check(TypeError, "name", c.canonicalize, None)
+        self.check(TypeError, "name", mep.canonicalize, None)
+        self.check(ValueError, "name", c.canonicalize, "a\udc80")
+        self.acheck(ValueError, "name", self.ac.acquire, "a\udc80", self.path)
+        self.acheck(TypeError, "name", self.ac.canonicalize, None)
+        self.check(ValueError, "name", self.ac.lease, "a\udc80", self.path)
+
+    def test_paths(self):
+        c = self.c
+        e = self.check(TypeError, "path", c.init, b"/tmp/m.uai")
+        self.assertIn("bytes", str(e))
+        self.check(ValueError, "path", c.init, "/tmp/a\udc80.uai")
+        self.check(ValueError, "path", c.init, "/tmp/a\x00.uai")
+        self.check(ValueError, "path", c.init, "")
+        self.check(TypeError, "path", c.init, None)
+        self.check(TypeError, "path", c.acquire, "agent", b"/tmp/m.uai")
+        self.check(ValueError, "path", c.identify, "/tmp/a\udc80")
+        self.check(TypeError, "new_path", c.branch, self.path, b"/tmp/n.uai")
+        self.check(TypeError, "path_or_id", c.lineage, None)
+        self.check(TypeError, "memory_instance_id", c.fetch, None, self.path)
+        self.check(TypeError, "path", c.fetch, "01a23331-0cc3-7298-afd1-580522a5ec00", b"/tmp/x.uai")
+        self.acheck(TypeError, "path", self.ac.init, b"/tmp/m.uai")
+        self.acheck(ValueError, "path", self.ac.identify, "/tmp/a\udc80")
+
+    def test_numbers(self):
+        c = self.c
+        e = self.check(TypeError, "wait", c.acquire, "agent", self.path, wait="x")
+        self.assertIn("str", str(e))
+        for bad in (-1, float("nan"), float("inf"), 2 ** 31):
+            self.check(ValueError, "wait", c.acquire, "agent", self.path, wait=bad)
+        self.check(TypeError, "wait", c.lease, "agent", self.path, wait=True)
+        self.check(TypeError, "ttl", c.acquire, "agent", self.path, ttl="30")
+        self.check(ValueError, "ttl", c.acquire, "agent", self.path, ttl=30.5)
+        self.check(ValueError, "ttl", c.attach, "agent", self.path, ttl=float("nan"))
+        self.check(ValueError, "bind", c.acquire, "agent", self.path, bind="thread")
+        self.check(TypeError, "timeout", c.sync, "agent", timeout="1")
+        self.check(ValueError, "timeout", c.fetch, "01a23331-0cc3-7298-afd1-580522a5ec00", self.path, timeout=-1)
+        self.acheck(TypeError, "wait", self.ac.acquire, "agent", self.path, wait="x")
+        # Good arguments get as far as the (missing) daemon.
+        with self.assertRaises(mep.DaemonNotRunning):
+            c.acquire("agent", self.path, ttl=30.0, wait=1.5)
 
 
 class FramingTest(unittest.TestCase):

@@ -1,7 +1,7 @@
 // The Client: one mepd socket, typed calls for every endpoint of the socket API.
 import "./polyfill.js";
 import { existsSync } from "node:fs";
-import { resolve as resolvePath } from "node:path";
+import { checkBind, checkOptions, checkPath, checkText, checkTimeoutMs, checkTtl, checkWait } from "./args.js";
 import { errorFrom, expectJson, openNdjson, rawRequest, type OpenStream } from "./http.js";
 import type { JsonValue } from "./json.js";
 import { Lease, currentLease, type LeaseOptions } from "./lease.js";
@@ -33,7 +33,11 @@ import {
 export interface ClientOptions {
   /** The mepd socket; found like the CLI finds it when omitted (see {@link resolveSocketPath}). */
   socketPath?: string;
-  /** How long one request may take, in ms (default 30000). An attach with `wait` gets the wait on top. */
+  /**
+   * How long one request may take, in ms (default 30000; 0: no limit). An attach with `wait`
+   * gets the wait on top. Not applied to {@link Client.sync} and {@link Client.fetch}, whose
+   * answers come only once the transfer is done (see {@link TransferOptions}).
+   */
   timeoutMs?: number;
   /** The environment to find the socket in (default `process.env`). */
   env?: Record<string, string | undefined>;
@@ -55,6 +59,17 @@ export interface EventsOptions {
   ref?: boolean;
 }
 
+/** Options of {@link Client.sync}, {@link Lease.sync} and {@link Client.fetch}. */
+export interface TransferOptions {
+  /**
+   * Give up (with {@link Unavailable}) when mepd has not answered within this many ms. By
+   * default there is no limit: mepd answers only once the upload or download is done, however
+   * long a large file takes (it gives up by itself on a transfer that makes no progress for 30 s).
+   * The client's `timeoutMs` does not apply.
+   */
+  timeoutMs?: number;
+}
+
 /** A lineage query: a memory file's path or a memory id. */
 export type LineageQuery = string | { path: string } | { id: string };
 
@@ -73,12 +88,18 @@ export class Client {
   /** Per-request timeout in ms. */
   readonly timeoutMs: number;
 
-  /** @throws Error when the config file named by `$MEP_CONFIG` cannot be read. */
+  /**
+   * @throws ConfigError when no `socketPath` is given and the config file cannot be used (the
+   * files the `mep` CLI refuses: see {@link resolveSocketPath}); TypeError for a wrong option.
+   */
   constructor(options: ClientOptions = {}) {
+    checkOptions(options);
+    if (options.socketPath !== undefined) checkText(options.socketPath, "socketPath");
+    const timeoutMs = checkTimeoutMs(options.timeoutMs);
     const r = resolveSocketPath(options.socketPath, options.env ?? process.env);
     this.socketPath = r.path;
     this.socketSource = r.source;
-    this.timeoutMs = options.timeoutMs ?? 30000;
+    this.timeoutMs = timeoutMs ?? 30000;
   }
 
   /**
@@ -105,7 +126,8 @@ export class Client {
    * @param path the `.uai` memory file (relative to the current directory); must exist — create it with {@link init}
    * @throws NameHeld, NameConfusable, MemoryAttached (423, with `retryAfter`), InvalidName (422, `reason`), InvalidTtl, InvalidRequest, Unavailable, DaemonNotRunning
    */
-  lease(name: string, path: string, options: LeaseOptions = {}): Promise<Lease> {
+  async lease(name: string, path: string, options: LeaseOptions = {}): Promise<Lease> {
+    attachBody(name, path, options); // wrong arguments reject here, before the event stream opens
     return Lease.acquire(this, name, path, options);
   }
 
@@ -114,6 +136,7 @@ export class Client {
    * rethrown, never replaced by a release failure). Inside, {@link currentLease} is the lease.
    */
   async withLease<R>(name: string, path: string, fn: (lease: Lease) => R | Promise<R>, options: LeaseOptions = {}): Promise<R> {
+    if (typeof fn !== "function") throw new TypeError(`fn must be a function, not ${fn === null ? "null" : typeof fn}`);
     const lease = await this.lease(name, path, options);
     let result: R;
     try {
@@ -138,11 +161,10 @@ export class Client {
    * is made absolute here.
    */
   async attach(name: string, path: string, options: LeaseOptions = {}): Promise<LeaseInfo> {
-    const body: Record<string, unknown> = { name, path: resolvePath(path), bind: options.bind ?? "pid" };
-    if (options.ttl !== undefined) body["ttl_seconds"] = options.ttl;
-    if (options.wait !== undefined) body["wait_seconds"] = options.wait;
-    const extra = options.wait !== undefined && options.wait > 0 ? Math.ceil(options.wait * 1000) : 0;
-    const r = await this.#call("POST", "/v1/attach", body, 201, this.timeoutMs + extra);
+    const body = attachBody(name, path, options);
+    const wait = body["wait_seconds"] as number | undefined;
+    const extra = wait !== undefined && wait > 0 ? Math.ceil(wait * 1000) : 0;
+    const r = await this.#call("POST", "/v1/attach", body, 201, this.timeoutMs > 0 ? this.timeoutMs + extra : 0);
     return parseLeaseInfo(r.json);
   }
 
@@ -152,7 +174,8 @@ export class Client {
    * @throws LeaseNotFound
    */
   async detach(name: string, leaseId?: string): Promise<void> {
-    const body = leaseId === undefined ? { name } : { name, lease_id: leaseId };
+    checkText(name, "name");
+    const body = leaseId === undefined ? { name } : { name, lease_id: checkText(leaseId, "leaseId") };
     await this.#call("POST", "/v1/detach", body, [200, 204]);
   }
 
@@ -165,7 +188,7 @@ export class Client {
 
   /** One lease by canonical name (`GET /v1/leases/{name}`). @throws LeaseNotFound */
   async getLease(canonicalName: string): Promise<LeaseInfo> {
-    const r = await this.#call("GET", "/v1/leases/" + encodeURIComponent(canonicalName), undefined, 200);
+    const r = await this.#call("GET", "/v1/leases/" + encodeURIComponent(checkText(canonicalName, "canonicalName")), undefined, 200);
     return parseLeaseInfo(r.json);
   }
 
@@ -174,25 +197,31 @@ export class Client {
    * `name` still has the current token. @throws StaleFence (409), LeaseExpired (410), LeaseNotFound, Unavailable
    */
   async verify(name: string): Promise<VerifyResult> {
-    const r = await this.#call("POST", "/v1/verify", { name }, 200);
+    const r = await this.#call("POST", "/v1/verify", { name: checkText(name, "name") }, 200);
     return parseVerify(r.json);
   }
 
   /**
    * Uploads the memory file of the lease on `name` to the data plane under its token
-   * (`POST /v1/sync`). @throws StaleFence, LeaseExpired, LeaseNotFound, StoreNotConfigured, StoreUnavailable, InsufficientStorage
+   * (`POST /v1/sync`). No time limit unless `options.timeoutMs` (see {@link TransferOptions}).
+   * @throws StaleFence, LeaseExpired, LeaseNotFound, StoreNotConfigured, StoreUnavailable, InsufficientStorage
    */
-  async sync(name: string): Promise<SyncResult> {
-    const r = await this.#call("POST", "/v1/sync", { name }, 200);
+  async sync(name: string, options: TransferOptions = {}): Promise<SyncResult> {
+    const timeoutMs = checkTimeoutMs(checkOptions(options).timeoutMs) ?? 0;
+    const r = await this.#call("POST", "/v1/sync", { name: checkText(name, "name") }, 200, timeoutMs);
     return parseSync(r.json);
   }
 
   /**
    * Downloads the latest stored object of a memory into the NEW file `path`, bound to that
-   * memory's identity (`POST /v1/fetch`). @throws MemoryNotFound, InvalidRequest (file exists), StoreNotConfigured, StoreUnavailable
+   * memory's identity (`POST /v1/fetch`). No time limit unless `options.timeoutMs` (see
+   * {@link TransferOptions}).
+   * @throws MemoryNotFound, InvalidRequest (file exists), StoreNotConfigured, StoreUnavailable
    */
-  async fetch(memoryInstanceId: string, path: string): Promise<FetchResult> {
-    const r = await this.#call("POST", "/v1/fetch", { memory_instance_id: memoryInstanceId, path: resolvePath(path) }, [200, 201]);
+  async fetch(memoryInstanceId: string, path: string, options: TransferOptions = {}): Promise<FetchResult> {
+    const timeoutMs = checkTimeoutMs(checkOptions(options).timeoutMs) ?? 0;
+    const body = { memory_instance_id: checkText(memoryInstanceId, "memoryInstanceId"), path: checkPath(path) };
+    const r = await this.#call("POST", "/v1/fetch", body, [200, 201], timeoutMs);
     return parseFetch(r.json);
   }
 
@@ -200,7 +229,7 @@ export class Client {
 
   /** Creates a new, empty memory file with a fresh identity (`POST /v1/init`). @throws InvalidRequest when it exists */
   async init(path: string): Promise<MemoryIdentity> {
-    const r = await this.#call("POST", "/v1/init", { path: resolvePath(path) }, [200, 201]);
+    const r = await this.#call("POST", "/v1/init", { path: checkPath(path) }, [200, 201]);
     return parseIdentity(r.json);
   }
 
@@ -209,13 +238,13 @@ export class Client {
    * (`POST /v1/branch`; needs a live lease on `path`'s memory). @throws LeaseNotFound
    */
   async branch(path: string, newPath: string): Promise<BranchResult> {
-    const r = await this.#call("POST", "/v1/branch", { path: resolvePath(path), new_path: resolvePath(newPath) }, [200, 201]);
+    const r = await this.#call("POST", "/v1/branch", { path: checkPath(path), new_path: checkPath(newPath, "newPath") }, [200, 201]);
     return parseBranch(r.json);
   }
 
   /** The identity of a memory file (`GET /v1/identify`). @throws InvalidRequest when there is no such file */
   async identify(path: string): Promise<MemoryIdentity> {
-    const q = "?path=" + encodeURIComponent(resolvePath(path));
+    const q = "?path=" + encodeURIComponent(checkPath(path));
     const r = await this.#call("GET", "/v1/identify" + q, undefined, 200);
     return parseIdentity(r.json);
   }
@@ -228,9 +257,11 @@ export class Client {
   async lineage(query: LineageQuery): Promise<Lineage> {
     let q: string;
     if (typeof query === "string") {
-      q = UUID.test(query) && !existsSync(query) ? "?id=" + encodeURIComponent(query) : "?path=" + encodeURIComponent(resolvePath(query));
-    } else if ("id" in query) q = "?id=" + encodeURIComponent(query.id);
-    else q = "?path=" + encodeURIComponent(resolvePath(query.path));
+      checkPath(query, "query");
+      q = UUID.test(query) && !existsSync(query) ? "?id=" + encodeURIComponent(query) : "?path=" + encodeURIComponent(checkPath(query, "query"));
+    } else if (query !== null && typeof query === "object" && "id" in query) q = "?id=" + encodeURIComponent(checkText(query.id, "query.id"));
+    else if (query !== null && typeof query === "object" && "path" in query) q = "?path=" + encodeURIComponent(checkPath(query.path, "query.path"));
+    else throw new TypeError("query must be a path, a memory id, {path} or {id}");
     const r = await this.#call("GET", "/v1/lineage" + q, undefined, 200);
     return parseLineage(r.json);
   }
@@ -311,6 +342,17 @@ export class Client {
     };
     return it;
   }
+}
+
+/** The body of `POST /v1/attach`, every argument checked. */
+function attachBody(name: string, path: string, options: LeaseOptions): Record<string, unknown> {
+  const o = checkOptions(options);
+  const body: Record<string, unknown> = { name: checkText(name, "name"), path: checkPath(path), bind: checkBind(o.bind) ?? "pid" };
+  const ttl = checkTtl(o.ttl);
+  if (ttl !== undefined) body["ttl_seconds"] = ttl;
+  const wait = checkWait(o.wait);
+  if (wait !== undefined) body["wait_seconds"] = wait;
+  return body;
 }
 
 export { currentLease };

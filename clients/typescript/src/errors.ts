@@ -1,4 +1,4 @@
-// Errors: one class per RFC 9457 problem code of mepd, plus DaemonNotRunning and LeaseLost.
+// Errors: one class per RFC 9457 problem code of mepd, plus DaemonNotRunning, LeaseLost and ConfigError.
 
 /** Every problem `code` mepd (and the control plane behind it) answers with, and its HTTP status. */
 export const PROBLEM_CODES = {
@@ -212,6 +212,21 @@ export class DaemonNotRunning extends Unavailable {
       cause,
     });
     this.socketPath = socketPath;
+  }
+}
+
+/**
+ * The mep config file cannot be used: `$MEP_CONFIG` names a file that does not exist, the
+ * file is not a regular file or cannot be read, is not TOML, or has a top-level value that is
+ * not a string, an integer or a boolean — the files the `mep` CLI refuses too (it exits 2).
+ * Code `config-error` (this library's own), status 0.
+ */
+export class ConfigError extends MepError {
+  /** The config file. */
+  readonly file: string;
+  constructor(file: string, detail: string) {
+    super({ code: "config-error", status: 0, title: "Configuration error", detail });
+    this.file = file;
   }
 }
 

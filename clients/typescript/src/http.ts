@@ -13,6 +13,7 @@ export interface RawResponse {
 
 /** Options of one request. @internal */
 export interface RequestOptions {
+  /** Give up when mepd sends nothing for this long; 0 (or Infinity): never. */
   timeoutMs: number;
   signal?: AbortSignal | undefined;
 }
@@ -81,7 +82,10 @@ export function rawRequest(
         done(() => resolve({ status: res.statusCode ?? 0, headers: res.headers, text, json }));
       });
     });
-    req.setTimeout(opts.timeoutMs, () =>
+    // An idle timeout (no byte from mepd for that long); 0: none, for answers that come only
+    // once a long transfer is done (sync, fetch).
+    if (opts.timeoutMs > 0 && Number.isFinite(opts.timeoutMs))
+      req.setTimeout(opts.timeoutMs, () =>
       req.destroy(
         new Unavailable({
           code: "unavailable",

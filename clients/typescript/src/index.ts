@@ -11,16 +11,17 @@
  *
  * The module-level functions use a {@link Client} on the socket the `mep` CLI would use
  * (`$MEP_SOCKET`, the config file, `$XDG_RUNTIME_DIR/mep/mepd.sock`, `/run/mep/mepd.sock`),
- * found anew on each call.
+ * found anew on each call (a config file the CLI refuses makes them reject with
+ * {@link ConfigError}; wrong arguments with a TypeError or RangeError naming them).
  *
  * @packageDocumentation
  */
 import "./polyfill.js";
-import { Client, type DaemonEventStream, type EventsOptions, type LineageQuery } from "./client.js";
+import { Client, type DaemonEventStream, type EventsOptions, type LineageQuery, type TransferOptions } from "./client.js";
 import type { Lease, LeaseOptions } from "./lease.js";
 import type { BranchResult, DaemonStatus, FetchResult, Lineage, MemoryIdentity } from "./types.js";
 
-export { Client, type ClientOptions, type DaemonEventStream, type EventsOptions, type LineageQuery } from "./client.js";
+export { Client, type ClientOptions, type DaemonEventStream, type EventsOptions, type LineageQuery, type TransferOptions } from "./client.js";
 export {
   Lease,
   currentLease,
@@ -30,7 +31,7 @@ export {
   type LeaseState,
   type RenewedInfo,
 } from "./lease.js";
-export { resolveSocketPath, type SocketResolution } from "./socket.js";
+export { loadConfig, parseConfig, resolveSocketPath, type ConfigFile, type SocketResolution } from "./socket.js";
 export { parseJson, type JsonValue } from "./json.js";
 export type {
   BranchResult,
@@ -54,7 +55,7 @@ export * from "./errors.js";
  * Use `await using lease = await lease(...)`, or call `lease.release()`.
  * See {@link Client.lease}.
  */
-export function lease(name: string, path: string, options?: LeaseOptions): Promise<Lease> {
+export async function lease(name: string, path: string, options?: LeaseOptions): Promise<Lease> {
   return new Client().lease(name, path, options);
 }
 
@@ -63,32 +64,32 @@ export function lease(name: string, path: string, options?: LeaseOptions): Promi
  * (that error is rethrown, never masked). {@link currentLease} is the lease inside `fn`.
  * See {@link Client.withLease}.
  */
-export function withLease<R>(name: string, path: string, fn: (lease: Lease) => R | Promise<R>, options?: LeaseOptions): Promise<R> {
+export async function withLease<R>(name: string, path: string, fn: (lease: Lease) => R | Promise<R>, options?: LeaseOptions): Promise<R> {
   return new Client().withLease(name, path, fn, options);
 }
 
 /** Creates a new, empty memory file with a fresh identity. See {@link Client.init}. */
-export function init(path: string): Promise<MemoryIdentity> {
+export async function init(path: string): Promise<MemoryIdentity> {
   return new Client().init(path);
 }
 
 /** Copies a held memory to `newPath` as a new identity with lineage. See {@link Client.branch}. */
-export function branch(path: string, newPath: string): Promise<BranchResult> {
+export async function branch(path: string, newPath: string): Promise<BranchResult> {
   return new Client().branch(path, newPath);
 }
 
 /** The identity of a memory file. See {@link Client.identify}. */
-export function identify(path: string): Promise<MemoryIdentity> {
+export async function identify(path: string): Promise<MemoryIdentity> {
   return new Client().identify(path);
 }
 
 /** A memory's ancestors and children, by path or id. See {@link Client.lineage}. */
-export function lineage(pathOrId: LineageQuery): Promise<Lineage> {
+export async function lineage(pathOrId: LineageQuery): Promise<Lineage> {
   return new Client().lineage(pathOrId);
 }
 
 /** The daemon's health and its leases. See {@link Client.status}. */
-export function status(): Promise<DaemonStatus> {
+export async function status(): Promise<DaemonStatus> {
   return new Client().status();
 }
 
@@ -99,10 +100,11 @@ export function events(options?: EventsOptions): DaemonEventStream {
 
 /**
  * Downloads the latest stored object of a memory into the new file `path`, bound to its
- * identity (a memory moving to this host). See {@link Client.fetch}.
+ * identity (a memory moving to this host). No time limit unless `options.timeoutMs`.
+ * See {@link Client.fetch}.
  */
-export function fetch(memoryInstanceId: string, path: string): Promise<FetchResult> {
-  return new Client().fetch(memoryInstanceId, path);
+export async function fetch(memoryInstanceId: string, path: string, options?: TransferOptions): Promise<FetchResult> {
+  return new Client().fetch(memoryInstanceId, path, options);
 }
 
 /** The same as {@link fetch}, under a name that does not shadow the global `fetch`. */

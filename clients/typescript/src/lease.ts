@@ -6,7 +6,7 @@ import { EventEmitter } from "node:events";
 import { DaemonNotRunning, LeaseExpired, LeaseLost, LeaseNotFound, type MepError, StaleFence } from "./errors.js";
 import { openNdjson, type OpenStream } from "./http.js";
 import { parseEvent, type DaemonEvent, type LeaseInfo, type SyncResult, type VerifyResult } from "./types.js";
-import type { Client } from "./client.js";
+import type { Client, TransferOptions } from "./client.js";
 
 /** Options of {@link Client.lease} / {@link lease} and {@link withLease}. */
 export interface LeaseOptions {
@@ -121,6 +121,8 @@ export class Lease implements AsyncDisposable {
   #stream: OpenStream | undefined;
   #seenGrant: boolean;
   #releasing: Promise<void> | undefined;
+  #releaseStarted = false;
+  #releasedLive = false;
   #watching = true;
 
   private constructor(key: symbol, client: Client, info: LeaseInfo, sentAt: number, stream: OpenStream | undefined, early: DaemonEvent[]) {
@@ -244,7 +246,8 @@ export class Lease implements AsyncDisposable {
 
   /**
    * `{"Fencing-Token": "<token>"}`, for writes to storage that applies the fencing rule
-   * (refuse a token lower than the highest seen). Throws {@link LeaseLost} once the lease is gone.
+   * (refuse a token lower than the highest seen). Throws {@link LeaseLost} once the lease is
+   * lost or released (from the first {@link release} call on), as {@link check} does.
    */
   fencingHeaders(): { "Fencing-Token": string } {
     this.check();
@@ -278,11 +281,14 @@ export class Lease implements AsyncDisposable {
    * (`POST /v1/sync`). Throws {@link LeaseLost} without asking when already lost;
    * {@link StaleFence} when the store has seen a higher token (the lease is then lost);
    * {@link StoreNotConfigured}, {@link StoreUnavailable}, {@link InsufficientStorage}.
+   *
+   * mepd answers only once the upload is done, so there is no time limit by default (the
+   * client's `timeoutMs` does not apply): pass `{ timeoutMs }` to give up earlier.
    */
-  async sync(): Promise<SyncResult> {
+  async sync(options: TransferOptions = {}): Promise<SyncResult> {
     this.check();
     try {
-      return await this.#client.sync(this.canonicalName);
+      return await this.#client.sync(this.canonicalName, options);
     } catch (e) {
       this.#loseOnRefusal(e);
       throw e;
@@ -295,21 +301,31 @@ export class Lease implements AsyncDisposable {
   }
 
   /**
-   * Releases the lease (`POST /v1/detach`). Idempotent: a second call returns the first
-   * call's promise. After it, {@link signal} is aborted and {@link check} throws. A lost lease
-   * is only cleaned up in the daemon if the daemon's record is still this lease's.
+   * Releases the lease (`POST /v1/detach`). Idempotent: while a call is pending or once one
+   * succeeded, another call returns its promise. From the first call on, {@link state} is
+   * `"released"`, {@link signal} is aborted and {@link check} throws: the token must not be
+   * used any more. A lost lease is only cleaned up in the daemon if the daemon's record is
+   * still this lease's.
+   *
+   * If mepd cannot be reached (e.g. {@link DaemonNotRunning} while it restarts) the promise
+   * rejects and the lease is *not* released: the daemon keeps it (a restarted mepd re-adopts
+   * it) until this process exits. Call `release()` again — it retries — once the daemon is back.
    */
   release(): Promise<void> {
     if (this.#releasing) return this.#releasing;
-    this.#checkDeadline();
-    const wasLive = this.#state === "held" || this.#state === "at-risk";
-    this.#stopWatching();
-    if (wasLive) {
-      this.#state = "released";
-      this.#lostError = undefined;
-      this.#abort.abort(this.#releasedError());
+    if (!this.#releaseStarted) {
+      this.#releaseStarted = true;
+      this.#checkDeadline();
+      this.#releasedLive = this.#state === "held" || this.#state === "at-risk";
+      this.#stopWatching();
+      if (this.#releasedLive) {
+        this.#state = "released";
+        this.#lostError = undefined;
+        this.#abort.abort(this.#releasedError());
+      }
     }
-    this.#releasing = (async () => {
+    const wasLive = this.#releasedLive;
+    const attempt = (async () => {
       if (wasLive) {
         try {
           await this.#client.detach(this.canonicalName, this.leaseId);
@@ -328,7 +344,12 @@ export class Lease implements AsyncDisposable {
         // best effort: nothing of ours is held
       }
     })();
-    return this.#releasing;
+    this.#releasing = attempt;
+    // A failed attempt is forgotten, so that the next release() tries again.
+    attempt.then(undefined, () => {
+      if (this.#releasing === attempt) this.#releasing = undefined;
+    });
+    return attempt;
   }
 
   /** `await using lease = await mep.lease(...)` releases here; same as {@link release}. */

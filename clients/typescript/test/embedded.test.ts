@@ -249,6 +249,48 @@ test("withLease releases when the callback throws, and never masks its error", o
   assert.equal(r, "thrower!");
 });
 
+test("a release that fails while mepd is down rejects, and release() again releases once it is back", opts, async () => {
+  await using sb = Sandbox.create();
+  const d = await sb.startMepd();
+  const a = await newMemory(sb, d.client, "a");
+  const lease = await d.client.lease("stuck", a, { ttl: 10 });
+  let released = 0;
+  lease.on("released", () => released++);
+  await d.proc.stop(); // SIGTERM: the daemon keeps the lease and re-adopts it when restarted
+  await assert.rejects(lease.release(), mep.DaemonNotRunning);
+  assert.equal(released, 0);
+  assert.equal(lease.state, "released"); // given up: the token must not be used any more
+  assert.throws(() => lease.check(), mep.LeaseLost);
+  assert.throws(() => lease.fencingHeaders(), mep.LeaseLost);
+  await assert.rejects(lease.release(), mep.DaemonNotRunning); // still down: tried again, fails again
+  await d.restart();
+  assert.deepEqual(
+    (await d.client.leases()).map((l) => [l.leaseId, l.state]),
+    [[lease.leaseId, "held"]],
+    "the restarted daemon re-adopted the lease",
+  );
+  await lease.release();
+  assert.equal(released, 1);
+  assert.deepEqual(await d.client.leases(), []);
+  const again = await d.client.lease("stuck", a); // another agent gets the name at once
+  assert.ok(again.token > lease.token);
+  await again.release();
+  await lease.release(); // idempotent once released
+  assert.equal(released, 1);
+
+  // The same when `await using` releases at the end of the scope: the error comes out of the
+  // scope, and a reference kept to the lease releases it later.
+  let kept: mep.Lease | undefined;
+  await assert.rejects(async () => {
+    await using scoped = await d.client.lease("stuck", a, { ttl: 10 });
+    kept = scoped;
+    await d.proc.stop();
+  }, mep.DaemonNotRunning);
+  await d.restart();
+  await kept!.release();
+  assert.deepEqual(await d.client.leases(), []);
+});
+
 test("the current lease through AsyncLocalStorage", opts, async () => {
   await using sb = Sandbox.create();
   const d = await sb.startMepd();

@@ -89,6 +89,54 @@ test("sync, fetch to a second daemon, and a stale-token write refused (409)", op
   await assert.rejects(dB.client.fetch(lonelyId, sb.path("nothing.uai")), mep.MemoryNotFound);
 });
 
+test("sync and fetch are not cut by the client's request timeout (the store paused for 3 s)", opts, async (t) => {
+  // mepd answers a sync or a fetch only once the transfer is done, so the socket stays silent
+  // as long as a large file takes: the client's timeoutMs (1 s here) must not cut it.
+  await using sb = Sandbox.create();
+  const server = await sb.startServer();
+  const store = await sb.startStore();
+  const d = await sb.startMepd({ controlPlane: server.url, tokenFile: sb.tokenFile(server, "t"), store });
+  const a = await newMemory(sb, d.client, "a");
+  writeFileSync(a, "a large memory ".repeat(10000));
+  const lease = await d.client.lease("slow store", a, { ttl: 30 });
+  const quick = new mep.Client({ socketPath: d.socket, timeoutMs: 1000 });
+  const paused = async <T>(fn: () => Promise<T>): Promise<{ result: T; took: number }> => {
+    store.proc.signal("SIGSTOP");
+    const timer = setTimeout(() => store.proc.signal("SIGCONT"), 3000);
+    const t0 = performance.now();
+    try {
+      return { result: await fn(), took: performance.now() - t0 };
+    } finally {
+      clearTimeout(timer);
+      store.proc.signal("SIGCONT");
+    }
+  };
+  try {
+    const probe = await d.client.sync("nobody").catch((e: unknown) => e);
+    if (probe instanceof mep.NotFound) {
+      t.skip("this mepd has no POST /v1/sync yet (404 not-found)");
+      return;
+    }
+    // Through the quick client, the same lease (the daemon's lease on the name).
+    const s = await paused(() => quick.sync(lease.canonicalName));
+    assert.ok(s.took > 2500, `took ${s.took} ms`);
+    assert.equal(s.result.fencingToken, lease.token);
+    // Lease.sync() through a client with the same 1 s timeout.
+    const mine = await quick.lease("slow store 2", await newMemory(sb, d.client, "b"), { ttl: 30 });
+    const s2 = await paused(() => mine.sync());
+    assert.ok(s2.took > 2500, `took ${s2.took} ms`);
+    assert.equal(s2.result.fencingToken, mine.token);
+    // An explicit timeout still bounds it.
+    await assert.rejects(paused(() => mine.sync({ timeoutMs: 500 })), mep.Unavailable);
+    await mine.release();
+    const f = await paused(() => quick.fetch(lease.memoryInstanceId, sb.path("copy.uai")));
+    assert.ok(f.took > 2500, `took ${f.took} ms`);
+    assert.equal(f.result.size, Buffer.byteLength("a large memory ".repeat(10000)));
+  } finally {
+    await lease.release();
+  }
+});
+
 test("sync on a daemon without --store: StoreNotConfigured (501)", { skip: binSkip ?? false, timeout: 30000 }, async (t) => {
   await using sb = Sandbox.create();
   const d = await sb.startMepd();

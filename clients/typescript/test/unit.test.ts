@@ -94,7 +94,7 @@ test("socket path: option, $MEP_SOCKET, config file ($MEP_CONFIG / XDG), XDG_RUN
     assert.deepEqual(mep.resolveSocketPath("/o.sock", { MEP_SOCKET: "/e.sock" }), { path: "/o.sock", source: "option" });
     assert.equal(mep.resolveSocketPath(undefined, { MEP_SOCKET: "/e.sock", XDG_RUNTIME_DIR: "/r" }).path, "/e.sock");
     mkdirSync(join(dir, "cfg", "mep"), { recursive: true });
-    writeFileSync(join(dir, "cfg", "mep", "config.toml"), '# mep\nlog_level = "info"\nsocket = "/from/\\u0078dg.sock" # here\n[other]\nsocket = "/not-top-level"\n');
+    writeFileSync(join(dir, "cfg", "mep", "config.toml"), '# mep\nlog_level = "info"\nsocket = "/from/\\u0078dg.sock" # here\n');
     const r = mep.resolveSocketPath(undefined, { XDG_CONFIG_HOME: join(dir, "cfg"), XDG_RUNTIME_DIR: "/r", HOME: dir });
     assert.equal(r.path, "/from/xdg.sock");
     assert.match(r.source, /^file /);
@@ -103,7 +103,8 @@ test("socket path: option, $MEP_SOCKET, config file ($MEP_CONFIG / XDG), XDG_RUN
     assert.equal(mep.resolveSocketPath(undefined, { HOME: dir }).path, "/from/home.sock");
     writeFileSync(join(dir, "explicit.toml"), 'socket="/from/explicit.sock"\n');
     assert.equal(mep.resolveSocketPath(undefined, { HOME: dir, MEP_CONFIG: join(dir, "explicit.toml") }).path, "/from/explicit.sock");
-    assert.throws(() => mep.resolveSocketPath(undefined, { HOME: dir, MEP_CONFIG: join(dir, "missing.toml") }), /cannot read config file/);
+    assert.throws(() => mep.resolveSocketPath(undefined, { HOME: dir, MEP_CONFIG: join(dir, "missing.toml") }), mep.ConfigError);
+    assert.throws(() => mep.resolveSocketPath(undefined, { HOME: dir, MEP_CONFIG: join(dir, "missing.toml") }), /does not exist/);
     const empty = join(dir, "empty");
     mkdirSync(empty);
     assert.deepEqual(mep.resolveSocketPath(undefined, { HOME: empty, XDG_RUNTIME_DIR: "/run/user/7" }), {
@@ -131,4 +132,58 @@ test("JSON keeps 64-bit integers exact", () => {
   const o = mep.parseJson('{"__proto__":{"x":1}}') as Record<string, unknown>;
   assert.equal(({} as Record<string, unknown>)["x"], undefined);
   assert.deepEqual(Object.keys(o), ["__proto__"]);
+});
+
+test("wrong arguments are a TypeError or RangeError naming them, before anything is sent", async () => {
+  const dir = mkdtempSync(join(tmpdir(), "mep-ts-unit-"));
+  try {
+    // No daemon at this socket: anything sent would be DaemonNotRunning.
+    const c = new mep.Client({ socketPath: join(dir, "no.sock") });
+    const file = join(dir, "m.uai");
+    const js = c as unknown as Record<string, (...a: unknown[]) => Promise<unknown>>;
+    const rejects = async (p: Promise<unknown>, cls: new (...a: never[]) => Error, arg: RegExp) => {
+      const e = await p.then(
+        () => undefined,
+        (x: unknown) => x,
+      );
+      assert.ok(e instanceof cls, `expected a ${cls.name}, got ${String(e)}`);
+      assert.match((e as Error).message, arg);
+    };
+    await rejects(c.lease("a\udc80", file), TypeError, /name .*lone surrogate U\+DC80 at index 1/);
+    await rejects(js["lease"]!(null, file), TypeError, /name must be a string, not null/);
+    await rejects(js["lease"]!(42, file), TypeError, /name must be a string/);
+    await rejects(js["lease"]!("agent", Buffer.from(file)), TypeError, /path must be a string/);
+    await rejects(c.lease("agent", join(dir, "a\udc80.uai")), TypeError, /path .*lone surrogate/);
+    await rejects(c.lease("agent", "a\u0000b"), TypeError, /path contains a NUL/);
+    await rejects(c.lease("agent", ""), TypeError, /path must not be empty/);
+    await rejects(js["lease"]!("agent", file, { wait: "x" }), TypeError, /wait must be a number/);
+    await rejects(c.lease("agent", file, { wait: -1 }), RangeError, /wait must be between/);
+    await rejects(c.lease("agent", file, { wait: Number.NaN }), RangeError, /wait/);
+    await rejects(c.lease("agent", file, { wait: Infinity }), RangeError, /wait/);
+    await rejects(js["lease"]!("agent", file, { ttl: "30" }), TypeError, /ttl must be a whole number/);
+    await rejects(c.lease("agent", file, { ttl: 30.5 }), RangeError, /ttl/);
+    await rejects(js["lease"]!("agent", file, { bind: "thread" }), TypeError, /bind must be "pid" or "none"/);
+    await rejects(js["lease"]!("agent", file, null), TypeError, /options must be an object/);
+    await rejects(js["withLease"]!("agent", file, "not a function"), TypeError, /fn must be a function/);
+    await rejects(js["attach"]!("a\ud800b", file), TypeError, /name/);
+    await rejects(js["detach"]!(7), TypeError, /name must be a string/);
+    await rejects(js["detach"]!("agent", 7), TypeError, /leaseId must be a string/);
+    await rejects(c.getLease("a\udc80"), TypeError, /canonicalName/);
+    await rejects(js["verify"]!(undefined), TypeError, /name must be a string/);
+    await rejects(c.sync("a\udc80"), TypeError, /name/);
+    await rejects(js["sync"]!("agent", { timeoutMs: "1" }), TypeError, /timeoutMs/);
+    await rejects(c.sync("agent", { timeoutMs: -1 }), RangeError, /timeoutMs/);
+    await rejects(js["fetch"]!(null, file), TypeError, /memoryInstanceId must be a string/);
+    await rejects(js["init"]!(undefined), TypeError, /path must be a string/);
+    await rejects(js["branch"]!(file, 5), TypeError, /newPath must be a string/);
+    await rejects(c.identify("/tmp/a\udc80"), TypeError, /path/);
+    await rejects(js["lineage"]!(null), TypeError, /query/);
+    await rejects(js["lineage"]!({ id: 5 }), TypeError, /query\.id must be a string/);
+    assert.throws(() => new mep.Client({ socketPath: join(dir, "no.sock"), timeoutMs: -5 }), RangeError);
+    assert.throws(() => new (mep.Client as unknown as new (o: unknown) => unknown)({ socketPath: 5 }), /socketPath must be a string/);
+    // Good arguments get as far as the (missing) daemon.
+    await assert.rejects(c.lease("agent", file, { ttl: 30, wait: 1.5, bind: "pid" }), mep.DaemonNotRunning);
+  } finally {
+    rmSync(dir, { recursive: true, force: true });
+  }
 });

@@ -69,7 +69,7 @@ interface AbortController {
 declare var AbortController: { prototype: AbortController; new (): AbortController };
 
 declare class TextDecoder {
-  constructor(label?: string, options?: { fatal?: boolean });
+  constructor(label?: string, options?: { fatal?: boolean; ignoreBOM?: boolean });
   decode(input?: Uint8Array, options?: { stream?: boolean }): string;
 }
 declare class TextEncoder {
