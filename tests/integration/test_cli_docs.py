@@ -74,33 +74,30 @@ def help_text(argv):
     return out
 
 
-def help_flags(text):
-    """The long options an --help text lists in its Options section (not --help itself)."""
-    flags = set()
+def option_lines(text):
+    """The lines of an --help text's Options section that start an option."""
     in_options = False
     for line in text.splitlines():
         if re.match(r"^(Options|Positionals|Subcommands):", line):
             in_options = line.startswith("Options")
-            continue
-        if in_options and re.match(r"^  +-", line):
-            # "  --ttl INT=30    Lease TTL …": the flags come before the first double space.
-            flags.update(LONG_FLAG_RE.findall(line.split("  ", 2)[1]))
+        elif in_options and re.match(r"^  +-", line):
+            yield line
+
+
+def help_flags(text):
+    """The long options an --help text lists in its Options section (not --help itself)."""
+    flags = set()
+    for line in option_lines(text):
+        # "  --ttl INT=30    Lease TTL …": the flags come before the first double space.
+        flags.update(LONG_FLAG_RE.findall(line.split("  ", 2)[1]))
     flags.discard("--help")
     return flags
 
 
 def help_valued_flags(text):
     """The long options an --help text lists with a value ("--ttl INT=30", "--db TEXT")."""
-    flags = set()
-    in_options = False
-    for line in text.splitlines():
-        if re.match(r"^(Options|Positionals|Subcommands):", line):
-            in_options = line.startswith("Options")
-            continue
-        m = re.match(r"^  +(?:-\w,)?(--[a-z][a-z-]*) [A-Z]", line) if in_options else None
-        if m:
-            flags.add(m.group(1))
-    return flags
+    matches = (re.match(r"^  +(?:-\w,)?(--[a-z][a-z-]*) [A-Z]", line) for line in option_lines(text))
+    return {m.group(1) for m in matches if m}
 
 
 def help_defaults(text):
