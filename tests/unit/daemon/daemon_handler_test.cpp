@@ -7,6 +7,7 @@
 
 #include <catch2/catch.hpp>
 
+#include <filesystem>
 #include <unistd.h>
 
 using mep::daemon::DaemonHandler;
@@ -53,11 +54,32 @@ void require_problem(const mep::http::Response& res, int status, const std::stri
 
 } // namespace
 
+TEST_CASE("daemon handler: '..' in a path is the kernel's, after a symbolic link too", "[daemon_handler]") {
+  // L -> A/B: for the kernel L/.. is A, not the directory holding L.
+  char tmpl[] = "/tmp/mep-dotdot-XXXXXX";
+  REQUIRE(::mkdtemp(tmpl) != nullptr);
+  const std::filesystem::path dir = std::filesystem::canonical(tmpl);
+  std::filesystem::create_directories(dir / "A" / "B");
+  std::filesystem::create_directory_symlink(dir / "A" / "B", dir / "L");
+  FakeDaemonService svc;
+  DaemonHandler h(svc, [](const mep::http::Peer&) { return true; });
+  const std::string through_link = (dir / "L" / ".." / "t.uai").string();
+  auto res = call(h, bhttp::verb::post, "/v1/attach", R"({"name":"a","path":")" + through_link + R"("})");
+  REQUIRE(res.result_int() == 201);
+  REQUIRE(svc.calls.at(0).attach.path == dir / "A" / "t.uai");
+  // A directory that does not exist cannot be resolved: 400, and the service never sees it.
+  const std::string nowhere = (dir / "nowhere" / ".." / "t.uai").string();
+  require_problem(call(h, bhttp::verb::post, "/v1/attach", R"({"name":"b","path":")" + nowhere + R"("})"), 400,
+                  "invalid-request");
+  REQUIRE(svc.calls.size() == 1);
+  std::filesystem::remove_all(dir);
+}
+
 TEST_CASE("daemon handler: an attach reaches the service decoded, with its path made normal", "[daemon_handler]") {
   FakeDaemonService svc;
   DaemonHandler h(svc, [](const mep::http::Peer&) { return true; });
   auto res = call(h, bhttp::verb::post, "/v1/attach",
-                  R"({"name":"Alpha","path":"/tmp/x/../mem.uai","ttl_seconds":12,"bind":"none","wait_seconds":5})");
+                  R"({"name":"Alpha","path":"/tmp/./mem.uai","ttl_seconds":12,"bind":"none","wait_seconds":5})");
   REQUIRE(res.result_int() == 201);
   REQUIRE(svc.calls.size() == 1);
   const auto& a = svc.calls[0].attach;
