@@ -45,6 +45,10 @@ volatile sig_atomic_t g_child_pgid = 0;
 // command's group instead.
 constexpr int k_forwarded[] = {SIGINT, SIGTERM, SIGHUP, SIGQUIT, SIGUSR1, SIGUSR2, SIGALRM};
 
+// How long mep run waits for its release to be answered before it exits anyway: the lease is
+// bound to its pid, and the daemon releases it once the process is gone.
+constexpr int k_release_timeout_ms = 5000;
+
 // The SIGKILL at the end of --grace lands this long before the lease's expiry as this
 // process estimates it (the renewal it heard of was made a little before it heard of it).
 constexpr auto k_kill_margin = std::chrono::milliseconds(250);
@@ -224,7 +228,8 @@ int run(const RunOptions& o, const GlobalOptions& g) {
     const int err = errno;
     ::sigprocmask(SIG_SETMASK, &unblocked, nullptr);
     std::fprintf(stderr, "mep: cannot start %s: %s\n", argv[0], std::strerror(err));
-    daemon_request(socket, "POST", "/v1/detach", json::dump(boost::json::object{{"name", field("canonical_name")}}));
+    daemon_request(socket, "POST", "/v1/detach", json::dump(boost::json::object{{"name", field("canonical_name")}}),
+                   k_release_timeout_ms);
     stop_events();
     return exit_code::other;
   }
@@ -306,9 +311,12 @@ int run(const RunOptions& o, const GlobalOptions& g) {
     }
   }
   // 6. Release (unless lost) and exit with the command's status (a failed sync's when the
-  //    command succeeded), or 4 after a loss.
+  //    command succeeded), or 4 after a loss. The lease is bound to this process, so a daemon
+  //    that does not answer soon (stopped, overloaded) releases it when this process is gone:
+  //    the command's status is not held back for a minute.
   if (!was_lost)
-    daemon_request(socket, "POST", "/v1/detach", json::dump(boost::json::object{{"name", field("canonical_name")}}));
+    daemon_request(socket, "POST", "/v1/detach", json::dump(boost::json::object{{"name", field("canonical_name")}}),
+                   k_release_timeout_ms);
   stop_events();
   if (was_lost) return exit_code::lost;
   if (WIFEXITED(status)) return WEXITSTATUS(status) == 0 ? sync_status : WEXITSTATUS(status);

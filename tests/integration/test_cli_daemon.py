@@ -800,6 +800,22 @@ class Run(CliTestCase):
         self.assertFalse(os.path.exists(marker))
 
 
+class RunWithADaemonThatDoesNotAnswer(CliTestCase):
+    def test_the_commands_status_is_not_held_back_by_the_release(self):
+        # The command stops mepd and exits: mep run's release gets no answer. The lease is
+        # bound to mep run's pid, so mep run exits with the command's status after a short
+        # wait (it waited 60 s), and mepd, once it runs again, releases the lease itself.
+        path, _ = self.new_memory()
+        name = unique()
+        pid = self.daemon.proc.pid
+        self.addCleanup(lambda: os.kill(pid, signal.SIGCONT))
+        p = self.popen_mep("run", name, path, "--", "sh", "-c", "kill -STOP %d; exit 3" % pid)
+        rc, out, err = self.communicate(p, timeout=30)
+        self.assertEqual(rc, 3, err)
+        os.kill(pid, signal.SIGCONT)
+        self.assertTrue(wait_for(lambda: name not in self.leases(), timeout=10), self.leases().get(name))
+
+
 class RunAcrossDaemonRestart(CliTestCase):
     """mep run goes on through a restart of mepd: the daemon re-adopts the lease, and mep run
     opens the event stream again, so renewals keep moving its local deadline."""
