@@ -141,6 +141,9 @@ bool less_id(const std::string& a, const std::string& b) {
 
 // ---- input --------------------------------------------------------------------------------
 
+// A quoted field still open at the end of the file: it would swallow the rows after it.
+struct CsvUnterminated {};
+
 std::vector<std::string> parse_csv_line(const std::string& line, std::istream& in) {
   std::vector<std::string> out;
   std::string field, rest = line;
@@ -149,7 +152,7 @@ std::vector<std::string> parse_csv_line(const std::string& line, std::istream& i
     if (i == rest.size()) {
       if (quoted) { // a newline inside quotes: continue with the next physical line
         std::string next;
-        if (!std::getline(in, next)) break;
+        if (!std::getline(in, next)) throw CsvUnterminated{};
         field.push_back('\n');
         rest += "\n" + next;
         continue;
@@ -180,6 +183,10 @@ std::vector<std::string> parse_csv_line(const std::string& line, std::istream& i
 }
 
 // Reads JSON Lines or CSV (with a header); fails with a message naming the line.
+// The CSV header in `line`, then the records (read_rows' CSV half).
+expected<Rows, std::string> read_csv_records(const std::string& path, std::istream& in, std::string& line,
+                                             std::size_t& lineno, std::size_t& record_line, Rows rows);
+
 expected<Rows, std::string> read_rows(std::istream& in, const std::string& path) {
   Rows rows;
   std::string line;
@@ -211,6 +218,17 @@ expected<Rows, std::string> read_rows(std::istream& in, const std::string& path)
   }
   if (!std::getline(in, line)) return rows;
   ++lineno;
+  std::size_t record_line = lineno; // where the record being read began
+  try {
+    return read_csv_records(path, in, line, lineno, record_line, std::move(rows));
+  } catch (const CsvUnterminated&) {
+    return make_unexpected(
+        fmt::format("{}:{}: a quoted field is not closed before the end of the file", path, record_line));
+  }
+}
+
+expected<Rows, std::string> read_csv_records(const std::string& path, std::istream& in, std::string& line,
+                                             std::size_t& lineno, std::size_t& record_line, Rows rows) {
   auto header = parse_csv_line(line, in);
   std::unordered_map<std::string, std::size_t> col;
   for (std::size_t i = 0; i < header.size(); ++i) col[header[i]] = i;
@@ -219,6 +237,7 @@ expected<Rows, std::string> read_rows(std::istream& in, const std::string& path)
   while (std::getline(in, line)) {
     ++lineno;
     if (line.empty() || line == "\r") continue;
+    record_line = lineno;
     auto f = parse_csv_line(line, in);
     auto get = [&](const char* k) -> std::string {
       auto it = col.find(k);
@@ -338,6 +357,8 @@ public:
   /// The tenant's id, or empty when there is no such tenant (yet).
   virtual std::string tenant_id(const std::string& name) = 0;
   virtual void each_migrated(const std::function<void(Migrated&&)>& f) = 0;
+  /// Every name of agent_names (canonical, skeleton): migrated, and claimed through a server.
+  virtual void each_name(const std::function<void(std::string, std::string)>& f) = 0;
   virtual void each_identity(const std::string& tenant_id, const std::function<void(std::string, std::string)>& f) = 0;
   virtual std::string ensure_tenant(const std::string& name) = 0;
   /// settings.migration_state: in-progress (unless already active).
@@ -376,6 +397,10 @@ public:
         "SELECT legacy_id, canonical_name, skeleton, action, reason, memory_instance_id FROM migration_rows"));
     while (s->step())
       f(Migrated{s->text(0), s->text(1), s->text(2), s->text(3), s->opt_text(4).value_or(""), s->text(5)});
+  }
+  void each_name(const std::function<void(std::string, std::string)>& f) override {
+    Use s(m_db->prepare("SELECT canonical_name, skeleton FROM agent_names"));
+    while (s->step()) f(s->text(0), s->text(1));
   }
   void each_identity(const std::string& tenant, const std::function<void(std::string, std::string)>& f) override {
     Use m(
@@ -541,6 +566,10 @@ public:
                            r.text(i, 5)});
               });
   }
+  void each_name(const std::function<void(std::string, std::string)>& f) override {
+    each_page(m_c, "SELECT canonical_name, skeleton FROM agent_names",
+              [&](const pg::Result& r, int i) { f(r.text(i, 0), r.text(i, 1)); });
+  }
   void each_identity(const std::string& tenant, const std::function<void(std::string, std::string)>& f) override {
     // The tenant id came from the database itself (a UUID), never from the user.
     if (!Uuid::parse(tenant)) return;
@@ -694,6 +723,13 @@ int migrate_run(const MigrateOptions& o) {
         r.has_memory = true;
         r.action = Row::done;
       });
+      // Names claimed through a server (or written by earlier runs): a legacy row may not
+      // take one, nor share its skeleton.
+      db->each_name([&](std::string canonical, std::string skeleton) {
+        used_names.insert(hash_of(canonical));
+        used_skeletons.insert(hash_of(skeleton));
+        taken_skeletons.insert(std::move(skeleton));
+      });
       // Only the references of rows still to write matter (a complete re-run loads none).
       HashSet64 pending_refs(rows.size());
       bool any_pending = false;
@@ -823,7 +859,26 @@ int migrate_run(const MigrateOptions& o) {
     std::unordered_map<std::uint64_t, std::uint32_t>().swap(ref_index);
     std::unordered_map<std::uint64_t, std::uint32_t>().swap(by_id);
 
-    // 4. Write (run) in batches, resumable; a plan writes nothing.
+    // 4. The report's file is opened before anything is written: a report that cannot be
+    //    written stops the run with the database as it was.
+    std::FILE* report = nullptr;
+    if (!o.report_file.empty())
+      report = std::fopen(o.report_file.c_str(), "w");
+    else if (o.dry_run && !o.json)
+      report = stdout;
+    if (!o.report_file.empty() && !report) {
+      std::fprintf(stderr, "mep migrate: cannot write %s: %s (nothing was migrated)\n", o.report_file.c_str(),
+                   std::strerror(errno));
+      return exit_code::other;
+    }
+    struct CloseReport {
+      std::FILE*& f;
+      ~CloseReport() {
+        if (f && f != stdout) std::fclose(f);
+      }
+    } close_report{report};
+
+    // 5. Write (run) in batches, resumable; a plan writes nothing.
     std::size_t fresh = 0;
     for (const auto& r : rows) fresh += r.action != Row::done;
     if (!o.dry_run && fresh > 0) {
@@ -850,17 +905,8 @@ int migrate_run(const MigrateOptions& o) {
       prog.update(written, true);
     }
 
-    // 5. The report (every legacy row) and the summary.
+    // 6. The report (every legacy row) and the summary.
     std::size_t kept = 0, renamed = 0, generated = 0, resumed = 0;
-    std::FILE* report = nullptr;
-    if (!o.report_file.empty())
-      report = std::fopen(o.report_file.c_str(), "w");
-    else if (o.dry_run && !o.json)
-      report = stdout;
-    if (!o.report_file.empty() && !report) {
-      std::fprintf(stderr, "mep migrate: cannot write %s\n", o.report_file.c_str());
-      return exit_code::other;
-    }
     for (const auto& r : rows) {
       Row::Action a = r.action;
       if (a == Row::done) {
@@ -883,7 +929,6 @@ int migrate_run(const MigrateOptions& o) {
       std::string text = json::dump(line) + "\n";
       std::fwrite(text.data(), 1, text.size(), report);
     }
-    if (report && report != stdout) std::fclose(report);
     boost::json::object summary{{"rows", static_cast<std::int64_t>(rows.size())},
                                 {"kept", static_cast<std::int64_t>(kept)},
                                 {"renamed", static_cast<std::int64_t>(renamed)},

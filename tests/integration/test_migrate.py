@@ -434,6 +434,62 @@ class MigrateTest(unittest.TestCase):
                 daemon.wait(timeout=10)
             server.stop()
 
+    def test_a_name_claimed_through_the_server_is_not_given_to_a_legacy_row(self):
+        # "No two live names share a skeleton": a name claimed before the migration keeps
+        # it; the legacy rows of that name, or of a confusable one, are renamed.
+        token = mep("token", "create", "--db", self.url, "--tenant", "default").stdout.strip()
+        server = Server(self.url, self.dir)
+        try:
+            status, _, memory = server.request("POST", "/v1/memories", token,
+                                               {"memory_instance_id": "01a24530-0000-7000-8000-000000000001"},
+                                               {"Idempotency-Key": "m1"})
+            self.assertIn(status, (200, 201), memory)
+            status, _, lease = server.request("POST", "/v1/leases", token,
+                                              {"display_name": "Alice", "memory_instance_id": memory["memory_instance_id"],
+                                               "owner_client_id": "o1"}, {"Idempotency-Key": "k1"})
+            self.assertEqual(status, 201, lease)
+        finally:
+            server.stop()
+        src = os.path.join(self.dir, "legacy.jsonl")
+        write_jsonl(src, [{"legacy_id": "23", "display_name": "alice", "created_at": "2001-01-01T00:00:00Z",
+                           "legacy_memory_ref": "a"},
+                          {"legacy_id": "24", "display_name": "ALICE", "created_at": "2002-01-01T00:00:00Z",
+                           "legacy_memory_ref": "b"}])
+        report = os.path.join(self.dir, "report.jsonl")
+        mep("migrate", "run", "--db", self.url, "--input", src, "--report", report)
+        r = read_report(report)
+        for lid in ("23", "24"):
+            self.assertEqual(r[lid]["action"], "renamed", r[lid])
+            self.assertRegex(r[lid]["canonical_name"], r"^alice-[0-9a-f]{8,32}$")
+        owners = db_rows(self.db, "SELECT canonical_name FROM agent_names WHERE canonical_name LIKE 'alice%'")
+        self.assertEqual(len(owners), 3, owners)
+
+    def test_a_report_that_cannot_be_written_stops_the_run_before_any_write(self):
+        src = os.path.join(self.dir, "legacy.jsonl")
+        write_jsonl(src, [{"legacy_id": "1", "display_name": "Kept", "created_at": "2020-01-01T00:00:00Z",
+                           "legacy_memory_ref": "k"}])
+        mep("token", "create", "--db", self.url, "--tenant", "default")  # the database exists
+        before = db_rows(self.db, "SELECT count(*) FROM migration_rows")
+        p = mep("migrate", "run", "--db", self.url, "--input", src, "--report",
+                os.path.join(self.dir, "no-such-dir", "report.jsonl"), check=False)
+        self.assertEqual(p.returncode, 1, p.stderr)
+        self.assertIn("nothing was migrated", p.stderr)
+        self.assertEqual(db_rows(self.db, "SELECT count(*) FROM migration_rows"), before)
+        st = json.loads(mep("--json", "migrate", "status", "--db", self.url).stdout)
+        self.assertNotEqual(st["migration_state"], "in-progress", st)
+
+    def test_a_quote_left_open_in_a_csv_is_an_error_naming_its_line(self):
+        # It swallowed the rows after it into one field, and the run reported fewer rows.
+        src = os.path.join(self.dir, "legacy.csv")
+        with open(src, "w", encoding="utf-8") as f:
+            f.write("legacy_id,display_name,created_at,legacy_memory_ref\n"
+                    "1,one,2020-01-01T00:00:00Z,a\n"
+                    '2,"two,2020-01-01T00:00:00Z,b\n'
+                    "3,three,2020-01-01T00:00:00Z,c\n")
+        p = mep("migrate", "run", "--db", self.url, "--input", src, check=False)
+        self.assertEqual(p.returncode, 2, p.stderr)
+        self.assertIn("legacy.csv:3: a quoted field is not closed", p.stderr)
+
     def test_usage_errors(self):
         self.assertEqual(mep("migrate", "run", "--db", self.url, check=False).returncode, 2)
         self.assertEqual(mep("migrate", "run", "--db", self.url, "--input", "/nonexistent.jsonl", check=False).returncode, 2)
