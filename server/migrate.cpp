@@ -35,6 +35,7 @@
 #include <cstdio>
 #include <filesystem>
 #include <functional>
+#include <optional>
 #include <fstream>
 #include <numeric>
 #include <unistd.h>
@@ -675,19 +676,26 @@ int migrate_run(const MigrateOptions& o) {
     return exit_code::usage;
   }
   try {
+    // 1. Read the legacy rows: from a file before the database is opened (an input that
+    //    does not parse changes nothing, not even a database that did not exist).
+    std::optional<expected<Rows, std::string>> input;
+    if (o.input_file) {
+      input = read_file(*o.input_file);
+      if (!*input) {
+        std::fprintf(stderr, "mep migrate: %s\n", input->error().c_str());
+        return exit_code::usage;
+      }
+    }
     // Open: a plan never writes (read-only on SQLite, and no schema is created).
     std::unique_ptr<Target> db = open_target(o.db_url, o.dry_run);
     bool has_tables = db && db->has_tables();
-
-    // 1. Read the legacy rows.
-    expected<Rows, std::string> input = o.input_file ? read_file(*o.input_file)
-                                        : db         ? db->read_table(*o.from_table)
-                                                     : make_unexpected(std::string("the database does not exist"));
-    if (!input) {
-      std::fprintf(stderr, "mep migrate: %s\n", input.error().c_str());
+    if (!input)
+      input = db ? db->read_table(*o.from_table) : make_unexpected(std::string("the database does not exist"));
+    if (!*input) {
+      std::fprintf(stderr, "mep migrate: %s\n", input->error().c_str());
       return exit_code::usage;
     }
-    Rows& rows = *input;
+    Rows& rows = **input;
     // Index by legacy id (hash → row), refusing duplicates.
     std::unordered_map<std::uint64_t, std::uint32_t> by_id;
     by_id.reserve(rows.size());

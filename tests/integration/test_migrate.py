@@ -499,6 +499,8 @@ class MigrateTest(unittest.TestCase):
         p = mep("migrate", "run", "--db", self.url, "--input", bad, check=False)
         self.assertEqual(p.returncode, 2)
         self.assertIn(":2:", p.stderr)
+        if not self.pg:  # an input that does not parse changes nothing: not even a new database
+            self.assertEqual([n for n in os.listdir(self.dir) if n.startswith("control.db")], [])
         dup = os.path.join(self.dir, "dup.jsonl")
         write_jsonl(dup, [{"legacy_id": "1", "display_name": "a", "created_at": "2020-01-01T00:00:00Z", "legacy_memory_ref": "x"}] * 2)
         self.assertEqual(mep("migrate", "run", "--db", self.url, "--input", dup, check=False).returncode, 2)
