@@ -349,6 +349,11 @@ struct Migrated {
 
 // What the migration needs of a control-plane database. Each write() is one transaction of
 // a batch; nothing else holds a lock while the servers answer 503 migration-in-progress.
+// The names a run must not hand out besides those of earlier runs (both backends).
+constexpr const char* k_names_not_migrated =
+    "SELECT canonical_name, skeleton FROM agent_names a "
+    "WHERE NOT EXISTS (SELECT 1 FROM migration_rows m WHERE m.canonical_name = a.canonical_name)";
+
 class Target {
 public:
   virtual ~Target() = default;
@@ -358,7 +363,8 @@ public:
   /// The tenant's id, or empty when there is no such tenant (yet).
   virtual std::string tenant_id(const std::string& name) = 0;
   virtual void each_migrated(const std::function<void(Migrated&&)>& f) = 0;
-  /// Every name of agent_names (canonical, skeleton): migrated, and claimed through a server.
+  /// The names of agent_names (canonical, skeleton) that no migrated row has: those claimed
+  /// through a server (each_migrated gives the others).
   virtual void each_name(const std::function<void(std::string, std::string)>& f) = 0;
   virtual void each_identity(const std::string& tenant_id, const std::function<void(std::string, std::string)>& f) = 0;
   virtual std::string ensure_tenant(const std::string& name) = 0;
@@ -400,7 +406,7 @@ public:
       f(Migrated{s->text(0), s->text(1), s->text(2), s->text(3), s->opt_text(4).value_or(""), s->text(5)});
   }
   void each_name(const std::function<void(std::string, std::string)>& f) override {
-    Use s(m_db->prepare("SELECT canonical_name, skeleton FROM agent_names"));
+    Use s(m_db->prepare(k_names_not_migrated));
     while (s->step()) f(s->text(0), s->text(1));
   }
   void each_identity(const std::string& tenant, const std::function<void(std::string, std::string)>& f) override {
@@ -568,8 +574,7 @@ public:
               });
   }
   void each_name(const std::function<void(std::string, std::string)>& f) override {
-    each_page(m_c, "SELECT canonical_name, skeleton FROM agent_names",
-              [&](const pg::Result& r, int i) { f(r.text(i, 0), r.text(i, 1)); });
+    each_page(m_c, k_names_not_migrated, [&](const pg::Result& r, int i) { f(r.text(i, 0), r.text(i, 1)); });
   }
   void each_identity(const std::string& tenant, const std::function<void(std::string, std::string)>& f) override {
     // The tenant id came from the database itself (a UUID), never from the user.
@@ -731,8 +736,8 @@ int migrate_run(const MigrateOptions& o) {
         r.has_memory = true;
         r.action = Row::done;
       });
-      // Names claimed through a server (or written by earlier runs): a legacy row may not
-      // take one, nor share its skeleton.
+      // Names claimed through a server: a legacy row may not take one, nor share its
+      // skeleton.
       db->each_name([&](std::string canonical, std::string skeleton) {
         used_names.insert(hash_of(canonical));
         used_skeletons.insert(hash_of(skeleton));

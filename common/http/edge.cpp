@@ -26,7 +26,6 @@
 
 #include <sys/resource.h>
 #include <algorithm>
-#include <boost/algorithm/string/predicate.hpp>
 #include <boost/asio/dispatch.hpp>
 #include <boost/asio/ip/address.hpp>
 #include <boost/asio/post.hpp>
@@ -91,30 +90,23 @@ std::optional<Problem> json_body_problem(const bhttp::fields& headers) {
   if (headers.count(bhttp::field::content_type) > 1)
     return Problem(Code::invalid_request, "more than one Content-Type header");
   const std::string_view whole = headers[bhttp::field::content_type];
-  const std::string_view type = trim(whole.substr(0, whole.find(';')));
-  // JSON is UTF-8 (RFC 8259 §8.1): a charset parameter, if any, must say so.
+  const std::size_t semi = std::min(whole.find(';'), whole.size());
+  // JSON is UTF-8 (RFC 8259 §8.1): a charset parameter, if any, must say so (Beast reads
+  // the parameters, quoted values included).
   bool utf8 = true;
-  for (std::size_t at = whole.find(';'); at != std::string_view::npos;) {
-    std::size_t next = whole.find(';', at + 1);
-    std::string_view param = trim(whole.substr(at + 1, next == std::string_view::npos ? next : next - at - 1));
-    if (boost::algorithm::istarts_with(param, "charset=")) {
-      std::string_view v = trim(param.substr(8));
-      if (v.size() >= 2 && v.front() == '"' && v.back() == '"') v = v.substr(1, v.size() - 2);
-      utf8 = boost::algorithm::iequals(v, "utf-8");
-    }
-    at = next;
-  }
-  if (!boost::algorithm::iequals(type, "application/json") || !utf8)
+  for (const auto& [name, value] : bhttp::param_list{whole.substr(semi)})
+    if (beast::iequals(name, "charset")) utf8 = beast::iequals(value, "utf-8");
+  if (!beast::iequals(trim(whole.substr(0, semi)), "application/json") || !utf8)
     return Problem(Code::unsupported_media_type, "the request body must be application/json in UTF-8");
   // Bodies are not encoded (no gzip): one that is would only fail to parse.
   for (auto [it, end] = headers.equal_range(bhttp::field::content_encoding); it != end; ++it)
-    if (!boost::algorithm::iequals(trim(it->value()), "identity"))
+    if (!beast::iequals(trim(it->value()), "identity"))
       return Problem(Code::unsupported_media_type, "the request body must not be encoded (Content-Encoding)");
   return std::nullopt;
 }
 
 std::optional<std::string_view> bearer_token(std::string_view v) {
-  if (v.size() < 7 || !boost::algorithm::iequals(v.substr(0, 6), "Bearer") || v[6] != ' ') return std::nullopt;
+  if (v.size() < 7 || !beast::iequals(v.substr(0, 6), "Bearer") || v[6] != ' ') return std::nullopt;
   v.remove_prefix(7);
   while (!v.empty() && v.front() == ' ') v.remove_prefix(1);
   while (!v.empty() && v.back() == ' ') v.remove_suffix(1);
