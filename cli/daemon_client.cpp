@@ -49,8 +49,7 @@ boost::json::object DaemonReply::json() const {
 
 Problem DaemonReply::problem(const std::string& socket) const {
   if (status == 0) {
-    if (error.rfind("permission denied", 0) == 0)
-      return Problem(Code::forbidden, "cannot use mepd at " + socket + ": " + error);
+    if (denied) return Problem(Code::forbidden, "cannot use mepd at " + socket + ": " + error);
     Problem p(Code::unavailable, "cannot reach mepd at " + socket + " (" + error +
                                      "): start it with 'mepd' or 'systemctl --user start mepd.socket'");
     return p;
@@ -62,7 +61,8 @@ Problem DaemonReply::problem(const std::string& socket) const {
 
 namespace {
 
-int connect_unix(const std::string& path, std::string& error) {
+// `denied`: set when the socket exists and is not this user's to use (EACCES).
+int connect_unix(const std::string& path, std::string& error, bool* denied = nullptr) {
   int fd = ::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
   sockaddr_un addr{};
   addr.sun_family = AF_UNIX;
@@ -74,6 +74,7 @@ int connect_unix(const std::string& path, std::string& error) {
   std::memcpy(addr.sun_path, path.c_str(), path.size() + 1);
   if (::connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof addr) != 0) {
     // Refused or missing: no daemon. Denied: a daemon that is not this user's to use.
+    if (denied) *denied = errno == EACCES;
     error = errno == EACCES ? std::string("permission denied: the socket belongs to another user; use your own "
                                           "mepd, or the system one (/run/mep/mepd.sock) as a member of the group mep")
                             : std::strerror(errno);
@@ -116,7 +117,7 @@ std::string request_text(const std::string& method, const std::string& target, c
 DaemonReply daemon_request(const std::string& socket, const std::string& method, const std::string& target,
                            const std::string& body, int timeout_ms) {
   DaemonReply r;
-  int fd = connect_unix(socket, r.error);
+  int fd = connect_unix(socket, r.error, &r.denied);
   if (fd < 0) return r;
   std::string buf;
   // A daemon that refuses the peer (403) answers and closes without reading the request:

@@ -24,7 +24,8 @@ std::string resolve_socket(const std::string& flag, const std::string& config_fi
 struct DaemonReply {
   int status = 0; ///< 0: the daemon could not be reached
   std::string body;
-  std::string error; ///< why it could not be reached
+  std::string error;   ///< why it could not be reached
+  bool denied = false; ///< the socket is another user's (EACCES): forbidden, not unavailable
 
   boost::json::object json() const;
   /// The problem carried by an error reply (or `unavailable` when unreachable).

@@ -37,9 +37,6 @@ std::string default_socket() {
   return "/run/mep/mepd.sock";
 }
 
-// One daemon per state directory: a second one would re-adopt and renew the first one's
-// leases, and share its databases. The lock lasts as long as the process (the descriptor
-// stays open; the kernel drops the lock however the process ends).
 // The state directory: created 0700 when missing. One that exists is used as it is (its mode
 // is its owner's business: --state-dir may name any directory) unless others may write in
 // it, where they could plant the daemon's databases.
@@ -61,6 +58,9 @@ void prepare_state_dir(const fs::path& state) {
                                          state.string(), st.st_mode & 07777));
 }
 
+// One daemon per state directory: a second one would re-adopt and renew the first one's
+// leases, and share its databases. The lock lasts as long as the process (the descriptor
+// stays open; the kernel drops the lock however the process ends).
 void lock_state_dir(const fs::path& state) {
   const fs::path lock = state / "mepd.lock";
   int fd = ::open(lock.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0600);
@@ -195,7 +195,8 @@ int main(int argc, char** argv) {
   }
 
   try {
-    // 3. State directory (0700), and the embedded control plane when there is no remote one.
+    // 3. State directory (made 0700 when missing), and the embedded control plane when there
+    //    is no remote one.
     prepare_state_dir(state);
     lock_state_dir(state);
     if (!cp) cp = mep::daemon::make_embedded_control_plane(state);
