@@ -36,7 +36,7 @@ void register_migrate(CLI::App& app, GlobalOptions& g, Action& action) {
   auto run = std::make_shared<server::MigrateOptions>();
   auto* r = cmd->add_subcommand("run", "Migrate (resumable and idempotent: a second run changes nothing)");
   add_common(r, *run);
-  r->add_option("--batch", run->batch, "Rows per transaction")->capture_default_str();
+  r->add_option("--batch", run->batch, "Rows per transaction")->capture_default_str()->check(CLI::PositiveNumber);
   r->callback([run, &g, &action] {
     action = [run, &g] {
       run->json = g.json;

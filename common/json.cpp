@@ -82,7 +82,7 @@ struct DuplicateKeyFinder {
 
 } // namespace
 
-expected<boost::json::object, Problem> parse_object(std::string_view text) {
+expected<boost::json::object, Problem> parse_object(std::string_view text, std::string_view what) {
   boost::json::parse_options opts;
   opts.max_depth = 32;
   boost::system::error_code ec;
@@ -98,7 +98,8 @@ expected<boost::json::object, Problem> parse_object(std::string_view text) {
   }
   boost::json::value v = boost::json::parse(text, ec, {}, opts);
   if (ec) return make_unexpected(Problem(Code::invalid_request, "malformed JSON: " + ec.message()));
-  if (!v.is_object()) return make_unexpected(Problem(Code::invalid_request, "the request body must be a JSON object"));
+  if (!v.is_object())
+    return make_unexpected(Problem(Code::invalid_request, std::string(what) + " must be a JSON object"));
   return std::move(v.get_object());
 }
 

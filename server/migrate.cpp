@@ -17,6 +17,7 @@
 #include "mep/crypto.hpp"
 #include "mep/log.hpp"
 #include "mep/pg.hpp"
+#include "mep/pg_store.hpp"
 #include "mep/problem.hpp"
 #include "mep/random.hpp"
 #include "mep/sqlite.hpp"
@@ -48,32 +49,61 @@ using sqlite::Db;
 using sqlite::Use;
 using Clock = std::chrono::steady_clock;
 
+// A legacy row's created_at: RFC 3339, with "T" or (as its section 5.6 allows) a space
+// between date and time. `zoneless_is_utc`: SQLite's own text form, "2021-03-04 05:06:07",
+// which its date functions write in UTC, read from a --from-table of a SQLite database.
+std::optional<UnixMs> parse_legacy_time(std::string_view text, bool zoneless_is_utc) {
+  if (text.size() < 19 || (text[10] != ' ' && text[10] != 'T' && text[10] != 't')) return std::nullopt;
+  std::string t(text);
+  t[10] = 'T';
+  if (zoneless_is_utc && t.find_first_of("Zz+-", 19) == std::string::npos) t += 'Z';
+  return parse_rfc3339(t);
+}
+
 // One legacy row, kept compact (a million of them are held at once): the memory id as
-// 16 bytes, created_at as milliseconds (the text only when it does not parse), the
-// reason as a small code.
+// 16 bytes, created_at as milliseconds, the reason as a small code.
 struct Row {
   Row() = default;
-  Row(std::string id, std::string name, const std::string& created, std::string ref, const std::string& memory)
+  Row(std::string id, std::string name, const std::string& created, std::string ref, const std::string& memory,
+      bool zoneless_is_utc = false)
       : legacy_id(std::move(id)), display_name(std::move(name)), legacy_memory_ref(std::move(ref)) {
-    auto ms = parse_rfc3339(created);
-    created_ms = ms.value_or(INT64_MAX);
-    if (!ms) created_raw = created;
+    auto ms = parse_legacy_time(created, zoneless_is_utc);
+    created_ms = ms.value_or(0);
+    bad_created = !ms;
+    no_created = created.empty();
     if (auto u = Uuid::parse(memory)) {
       memory_id = *u;
       has_memory = true;
+      nil_memory = memory_id.is_nil();
     }
     bad_memory = !memory.empty() && !has_memory;
   }
-  std::string created_at() const { return created_raw.empty() ? format_rfc3339_ms(created_ms) : created_raw; }
+  // Why the row cannot be migrated, or nothing. Every field but memory_instance_id is
+  // required: the oldest created_at decides who keeps a name, so a time that does not
+  // parse cannot be guessed at; an empty display_name is a name that cannot be
+  // canonicalized (it is given a generated one, as the report says).
+  std::optional<std::string> problem() const {
+    if (legacy_id.empty()) return "legacy_id is missing";
+    if (no_created) return "created_at is missing";
+    if (bad_created) return "created_at is not an RFC 3339 time such as 2021-03-04T05:06:07Z";
+    if (bad_memory) return "memory_instance_id is not a UUID";
+    if (nil_memory) return "memory_instance_id is the nil UUID";
+    return std::nullopt;
+  }
+  std::string created_at() const { return format_rfc3339_ms(created_ms); }
   std::string reason() const {
     return reason_code ? std::string(to_string(static_cast<NameReason>(reason_code - 1))) : std::string();
   }
 
-  std::string legacy_id, display_name, legacy_memory_ref, created_raw;
+  std::string legacy_id, display_name, legacy_memory_ref;
   std::string canonical, skeleton;
   Uuid memory_id;
   bool has_memory = false;
   bool bad_memory = false;
+  bool nil_memory = false;
+  bool bad_created = false;
+  bool no_created = false;
+  std::uint32_t line = 0;       ///< where a file gave it (0: a table)
   std::uint8_t reason_code = 0; ///< NameReason + 1, or 0
   std::int64_t created_ms = 0;
   enum Action : std::uint8_t { kept, renamed, generated, done };
@@ -145,7 +175,9 @@ bool less_id(const std::string& a, const std::string& b) {
 // A quoted field still open at the end of the file: it would swallow the rows after it.
 struct CsvUnterminated {};
 
-std::vector<std::string> parse_csv_line(const std::string& line, std::istream& in) {
+// One record, from `line` and, while a quoted field holds newlines, the lines after it
+// (counted in `lineno`).
+std::vector<std::string> parse_csv_line(const std::string& line, std::istream& in, std::size_t& lineno) {
   std::vector<std::string> out;
   std::string field, rest = line;
   bool quoted = false;
@@ -154,6 +186,7 @@ std::vector<std::string> parse_csv_line(const std::string& line, std::istream& i
       if (quoted) { // a newline inside quotes: continue with the next physical line
         std::string next;
         if (!std::getline(in, next)) throw CsvUnterminated{};
+        ++lineno;
         field.push_back('\n');
         rest += "\n" + next;
         continue;
@@ -194,25 +227,32 @@ expected<Rows, std::string> read_rows(std::istream& in, const std::string& path)
   std::size_t lineno = 0;
   int c = in.peek();
   while (c == ' ' || c == '\n' || c == '\r' || c == '\t') {
-    in.get();
+    if (in.get() == '\n') ++lineno; // blank lines still count in the line numbers
     c = in.peek();
   }
-  if (c == '{') {
+  // JSON Lines: an object per line ('[' too: a JSON array where lines of objects belong).
+  if (c == '{' || c == '[') {
     while (std::getline(in, line)) {
       ++lineno;
       if (line.find_first_not_of(" \t\r") == std::string::npos) continue;
-      auto o = json::parse_object(line);
+      auto o = json::parse_object(line, "a line of JSON Lines");
       if (!o) return make_unexpected(fmt::format("{}:{}: {}", path, lineno, o.error().detail));
-      auto get = [&](std::string_view k) -> std::string {
+      // A required field the object lacks is a file written with other names, not an empty value.
+      std::optional<std::string_view> missing;
+      auto get = [&](std::string_view k, bool required = true) -> std::string {
         auto* v = o->if_contains(k);
-        if (!v || v->is_null()) return {};
+        if (!v || v->is_null()) {
+          if (required && !missing) missing = k;
+          return {};
+        }
         if (v->is_string()) return std::string(v->get_string());
         return json::dump(*v);
       };
       Row r{get("legacy_id"), get("display_name"), get("created_at"), get("legacy_memory_ref"),
-            get("memory_instance_id")};
-      if (r.legacy_id.empty()) return make_unexpected(fmt::format("{}:{}: legacy_id is missing", path, lineno));
-      if (r.bad_memory) return make_unexpected(fmt::format("{}:{}: memory_instance_id is not a UUID", path, lineno));
+            get("memory_instance_id", false)};
+      if (auto why = r.problem()) return make_unexpected(fmt::format("{}:{}: {}", path, lineno, *why));
+      if (missing) return make_unexpected(fmt::format("{}:{}: the field {} is missing", path, lineno, *missing));
+      r.line = static_cast<std::uint32_t>(lineno);
       rows.push_back(std::move(r));
     }
     return rows;
@@ -230,7 +270,7 @@ expected<Rows, std::string> read_rows(std::istream& in, const std::string& path)
 
 expected<Rows, std::string> read_csv_records(const std::string& path, std::istream& in, std::string& line,
                                              std::size_t& lineno, std::size_t& record_line, Rows rows) {
-  auto header = parse_csv_line(line, in);
+  auto header = parse_csv_line(line, in, lineno);
   std::unordered_map<std::string, std::size_t> col;
   for (std::size_t i = 0; i < header.size(); ++i) col[header[i]] = i;
   for (const char* need : {"legacy_id", "display_name", "created_at", "legacy_memory_ref"})
@@ -239,15 +279,20 @@ expected<Rows, std::string> read_csv_records(const std::string& path, std::istre
     ++lineno;
     if (line.empty() || line == "\r") continue;
     record_line = lineno;
-    auto f = parse_csv_line(line, in);
+    auto f = parse_csv_line(line, in, lineno);
     auto get = [&](const char* k) -> std::string {
       auto it = col.find(k);
       return it != col.end() && it->second < f.size() ? f[it->second] : std::string();
     };
+    // A line with more or fewer fields than the header has its values in the wrong columns
+    // (an unquoted comma in a name, say).
+    if (f.size() != header.size())
+      return make_unexpected(
+          fmt::format("{}:{}: {} fields where the header has {}", path, record_line, f.size(), header.size()));
     Row r{get("legacy_id"), get("display_name"), get("created_at"), get("legacy_memory_ref"),
           get("memory_instance_id")};
-    if (r.legacy_id.empty()) return make_unexpected(fmt::format("{}:{}: legacy_id is missing", path, lineno));
-    if (r.bad_memory) return make_unexpected(fmt::format("{}:{}: memory_instance_id is not a UUID", path, lineno));
+    if (auto why = r.problem()) return make_unexpected(fmt::format("{}:{}: {}", path, record_line, *why));
+    r.line = static_cast<std::uint32_t>(record_line);
     rows.push_back(std::move(r));
   }
   return rows;
@@ -280,7 +325,8 @@ expected<Rows, std::string> read_table(Db& db, const std::string& table) {
     Use s(db.prepare(fmt::format("SELECT CAST(legacy_id AS TEXT), display_name, CAST(created_at AS TEXT), "
                                  "CAST(legacy_memory_ref AS TEXT), {} FROM \"{}\"",
                                  has_mid ? "memory_instance_id" : "NULL", table)));
-    while (s->step()) rows.push_back(Row{s->text(0), s->text(1), s->text(2), s->text(3), s->opt_text(4).value_or("")});
+    while (s->step())
+      rows.push_back(Row{s->text(0), s->text(1), s->text(2), s->text(3), s->opt_text(4).value_or(""), true});
   } catch (const sqlite::Error& e) {
     return make_unexpected(std::string("cannot read the table: ") + e.what());
   }
@@ -386,9 +432,21 @@ bool plain_identifier(const std::string& table) {
          !std::isdigit(static_cast<unsigned char>(table[0]));
 }
 
+// Every command, status and a plan included, refuses a database a newer mep has upgraded,
+// as the servers do: what it reads or writes may no longer mean what it did.
+void refuse_newer(std::int64_t version, int ours) {
+  if (version > ours)
+    throw std::runtime_error(
+        fmt::format("database schema version {} is newer than this mep ({}); upgrade mep", version, ours));
+}
+
 class SqliteTarget final : public Target {
 public:
-  explicit SqliteTarget(std::unique_ptr<Db> db) : m_db(std::move(db)) {}
+  explicit SqliteTarget(std::unique_ptr<Db> db) : m_db(std::move(db)) {
+    if (!table_exists(*m_db, "schema_version")) return;
+    Use s(m_db->prepare("SELECT max(version) FROM schema_version"));
+    if (s->step() && !s->is_null(0)) refuse_newer(s->int64(0), sqlite_schema_version());
+  }
   bool has_tables() override { return table_exists(*m_db, "migration_rows"); }
   expected<Rows, std::string> read_table(const std::string& table) override {
     return mep::server::read_table(*m_db, table);
@@ -482,6 +540,7 @@ public:
       }
     });
   }
+  Db& db() { return *m_db; }
 
 private:
   std::unique_ptr<Db> m_db;
@@ -528,7 +587,11 @@ void each_page(pg::Conn& c, const std::string& query, const std::function<void(c
 
 class PgTarget final : public Target {
 public:
-  explicit PgTarget(const std::string& url) : m_c(url) {}
+  explicit PgTarget(const std::string& url) : m_c(url) {
+    if (!exists("schema_version")) return;
+    auto r = m_c.exec("migrate_schema_version", "SELECT version FROM schema_version WHERE id = 1", {});
+    if (r.rows()) refuse_newer(r.int64(0, 0), pg_schema_version());
+  }
   bool has_tables() override { return exists("migration_rows"); }
   expected<Rows, std::string> read_table(const std::string& table) override {
     if (!plain_identifier(table)) return make_unexpected(std::string("--from-table must be a plain table name"));
@@ -681,8 +744,34 @@ int migrate_run(const MigrateOptions& o) {
     return exit_code::usage;
   }
   try {
-    // 1. Read the legacy rows: from a file before the database is opened (an input that
-    //    does not parse changes nothing, not even a database that did not exist).
+    // 1. Read the legacy rows and check them: from a file before the database is opened
+    //    (an input that does not pass changes nothing, not even a database that did not
+    //    exist). `by_id` indexes them by legacy id (hash → row).
+    std::unordered_map<std::uint64_t, std::uint32_t> by_id;
+    auto refused = [&](const Rows& rows) {
+      if (o.from_table) // a file's rows were checked as they were read, with their lines
+        for (const Row& r : rows)
+          if (auto why = r.problem()) {
+            std::fprintf(stderr, "mep migrate: table %s, the row with legacy_id '%s': %s\n", o.from_table->c_str(),
+                         r.legacy_id.c_str(), why->c_str());
+            return true;
+          }
+      by_id.reserve(rows.size());
+      for (std::size_t i = 0; i < rows.size(); ++i) {
+        auto [it, fresh] = by_id.try_emplace(hash_of(rows[i].legacy_id), static_cast<std::uint32_t>(i));
+        if (!fresh && rows[it->second].legacy_id == rows[i].legacy_id) {
+          if (o.input_file)
+            std::fprintf(stderr, "mep migrate: %s:%u: legacy_id %s appears twice (first on line %u)\n",
+                         o.input_file->c_str(), rows[i].line, rows[i].legacy_id.c_str(), rows[it->second].line);
+          else
+            std::fprintf(stderr, "mep migrate: legacy_id %s appears twice in the table %s\n", rows[i].legacy_id.c_str(),
+                         o.from_table->c_str());
+          return true;
+        }
+      }
+      if (rows.empty()) std::fprintf(stderr, "mep migrate: warning: the input holds no rows\n");
+      return false;
+    };
     std::optional<expected<Rows, std::string>> input;
     if (o.input_file) {
       input = read_file(*o.input_file);
@@ -690,27 +779,20 @@ int migrate_run(const MigrateOptions& o) {
         std::fprintf(stderr, "mep migrate: %s\n", input->error().c_str());
         return exit_code::usage;
       }
+      if (refused(**input)) return exit_code::usage;
     }
     // Open: a plan never writes (read-only on SQLite, and no schema is created).
     std::unique_ptr<Target> db = open_target(o.db_url, o.dry_run);
     bool has_tables = db && db->has_tables();
-    if (!input)
+    if (!input) {
       input = db ? db->read_table(*o.from_table) : make_unexpected(std::string("the database does not exist"));
-    if (!*input) {
-      std::fprintf(stderr, "mep migrate: %s\n", input->error().c_str());
-      return exit_code::usage;
-    }
-    Rows& rows = **input;
-    // Index by legacy id (hash → row), refusing duplicates.
-    std::unordered_map<std::uint64_t, std::uint32_t> by_id;
-    by_id.reserve(rows.size());
-    for (std::size_t i = 0; i < rows.size(); ++i) {
-      auto [it, fresh] = by_id.try_emplace(hash_of(rows[i].legacy_id), static_cast<std::uint32_t>(i));
-      if (!fresh && rows[it->second].legacy_id == rows[i].legacy_id) {
-        std::fprintf(stderr, "mep migrate: legacy_id %s appears twice in the input\n", rows[i].legacy_id.c_str());
+      if (!*input) {
+        std::fprintf(stderr, "mep migrate: %s\n", input->error().c_str());
         return exit_code::usage;
       }
+      if (refused(**input)) return exit_code::usage;
     }
+    Rows& rows = **input;
 
     // 2. What earlier runs already wrote (resume), and every name in use.
     HashSet64 used_names(rows.size()), used_skeletons(rows.size());
@@ -1026,7 +1108,8 @@ int migrate_status(const std::string& db_url, bool json) {
         std::fprintf(stderr, "mep migrate: no database at %s\n", path.c_str());
         return exit_code::other;
       }
-      Db db(path, sqlite::Mode::read_only);
+      SqliteTarget target(std::make_unique<Db>(path, sqlite::Mode::read_only)); // refuses a newer schema
+      Db& db = target.db();
       if (table_exists(db, "settings")) {
         Use s(db.prepare("SELECT value FROM settings WHERE key = 'migration_state'"));
         if (s->step()) state = s->text(0);

@@ -324,6 +324,8 @@ PgStore::~PgStore() {
 
 std::unique_ptr<pg::Conn> PgStore::connect() { return std::make_unique<pg::Conn>(m_url, m_session_setup); }
 
+int pg_schema_version() { return k_schema_version; }
+
 void PgStore::migrate() {
   auto c = connect();
   for (int attempt = 1;; ++attempt) {

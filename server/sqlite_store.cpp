@@ -604,6 +604,8 @@ SqliteStore::~SqliteStore() {
   if (m_serving_lock >= 0) ::close(m_serving_lock);
 }
 
+int sqlite_schema_version() { return k_schema_version; }
+
 void SqliteStore::migrate() {
   m_db->exec("CREATE TABLE IF NOT EXISTS schema_version (version INTEGER NOT NULL)");
   m_db->exec("BEGIN IMMEDIATE");

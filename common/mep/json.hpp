@@ -15,8 +15,9 @@
 namespace mep::json {
 
 /// Parses `text` as one JSON object (valid UTF-8, depth ≤ 32, no trailing data).
-/// Fails with `invalid-request` naming the parser's complaint.
-expected<boost::json::object, Problem> parse_object(std::string_view text);
+/// Fails with `invalid-request` naming the parser's complaint; `what` names the text when
+/// it is valid JSON but not an object.
+expected<boost::json::object, Problem> parse_object(std::string_view text, std::string_view what = "the request body");
 
 /// Serializes compactly; object members keep their insertion order. Invalid UTF-8 in a
 /// string or key becomes U+FFFD, so the output is always valid JSON.

@@ -25,6 +25,9 @@
 
 namespace mep::server {
 
+/// The schema version this mep writes on PostgreSQL (a newer database is refused).
+int pg_schema_version();
+
 class PgStore final : public Store {
 public:
   /// Connects to `url`, creates or migrates the schema (safe when several servers start

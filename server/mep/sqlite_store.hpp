@@ -21,6 +21,9 @@
 
 namespace mep::server {
 
+/// The schema version this mep writes on SQLite (a newer database is refused).
+int sqlite_schema_version();
+
 class SqliteStore final : public Store {
 public:
   /// Opens (creating and migrating) the database at `url` (`sqlite:PATH` or a path) and

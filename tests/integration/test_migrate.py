@@ -263,7 +263,8 @@ class MigrateTest(unittest.TestCase):
             con = sqlite3.connect(self.db)
             con.execute("CREATE TABLE legacy_agents (legacy_id INTEGER, display_name TEXT, created_at TEXT, legacy_memory_ref TEXT)")
             con.executemany("INSERT INTO legacy_agents VALUES (?, ?, ?, ?)",
-                            [(1, "Zed", "2020-01-01T00:00:00Z", "z1"), (2, "zed", "2019-01-01T00:00:00Z", "z2")])
+                            # SQLite's own text form (datetime()): UTC without a zone.
+                            [(1, "Zed", "2020-01-01T00:00:00Z", "z1"), (2, "zed", "2019-01-01 00:00:00", "z2")])
             con.commit()
             con.close()
         report = os.path.join(self.dir, "report.jsonl")
@@ -274,6 +275,18 @@ class MigrateTest(unittest.TestCase):
             self.assertEqual(r["2"]["memory_instance_id"], "01890f4e-7a3b-7c2d-8e1f-0a1b2c3d4e5f")
             (created,) = db_rows(self.db, "SELECT legacy_created_at FROM migration_rows WHERE legacy_id = '2'")[0]
             self.assertEqual(created, "2019-06-01T00:00:00.000Z")
+        if self.pg:
+            self.db.execute("CREATE TABLE bad_agents (legacy_id integer, display_name text, created_at text, "
+                            "legacy_memory_ref text); INSERT INTO bad_agents VALUES (7, 'Bad', 'soon', 'b7')")
+        else:
+            con = sqlite3.connect(self.db)
+            con.execute("CREATE TABLE bad_agents (legacy_id INTEGER, display_name TEXT, created_at TEXT, legacy_memory_ref TEXT)")
+            con.execute("INSERT INTO bad_agents VALUES (7, 'Bad', 'soon', 'b7')")
+            con.commit()
+            con.close()
+        p = mep("migrate", "plan", "--db", self.url, "--from-table", "bad_agents", check=False)
+        self.assertEqual(p.returncode, 2, p.stderr)
+        self.assertIn("table bad_agents, the row with legacy_id '7': created_at is not an RFC 3339 time", p.stderr)
         p = mep("migrate", "run", "--db", self.url, "--from-table", "no_such; DROP TABLE x", check=False)
         self.assertEqual(p.returncode, 2)
         p = mep("migrate", "run", "--db", self.url, "--from-table", "no_such_table", check=False)
@@ -490,12 +503,91 @@ class MigrateTest(unittest.TestCase):
         self.assertEqual(p.returncode, 2, p.stderr)
         self.assertIn("legacy.csv:3: a quoted field is not closed", p.stderr)
 
+    def test_a_row_that_fails_the_checks_stops_the_command_naming_its_line(self):
+        # Before, each of these was migrated: a missing field as an empty one (every name
+        # "generated" when the export used other field names), a created_at that does not
+        # parse as the newest (it lost every collision), the nil UUID as a memory id.
+        head = "legacy_id,display_name,created_at,legacy_memory_ref\n"
+        ok = '{"legacy_id": "1", "display_name": "one", "created_at": "2020-01-01T00:00:00Z", "legacy_memory_ref": "a"}\n'
+        cases = [
+            ("fields.jsonl", ok + '{"legacy_id": "2", "name": "two", "created_at": "2020-01-01T00:00:00Z", '
+                                  '"legacy_memory_ref": "b"}\n', "fields.jsonl:2: the field display_name is missing"),
+            ("time.jsonl", ok + '{"legacy_id": "2", "display_name": "two", "created_at": "yesterday", '
+                                '"legacy_memory_ref": "b"}\n', "time.jsonl:2: created_at is not an RFC 3339 time"),
+            ("notime.jsonl", ok + '{"legacy_id": "2", "display_name": "two", "created_at": "", '
+                                  '"legacy_memory_ref": "b"}\n', "notime.jsonl:2: created_at is missing"),
+            ("nil.jsonl", ok + '{"legacy_id": "2", "display_name": "two", "created_at": "2020-01-01T00:00:00Z", '
+                               '"legacy_memory_ref": "b", "memory_instance_id": "00000000-0000-0000-0000-000000000000"}\n',
+             "nil.jsonl:2: memory_instance_id is the nil UUID"),
+            # Blank lines before the first row still count.
+            ("blank.jsonl", "\n\n" + ok + ok, "blank.jsonl:4: legacy_id 1 appears twice (first on line 3)"),
+            # JSON, but not an object per line: not read as a CSV without the columns.
+            ("array.jsonl", '[{"legacy_id": "1"}]\n', "array.jsonl:1: a line of JSON Lines must be a JSON object"),
+            ("short.csv", head + "1,one,2020-01-01T00:00:00Z,a\n2,two,2020-01-01T00:00:00Z\n",
+             "short.csv:3: 3 fields where the header has 4"),
+            ("comma.csv", head + "1,Smith, John,2020-01-01T00:00:00Z,a\n", "comma.csv:2: 5 fields where the header has 4"),
+            # A quoted field over two lines: the line numbers after it are still the file's.
+            ("multi.csv", head + '1,"two\nlines",2020-01-01T00:00:00Z,a\n2,two,2020-13-01T00:00:00Z,b\n',
+             "multi.csv:4: created_at is not an RFC 3339 time"),
+        ]
+        for name, text, message in cases:
+            with self.subTest(name):
+                src = os.path.join(self.dir, name)
+                with open(src, "w", encoding="utf-8") as f:
+                    f.write(text)
+                for verb in ("plan", "run"):
+                    p = mep("migrate", verb, "--db", self.url, "--input", src, check=False)
+                    self.assertEqual(p.returncode, 2, p.stderr)
+                    self.assertIn(message, p.stderr)
+                    self.assertEqual(p.stdout, "")
+                if not self.pg:  # nothing was written: not even a database
+                    self.assertFalse(os.path.exists(self.db))
+                else:
+                    self.assertEqual(self.db.snapshot(), {})
+
+    def test_a_database_a_newer_mep_upgraded_is_refused_by_every_subcommand(self):
+        # status, plan and activate opened it anyway (activate wrote into it), where the
+        # servers, mep token and migrate run refuse it.
+        mep("token", "create", "--db", self.url, "--tenant", "default")
+        if self.pg:
+            self.db.execute("UPDATE schema_version SET version = 999")
+        else:
+            con = sqlite3.connect(self.db)
+            con.execute("INSERT INTO schema_version(version) VALUES (999)")
+            con.commit()
+            con.close()
+        src = os.path.join(self.dir, "one.jsonl")
+        write_jsonl(src, [{"legacy_id": "1", "display_name": "a", "created_at": "2020-01-01T00:00:00Z",
+                           "legacy_memory_ref": "x"}])
+        for args in (("status",), ("activate",), ("plan", "--input", src), ("run", "--input", src)):
+            with self.subTest(args[0]):
+                p = mep("migrate", *args, "--db", self.url, check=False)
+                self.assertEqual(p.returncode, 1, p.stderr)
+                self.assertIn("database schema version 999 is newer than this mep", p.stderr)
+        if self.pg:
+            self.assertEqual(self.db.query("SELECT value FROM settings WHERE key = 'migration_state'"), [])
+
+    def test_times_with_a_space_and_empty_input(self):
+        src = os.path.join(self.dir, "space.jsonl")
+        write_jsonl(src, [{"legacy_id": "1", "display_name": "Sp", "created_at": "2021-01-01 00:00:00Z", "legacy_memory_ref": "a"},
+                          {"legacy_id": "2", "display_name": "sp", "created_at": "2020-06-01 00:00:00+02:00", "legacy_memory_ref": "b"}])
+        report = os.path.join(self.dir, "report.jsonl")
+        mep("migrate", "run", "--db", self.url, "--input", src, "--report", report)
+        r = read_report(report)
+        self.assertEqual((r["2"]["action"], r["1"]["action"]), ("kept", "renamed"))
+        empty = os.path.join(self.dir, "empty.jsonl")
+        open(empty, "w").close()
+        p = mep("--json", "migrate", "plan", "--db", self.url, "--input", empty)
+        self.assertIn("the input holds no rows", p.stderr)
+        self.assertEqual(json.loads(p.stdout.splitlines()[-1])["rows"], 0)
+
     def test_usage_errors(self):
         self.assertEqual(mep("migrate", "run", "--db", self.url, check=False).returncode, 2)
         self.assertEqual(mep("migrate", "run", "--db", self.url, "--input", "/nonexistent.jsonl", check=False).returncode, 2)
         bad = os.path.join(self.dir, "bad.jsonl")
         with open(bad, "w") as f:
-            f.write('{"legacy_id": "1", "display_name": "a"}\n{broken\n')
+            f.write('{"legacy_id": "1", "display_name": "a", "created_at": "2020-01-01T00:00:00Z", '
+                    '"legacy_memory_ref": "x"}\n{broken\n')
         p = mep("migrate", "run", "--db", self.url, "--input", bad, check=False)
         self.assertEqual(p.returncode, 2)
         self.assertIn(":2:", p.stderr)
