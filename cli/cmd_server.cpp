@@ -18,8 +18,10 @@ namespace mep::cli {
 std::string resolve_db_url(const std::string& flag, const GlobalOptions& g) {
   auto cfg = Config::load(g.config_file);
   if (!cfg) throw ConfigError(cfg.error());
-  if (!flag.empty()) return flag;
-  return cfg->get("db", std::nullopt, "--db", server::default_db_url()).value;
+  auto url =
+      server::check_db_url(flag.empty() ? cfg->get("db", std::nullopt, "--db", server::default_db_url()).value : flag);
+  if (!url) throw UsageError(url.error());
+  return *url;
 }
 
 std::unique_ptr<server::Store> open_store_or_explain(const std::string& url, const server::StoreOptions& options) {

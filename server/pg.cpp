@@ -1,6 +1,7 @@
 #include "mep/pg.hpp"
 
 #include <charconv>
+#include <string_view>
 
 #include <cerrno>
 #include <poll.h>
@@ -17,6 +18,46 @@ std::string first_line(const char* msg) {
   s = s.substr(0, s.find('\n'));
   while (!s.empty() && s.back() == ' ') s.pop_back();
   return s;
+}
+
+// The password of a URL as typed, and whatever a misparse may have taken for other parts:
+// the text between the first ':' after "//" and the last '@' ("" without one).
+std::string password_region(std::string_view url) {
+  auto start = url.find("//");
+  if (start == std::string_view::npos) return {};
+  url.remove_prefix(start + 2);
+  auto at = url.rfind('@');
+  if (at == std::string_view::npos) return {};
+  url = url.substr(0, at);
+  auto colon = url.find(':');
+  return colon == std::string_view::npos ? std::string() : std::string(url.substr(colon + 1));
+}
+
+// libpq quotes the pieces of a URL it could not use, and a password with an unencoded '/',
+// '#', '?' or '@' is split into such pieces ("invalid integer value "Top" for connection
+// option "port""). A quoted piece that shares three characters with the password, or is
+// part of it, becomes "…".
+std::string redact(std::string msg, const std::string& secret) {
+  if (secret.empty()) return msg;
+  auto shares = [&](std::string_view q) {
+    if (q.size() < 3) return !q.empty() && secret.find(q) != std::string::npos;
+    for (std::size_t i = 0; i + 3 <= q.size(); ++i)
+      if (secret.find(q.substr(i, 3)) != std::string::npos) return true;
+    return false;
+  };
+  std::string out;
+  std::size_t pos = 0;
+  while (true) {
+    auto open = msg.find('"', pos);
+    auto close = open == std::string::npos ? open : msg.find('"', open + 1);
+    if (close == std::string::npos) break;
+    out.append(msg, pos, open - pos);
+    std::string_view q(msg.data() + open + 1, close - open - 1);
+    out += shares(q) ? std::string("\"…\"") : "\"" + std::string(q) + "\"";
+    pos = close + 1;
+  }
+  out.append(msg, pos);
+  return out;
 }
 
 } // namespace
@@ -49,10 +90,18 @@ Conn::Conn(const std::string& url, const std::vector<std::string>& set_commands)
                         "dbname",
                         nullptr};
   const char* values[] = {"3", "mep-server", "1", "5", "2", "3", "10000", url.c_str(), nullptr};
+  // A URL libpq cannot parse is refused without its words: they quote the URL.
+  char* parse_error = nullptr;
+  if (PQconninfoOption* parsed = PQconninfoParse(url.c_str(), &parse_error)) {
+    PQconninfoFree(parsed);
+  } else {
+    if (parse_error) PQfreemem(parse_error);
+    throw Error("cannot parse the PostgreSQL URL (are special characters in the password percent-encoded?)", "", false);
+  }
   m_c = PQconnectdbParams(keys, values, 1);
   if (!m_c) throw Error("out of memory connecting to PostgreSQL", "", true);
   if (PQstatus(m_c) != CONNECTION_OK) {
-    std::string msg = "cannot connect to PostgreSQL: " + first_line(PQerrorMessage(m_c));
+    std::string msg = "cannot connect to PostgreSQL: " + redact(first_line(PQerrorMessage(m_c)), password_region(url));
     PQfinish(m_c);
     m_c = nullptr;
     throw Error(msg, "", true);

@@ -15,6 +15,8 @@
 #include <boost/asio/signal_set.hpp>
 #include <boost/asio/steady_timer.hpp>
 
+#include <algorithm>
+#include <cctype>
 #include <chrono>
 #include <cmath>
 #include <condition_variable>
@@ -27,11 +29,26 @@ using tcp = net::ip::tcp;
 
 std::string default_db_url() { return "sqlite:" + (xdg_state_home() / "mep" / "control.db").string(); }
 
-std::unique_ptr<Store> open_store(const std::string& url, const StoreOptions& options) {
-  if (pg::is_pg_url(url)) return std::make_unique<PgStore>(url, options);
-  if (url.find("://") != std::string::npos && url.rfind("sqlite://", 0) != 0)
-    throw std::runtime_error("unsupported database URL scheme (use sqlite:PATH or postgresql://...)");
-  return std::make_unique<SqliteStore>(url, options.create, options.writer_nice, options.serving);
+expected<std::string, std::string> check_db_url(const std::string& url) {
+  const auto colon = url.find(':');
+  std::string scheme = url.substr(0, colon == std::string::npos ? 0 : colon);
+  for (char& ch : scheme) ch = static_cast<char>(std::tolower(static_cast<unsigned char>(ch)));
+  const std::string rest = colon == std::string::npos ? std::string() : url.substr(colon);
+  if ((scheme == "postgresql" || scheme == "postgres") && rest.rfind("://", 0) == 0) return scheme + rest;
+  if (scheme == "sqlite") {
+    if (rest.find_first_not_of(":/") == std::string::npos)
+      return make_unexpected(std::string("--db sqlite: needs a path"));
+    return scheme + rest;
+  }
+  return make_unexpected(std::string("--db must be sqlite:PATH or postgresql://USER@HOST/DATABASE, and this one "
+                                     "begins with neither"));
+}
+
+std::unique_ptr<Store> open_store(const std::string& given, const StoreOptions& options) {
+  auto url = check_db_url(given);
+  if (!url) throw std::runtime_error(url.error());
+  if (pg::is_pg_url(*url)) return std::make_unique<PgStore>(*url, options);
+  return std::make_unique<SqliteStore>(*url, options.create, options.writer_nice, options.serving);
 }
 
 namespace {} // namespace
@@ -68,6 +85,12 @@ int run_server(const ServerOptions& o) {
     so.serving = true;
     store = open_store(o.db_url.empty() ? default_db_url() : o.db_url, so);
     if (tls) tls_ctx = http::make_tls_context(o.tls_cert, o.tls_key);
+    // A new database (a mistyped path, say) holds no token: say so, rather than answer
+    // every request with 401 and leave the operator to guess why.
+    const auto tokens = store->list_tokens(std::nullopt);
+    if (std::none_of(tokens.begin(), tokens.end(), [](const TokenInfo& t) { return !t.revoked_at; }))
+      log::warn("the database holds no token that is not revoked, so every request will be refused (401); "
+                "create one with mep token create --db (the same database)");
   } catch (const std::exception& e) {
     log::error("{}", e.what());
     return exit_code::other;

@@ -250,11 +250,18 @@ struct StoreOptions {
   bool serving = false;
 };
 
-/// Opens the store named by `url`: `sqlite:PATH` (or a bare path) or `postgresql://…`.
+/// Opens the store named by `url` (see check_db_url).
 /// Creates and migrates the schema. Throws std::runtime_error with a readable message.
 std::unique_ptr<Store> open_store(const std::string& url, const StoreOptions& options = {});
 
 /// The default database URL: sqlite:$XDG_STATE_HOME/mep/control.db.
 std::string default_db_url();
+
+/// `url` as the stores take it, or why it is refused: `sqlite:PATH` (also `sqlite://PATH`)
+/// or `postgresql://…` / `postgres://…`, the scheme in any case (given on in lower case).
+/// Anything else — a bare path, a mistyped scheme, libpq's `key=value` form — is refused
+/// rather than opened as a new SQLite file in the current directory. The message never
+/// repeats the URL, which may hold a password.
+expected<std::string, std::string> check_db_url(const std::string& url);
 
 } // namespace mep::server

@@ -1637,6 +1637,8 @@ class Lifecycle(ServerTestCase):
         srv = MepServer(self.workdir, os.path.join(self.workdir, "life.db"))
         srv.start()
         self.addCleanup(srv.stop)
+        # A new database has no token: every request would get 401, and the log says why.
+        self.assertIn("holds no token that is not revoked", srv.stderr_text())
         tok = create_token(srv.db_path, "t", "lease")
         c = ApiClient(srv.port, tok)
         self.addCleanup(c.close)
@@ -1657,6 +1659,7 @@ class Lifecycle(ServerTestCase):
         # The acknowledged grant is durable: a new server on the same file sees it.
         srv2 = MepServer(self.workdir, srv.db_path).start()
         self.addCleanup(srv2.stop)
+        self.assertNotIn("holds no token", srv2.stderr_text())
         with ApiClient(srv2.port, tok) as c2:
             r = c2.get("/v1/memories/" + mem)
             self.assertStatus(r, 200)
@@ -1682,6 +1685,38 @@ class Lifecycle(ServerTestCase):
                 self.assertEqual(len(lines), 1, (args, err))
                 self.assertTrue(lines[0].startswith("mep"), (args, err))
                 self.assertNotIn("internal error", err, args)
+
+    def test_a_database_url_is_one_of_the_two_forms_and_its_password_never_shown(self):
+        # Anything but sqlite: and postgresql:// became a SQLite file in the current
+        # directory ("postgresql:/…" with a slash missing started a server on an empty
+        # database); libpq's words about a URL it could not parse quoted the password.
+        cwd = tempfile.mkdtemp(prefix="mep-dburl-", dir=self.workdir)
+        for url in ("postgresql:/mep@127.0.0.1:1/x", "host=127.0.0.1 port=1 dbname=x", "plain.db", "sqlite:",
+                    "mysql://u@127.0.0.1/x"):
+            for args in (["token", "list", "--db", url], ["server", "--db", url, "--listen", "127.0.0.1:0"],
+                         ["migrate", "status", "--db", url]):
+                p = subprocess.run([mep_bin(), *args], cwd=cwd, stdin=subprocess.DEVNULL, capture_output=True,
+                                   timeout=30)
+                self.assertEqual(p.returncode, 2, (args, p.stderr))
+                self.assertEqual(len(p.stderr.strip().splitlines()), 1, (args, p.stderr))
+                self.assertIn(b"--db", p.stderr)
+        self.assertEqual(os.listdir(cwd), [], "a database was created in the working directory")
+        secrets = {"postgresql://u:Top%ZZSecret@127.0.0.1:1/x": ["Top", "ZZSecret"],
+                   "postgresql://u:Top/SecretValue@127.0.0.1:1/x": ["Top", "SecretValue"],
+                   "postgresql://u:p@ss:w/rd?#%x@127.0.0.1:1/x": ["p@ss", "ss:w", "#%x"],
+                   "postgresql://u:Top:Secret@[::1:1/x": ["Top:Secret", "Secret"],
+                   "PostgreSQL://u:Sesame@127.0.0.1:1/x": ["Sesame"]}
+        for url, words in secrets.items():
+            for args in (["token", "list", "--db", url], ["server", "--db", url, "--listen", "127.0.0.1:0"],
+                         ["migrate", "status", "--db", url]):
+                rc, out, err = run_mep(args, check=False)
+                self.assertEqual(rc, 1, (args, err))
+                self.assertEqual(len(err.strip().splitlines()), 1, (args, err))
+                for w in words:
+                    self.assertNotIn(w, err, (args, err))
+        # The scheme in any case is PostgreSQL's: refused by the port, not as a bad URL.
+        _, _, err = run_mep(["token", "list", "--db", "PostgreSQL://u:Sesame@127.0.0.1:1/x"], check=False)
+        self.assertIn("cannot connect to PostgreSQL", err)
 
     def test_sigterm_exits_0_with_requests_in_flight(self):
         srv = MepServer(self.workdir, os.path.join(self.workdir, "life2.db")).start()
