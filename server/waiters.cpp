@@ -370,14 +370,16 @@ void WaitQueue::run() {
       if (m_stopped) return;
       const auto now = Clock::now();
       // Deadlines: the client gets the latest refusal and leaves; the entry stays for a
-      // retry of it (abandoned) when it has no other client.
+      // retry of it (abandoned) when it has no other client. Not while an attempt is in
+      // flight: it may grant, and the client is answered what it decides (bounded by the
+      // store's timeouts), never a refusal that a grant under its Idempotency-Key follows.
       std::vector<EntryPtr> entries;
       for (const auto& [seq, e] : m_entries) entries.push_back(e);
       for (const auto& e : entries) {
         if (e->done) continue;
         bool had = e->live();
         for (auto it = e->clients.begin(); it != e->clients.end();) {
-          if (it->deadline <= now) {
+          if (it->deadline <= now && !e->attempting) {
             later.push_back(answer_later(std::move(it->answer), refusal_for(*e), "timeout", ahead_of(*e), it->start));
             it = e->clients.erase(it);
           } else {
@@ -402,7 +404,7 @@ void WaitQueue::run() {
         }
         if (!e->attempting && is_head(*e)) next = std::min(next, e->retry_at);
         for (std::size_t i = 0; i < e->clients.size(); ++i) {
-          next = std::min(next, e->clients[i].deadline);
+          if (!e->attempting) next = std::min(next, e->clients[i].deadline); // else its end wakes us
           if (e->clients[i].fd >= 0) {
             fds.push_back(pollfd{e->clients[i].fd, POLLRDHUP, 0});
             owners.emplace_back(e, i);
