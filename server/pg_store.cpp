@@ -326,6 +326,11 @@ std::unique_ptr<pg::Conn> PgStore::connect() { return std::make_unique<pg::Conn>
 
 int pg_schema_version() { return k_schema_version; }
 
+namespace {
+// A statement or lock timeout (57014, 55P03): rolled back after waiting its limit.
+bool timed_out_waiting(const pg::Error& e) { return e.sqlstate() == "57014" || e.sqlstate() == "55P03"; }
+} // namespace
+
 void PgStore::migrate() {
   auto c = connect();
   for (int attempt = 1;; ++attempt) {
@@ -611,7 +616,7 @@ std::optional<Problem> PgStore::execute(Slot& slot, Job& job) {
         return p;
       }
       if (e.sqlstate() == "22021" || e.sqlstate() == "22P05") return bad_text();
-      if (e.sqlstate() == "57014" || e.sqlstate() == "55P03") { // statement or lock timeout
+      if (timed_out_waiting(e)) {
         log::warn("request {}: {}", job.request_id, e.what());
         return db_unavailable();
       }
@@ -982,6 +987,12 @@ std::vector<std::optional<Problem>> PgStore::execute_batch(Slot& slot, std::vect
         if (m_healthy.exchange(false)) log::warn("database connection lost: {}", e.what());
         unanswered = e.timed_out();
       }
+      // A batch that waited out a lock or statement timeout is answered 503 as a whole: one
+      // by one, each claim would wait it out again, and the last be answered N times later.
+      if (timed_out_waiting(e)) {
+        log::warn("a batch of {} claims: {}", jobs.size(), e.what());
+        unanswered = true;
+      }
       if (!unanswered) log::debug("a batch of {} claims failed ({}); sending them one by one", jobs.size(), e.what());
     } catch (const std::exception& e) {
       log::warn("a batch of {} claims failed ({}); sending them one by one", jobs.size(), e.what());
@@ -1124,6 +1135,10 @@ std::vector<std::optional<Problem>> PgStore::execute_refs(Slot& slot, std::vecto
         slot.conn.reset();
         if (m_healthy.exchange(false)) log::warn("database connection lost: {}", e.what());
         if (e.timed_out() || !renewals) unanswered = db_unavailable(); // see Job::repeatable
+      }
+      if (timed_out_waiting(e)) { // as for claims: not once more per item
+        log::warn("a batch of {} {}s: {}", jobs.size(), kind, e.what());
+        unanswered = db_unavailable();
       }
       if (!unanswered)
         log::debug("a batch of {} {}s failed ({}); sending them one by one", jobs.size(), kind, e.what());

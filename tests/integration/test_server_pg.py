@@ -665,6 +665,73 @@ class ClaimLanes(PgTestCase):
         self.assertEqual(results[0].json["fencing_token"], 2)
 
 
+class LockedTable(PgTestCase):
+    def test_operations_under_a_locked_table_are_refused_within_the_bound(self):
+        """A session holds the leases table locked. Each batch of claims or renewals waits
+        out lock_timeout (5 s) once and is answered 503 as a whole: it was sent again one
+        item at a time, each waiting 5 s more, and the last of 12 claims was answered after
+        40 s, against the 15 s mep-server(8) gives a lease operation."""
+        self.db = pgfixture.PgDb()
+        token = create_token(self.db, "tenant-a")
+        self.servers = start_servers(self.dir, self.db, 1)
+        server = self.servers[0]
+        with server.client(token) as c:
+            mems = [c.new_memory() for _ in range(20)]
+            held = []
+            for i in range(8):
+                r = c.claim(unique_name(), mems[i], "owner-%d" % i)
+                self.assertEqual(r.status, 201, r.json)
+                held.append(r.json)
+        lock = subprocess.Popen(["psql", "-X", "-q", "-v", "ON_ERROR_STOP=1", "-d", self.db.url],
+                                stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        self.addCleanup(lambda: (lock.kill(), lock.wait()))
+        lock.stdin.write(b"BEGIN;\nLOCK TABLE leases IN ACCESS EXCLUSIVE MODE;\n")
+        lock.stdin.flush()
+        deadline = time.monotonic() + 10
+        while db_query(self.db, "SELECT count(*) FROM pg_stat_activity WHERE state = 'idle in transaction' "
+                                "AND query LIKE 'LOCK TABLE%'") != [(1,)]:
+            self.assertLess(time.monotonic(), deadline, "the lock is not held")
+            time.sleep(0.02)
+        results, took, errors = {}, {}, []
+
+        def call(i, barrier, op):
+            try:
+                with ApiClient(server.port, token, timeout=90) as c:
+                    c.get("/healthz")
+                    barrier.wait()
+                    t0 = time.monotonic()
+                    results[i] = op(c)
+                    took[i] = time.monotonic() - t0
+            except Exception as e:  # reported below
+                errors.append((i, e))
+
+        def together(ops):
+            barrier = threading.Barrier(len(ops))
+            threads = [threading.Thread(target=call, args=(i, barrier, op), daemon=True) for i, op in ops.items()]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join(timeout=120)
+
+        claims = {i: (lambda c, i=i: c.claim(unique_name(), mems[8 + i], "owner-new-%d" % i)) for i in range(12)}
+        renewals = {100 + i: (lambda c, g=g, i=i: c.renew(g["canonical_name"], g["memory_instance_id"],
+                                                           g["fencing_token"], "owner-%d" % i))
+                    for i, g in enumerate(held)}
+        for ops in (claims, renewals):
+            together(ops)
+            self.assertEqual(errors, [])
+            for i in ops:
+                self.assertEqual(results[i].status, 503, results[i].json)
+                self.assertIsNotNone(results[i].header("Retry-After"))
+                # A bound on an answer, not a measure of speed: 15 s is the documented limit.
+                self.assertLess(took[i], 15, "answered after %.1f s" % took[i])
+        lock.stdin.write(b"ROLLBACK;\n")
+        lock.stdin.close()
+        with server.client(token) as c:
+            r = c.claim(unique_name(), mems[19], "owner-after")
+            self.assertEqual(r.status, 201, r.json)
+
+
 class RenewBatches(PgTestCase):
     def test_renewals_sent_together_are_each_answered_as_if_alone(self):
         """With --db-pool 4 a server runs single renewals in one lane, so clients renewing at
