@@ -170,7 +170,7 @@ http::Response DaemonHandler::respond(const http::Request& req, const http::Peer
   std::string allow;
   try {
     // Every file this request touches is touched as the peer (peer.hpp).
-    const Peer who = Peer::connected(peer.uid, peer.gid, peer.pid);
+    const Peer who = Peer::connected(peer.uid, peer.gid, peer.pid, peer.groups);
     PeerScope scope(&who);
     out = route(req, peer, allow, fd);
   } catch (const std::exception& e) {
@@ -353,7 +353,7 @@ DaemonHandler::Out DaemonHandler::on_branch_or_init(const Call& c, bool branch) 
                   [](const Initialized& i) { return api::to_json(i); });
   auto new_path = client_path(*np, c.peer.pid);
   if (!new_path) return make_unexpected(std::move(new_path.error()));
-  return encode(m_service.branch(*path, *new_path, c.peer.uid), 201,
+  return encode(m_service.branch(*path, *new_path, c.peer.uid, client_file_mode(c.peer.pid)), 201,
                 [](const BranchedFile& b) { return api::to_json(b); });
 }
 DaemonHandler::Out DaemonHandler::on_branch(const Call& c) { return on_branch_or_init(c, true); }

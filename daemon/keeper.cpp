@@ -376,7 +376,10 @@ expected<Held, Problem> Keeper::attach(const AttachRequest& req) {
   if (req.ttl_s < lease::k_min_ttl_s || req.ttl_s > lease::k_max_ttl_s)
     return make_unexpected(Problem(Code::invalid_ttl, fmt::format("ttl_seconds must be between {} and {}",
                                                                   lease::k_min_ttl_s, lease::k_max_ttl_s)));
-  m_book.drop_lost(name->canonical_name); // a lost lease is only a record; a new attach replaces it
+  // A lost lease is only a record, and a new attach replaces it: one its user may act on.
+  // Another user's stays (for its 410) unless this attach is granted the name.
+  if (auto seen = m_book.get(name->canonical_name); seen && may_act_on(req.uid, seen->uid))
+    m_book.drop_lost(name->canonical_name);
   const std::string attach_id = uuid_v7().to_string();
   const std::string owner = m_state.daemon_id() + "/" + attach_id;
   const std::string path = req.path.string();
@@ -599,7 +602,89 @@ expected<Held, Problem> Keeper::get(const std::string& display, uid_t viewer) co
 
 // ---- branch, identify, init, lineage ---------------------------------------------------------------
 
-expected<BranchedFile, Problem> Keeper::branch(const fs::path& path, const fs::path& new_path, uid_t viewer) {
+namespace {
+
+bool write_all(int fd, const char* p, std::size_t n) {
+  while (n > 0) {
+    const ssize_t w = ::write(fd, p, n);
+    if (w < 0 && errno == EINTR) continue;
+    if (w < 0) return false;
+    p += w;
+    n -= static_cast<std::size_t>(w);
+  }
+  return true;
+}
+
+// Copies `from` to the new file `to` with the peer's rights, as `cp` would: the source's
+// mode within `mode` (the client's umask). Never blocks a worker: the source is opened
+// O_NONBLOCK (a FIFO put in its place, or a file under another process's lease, is
+// refused, not waited for). On failure nothing is left at `to`.
+std::optional<Problem> copy_as_peer(const fs::path& from, const fs::path& to, mode_t mode) {
+  auto failed = [](int err, const char* what) {
+    if (err == EWOULDBLOCK) {
+      Problem p(Code::unavailable, "another process holds a lease on the memory file (fcntl F_SETLEASE); try again");
+      p.retry_after_s = 1;
+      return p;
+    }
+    return Problem(err == EACCES || err == EPERM ? Code::forbidden : Code::invalid_request,
+                   fmt::format("{}: {}", what, std::strerror(err)));
+  };
+  const int in = open_as_peer(from.c_str(), O_RDONLY | O_NONBLOCK | O_NOCTTY);
+  if (in < 0) return failed(errno, "cannot read the memory file");
+  struct stat st {};
+  if (::fstat(in, &st) != 0 || !S_ISREG(st.st_mode)) {
+    ::close(in);
+    return Problem(Code::invalid_request, "the memory file is no longer a regular file");
+  }
+  const int out = open_as_peer(to.c_str(), O_CREAT | O_EXCL | O_WRONLY | O_NOCTTY, 0600);
+  if (out < 0) {
+    const int err = errno;
+    ::close(in);
+    if (err == EEXIST) return Problem(Code::invalid_request, "the new path already exists");
+    return failed(err, "cannot create the new file");
+  }
+  {
+    AsPeer as;
+    ::fchmod(out, st.st_mode & 0666 & mode);
+  }
+  int err = 0;
+  for (;;) {
+    const ssize_t n = ::copy_file_range(in, nullptr, out, nullptr, 1 << 30, 0);
+    if (n > 0) continue;
+    if (n == 0) break;
+    if (errno == EINTR) continue;
+    if (errno != EXDEV && errno != ENOSYS && errno != EINVAL && errno != EOPNOTSUPP) {
+      err = errno;
+      break;
+    }
+    // No copy_file_range between these files: read and write.
+    char buf[1 << 16];
+    for (;;) {
+      const ssize_t r = ::read(in, buf, sizeof buf);
+      if (r == 0) break;
+      if (r < 0 && errno == EINTR) continue;
+      if (r < 0 || !write_all(out, buf, static_cast<std::size_t>(r))) {
+        err = errno;
+        break;
+      }
+    }
+    break;
+  }
+  ::close(in);
+  if (err == 0 && ::fsync(out) != 0) err = errno;
+  if (::close(out) != 0 && err == 0) err = errno;
+  if (err != 0) {
+    AsPeer as;
+    ::unlink(to.c_str());
+    return failed(err, "cannot copy the memory file");
+  }
+  return std::nullopt;
+}
+
+} // namespace
+
+expected<BranchedFile, Problem> Keeper::branch(const fs::path& path, const fs::path& new_path, uid_t viewer,
+                                               mode_t mode) {
   auto ident = m_resolver.resolve(path, false);
   if (!ident) return make_unexpected(std::move(ident.error()));
   bool lost = false;
@@ -613,14 +698,8 @@ expected<BranchedFile, Problem> Keeper::branch(const fs::path& path, const fs::p
   if (!live)
     return make_unexpected(
         Problem(Code::lease_not_found, "branching needs a live lease on the source: attach it first"));
+  if (auto p = copy_as_peer(path, new_path, mode)) return make_unexpected(std::move(*p));
   std::error_code ec;
-  {
-    AsPeer as; // the copy is the peer's: read and created with its rights
-    if (fs::exists(new_path, ec)) return make_unexpected(Problem(Code::invalid_request, "the new path already exists"));
-    if (!fs::copy_file(path, new_path, fs::copy_options::none, ec))
-      return make_unexpected(Problem(ec == std::errc::permission_denied ? Code::forbidden : Code::invalid_request,
-                                     "cannot copy the memory file: " + ec.message()));
-  }
   const std::string id = uuid_v7().to_string();
   m_cp_requests++;
   auto r = m_cp->branch(lease::BranchRequest{ident->memory_id, live->fencing_token, id}, "branch-" + id);
@@ -743,8 +822,11 @@ expected<ObjectResult, Problem> Keeper::sync(const std::string& display, uid_t v
   }
   int fd, err = 0;
   {
-    // The bytes are read with the peer's rights, not the daemon's; never a FIFO or a device
-    // (a FIFO would block a worker until someone writes to it).
+    // The bytes are read with the lease owner's rights, not the daemon's nor those of root
+    // syncing another user's lease (the file may since have become a link to root's own
+    // files); never a FIFO or a device (a FIFO would block a worker until someone writes).
+    std::optional<OwnerScope> as_owner; // an owner an older mepd did not record: the peer's
+    if (h->uid != static_cast<uid_t>(-1)) as_owner.emplace(*h);
     fd = open_as_peer(h->path.c_str(), O_RDONLY | O_NONBLOCK | O_NOCTTY);
     err = errno;
     struct stat st {};

@@ -10,13 +10,16 @@
 #include <boost/beast/core.hpp>
 #include <fmt/format.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cstring>
 #include <grp.h>
+#include <linux/capability.h>
 #include <memory>
 #include <pwd.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
+#include <sys/syscall.h>
 #include <sys/un.h>
 #include <unistd.h>
 
@@ -31,6 +34,25 @@ namespace {
 constexpr auto k_io_timeout = std::chrono::seconds(60);
 constexpr const char* k_system_group = "mep";
 
+// A system daemon started as root keeps CAP_SETUID and CAP_SETGID only, as the packaged
+// one (mepd.service) has them: a file-system uid switched to a user's drops the file
+// capabilities, but not CAP_SYS_RESOURCE (a user's fetch would fill the blocks reserved for
+// root, past quotas) nor CAP_SYS_PTRACE (a user's path through /proc/PID/cwd/.. would reach
+// another user's working directory). Called on the thread that starts the others, before
+// them: capabilities are per thread, and inherited.
+void keep_only_setid_capabilities() {
+  if (::geteuid() != 0) return; // an unprivileged daemon holds what its unit gave it
+  __user_cap_header_struct header{_LINUX_CAPABILITY_VERSION_3, 0};
+  __user_cap_data_struct data[_LINUX_CAPABILITY_U32S_3]{};
+  for (int cap : {CAP_SETUID, CAP_SETGID}) {
+    data[cap / 32].effective |= 1u << (cap % 32);
+    data[cap / 32].permitted |= 1u << (cap % 32);
+  }
+  if (::syscall(SYS_capset, &header, data) != 0)
+    throw std::runtime_error(
+        fmt::format("--system: cannot give up the capabilities it does not need: {}", std::strerror(errno)));
+}
+
 } // namespace
 
 LocalServer::LocalServer(net::io_context& ioc, DaemonService& service, const fs::path& socket_path, int inherited_fd,
@@ -41,8 +63,8 @@ LocalServer::LocalServer(net::io_context& ioc, DaemonService& service, const fs:
     acceptor.assign(local(), inherited_fd);
   else
     bind_socket(acceptor);
-  m_handler =
-      std::make_unique<DaemonHandler>(service, [this](const http::Peer& p) { return peer_allowed(p.uid, p.gid); });
+  if (m_system) keep_only_setid_capabilities(); // before the workers start
+  m_handler = std::make_unique<DaemonHandler>(service, [this](const http::Peer& p) { return peer_allowed(p); });
   http::EdgeOptions options;
   options.server_name = "mepd";
   options.io_timeout = k_io_timeout;
@@ -154,7 +176,9 @@ void LocalServer::stop() { m_listener->stop_accepting(); }
 
 // SPEC §7: the daemon's own user; in system mode also root and the members of the socket's
 // group (mep), each of whom then sees only its own leases (Keeper, may_act_on).
-bool LocalServer::peer_allowed(uid_t uid, gid_t gid) const {
+bool LocalServer::peer_allowed(const http::Peer& peer) const {
+  const uid_t uid = peer.uid;
+  const gid_t gid = peer.gid;
   if (uid == ::getuid()) return true;
   if (!m_system) return false;
   if (uid == 0) return true;
@@ -162,6 +186,9 @@ bool LocalServer::peer_allowed(uid_t uid, gid_t gid) const {
   std::string path = m_path.string();
   if (path.empty() || ::stat(path.c_str(), &st) != 0 || !(st.st_mode & S_IWGRP)) return false;
   if (gid == st.st_gid) return true;
+  // The groups it connected with: no lookup of the user (which fails, and refused members
+  // as strangers, when the daemon is out of descriptors).
+  if (peer.groups) return std::find(peer.groups->begin(), peer.groups->end(), st.st_gid) != peer.groups->end();
   passwd pw{};
   passwd* found = nullptr;
   std::vector<char> buf(16384);

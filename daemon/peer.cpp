@@ -62,26 +62,12 @@ std::vector<gid_t> user_groups(uid_t uid, gid_t gid) {
 
 } // namespace
 
-Peer Peer::connected(uid_t uid, gid_t gid, pid_t pid) {
+Peer Peer::connected(uid_t uid, gid_t gid, pid_t pid, const std::optional<std::vector<gid_t>>& groups) {
   Peer p{uid, gid, pid, {}};
   if (uid == daemon_euid()) return p; // the daemon's own user: never switched to (AsPeer)
-  // The groups the process has now (newgrp, a service's SupplementaryGroups=), read only
-  // when /proc still shows that process running as the peer's uid.
-  std::ifstream status("/proc/" + std::to_string(pid) + "/status");
-  bool uid_matches = false;
-  std::optional<std::vector<gid_t>> groups;
-  for (std::string line; std::getline(status, line);) {
-    std::istringstream in(line.substr(line.find(':') == std::string::npos ? line.size() : line.find(':') + 1));
-    if (line.rfind("Uid:", 0) == 0) {
-      unsigned long real = 0, effective = 0;
-      in >> real >> effective;
-      uid_matches = static_cast<uid_t>(effective) == uid;
-    } else if (line.rfind("Groups:", 0) == 0) {
-      groups.emplace();
-      for (unsigned long g; in >> g;) groups->push_back(static_cast<gid_t>(g));
-    }
-  }
-  p.groups = uid_matches && groups ? std::move(*groups) : user_groups(uid, gid);
+  // Not /proc/PID/status: the process that connected may have exited, and its pid be
+  // another process's by now.
+  p.groups = groups ? *groups : std::vector<gid_t>{gid};
   return p;
 }
 

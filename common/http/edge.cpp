@@ -42,6 +42,7 @@
 #include <openssl/ssl.h>
 #include <sys/socket.h>
 
+#include <cerrno>
 #include <deque>
 #include <limits>
 #include <mutex>
@@ -558,8 +559,18 @@ private:
 
   // ---- streams ----
 
+  // A reader that does not keep up is cut off once k_stream_backlog bytes wait for it: its
+  // queue would otherwise grow for as long as it stays connected, and one client could take
+  // the daemon's memory. It has missed events either way; it reconnects.
+  static constexpr std::size_t k_stream_backlog = 256 * 1024;
+
   void queue_chunk(std::string bytes) {
     if (m_stream_done) return;
+    m_queued_bytes += bytes.size();
+    if (m_queued_bytes > k_stream_backlog) {
+      log::warn("closed an event stream whose reader is more than {} behind", format_size(k_stream_backlog));
+      return end_stream();
+    }
     m_chunks.push_back(std::move(bytes));
     if (m_chunks.size() == 1) write_chunk();
   }
@@ -568,9 +579,11 @@ private:
   // write completes, also when the stream ended meanwhile.
   void write_chunk() {
     net::async_write(m_stream, net::buffer(m_chunks.front()), [self = shared()](beast::error_code ec, std::size_t) {
+      self->m_queued_bytes -= self->m_chunks.front().size();
       self->m_chunks.pop_front();
       if (ec || self->m_stream_done) {
         self->m_chunks.clear();
+        self->m_queued_bytes = 0;
         return self->end_stream();
       }
       if (!self->m_chunks.empty()) self->write_chunk();
@@ -591,6 +604,7 @@ private:
     m_stream_done = true;
     // Chunks not yet started are dropped; the one being written is dropped by its completion.
     if (m_chunks.size() > 1) m_chunks.erase(m_chunks.begin() + 1, m_chunks.end());
+    m_queued_bytes = m_chunks.empty() ? 0 : m_chunks.front().size();
     if (m_events) m_events->close();
     close_now();
   }
@@ -617,6 +631,7 @@ private:
   std::vector<char> m_drain;
   std::shared_ptr<StreamState> m_events;
   std::deque<std::string> m_chunks;
+  std::size_t m_queued_bytes = 0; ///< in m_chunks
   bool m_stream_done = false;
 };
 
@@ -698,6 +713,26 @@ void UnixListener::stop_accepting() {
   });
 }
 
+namespace {
+
+// The supplementary groups of a Unix socket's peer, as they were at connect(2): not those it
+// or its pid has now (SO_PEERGROUPS, Linux 4.13).
+std::optional<std::vector<gid_t>> peer_groups(int fd) {
+  std::vector<gid_t> groups(32);
+  for (int attempt = 0; attempt < 2; ++attempt) {
+    auto len = static_cast<socklen_t>(groups.size() * sizeof(gid_t));
+    if (::getsockopt(fd, SOL_SOCKET, SO_PEERGROUPS, groups.data(), &len) == 0) {
+      groups.resize(len / sizeof(gid_t));
+      return groups;
+    }
+    if (errno != ERANGE) return std::nullopt;
+    groups.resize(len / sizeof(gid_t) + 1); // the size it needs
+  }
+  return std::nullopt;
+}
+
+} // namespace
+
 void UnixListener::do_accept() {
   m_acceptor.async_accept(net::make_strand(m_ioc), [this](beast::error_code ec, local::socket socket) {
     if (ec == net::error::operation_aborted || !m_acceptor.is_open()) return;
@@ -712,6 +747,7 @@ void UnixListener::do_accept() {
         peer.pid = cred.pid;
         peer.uid = cred.uid;
         peer.gid = cred.gid;
+        peer.groups = peer_groups(socket.native_handle());
       }
       using Stream = beast::basic_stream<local>;
       std::make_shared<Session<Stream>>(Stream(std::move(socket)), m_handler, peer, m_options, m_in_flight)->run();

@@ -53,8 +53,10 @@ public:
                                          uid_t viewer) = 0;
   virtual std::vector<Held> list(uid_t viewer) const = 0;
   virtual expected<Held, Problem> get(const std::string& name, uid_t viewer) const = 0;
+  /// Copies the memory at `path` to `new_path` (created with the source's mode within
+  /// `mode`, the client's umask applied) as a new memory branched from it.
   virtual expected<BranchedFile, Problem> branch(const std::filesystem::path& path,
-                                                 const std::filesystem::path& new_path, uid_t viewer) = 0;
+                                                 const std::filesystem::path& new_path, uid_t viewer, mode_t mode) = 0;
   virtual expected<Identified, Problem> identify(const std::filesystem::path& path) = 0;
   virtual expected<Initialized, Problem> init(const std::filesystem::path& path, mode_t mode) = 0;
   /// The lineage of the memory at `path`, or of the memory id `id`.

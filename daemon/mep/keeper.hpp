@@ -51,7 +51,7 @@ public:
   std::vector<Held> list(uid_t viewer) const override;
   expected<Held, Problem> get(const std::string& name, uid_t viewer) const override;
   expected<BranchedFile, Problem> branch(const std::filesystem::path& path, const std::filesystem::path& new_path,
-                                         uid_t viewer) override;
+                                         uid_t viewer, mode_t mode) override;
   expected<Identified, Problem> identify(const std::filesystem::path& path) override;
   expected<Initialized, Problem> init(const std::filesystem::path& path, mode_t mode) override;
   expected<lease::Lineage, Problem> lineage(const std::optional<std::filesystem::path>& path,

@@ -32,7 +32,7 @@ public:
 
 private:
   void bind_socket(boost::asio::local::stream_protocol::acceptor& acceptor);
-  bool peer_allowed(uid_t uid, gid_t gid) const;
+  bool peer_allowed(const http::Peer& peer) const;
   boost::asio::io_context& m_ioc;
   std::filesystem::path m_path;
   bool m_owns_path = false;

@@ -25,9 +25,10 @@ struct Peer {
   pid_t pid = 0;
   std::vector<gid_t> groups;
 
-  /// The connected process: groups from /proc/PID/status (when that process still runs as
-  /// `uid`), else the user's group list.
-  static Peer connected(uid_t uid, gid_t gid, pid_t pid);
+  /// The connected process, with the groups it had when it connected (SO_PEERGROUPS); when
+  /// they are unknown, only `gid` — never the user's group list, which holds groups the
+  /// process may have dropped.
+  static Peer connected(uid_t uid, gid_t gid, pid_t pid, const std::optional<std::vector<gid_t>>& groups);
   /// A lease's owner known by uid and gid only (a process that exited, a lease re-adopted
   /// after a restart): the user's group list.
   static Peer user(uid_t uid, gid_t gid);

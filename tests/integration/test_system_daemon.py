@@ -13,6 +13,7 @@ import json
 import os
 import pwd
 import shutil
+import signal
 import socket
 import subprocess
 import tempfile
@@ -20,7 +21,7 @@ import time
 import unittest
 
 from daemonfixture import Proc, clean_env, mepd_bin
-from mephelpers import mep_bin
+from mephelpers import mep_bin, wait_for
 from storefixture import MepStore, new_store_token
 
 GROUP = "mep"
@@ -43,6 +44,109 @@ while time.monotonic() < end:
         break
     data += chunk
 sys.stdout.write(data.decode("utf-8", "replace"))
+"""
+
+# Holds a kernel write lease on argv[1] (its owner's own file) for argv[2] seconds, with the
+# lease-break signal ignored: whoever opens the file without O_NONBLOCK waits out
+# /proc/sys/fs/lease-break-time.
+LEASE_SCRIPT = r"""
+import fcntl, os, signal, sys, time
+signal.signal(signal.SIGIO, signal.SIG_IGN)
+fd = os.open(sys.argv[1], os.O_WRONLY)
+fcntl.fcntl(fd, fcntl.F_SETLEASE, fcntl.F_WRLCK)
+print("leased", flush=True)
+time.sleep(float(sys.argv[2]))
+"""
+
+# Connects to argv[1] from a forked child that exits (and is reaped) before anything is sent,
+# then attaches argv[2] under argv[3] on the inherited connection: SO_PEERCRED names a PID
+# that is gone. Prints [status, body].
+ORPHAN_ATTACH_SCRIPT = r"""
+import http.client, json, os, socket, sys
+s = socket.socket(socket.AF_UNIX)
+pid = os.fork()
+if pid == 0:
+    s.connect(sys.argv[1])
+    os._exit(0)
+os.waitpid(pid, 0)
+s.settimeout(20)
+c = http.client.HTTPConnection("localhost")
+c.sock = s
+c.request("POST", "/v1/attach", body=json.dumps({"name": sys.argv[3], "path": sys.argv[2], "bind": "none"}),
+          headers={"Content-Type": "application/json"})
+r = c.getresponse()
+print(json.dumps([r.status, json.loads(r.read() or b"{}")]))
+"""
+
+# Holds GET /v1/events streams to argv[1] (receive buffers of 1 KiB), never reading them past
+# their status line. Commands on stdin, each answered with one JSON line: "open N" opens N more
+# (the statuses they got, 0: none); "drain S" reads the first stream for up to S seconds
+# ({"closed": whether it ended, "bytes": how many came}). Ends on EOF, or after argv[2] seconds.
+STREAMS_SCRIPT = r"""
+import json, signal, socket, sys, time
+signal.alarm(int(sys.argv[2]))
+held = []
+for line in sys.stdin:
+    word, n = line.split()
+    if word == "drain":
+        s, got, closed = held[0], 0, False
+        end = time.monotonic() + float(n)
+        while time.monotonic() < end:
+            s.settimeout(max(0.01, end - time.monotonic()))
+            try:
+                chunk = s.recv(65536)
+            except socket.timeout:
+                continue
+            except OSError:
+                chunk = b""
+            if not chunk:
+                closed = True
+                break
+            got += len(chunk)
+        print(json.dumps({"closed": closed, "bytes": got}), flush=True)
+        continue
+    statuses = []
+    for _ in range(int(n)):
+        s = socket.socket(socket.AF_UNIX)
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 1024)
+        s.settimeout(10)
+        head = b""
+        try:
+            s.connect(sys.argv[1])
+            s.sendall(b"GET /v1/events HTTP/1.1\r\nHost: localhost\r\n\r\n")
+            while b"\r\n" not in head:
+                chunk = s.recv(1)
+                if not chunk:
+                    break
+                head += chunk
+        except OSError:
+            pass
+        words = head.split(b" ")
+        statuses.append(int(words[1]) if len(words) > 2 and words[1].isdigit() else 0)
+        held.append(s)
+    print(json.dumps(statuses), flush=True)
+"""
+
+# As its user, in its working directory: makes argv[2] files and attaches each (ttl 5 s, bind
+# none) on one connection to argv[1]; prints the statuses.
+ATTACH_MANY_SCRIPT = r"""
+import http.client, json, os, socket, sys
+class C(http.client.HTTPConnection):
+    def connect(self):
+        self.sock = socket.socket(socket.AF_UNIX)
+        self.sock.connect(sys.argv[1])
+        self.sock.settimeout(20)
+c, statuses = C("localhost"), []
+for i in range(int(sys.argv[2])):
+    path = os.path.abspath("r%d.uai" % i)
+    with open(path, "w") as f:
+        f.write("renewed memory %d\n" % i)
+    c.request("POST", "/v1/attach", body=json.dumps({"name": "bob-renewed-%d" % i, "path": path, "ttl_seconds": 5,
+                                                     "bind": "none"}), headers={"Content-Type": "application/json"})
+    r = c.getresponse()
+    r.read()
+    statuses.append(r.status)
+print(json.dumps(statuses))
 """
 
 
@@ -425,6 +529,291 @@ class SystemDaemon(unittest.TestCase):
         finally:
             sleeper.kill()
             sleeper.wait()
+
+    # ---- what a second audit found (each a way to stall, fool or outgrow the daemon before) ----
+
+    def popen_as(self, user, args, umask=0o077, groups=None, stdin=subprocess.DEVNULL):
+        """`args` started as `user` (its groups, or only `groups`) and not waited for: the
+        caller ends it by its PID (finish, or kill and wait)."""
+        groups = groups if groups is not None else [g.gr_gid for g in grp.getgrall() if user.pw_name in g.gr_mem]
+
+        def drop():
+            os.setgroups(groups)
+            os.setgid(user.pw_gid)
+            os.setuid(user.pw_uid)
+            os.umask(umask)
+
+        return subprocess.Popen(args, stdin=stdin, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                preexec_fn=drop, cwd=self.homes.get(user.pw_name, "/"),
+                                env={"PATH": "/usr/bin:/bin", "HOME": self.homes.get(user.pw_name, "/")})
+
+    @staticmethod
+    def finish(proc, deadline):
+        """(returncode, stdout, stderr) of `proc` if it ends before `deadline` (monotonic),
+        else (None, ...) after killing it."""
+        try:
+            out, err = proc.communicate(timeout=max(0.0, deadline - time.monotonic()))
+            return proc.returncode, out, err
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            out, err = proc.communicate(timeout=TIMEOUT_S)
+            return None, out, err
+
+    def stop_all(self, procs):
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+            proc.communicate(timeout=TIMEOUT_S)
+
+    def test_a_leased_file_does_not_stall_branch(self):
+        # Guards: the copy of a branch opens its source without O_NONBLOCK, so a user's kernel
+        # write lease on his own file (SIGIO ignored) held each branch, and a daemon worker, in
+        # open() for the lease-break time (45 s).
+        a, b = self.alice, self.bob
+        self.ok(self.mep_as(b, "init", "b.uai"))
+        self.ok(self.mep_as(b, "claim", "bob-leased", "b.uai"))
+        holder = self.popen_as(b, ["python3", "-c", LEASE_SCRIPT, os.path.join(self.homes[b.pw_name], "b.uai"), "60"])
+        branches = []
+        try:
+            line = holder.stdout.readline()
+            self.assertEqual(line.strip(), b"leased", holder.stderr.read1(4096) if not line else line)
+            started = time.monotonic()
+            branches = [self.popen_as(b, [self.mep, "--socket", self.socket, "branch", "b.uai", "br%d.uai" % i])
+                        for i in range(20)]  # more than the daemon's 16 workers
+            time.sleep(1)
+            status = self.popen_as(a, [self.mep, "--socket", self.socket, "status"])
+            branches.append(status)
+            rc, _, err = self.finish(status, started + 10)
+            self.assertIsNotNone(rc, "alice's status got no answer within 10 s while bob's file was leased")
+            self.assertEqual(rc, 0, err.decode())
+            for i, proc in enumerate(branches[:-1]):
+                rc, _, err = self.finish(proc, started + 10)
+                self.assertIsNotNone(rc, "branch %d got no answer within 10 s of a leased source" % i)
+        finally:
+            self.stop_all([holder, *branches])
+
+    def test_branch_follows_the_users_umask(self):
+        # Guards: the copy of a branch took the source's mode as it was (0666 here), not the
+        # source's mode less the asking user's umask, as cp(1) and init do.
+        b = self.bob
+        bhome = self.homes[b.pw_name]
+        self.ok(self.mep_as(b, "init", "b.uai"))
+        self.ok(self.mep_as(b, "claim", "bob-umask", "b.uai"))
+        os.chmod(os.path.join(bhome, "b.uai"), 0o666)
+        self.ok(self.mep_as(b, "branch", "b.uai", "br.uai", umask=0o077))
+        st = os.stat(os.path.join(bhome, "br.uai"))
+        self.assertEqual((st.st_uid, st.st_gid), (b.pw_uid, b.pw_gid))
+        self.assertEqual(st.st_mode & 0o777, 0o600)
+
+    def test_anothers_failed_attach_keeps_a_lost_lease(self):
+        # Guards: bob's attach under the name of alice's lost lease, refused for a missing file,
+        # wiped alice's record of the loss (her GET of the lease became 404).
+        a, b = self.alice, self.bob
+        self.ok(self.mep_as(a, "init", "a.uai"))
+        self.ok(self.mep_as(a, "claim", "alice-l", "a.uai", "--ttl", "5"))
+        self.mepd.signal(signal.SIGSTOP)
+        try:
+            time.sleep(6)  # past the lease's local deadline
+        finally:
+            self.mepd.signal(signal.SIGCONT)
+
+        def lost():
+            leases = json.loads(self.ok(self.mep_as(a, "status", "--json")).stdout)["leases"]
+            return any(lease["canonical_name"] == "alice-l" and lease.get("state") == "lost" for lease in leases)
+
+        self.assertTrue(wait_for(lost, timeout=TIMEOUT_S, interval=0.5), "alice-l was not reported lost")
+        before = self.api_as(a, "GET", "/v1/leases/alice-l")
+        status, body = self.api_as(b, "POST", "/v1/attach", {"name": "alice-l", "path": "/nonexistent/x.uai"})
+        self.assertEqual(status, 400, body)
+        after = self.api_as(a, "GET", "/v1/leases/alice-l")
+        self.assertEqual(after[0], before[0], (before, after))
+        self.assertEqual((after[1].get("lease_id"), after[1].get("state")),
+                         (before[1].get("lease_id"), before[1].get("state")), (before, after))
+        self.assertTrue(lost(), "alice's status no longer shows alice-l lost")
+
+    def test_dot_dot_after_a_proc_magic_link_is_refused(self):
+        # Guards: /proc/PID/cwd/../F was resolved in the daemon's own process, past the
+        # directories that guard F (mepd(8): magic links are refused, also behind `..`).
+        a, b = self.alice, self.bob
+        ahome = self.homes[a.pw_name]
+        hidden = os.path.join(ahome, "hidden")
+        proj = os.path.join(hidden, "proj")
+        os.makedirs(proj)
+        for d, mode in ((hidden, 0o711), (proj, 0o755)):
+            os.chown(d, a.pw_uid, a.pw_gid)
+            os.chmod(d, mode)
+        os.chmod(ahome, 0o711)  # bob may pass through ahome and hidden, not list them
+        for d in (hidden, proj):
+            path = os.path.join(d, "world.uai")
+            with open(path, "w") as f:
+                f.write("ALICE-WORLD\n")
+            os.chown(path, a.pw_uid, a.pw_gid)
+            os.chmod(path, 0o666)
+        sleeper = subprocess.Popen(["sleep", "60"], cwd=proj,
+                                   preexec_fn=lambda: (os.setgid(a.pw_gid), os.setuid(a.pw_uid)))
+        try:
+            p = self.mep_as(b, "claim", "n1", "/proc/%d/cwd/world.uai" % sleeper.pid)
+            self.assertNotEqual(p.returncode, 0, p.stdout.decode())
+            p = self.mep_as(b, "claim", "n2", "/proc/%d/cwd/../world.uai" % sleeper.pid)
+            self.assertNotEqual(p.returncode, 0, p.stdout.decode())
+            self.assertEqual(self.names(self.mep_as(b, "status", "--json")), [])
+        finally:
+            sleeper.kill()
+            sleeper.wait()
+
+    def test_roots_sync_of_a_users_lease_reads_as_that_user(self):
+        # Guards: root's `mep sync` of bob's lease read bob's file with root's rights, so a
+        # symlink of bob's to a root-only file got its bytes uploaded, for bob to fetch.
+        b = self.bob
+        bhome = self.homes[b.pw_name]
+        secret = os.path.join(self.tmp, "root-only.uai")
+        with open(secret, "w") as f:
+            f.write("ROOT-ONLY-SECRET\n")
+        os.chmod(secret, 0o600)
+        self.ok(self.mep_as(b, "init", "c.uai"))
+        self.ok(self.mep_as(b, "claim", "bob-c", "c.uai"))
+        mid = self.memory_of(b, "bob-c")
+        os.unlink(os.path.join(bhome, "c.uai"))
+        os.symlink(secret, os.path.join(bhome, "c.uai"))
+        self.refused(self.mep_as(b, "sync", "bob-c"), 7, "cannot read the memory file")  # bob may not read it
+        p = self.mep_root("sync", "bob-c")
+        self.assertNotEqual(p.returncode, 0, "root's sync uploaded what bob may not read: %s" % p.stdout.decode())
+        p = self.mep_as(b, "fetch", mid, "out.uai")
+        if p.returncode == 0:
+            with open(os.path.join(bhome, "out.uai"), "rb") as f:
+                self.assertNotIn(b"ROOT-ONLY-SECRET", f.read())
+
+    def test_a_dropped_group_is_not_regained_through_the_daemon(self):
+        # Guards: with the connecting process gone (a forked child connected and exited), the
+        # daemon took the user's full group list from /etc/group instead of the groups that
+        # process had (SO_PEERGROUPS), so a process that had dropped a group used it again.
+        a = self.alice
+        group = "mepg%x" % (os.getpid() & 0xfffff)
+        p = run(["groupadd", "--users", a.pw_name, group])
+        self.assertEqual(p.returncode, 0, p.stderr.decode())
+        self.addCleanup(run, ["groupdel", group])
+        gid = grp.getgrnam(group).gr_gid
+        path = os.path.join(self.tmp, "group-only.uai")
+        with open(path, "w") as f:
+            f.write("GROUP-ONLY\n")
+        os.chown(path, 0, gid)
+        os.chmod(path, 0o660)
+        # Alice's process keeps only the group mep, then asks through an orphaned connection.
+        proc = self.popen_as(a, ["python3", "-c", ORPHAN_ATTACH_SCRIPT, self.socket, path, "alice-group"],
+                             groups=[self.gid_mep])
+        rc, out, err = self.finish(proc, time.monotonic() + TIMEOUT_S)
+        self.assertEqual(rc, 0, err.decode())
+        status, body = json.loads(out)
+        self.assertIn(status, (400, 403), body)
+        self.assertEqual(self.names(self.mep_as(a, "status", "--json")), [])
+        # With the group (her full list, as she logs in) she may attach it: the refusal was the group's.
+        self.ok(self.mep_as(a, "claim", "alice-group", path))
+
+    def test_running_out_of_descriptors_is_no_refusal(self):
+        # Guards: a daemon out of file descriptors (getpwuid_r, getgrouplist: EMFILE) answered a
+        # member of the group mep 403 "peer is not allowed" (exit 7), not a temporary failure.
+        if self.daemon_user:
+            self.skipTest("its second daemon runs as root in either set-up: run once")
+        a, b = self.alice, self.bob
+        limit = 120
+        sock = os.path.join(self.tmp, "run2", "mepd.sock")
+        mepd = Proc("mepd2", ["prlimit", "--nofile=%d:%d" % (limit, limit), "--", os.path.join(self.bin, "mepd"),
+                              "--system", "--socket", sock, "--state-dir", os.path.join(self.tmp, "state2")],
+                    self.env, os.path.join(self.tmp, "mepd2.log"), cwd="/")
+        streams = None
+        try:
+            mepd.wait_for_log(r"listening on .* for the group mep \(system mode\)")
+
+            def fds():
+                return len(os.listdir("/proc/%d/fd" % mepd.pid))
+
+            # Bob's streams take all the daemon's descriptors but one, which alice's connection
+            # takes; opened a half of what is left at a time, not to overshoot.
+            streams = self.popen_as(b, ["python3", "-c", STREAMS_SCRIPT, sock, "150"], stdin=subprocess.PIPE)
+            deadline = time.monotonic() + TIMEOUT_S
+            while fds() < limit - 1 and time.monotonic() < deadline:
+                streams.stdin.write(b"open %d\n" % max(1, (limit - 1 - fds()) // 2))
+                streams.stdin.flush()
+                line = streams.stdout.readline()
+                self.assertTrue(line, streams.stderr.read().decode() if streams.poll() is not None else "")
+                time.sleep(0.1)
+            self.assertGreaterEqual(fds(), limit - 1)
+            # An answer, or the CLI's own "no answer from the daemon" after 60 s (exit 5).
+            status = self.popen_as(a, [self.mep, "--socket", sock, "status"])
+            rc, out, err = self.finish(status, time.monotonic() + 75)
+            self.assertIsNotNone(rc, "alice's status got no answer within 75 s")
+            self.assertIn(rc, (0, 5), "exit %s: %s" % (rc, err.decode()))
+        finally:
+            if streams is not None:
+                self.stop_all([streams])
+            mepd.stop()
+
+    def rss_kib(self, pid):
+        with open("/proc/%d/status" % pid) as f:
+            for line in f:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1])
+        self.fail("no VmRSS for %d" % pid)
+
+    def test_unread_event_streams_do_not_grow_the_daemon(self):
+        # Guards: the events for a stream nobody reads were queued without limit, so a member's
+        # unread streams grew the daemon's memory until it ran out (now a slow reader's stream
+        # is closed once its queue is full).
+        if self.daemon_user:
+            self.skipTest("the event queues are the same whatever the daemon's user: run once")
+        b = self.bob
+        leases, nstreams, watch_s = 200, 50, 30  # ~80 MB of queued events in 30 s before
+        rc, out, err = self.finish(self.popen_as(b, ["python3", "-c", ATTACH_MANY_SCRIPT, self.socket, str(leases)]),
+                                   time.monotonic() + 3 * TIMEOUT_S)
+        self.assertEqual(rc, 0, err.decode())
+        self.assertEqual(set(json.loads(out)), {201})
+        streams = self.popen_as(b, ["python3", "-c", STREAMS_SCRIPT, self.socket, "120"], stdin=subprocess.PIPE)
+        try:
+            streams.stdin.write(b"open %d\n" % nstreams)
+            streams.stdin.flush()
+            line = streams.stdout.readline()
+            self.assertTrue(line, streams.stderr.read().decode() if not line else "")
+            self.assertEqual(set(json.loads(line)), {200}, "bob's streams were not all served: %s" % line)
+            before = self.rss_kib(self.mepd.pid)
+            t0 = time.monotonic()
+            peak = before
+            while time.monotonic() - t0 < watch_s:
+                time.sleep(1)
+                peak = max(peak, self.rss_kib(self.mepd.pid))
+            streams.stdin.write(b"drain 20\n")
+            streams.stdin.flush()
+            line = streams.stdout.readline()
+            self.assertLess(peak - before, 40 * 1024, "the daemon grew by %d KiB in %d s" % (peak - before, watch_s))
+            self.assertTrue(line, streams.stderr.read().decode() if streams.poll() is not None else "")
+            drained = json.loads(line)
+            self.assertTrue(drained["closed"], "an unread stream was still open after %d s (%d bytes read)"
+                            % (watch_s, drained["bytes"]))
+        finally:
+            self.stop_all([streams])
+
+
+    def test_a_root_daemon_keeps_only_the_two_capabilities_it_needs(self):
+        # Started as root it had them all: CAP_SYS_RESOURCE let a user's fetch fill the
+        # blocks reserved for root, CAP_SYS_PTRACE let a path through another user's
+        # /proc/PID/cwd/.. resolve. Only the threads that serve no one (the embedded control
+        # plane's, started before) may hold more.
+        want = (1 << 6) | (1 << 7)  # CAP_SETGID, CAP_SETUID
+        tasks = os.listdir("/proc/%d/task" % self.mepd.pid)
+        serving = 0
+        for tid in tasks:
+            try:
+                with open("/proc/%d/task/%s/status" % (self.mepd.pid, tid)) as f:
+                    caps = {k: int(v, 16) for k, v in
+                            (l.split(":\t") for l in f.read().splitlines() if l.startswith(("CapEff", "CapPrm")))}
+            except FileNotFoundError:
+                continue
+            if caps["CapEff"] == want and caps["CapPrm"] == want:
+                serving += 1
+        # The main thread and the 64 workers at least.
+        self.assertGreaterEqual(serving, 65, "threads with CAP_SETUID and CAP_SETGID only: %d of %d" % (serving, len(tasks)))
+        with open("/proc/%d/status" % self.mepd.pid) as f:
+            eff = [l for l in f.read().splitlines() if l.startswith("CapEff")][0]
+        self.assertEqual(int(eff.split()[1], 16), want, eff)
 
 
 class SystemDaemonAsItsOwnUser(SystemDaemon):

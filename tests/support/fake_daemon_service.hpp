@@ -48,7 +48,7 @@ public:
     return held(name);
   }
   expected<daemon::BranchedFile, Problem> branch(const std::filesystem::path& path,
-                                                 const std::filesystem::path& new_path, uid_t) override {
+                                                 const std::filesystem::path& new_path, uid_t, mode_t) override {
     record("branch", {}, {path, new_path});
     if (problem) return make_unexpected(*problem);
     return daemon::BranchedFile{lease::Branched{k_child, k_memory, 7, true}, new_path.string()};

@@ -6,6 +6,8 @@
 #include "mep/problem.hpp"
 
 #include <cstdint>
+#include <optional>
+#include <vector>
 #include <boost/asio/io_context.hpp>
 #include <boost/asio/ip/tcp.hpp>
 #include <boost/asio/local/stream_protocol.hpp>
@@ -46,6 +48,8 @@ struct Peer {
   pid_t pid = 0;
   uid_t uid = static_cast<uid_t>(-1);
   gid_t gid = static_cast<gid_t>(-1);
+  /// SO_PEERGROUPS: the supplementary groups the peer had when it connected (Unix sockets).
+  std::optional<std::vector<gid_t>> groups;
 };
 
 /// Takes a request body as it arrives, instead of in memory (PUT of an object). Called on
