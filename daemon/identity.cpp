@@ -9,6 +9,8 @@
 #include <openssl/evp.h>
 
 #include <cerrno>
+#include <climits>
+#include <fmt/format.h>
 #include <fcntl.h>
 #include <sys/stat.h>
 #include <sys/sysmacros.h>
@@ -78,6 +80,10 @@ std::optional<FileStat> stat_file(const std::filesystem::path& path) { return st
 // not that memory. Where the filesystem keeps no birth time, the inode number alone counts.
 expected<Resolved, Problem> IdentityResolver::resolve(const std::filesystem::path& path, bool mint) {
   auto look = m_files.look(path, false);
+  if (!look && path.native().size() >= PATH_MAX)
+    return make_unexpected(
+        Problem(Code::invalid_request, fmt::format("the path is {} bytes long; paths may have {} at most",
+                                                   path.native().size(), PATH_MAX - 1)));
   if (!look || !look->stat.regular)
     return make_unexpected(Problem(Code::invalid_request, "no such regular file: create it with 'mep init PATH'"));
   Resolved r;

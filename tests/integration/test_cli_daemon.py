@@ -497,6 +497,17 @@ class Paths(CliTestCase):
         self.assertEqual([n for n in os.listdir(self.work) if n.startswith("new")], [])
 
 
+    def test_a_path_longer_than_the_system_takes_says_so(self):
+        # It said "no such regular file: create it with 'mep init PATH'", which cannot work.
+        long = os.path.join(self.work, *(["d" * 200] * 21), "x.uai")  # > 4096 bytes
+        for cmd in (("claim", unique()), ("identify",)):
+            with self.subTest(cmd=cmd[0]):
+                rc, out, err = self.mep(*cmd, long)
+                self.assertEqual(rc, 2, err)
+                self.assertOneLine(err)
+                self.assertIn("bytes long; paths may have 4095 at most", err)
+
+
 class ErrorClasses(CliTestCase):
     """Each error class: its exit code, one line on stderr, or a problem document with --json."""
 
