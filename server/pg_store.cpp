@@ -333,7 +333,15 @@ bool timed_out_waiting(const pg::Error& e) { return e.sqlstate() == "57014" || e
 
 void PgStore::migrate() {
   auto c = connect();
-  for (int attempt = 1;; ++attempt) {
+  // A schema that is current needs no DDL: a role without CREATE (read-only for mep token
+  // list and mep server audit, or a server's role kept to DML) may use it.
+  std::optional<std::int64_t> current;
+  if (c->exec("current_schema_version", "SELECT to_regclass('schema_version') IS NOT NULL", {}).text(0, 0) == "t")
+    if (auto r = c->exec("SELECT version FROM schema_version WHERE id = 1"); r.rows()) current = r.int64(0, 0);
+  if (current && *current > k_schema_version)
+    throw std::runtime_error(
+        fmt::format("database schema version {} is newer than this mep ({}); upgrade mep", *current, k_schema_version));
+  for (int attempt = 1; current != k_schema_version; ++attempt) {
     try {
       // Concurrent CREATE TABLE IF NOT EXISTS may trip over the catalog: its unique index
       // (23505), the relation (42P07) or the row type (42710, "type ... already exists",

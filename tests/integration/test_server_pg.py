@@ -37,6 +37,7 @@ import hmac
 import json
 import os
 import random
+import re
 import signal
 import subprocess
 import shutil
@@ -47,6 +48,7 @@ import unittest
 
 import pgfixture
 from history import History, explain
+from mephelpers import mep_bin
 from serverfixture import ApiClient, MepServer, create_token, db_query, new_key, unique_name
 
 REQUEST_BOUND_S = 8  # no request may take longer, also while the database is down
@@ -897,6 +899,33 @@ class ReleaseBatches(PgTestCase):
             if pg_counters(server, token)["mep_pg_release_batch_fallbacks_total"] > 0:
                 break
         self.assertGreater(pg_counters(server, token)["mep_pg_release_batch_fallbacks_total"], 0)
+
+
+class ReadOnlyRole(PgTestCase):
+    def test_reading_commands_need_no_right_to_create(self):
+        """Every open of a current database ran CREATE TABLE IF NOT EXISTS schema_version,
+        so a role that may only read (for mep token list and mep server audit) was refused:
+        "permission denied for schema public"."""
+        self.db = pgfixture.PgDb()
+        create_token(self.db, "tenant-a")
+        role = "mep_ro_%d" % os.getpid()
+        self.db.execute('CREATE ROLE "%s" LOGIN; GRANT SELECT ON ALL TABLES IN SCHEMA public TO "%s"; '
+                        'REVOKE CREATE ON SCHEMA public FROM PUBLIC' % (role, role))
+        # Cleanups run after tearDown has dropped the database, and its grants with it.
+        admin = self.db.admin_url
+        self.addCleanup(lambda: pgfixture._psql(admin, 'DROP ROLE IF EXISTS "%s"' % role))
+        url = re.sub(r"^postgresql://[^@]*@", "postgresql://%s@" % role, self.db.url)
+        self.assertNotEqual(url, self.db.url)
+        for args in (["token", "list", "--db", url, "--json"], ["server", "audit", "--db", url, "--json"]):
+            p = subprocess.run([mep_bin(), *args], stdin=subprocess.DEVNULL, capture_output=True, timeout=60)
+            self.assertEqual(p.returncode, 0, (args, p.stderr))
+        listed = json.loads(subprocess.run([mep_bin(), "token", "list", "--db", url, "--json"], capture_output=True,
+                                           timeout=60).stdout)
+        self.assertEqual(len(listed["tokens"]), 1)
+        # And writing still needs the rights to write.
+        p = subprocess.run([mep_bin(), "token", "create", "--db", url, "--tenant", "t"], capture_output=True,
+                           timeout=60)
+        self.assertEqual(p.returncode, 1, p.stderr)
 
 
 class AuditHashes(PgTestCase):
