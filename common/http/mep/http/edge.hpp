@@ -49,7 +49,7 @@ struct Peer {
   uid_t uid = static_cast<uid_t>(-1);
   gid_t gid = static_cast<gid_t>(-1);
   /// SO_PEERGROUPS: the supplementary groups the peer had when it connected (Unix sockets).
-  std::optional<std::vector<gid_t>> groups;
+  std::optional<std::vector<gid_t>> groups = std::nullopt;
 };
 
 /// Takes a request body as it arrives, instead of in memory (PUT of an object). Called on
