@@ -40,6 +40,7 @@ std::string password_region(std::string_view url) {
 std::string redact(std::string msg, const std::string& secret) {
   if (secret.empty()) return msg;
   auto shares = [&](std::string_view q) {
+    if (q.find(secret) != std::string_view::npos) return true; // a password of one or two characters
     if (q.size() < 3) return !q.empty() && secret.find(q) != std::string::npos;
     for (std::size_t i = 0; i + 3 <= q.size(); ++i)
       if (secret.find(q.substr(i, 3)) != std::string::npos) return true;
