@@ -263,9 +263,24 @@ DaemonHandler::Out DaemonHandler::on_events(const Call&) {
   return make_unexpected(Problem(Code::invalid_request, "GET /v1/events takes no query"));
 }
 
-DaemonHandler::Out DaemonHandler::on_health(const Call&) { return json(200, m_service.health()); }
+// A system daemon's other users (members of the group mep) learn of the host only what is
+// theirs: their own leases' count, and no path of the daemon's state directory (an embedded
+// control plane's database). Its metrics, counts of every user's leases, are for root and
+// the daemon's own user.
+DaemonHandler::Out DaemonHandler::on_health(const Call& c) {
+  auto h = m_service.health();
+  if (!acts_for_all(c.peer.uid)) {
+    h["leases"] = static_cast<std::int64_t>(m_service.list(c.peer.uid).size());
+    if (auto* cp = h.if_contains("control_plane"); cp && cp->is_string() && cp->get_string().starts_with("embedded"))
+      *cp = "embedded";
+  }
+  return json(200, std::move(h));
+}
 
-DaemonHandler::Out DaemonHandler::on_metrics(const Call&) {
+DaemonHandler::Out DaemonHandler::on_metrics(const Call& c) {
+  if (!acts_for_all(c.peer.uid))
+    return make_unexpected(
+        Problem(Code::forbidden, "the daemon's metrics count every user's leases: root and its own user read them"));
   Answer a;
   a.text = m_service.metrics();
   return a;

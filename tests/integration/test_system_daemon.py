@@ -792,6 +792,38 @@ class SystemDaemon(unittest.TestCase):
             self.stop_all([streams])
 
 
+    def test_health_and_metrics_tell_a_member_only_what_is_its_own(self):
+        # /healthz gave every member the host's lease count and the path of the daemon's
+        # state directory (the embedded control plane's database); /metrics every user's counts.
+        a, b = self.alice, self.bob
+        for i in range(3):
+            self.ok(self.mep_as(a, "init", "a%d.uai" % i))
+            self.ok(self.mep_as(a, "claim", "alice-h%d" % i, "a%d.uai" % i))
+        self.ok(self.mep_as(b, "init", "b.uai"))
+        self.ok(self.mep_as(b, "claim", "bob-h", "b.uai"))
+        script = ("import http.client, socket, sys, json\n"
+                  "class C(http.client.HTTPConnection):\n"
+                  "    def connect(self):\n"
+                  "        self.sock = socket.socket(socket.AF_UNIX); self.sock.connect(sys.argv[1])\n"
+                  "c = C('localhost'); c.request('GET', sys.argv[2]); r = c.getresponse()\n"
+                  "print(json.dumps([r.status, r.read().decode()]))\n")
+        def get(user, path):
+            p = self.as_user(user, ["python3", "-c", script, self.socket, path]) if user else \
+                run(["python3", "-c", script, self.socket, path])
+            self.assertEqual(p.returncode, 0, p.stderr.decode())
+            return json.loads(p.stdout)
+        status, body = get(b, "/healthz")
+        self.assertEqual(status, 200, body)
+        health = json.loads(body)
+        self.assertEqual(health["leases"], 1, health)
+        self.assertNotIn(self.state, body)
+        self.assertEqual(get(b, "/metrics")[0], 403)
+        status, body = get(None, "/healthz")
+        self.assertEqual(json.loads(body)["leases"], 4, body)
+        status, body = get(None, "/metrics")
+        self.assertEqual(status, 200, body)
+        self.assertIn('mepd_leases{state="held"} 4', body)
+
     def test_a_root_daemon_keeps_only_the_two_capabilities_it_needs(self):
         # Started as root it had them all: CAP_SYS_RESOURCE let a user's fetch fill the
         # blocks reserved for root, CAP_SYS_PTRACE let a path through another user's
