@@ -800,8 +800,11 @@ void PgStore::listen_loop() {
         pollfd p[2] = {{PQsocket(c.raw()), POLLIN, 0}, {m_listen_wake, POLLIN, 0}};
         int n = ::poll(p, 2, static_cast<int>(k_wait_beat.count()));
         if (n < 0 && errno != EINTR) throw std::runtime_error(std::string("poll: ") + std::strerror(errno));
-        if (p[1].revents) return; // stopping
-        if (!PQconsumeInput(c.raw())) throw std::runtime_error(PQerrorMessage(c.raw()));
+        if (p[1].revents) return;       // stopping
+        if (!PQconsumeInput(c.raw())) { // libpq's message runs over lines (a hint after a tab); logs keep one
+          std::string why = PQerrorMessage(c.raw());
+          throw std::runtime_error(why.substr(0, why.find('\n')));
+        }
         while (PGnotify* note = PQnotifies(c.raw())) {
           std::string extra = note->extra ? note->extra : "";
           const bool tokens = note->relname && std::string_view(note->relname) == "mep_tokens";

@@ -289,6 +289,10 @@ class DatabaseRestart(PgTestCase):
         print("%d operations, %d grants, %d answered 503 while the database was down" %
               (len(statuses), grants_after, sum(1 for _, s, _ in statuses if s == 503)))
         self.assertOneLeasePerResource()
+        # One line per log entry: libpq's text about the lost connection runs over lines
+        # ("server closed the connection unexpectedly\n\tThis probably means…").
+        continued = [l for l in server.stderr_text().splitlines() if l[:1] in ("\t", " ")]
+        self.assertEqual(continued, [], server.stderr_text()[-2000:])
 
 
 def cluster_pids(cluster):
