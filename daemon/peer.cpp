@@ -7,10 +7,8 @@
 #include <cstdint>
 #include <cstring>
 #include <fcntl.h>
-#include <fstream>
 #include <grp.h>
 #include <pwd.h>
-#include <sstream>
 #include <stdexcept>
 #include <string>
 #include <linux/openat2.h>

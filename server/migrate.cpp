@@ -432,20 +432,12 @@ bool plain_identifier(const std::string& table) {
          !std::isdigit(static_cast<unsigned char>(table[0]));
 }
 
-// Every command, status and a plan included, refuses a database a newer mep has upgraded,
-// as the servers do: what it reads or writes may no longer mean what it did.
-void refuse_newer(std::int64_t version, int ours) {
-  if (version > ours)
-    throw std::runtime_error(
-        fmt::format("database schema version {} is newer than this mep ({}); upgrade mep", version, ours));
-}
-
 class SqliteTarget final : public Target {
 public:
   explicit SqliteTarget(std::unique_ptr<Db> db) : m_db(std::move(db)) {
     if (!table_exists(*m_db, "schema_version")) return;
     Use s(m_db->prepare("SELECT max(version) FROM schema_version"));
-    if (s->step() && !s->is_null(0)) refuse_newer(s->int64(0), sqlite_schema_version());
+    if (s->step() && !s->is_null(0)) refuse_newer_schema(s->int64(0), sqlite_schema_version());
   }
   bool has_tables() override { return table_exists(*m_db, "migration_rows"); }
   expected<Rows, std::string> read_table(const std::string& table) override {
@@ -590,7 +582,7 @@ public:
   explicit PgTarget(const std::string& url) : m_c(url) {
     if (!exists("schema_version")) return;
     auto r = m_c.exec("migrate_schema_version", "SELECT version FROM schema_version WHERE id = 1", {});
-    if (r.rows()) refuse_newer(r.int64(0, 0), pg_schema_version());
+    if (r.rows()) refuse_newer_schema(r.int64(0, 0), pg_schema_version());
   }
   bool has_tables() override { return exists("migration_rows"); }
   expected<Rows, std::string> read_table(const std::string& table) override {

@@ -338,9 +338,7 @@ void PgStore::migrate() {
   std::optional<std::int64_t> current;
   if (c->exec("current_schema_version", "SELECT to_regclass('schema_version') IS NOT NULL", {}).text(0, 0) == "t")
     if (auto r = c->exec("SELECT version FROM schema_version WHERE id = 1"); r.rows()) current = r.int64(0, 0);
-  if (current && *current > k_schema_version)
-    throw std::runtime_error(
-        fmt::format("database schema version {} is newer than this mep ({}); upgrade mep", *current, k_schema_version));
+  if (current) refuse_newer_schema(*current, k_schema_version);
   for (int attempt = 1; current != k_schema_version; ++attempt) {
     try {
       // Concurrent CREATE TABLE IF NOT EXISTS may trip over the catalog: its unique index
@@ -354,9 +352,7 @@ void PgStore::migrate() {
         // The row lock makes servers that start together migrate one after another.
         auto r = c->exec("SELECT version FROM schema_version WHERE id = 1 FOR UPDATE");
         std::int64_t version = r.int64(0, 0);
-        if (version > k_schema_version)
-          throw std::runtime_error(fmt::format("database schema version {} is newer than this mep ({}); upgrade mep",
-                                               version, k_schema_version));
+        refuse_newer_schema(version, k_schema_version);
         for (int v = static_cast<int>(version) + 1; v <= k_schema_version; ++v) {
           c->exec(std::string(k_pg_schemas[v - 1]));
           c->exec(fmt::format("UPDATE schema_version SET version = {} WHERE id = 1", v));

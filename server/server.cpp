@@ -11,6 +11,7 @@
 #include "mep/sweeper.hpp"
 
 #include <boost/asio/ip/address.hpp>
+#include <fmt/format.h>
 #include <boost/asio/post.hpp>
 #include <boost/asio/signal_set.hpp>
 #include <boost/asio/steady_timer.hpp>
@@ -26,6 +27,12 @@
 namespace mep::server {
 namespace net = boost::asio;
 using tcp = net::ip::tcp;
+
+void refuse_newer_schema(std::int64_t version, int ours) {
+  if (version > ours)
+    throw std::runtime_error(
+        fmt::format("database schema version {} is newer than this mep ({}); upgrade mep", version, ours));
+}
 
 std::string default_db_url() { return "sqlite:" + (xdg_state_home() / "mep" / "control.db").string(); }
 

@@ -615,9 +615,7 @@ void SqliteStore::migrate() {
       Use s(m_db->prepare("SELECT max(version) FROM schema_version"));
       if (s->step() && !s->is_null(0)) version = s->int64(0);
     }
-    if (version > k_schema_version)
-      throw std::runtime_error(fmt::format("database schema version {} is newer than this mep ({}); upgrade mep",
-                                           version, k_schema_version));
+    refuse_newer_schema(version, k_schema_version);
     if (version < 1) {
       m_db->exec(k_schema_v1);
       m_db->exec("INSERT INTO schema_version(version) VALUES (1)");

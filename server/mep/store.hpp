@@ -254,6 +254,10 @@ struct StoreOptions {
 /// Creates and migrates the schema. Throws std::runtime_error with a readable message.
 std::unique_ptr<Store> open_store(const std::string& url, const StoreOptions& options = {});
 
+/// Throws when a database's schema `version` is newer than `ours`: a newer mep upgraded it,
+/// and what this one would read or write may no longer mean what it did.
+void refuse_newer_schema(std::int64_t version, int ours);
+
 /// The default database URL: sqlite:$XDG_STATE_HOME/mep/control.db.
 std::string default_db_url();
 

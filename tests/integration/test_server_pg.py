@@ -140,6 +140,26 @@ class PgTestCase(unittest.TestCase):
             t.join(timeout=seconds + 120)
             self.assertFalse(t.is_alive(), "a client hung")
 
+    def hold_in_transaction(self, statement, like):
+        """A psql session of its own runs BEGIN and `statement` and stays in the transaction,
+        holding its locks, until the function returned is called (ROLLBACK). Returns once
+        pg_stat_activity shows it waiting there, its query LIKE `like`."""
+        session = subprocess.Popen(["psql", "-X", "-q", "-v", "ON_ERROR_STOP=1", "-d", self.db.url],
+                                   stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        self.addCleanup(lambda: (session.kill(), session.wait()))
+        session.stdin.write(("BEGIN;\n%s;\n" % statement).encode())
+        session.stdin.flush()
+        deadline = time.monotonic() + 10
+        while db_query(self.db, "SELECT count(*) FROM pg_stat_activity WHERE state = 'idle in transaction' "
+                                "AND query LIKE '%s'" % like) != [(1,)]:
+            self.assertLess(time.monotonic(), deadline, "the lock is not held")
+            time.sleep(0.02)
+
+        def release():
+            session.stdin.write(b"ROLLBACK;\n")
+            session.stdin.close()
+        return release
+
     def private_server(self, tenant):
         """One server on a database in a cluster of this test's own, which it may stop,
         restart or freeze: (cluster, server, token)."""
@@ -610,14 +630,8 @@ class ClaimLanes(PgTestCase):
             return metric(server.port, 'mep_pg_extra_lanes_total{reason="%s"}' % reason)
 
         # A session of its own holds the lease row (psql reads statements as they come).
-        lock = subprocess.Popen(["psql", "-X", "-q", "-v", "ON_ERROR_STOP=1", "-d", self.db.url],
-                                stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        self.addCleanup(lambda: (lock.kill(), lock.wait()))
-        lock.stdin.write(("BEGIN;\nSELECT 1 FROM leases WHERE canonical_name = '%s' FOR UPDATE;\n"
-                          % blocked_name).encode())
-        lock.stdin.flush()
-        wait_for("SELECT count(*) FROM pg_stat_activity WHERE state = 'idle in transaction' "
-                 "AND query LIKE '%FOR UPDATE%'", 1, "the lock is not held")
+        unlock = self.hold_in_transaction("SELECT 1 FROM leases WHERE canonical_name = '%s' FOR UPDATE"
+                                          % blocked_name, "%FOR UPDATE%")
         locked_at = time.monotonic()
         results, took, errors = {}, {}, []
 
@@ -663,8 +677,7 @@ class ClaimLanes(PgTestCase):
         for i in range(6, 38):
             self.assertEqual(results[i].status, 201, results[i].json)
         self.assertEqual(extra_lanes("full_batch"), 1)
-        lock.stdin.write(b"ROLLBACK;\n")
-        lock.stdin.close()
+        unlock()
         blocked.join(timeout=30)
         self.assertEqual(errors, [])
         self.assertEqual(results[0].status, 201, results[0].json)
@@ -688,16 +701,7 @@ class LockedTable(PgTestCase):
                 r = c.claim(unique_name(), mems[i], "owner-%d" % i)
                 self.assertEqual(r.status, 201, r.json)
                 held.append(r.json)
-        lock = subprocess.Popen(["psql", "-X", "-q", "-v", "ON_ERROR_STOP=1", "-d", self.db.url],
-                                stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        self.addCleanup(lambda: (lock.kill(), lock.wait()))
-        lock.stdin.write(b"BEGIN;\nLOCK TABLE leases IN ACCESS EXCLUSIVE MODE;\n")
-        lock.stdin.flush()
-        deadline = time.monotonic() + 10
-        while db_query(self.db, "SELECT count(*) FROM pg_stat_activity WHERE state = 'idle in transaction' "
-                                "AND query LIKE 'LOCK TABLE%'") != [(1,)]:
-            self.assertLess(time.monotonic(), deadline, "the lock is not held")
-            time.sleep(0.02)
+        unlock = self.hold_in_transaction("LOCK TABLE leases IN ACCESS EXCLUSIVE MODE", "LOCK TABLE%")
         results, took, errors = {}, {}, []
 
         def call(i, barrier, op):
@@ -731,8 +735,7 @@ class LockedTable(PgTestCase):
                 self.assertIsNotNone(results[i].header("Retry-After"))
                 # A bound on an answer, not a measure of speed: 15 s is the documented limit.
                 self.assertLess(took[i], 15, "answered after %.1f s" % took[i])
-        lock.stdin.write(b"ROLLBACK;\n")
-        lock.stdin.close()
+        unlock()
         with server.client(token) as c:
             r = c.claim(unique_name(), mems[19], "owner-after")
             self.assertEqual(r.status, 201, r.json)
