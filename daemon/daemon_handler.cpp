@@ -91,7 +91,14 @@ DaemonHandler::~DaemonHandler() {
 }
 
 std::optional<Problem> DaemonHandler::admit(const http::Peer& peer) {
-  if (peer.cred_known && m_allowed(peer)) return std::nullopt;
+  if (peer.cred_known && m_allowed(peer)) {
+    if (!peer.over_limit) return std::nullopt;
+    // Logged by the listener, once per run of refusals.
+    Problem p(Code::rate_limited, "your user holds as many connections to this daemon as one user may; close some "
+                                  "(event streams, idle clients) and try again");
+    p.retry_after_s = 1;
+    return p;
+  }
   log::warn("refused a client with uid {}", peer.cred_known ? static_cast<long>(peer.uid) : -1L);
   return Problem(Code::forbidden, "peer is not allowed to use this daemon");
 }

@@ -17,6 +17,7 @@
 #include <linux/capability.h>
 #include <memory>
 #include <pwd.h>
+#include <sys/resource.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
 #include <sys/syscall.h>
@@ -53,6 +54,14 @@ void keep_only_setid_capabilities() {
         fmt::format("--system: cannot give up the capabilities it does not need: {}", std::strerror(errno)));
 }
 
+// How many connections one member of the group may hold at once: a quarter of the daemon's
+// descriptors, at least 8 and at most 1024 (a member's event streams hold memory too).
+std::size_t connections_per_member() {
+  rlimit lim{};
+  const std::uint64_t files = ::getrlimit(RLIMIT_NOFILE, &lim) == 0 ? lim.rlim_cur : 1024;
+  return static_cast<std::size_t>(std::clamp<std::uint64_t>(files / 4, 8, 1024));
+}
+
 } // namespace
 
 LocalServer::LocalServer(net::io_context& ioc, DaemonService& service, const fs::path& socket_path, int inherited_fd,
@@ -68,6 +77,12 @@ LocalServer::LocalServer(net::io_context& ioc, DaemonService& service, const fs:
   http::EdgeOptions options;
   options.server_name = "mepd";
   options.io_timeout = k_io_timeout;
+  if (m_system) {
+    // One member must not take the descriptors (and the memory of event streams) that the
+    // others need: each holds a quarter of the daemon's descriptors at most, and 1024.
+    options.connections_per_uid = connections_per_member();
+    options.uncapped_uids = {::getuid(), 0};
+  }
   m_listener = std::make_unique<http::UnixListener>(ioc, std::move(acceptor), *m_handler, options);
 }
 

@@ -46,6 +46,7 @@
 #include <deque>
 #include <limits>
 #include <mutex>
+#include <unordered_map>
 #include <variant>
 
 namespace mep::http {
@@ -700,8 +701,19 @@ void TcpListener::do_accept() {
   });
 }
 
+// The connections each user holds to a UnixListener (EdgeOptions::connections_per_uid).
+struct UnixListener::UidCounts {
+  struct Count {
+    std::size_t open = 0;
+    bool warned = false; // since it last held fewer than half its limit
+  };
+  std::mutex mutex;
+  std::unordered_map<uid_t, Count> by_uid;
+};
+
 UnixListener::UnixListener(net::io_context& ioc, local::acceptor acceptor, Handler& handler, EdgeOptions options)
-    : m_ioc(ioc), m_acceptor(std::move(acceptor)), m_handler(handler), m_options(std::move(options)) {}
+    : m_ioc(ioc), m_acceptor(std::move(acceptor)), m_handler(handler), m_options(std::move(options)),
+      m_uid_counts(std::make_shared<UidCounts>()) {}
 
 void UnixListener::start() { do_accept(); }
 
@@ -733,6 +745,36 @@ std::optional<std::vector<gid_t>> peer_groups(int fd) {
 
 } // namespace
 
+void UnixListener::count_connection(Peer& peer) {
+  const std::size_t limit = m_options.connections_per_uid;
+  if (limit == 0 || std::find(m_options.uncapped_uids.begin(), m_options.uncapped_uids.end(), peer.uid) !=
+                        m_options.uncapped_uids.end())
+    return;
+  std::lock_guard lock(m_uid_counts->mutex);
+  auto& count = m_uid_counts->by_uid[peer.uid];
+  if (count.open >= limit) {
+    peer.over_limit = true;
+    if (!count.warned)
+      log::warn("uid {} holds {} connections, as many as one user may; its next ones are refused (429) until some "
+                "close",
+                static_cast<long>(peer.uid), count.open);
+    count.warned = true;
+    return;
+  }
+  ++count.open;
+  // Given back when the last copy of the peer (the session's, a request's) is gone.
+  peer.counted =
+      std::shared_ptr<const void>(m_uid_counts.get(), [counts = m_uid_counts, uid = peer.uid, limit](const void*) {
+        std::lock_guard l(counts->mutex);
+        auto it = counts->by_uid.find(uid);
+        if (it == counts->by_uid.end()) return;
+        if (--it->second.open == 0)
+          counts->by_uid.erase(it);
+        else if (it->second.open < limit / 2)
+          it->second.warned = false;
+      });
+}
+
 void UnixListener::do_accept() {
   m_acceptor.async_accept(net::make_strand(m_ioc), [this](beast::error_code ec, local::socket socket) {
     if (ec == net::error::operation_aborted || !m_acceptor.is_open()) return;
@@ -748,6 +790,7 @@ void UnixListener::do_accept() {
         peer.uid = cred.uid;
         peer.gid = cred.gid;
         peer.groups = peer_groups(socket.native_handle());
+        count_connection(peer);
       }
       using Stream = beast::basic_stream<local>;
       std::make_shared<Session<Stream>>(Stream(std::move(socket)), m_handler, peer, m_options, m_in_flight)->run();

@@ -709,40 +709,100 @@ class SystemDaemon(unittest.TestCase):
         # With the group (her full list, as she logs in) she may attach it: the refusal was the group's.
         self.ok(self.mep_as(a, "claim", "alice-group", path))
 
-    def test_running_out_of_descriptors_is_no_refusal(self):
-        # Guards: a daemon out of file descriptors (getpwuid_r, getgrouplist: EMFILE) answered a
-        # member of the group mep 403 "peer is not allowed" (exit 7), not a temporary failure.
-        if self.daemon_user:
-            self.skipTest("its second daemon runs as root in either set-up: run once")
-        a, b = self.alice, self.bob
-        limit = 120
+    def start_small_daemon(self, limit):
+        """A second system mepd (root's) that may open `limit` descriptors; stopped by the caller."""
         sock = os.path.join(self.tmp, "run2", "mepd.sock")
         mepd = Proc("mepd2", ["prlimit", "--nofile=%d:%d" % (limit, limit), "--", os.path.join(self.bin, "mepd"),
                               "--system", "--socket", sock, "--state-dir", os.path.join(self.tmp, "state2")],
                     self.env, os.path.join(self.tmp, "mepd2.log"), cwd="/")
-        streams = None
         try:
             mepd.wait_for_log(r"listening on .* for the group mep \(system mode\)")
+        except BaseException:
+            mepd.stop()
+            raise
+        return mepd, sock
 
+    def open_streams(self, streams, n):
+        """Has the STREAMS_SCRIPT process `streams` open `n` more event streams; their statuses."""
+        streams.stdin.write(b"open %d\n" % n)
+        streams.stdin.flush()
+        line = streams.stdout.readline()
+        self.assertTrue(line, streams.stderr.read().decode() if streams.poll() is not None else "")
+        return json.loads(line)
+
+    def test_running_out_of_descriptors_is_no_refusal(self):
+        # Guards: a daemon out of file descriptors (getpwuid_r, getgrouplist: EMFILE) answered a
+        # member of the group mep 403 "peer is not allowed" (exit 7), not a temporary failure.
+        # Root's streams take the descriptors: a member may not hold more than a quarter.
+        if self.daemon_user:
+            self.skipTest("its second daemon runs as root in either set-up: run once")
+        limit = 120
+        mepd, sock = self.start_small_daemon(limit)
+        streams = None
+        try:
             def fds():
                 return len(os.listdir("/proc/%d/fd" % mepd.pid))
 
-            # Bob's streams take all the daemon's descriptors but one, which alice's connection
+            # Root's streams take all the daemon's descriptors but one, which alice's connection
             # takes; opened a half of what is left at a time, not to overshoot.
-            streams = self.popen_as(b, ["python3", "-c", STREAMS_SCRIPT, sock, "150"], stdin=subprocess.PIPE)
+            streams = subprocess.Popen(["python3", "-c", STREAMS_SCRIPT, sock, "150"], stdin=subprocess.PIPE,
+                                       stdout=subprocess.PIPE, stderr=subprocess.PIPE)
             deadline = time.monotonic() + TIMEOUT_S
             while fds() < limit - 1 and time.monotonic() < deadline:
-                streams.stdin.write(b"open %d\n" % max(1, (limit - 1 - fds()) // 2))
-                streams.stdin.flush()
-                line = streams.stdout.readline()
-                self.assertTrue(line, streams.stderr.read().decode() if streams.poll() is not None else "")
+                self.open_streams(streams, max(1, (limit - 1 - fds()) // 2))
                 time.sleep(0.1)
             self.assertGreaterEqual(fds(), limit - 1)
             # An answer, or the CLI's own "no answer from the daemon" after 60 s (exit 5).
-            status = self.popen_as(a, [self.mep, "--socket", sock, "status"])
+            status = self.popen_as(self.alice, [self.mep, "--socket", sock, "status"])
             rc, out, err = self.finish(status, time.monotonic() + 75)
             self.assertIsNotNone(rc, "alice's status got no answer within 75 s")
             self.assertIn(rc, (0, 5), "exit %s: %s" % (rc, err.decode()))
+        finally:
+            if streams is not None:
+                self.stop_all([streams])
+            mepd.stop()
+
+    def test_one_member_cannot_take_the_daemons_descriptors(self):
+        # Guards: a member's idle connections and event streams took every descriptor of the
+        # daemon, and the other members then waited or got 503. Each member now holds a quarter
+        # of them at most (1024 at most); its next connection is refused with 429.
+        if self.daemon_user:
+            self.skipTest("its second daemon runs as root in either set-up: run once")
+        a, b = self.alice, self.bob
+        limit = 120
+        mepd, sock = self.start_small_daemon(limit)
+        streams = None
+        try:
+            streams = self.popen_as(b, ["python3", "-c", STREAMS_SCRIPT, sock, "150"], stdin=subprocess.PIPE)
+            statuses = self.open_streams(streams, limit)
+            self.assertEqual(statuses.count(200), limit // 4, statuses)
+            self.assertEqual(set(statuses[limit // 4:]), {429}, statuses)
+            # Alice is served at once, and so is root.
+            rc, out, err = self.finish(self.popen_as(a, [self.mep, "--socket", sock, "status"]),
+                                       time.monotonic() + TIMEOUT_S)
+            self.assertEqual(rc, 0, "exit %s: %s" % (rc, err.decode()))
+            rc, out, err = self.finish(subprocess.Popen([self.mep, "--socket", sock, "status"],
+                                                        stdout=subprocess.PIPE, stderr=subprocess.PIPE),
+                                       time.monotonic() + TIMEOUT_S)
+            self.assertEqual(rc, 0, err.decode())
+            # Bob's own CLI is told why, with the exit code for "try again" (5).
+            rc, out, err = self.finish(self.popen_as(b, [self.mep, "--socket", sock, "status"]),
+                                       time.monotonic() + TIMEOUT_S)
+            self.assertEqual(rc, 5, "exit %s: %s" % (rc, err.decode()))
+            self.assertIn("connections", err.decode())
+            # His connections are given back when they close.
+            self.stop_all([streams])
+            streams = None
+            deadline = time.monotonic() + TIMEOUT_S
+            while True:
+                rc, out, err = self.finish(self.popen_as(b, [self.mep, "--socket", sock, "status"]),
+                                           time.monotonic() + TIMEOUT_S)
+                if rc == 0 or time.monotonic() > deadline:
+                    break
+                time.sleep(0.2)
+            self.assertEqual(rc, 0, err.decode())
+            with open(os.path.join(self.tmp, "mepd2.log")) as f:
+                self.assertEqual(f.read().count("as many as one user may"), 1)
         finally:
             if streams is not None:
                 self.stop_all([streams])

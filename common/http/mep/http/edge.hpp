@@ -50,6 +50,11 @@ struct Peer {
   gid_t gid = static_cast<gid_t>(-1);
   /// SO_PEERGROUPS: the supplementary groups the peer had when it connected (Unix sockets).
   std::optional<std::vector<gid_t>> groups = std::nullopt;
+  /// Unix sockets: the peer's user already holds EdgeOptions::connections_per_uid
+  /// connections to this listener (the handler refuses it in admit()).
+  bool over_limit = false;
+  /// Counts the connection against its user's limit while any copy of the peer lives.
+  std::shared_ptr<const void> counted = nullptr;
 };
 
 /// Takes a request body as it arrives, instead of in memory (PUT of an object). Called on
@@ -123,6 +128,10 @@ struct EdgeOptions {
   std::chrono::seconds linger_time{5};         ///< draining a refused body, at most
   std::size_t linger_bytes = 64 * 1024 * 1024; ///< and at most this much
   std::size_t header_limit = k_header_limit;
+  /// Unix sockets: connections one user may hold at once (0: no limit); its next one is
+  /// marked Peer::over_limit. Users in uncapped_uids are not counted.
+  std::size_t connections_per_uid = 0;
+  std::vector<uid_t> uncapped_uids = {};
 };
 
 /// A problem response (application/problem+json) with a fresh request id as its instance
@@ -187,12 +196,15 @@ public:
 
 private:
   void do_accept();
+  void count_connection(Peer& peer);
   boost::asio::io_context& m_ioc;
   boost::asio::local::stream_protocol::acceptor m_acceptor;
   Handler& m_handler;
   EdgeOptions m_options;
   std::shared_ptr<std::atomic<int>> m_in_flight = std::make_shared<std::atomic<int>>(0);
   AcceptPacing m_pacing{m_acceptor.get_executor()};
+  struct UidCounts;
+  std::shared_ptr<UidCounts> m_uid_counts;
 };
 
 /// HOST:PORT ([v6]:PORT too; "localhost" is 127.0.0.1) as an endpoint; nullopt when it is not one.
