@@ -12,8 +12,7 @@ void register_migrate(CLI::App& app, GlobalOptions& g, Action& action) {
   auto* cmd = app.add_subcommand("migrate", "Bring legacy agent names and memories under the new rules");
   cmd->require_subcommand(1);
   auto add_common = [&](CLI::App* sub, server::MigrateOptions& o) {
-    sub->add_option("--db", o.db_url, "Control-plane database (default sqlite:$XDG_STATE_HOME/mep/control.db)")
-        ->envname("MEP_DB");
+    add_db_option(sub, o.db_url, "Control-plane database (default sqlite:$XDG_STATE_HOME/mep/control.db)");
     auto* in = sub->add_option("--input", o.input_file,
                                "Legacy rows as JSON Lines or CSV: legacy_id, display_name, "
                                "created_at, legacy_memory_ref[, memory_instance_id]");
@@ -47,13 +46,13 @@ void register_migrate(CLI::App& app, GlobalOptions& g, Action& action) {
   auto act_db = std::make_shared<std::string>();
   auto* a =
       cmd->add_subcommand("activate", "Open the lease endpoints (they answer 503 while a migration is in progress)");
-  a->add_option("--db", *act_db, "Control-plane database")->envname("MEP_DB");
+  add_db_option(a, *act_db, "Control-plane database");
   a->callback([act_db, &g, &action] {
     action = [act_db, &g] { return server::migrate_activate(resolve_db_url(*act_db, g), g.json); };
   });
   auto st_db = std::make_shared<std::string>();
   auto* s = cmd->add_subcommand("status", "Counts of migrated rows, identity-map size and the enforcement flag");
-  s->add_option("--db", *st_db, "Control-plane database")->envname("MEP_DB");
+  add_db_option(s, *st_db, "Control-plane database");
   s->callback([st_db, &g, &action] {
     action = [st_db, &g] { return server::migrate_status(resolve_db_url(*st_db, g), g.json); };
   });

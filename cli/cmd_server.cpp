@@ -24,6 +24,16 @@ std::string resolve_db_url(const std::string& flag, const GlobalOptions& g) {
   return *url;
 }
 
+CLI::Option* add_db_option(CLI::App* cmd, std::string& url, const std::string& help) {
+  return cmd->add_option("--db", url, help)
+      ->envname("MEP_DB")
+      ->check(CLI::Validator(
+          [](std::string& in) -> std::string {
+            return in.empty() ? "must not be empty (leave --db out for the default database)" : std::string();
+          },
+          "URL"));
+}
+
 std::unique_ptr<server::Store> open_store_or_explain(const std::string& url, const server::StoreOptions& options) {
   try {
     return server::open_store(url, options);
@@ -36,10 +46,9 @@ void register_server(CLI::App& app, GlobalOptions& g, Action& action) {
   auto opt = std::make_shared<server::ServerOptions>();
   auto* cmd = app.add_subcommand("server", "Run the control plane (the HTTP API of SPEC §6)");
   cmd->require_subcommand(0, 1);
-  cmd->add_option("--db", opt->db_url,
-                  "Database URL: sqlite:PATH or postgresql://USER@HOST:PORT/DB (default "
-                  "sqlite:$XDG_STATE_HOME/mep/control.db)")
-      ->envname("MEP_DB");
+  add_db_option(cmd, opt->db_url,
+                "Database URL: sqlite:PATH or postgresql://USER@HOST:PORT/DB (default "
+                "sqlite:$XDG_STATE_HOME/mep/control.db)");
   auto isolation = std::make_shared<std::string>("read-committed");
   cmd->add_option("--isolation", *isolation,
                   "PostgreSQL transaction isolation: read-committed or serializable (retried on conflicts)")
@@ -68,7 +77,7 @@ void register_server(CLI::App& app, GlobalOptions& g, Action& action) {
   auto audit_tenant = std::make_shared<std::string>();
   auto audit_limit = std::make_shared<std::size_t>(100);
   auto* audit = cmd->add_subcommand("audit", "List the newest audit rows (names and ids are HMAC-hashed)");
-  audit->add_option("--db", *audit_db, "Database URL (default as for mep server)")->envname("MEP_DB");
+  add_db_option(audit, *audit_db, "Database URL (default as for mep server)");
   audit->add_option("--tenant", *audit_tenant, "Only this tenant");
   audit->add_option("--limit", *audit_limit, "At most this many rows")->capture_default_str();
   audit->add_flag("--json", g.json, "Print {\"events\": [...]}");

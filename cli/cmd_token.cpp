@@ -38,7 +38,7 @@ void register_token(CLI::App& app, GlobalOptions& g, Action& action) {
   };
   auto c = std::make_shared<CreateOpts>();
   auto* create = cmd->add_subcommand("create", "Create a token (and the tenant if new); prints the token once");
-  create->add_option("--db", c->db, "Database URL (default sqlite:$XDG_STATE_HOME/mep/control.db)")->envname("MEP_DB");
+  add_db_option(create, c->db, "Database URL (default sqlite:$XDG_STATE_HOME/mep/control.db)");
   create->add_option("--tenant", c->tenant, "Tenant name")->required();
   create->add_option("--scope", c->scope, "lease or admin (admin includes lease)")
       ->check(CLI::IsMember({"lease", "admin"}))
@@ -61,7 +61,7 @@ void register_token(CLI::App& app, GlobalOptions& g, Action& action) {
   auto list_db = std::make_shared<std::string>();
   auto list_tenant = std::make_shared<std::string>();
   auto* list = cmd->add_subcommand("list", "List tokens (ids, tenants, scopes; never the tokens)");
-  list->add_option("--db", *list_db, "Database URL")->envname("MEP_DB");
+  add_db_option(list, *list_db, "Database URL");
   list->add_option("--tenant", *list_tenant, "Only this tenant");
   list->add_flag("--json", g.json, "JSON output");
   list->callback([=, &g, &action] {
@@ -139,7 +139,7 @@ void register_token(CLI::App& app, GlobalOptions& g, Action& action) {
   auto rv_db = std::make_shared<std::string>();
   auto rv_id = std::make_shared<std::string>();
   auto* revoke = cmd->add_subcommand("revoke", "Revoke a token by its id (see mep token list)");
-  revoke->add_option("--db", *rv_db, "Database URL")->envname("MEP_DB");
+  add_db_option(revoke, *rv_db, "Database URL");
   revoke->add_option("token_id", *rv_id, "The token id")->required();
   revoke->add_flag("--json", g.json, "Print {\"token_id\", \"revoked\": true}");
   revoke->callback([=, &g, &action] {

@@ -52,6 +52,10 @@ std::unique_ptr<server::Store> open_store_or_explain(const std::string& url, con
 /// that cannot be read throws ConfigError, with or without the flag.
 std::string resolve_db_url(const std::string& flag, const GlobalOptions& g);
 
+/// Adds `--db` (also from MEP_DB) to `cmd`, filling `url`. An empty value is refused: it
+/// would otherwise stand for the default database, which the user did not name.
+CLI::Option* add_db_option(CLI::App* cmd, std::string& url, const std::string& help);
+
 /// Each register_* adds its subcommand to `app` and sets `action` when it is chosen.
 void register_canonicalize(CLI::App& app, GlobalOptions& g, Action& action);
 void register_server(CLI::App& app, GlobalOptions& g, Action& action);

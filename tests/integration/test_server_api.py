@@ -1700,6 +1700,14 @@ class Lifecycle(ServerTestCase):
                 self.assertEqual(p.returncode, 2, (args, p.stderr))
                 self.assertEqual(len(p.stderr.strip().splitlines()), 1, (args, p.stderr))
                 self.assertIn(b"--db", p.stderr)
+        # An empty --db is a mistake (an unset variable), not a request for the default database.
+        for args in (["token", "list", "--db", ""], ["server", "--db", "", "--listen", "127.0.0.1:0"],
+                     ["migrate", "status", "--db", ""], ["token", "create", "--tenant", "t", "--db", ""],
+                     ["server", "audit", "--db", ""]):
+            p = subprocess.run([mep_bin(), *args], cwd=cwd, stdin=subprocess.DEVNULL, capture_output=True, timeout=30,
+                               env={**os.environ, "XDG_STATE_HOME": cwd})
+            self.assertEqual(p.returncode, 2, (args, p.stderr))
+            self.assertIn(b"--db: must not be empty", p.stderr)
         self.assertEqual(os.listdir(cwd), [], "a database was created in the working directory")
         secrets = {"postgresql://u:Top%ZZSecret@127.0.0.1:1/x": ["Top", "ZZSecret"],
                    "postgresql://u:Top/SecretValue@127.0.0.1:1/x": ["Top", "SecretValue"],
