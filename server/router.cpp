@@ -759,6 +759,9 @@ void Router::dispatch(HttpRequest&& req, const Peer& peer, Send send, int fd) {
   //    valid one learns nothing, not even which endpoints there are. Health, readiness and
   //    metrics on loopback are open.
   Found found = find_route(c->req.target(), method, &c->params, &c->query);
+  // The route labels the request's metrics from here on: a 401 or a 503 of the token check
+  // counts under the endpoint it was for, not as "unmatched".
+  if (found.route) c->route_label = std::string(found.route->pattern);
   const bool open = open_to(found, peer);
   if (!open && !authenticate(c, m_service.store(), m_auth_failures)) return;
   if (!found.parsed) return fail(c, Problem(Code::invalid_request, "malformed request target"));
@@ -771,7 +774,6 @@ void Router::dispatch(HttpRequest&& req, const Peer& peer, Send send, int fd) {
     return finish(c, std::move(r));
   }
   c->route = found.route;
-  c->route_label = std::string(c->route->pattern);
   const Route& route = *c->route;
 
   if (c->req.body().size() > route.body_limit)

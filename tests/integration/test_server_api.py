@@ -1150,6 +1150,9 @@ class ServerApi(ServerTestCase):
                             for _, lab, _ in families["mep_http_request_duration_seconds"]["samples"]))
         self.assertTrue(any(lab.get("route") == "unmatched" and lab.get("code") == "405"
                             for _, lab, _ in families["mep_http_request_duration_seconds"]["samples"]))
+        # A request refused before its route's checks (no token) is counted under its route.
+        self.assertTrue(any(lab.get("route") == "/v1/leases" and lab.get("code") == "401"
+                            for _, lab, _ in families["mep_http_request_duration_seconds"]["samples"]))
         # No names, ids or paths in labels: only known label names, and no value carries one.
         allowed = {"route", "code", "outcome", "result", "reason", "sync", "by", "le"}
         routes = {"/healthz", "/readyz", "/metrics", "/v1/memories", "/v1/memories/branch",
