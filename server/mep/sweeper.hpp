@@ -5,7 +5,10 @@
 #include "mep/store.hpp"
 
 #include <chrono>
+#include <algorithm>
 #include <condition_variable>
+#include <cstdint>
+#include <string>
 #include <mutex>
 #include <thread>
 
@@ -32,7 +35,9 @@ inline std::chrono::milliseconds sweep_spacing(std::chrono::nanoseconds took, st
 
 // Runs Store::sweep once a second until stopped (L5: storage does not grow with churn);
 // again after 10 ms while sweeps come back full (a backlog: more rows end per second
-// than one sweep removes).
+// than one sweep removes). While sweeps fail (the database is down) the pause doubles up to
+// 30 s, and the failure is logged when it starts, when its message changes and once a
+// minute, not once a second.
 class Sweeper {
 public:
   /// Starts sweeping `store` (which must outlive the sweeper).
@@ -48,17 +53,31 @@ public:
 
 private:
   void loop(Store& store) {
+    using namespace std::chrono;
     std::unique_lock lock(m_mutex);
-    std::chrono::milliseconds pause{1000};
+    milliseconds pause{1000};
+    std::uint64_t failures = 0;
+    std::string last_error;
+    steady_clock::time_point last_logged{};
     while (!m_cv.wait_for(lock, pause, [&] { return m_stop; })) {
       lock.unlock();
-      pause = std::chrono::milliseconds(1000);
+      pause = milliseconds(1000);
       try {
         std::int64_t n = store.sweep();
+        if (failures > 0) log::info("sweeper: sweeping again, after {} failed sweeps", failures);
+        failures = 0;
         if (n > 0) log::debug("sweeper removed {} expired rows", n);
-        if (n >= k_sweep_batch) pause = std::chrono::milliseconds(10);
+        if (n >= k_sweep_batch) pause = milliseconds(10);
       } catch (const std::exception& e) {
-        log::warn("sweeper: {}", e.what());
+        ++failures;
+        const auto now = steady_clock::now();
+        if (failures == 1 || e.what() != last_error || now - last_logged >= minutes(1)) {
+          log::warn("sweeper: {}{}", e.what(),
+                    failures > 1 ? fmt::format(" ({} sweeps failed in a row)", failures) : std::string());
+          last_error = e.what();
+          last_logged = now;
+        }
+        pause = std::min<milliseconds>(milliseconds(1000LL << std::min<std::uint64_t>(failures - 1, 5)), seconds(30));
       }
       lock.lock();
     }

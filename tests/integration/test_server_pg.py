@@ -264,6 +264,7 @@ class DatabaseRestart(PgTestCase):
         t.start()
         time.sleep(3)
         cluster.stop()
+        stopped_at = time.monotonic()
         # While it is down: quick 503s with Retry-After, and /readyz not ready.
         with server.client(token) as c:
             deadline = time.monotonic() + 10
@@ -279,7 +280,9 @@ class DatabaseRestart(PgTestCase):
             self.assertTrue(seen_503, "no 503 while the database was down")
             ready = c.get("/readyz")
             self.assertEqual(ready.status, 503, ready)
-        time.sleep(2)
+        # Down for 8 s at least: the sweeper fails at most five times (1, 2, 4, 8 s apart), not
+        # once a second.
+        time.sleep(max(2.0, 8.0 - (time.monotonic() - stopped_at)))
         cluster.start()
         # Service resumes by itself.
         with server.client(token) as c:
@@ -313,6 +316,15 @@ class DatabaseRestart(PgTestCase):
         # ("server closed the connection unexpectedly\n\tThis probably means…").
         continued = [l for l in server.stderr_text().splitlines() if l[:1] in ("\t", " ")]
         self.assertEqual(continued, [], server.stderr_text()[-2000:])
+        # The sweeper's failures are not logged once a second while the database is down.
+        sweeper = [l for l in server.stderr_text().splitlines() if "sweeper: " in l]
+        warned = [l for l in sweeper if "sweeping again" not in l]
+        self.assertTrue(warned, "no sweeper failure logged while the database was down")
+        self.assertLessEqual(len(warned), 5, "\n".join(warned))
+        deadline = time.monotonic() + 40
+        while time.monotonic() < deadline and "sweeper: sweeping again" not in server.stderr_text():
+            time.sleep(0.5)
+        self.assertIn("sweeper: sweeping again", server.stderr_text())
 
 
 def cluster_pids(cluster):
