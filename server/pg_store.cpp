@@ -339,6 +339,26 @@ void PgStore::migrate() {
   if (c->exec("current_schema_version", "SELECT to_regclass('schema_version') IS NOT NULL", {}).text(0, 0) == "t")
     if (auto r = c->exec("SELECT version FROM schema_version WHERE id = 1"); r.rows()) current = r.int64(0, 0);
   if (current) refuse_newer_schema(*current, k_schema_version);
+  // Tables of mep's names in the schema it would create them in, and no mep schema: someone
+  // else's (mep creates schema_version first). Checked before anything is created, and again
+  // under the version row's lock (a refused attempt leaves that row at 0).
+  const auto foreign_tables = [&c] {
+    std::string names;
+    for (std::string_view t : k_first_schema_tables) names += fmt::format("{}'{}'", names.empty() ? "" : ",", t);
+    return c
+        ->exec(fmt::format("SELECT coalesce(string_agg(relname, ', ' ORDER BY relname), '') FROM pg_class "
+                           "WHERE relnamespace = current_schema()::regnamespace AND relkind IN ('r', 'p', 'v') "
+                           "AND relname IN ({})",
+                           names))
+        .text(0, 0);
+  };
+  if (!current) {
+    const std::string found = foreign_tables();
+    // Another server may have created the schema since: then they are its.
+    if (!found.empty() &&
+        c->exec("current_schema_version", "SELECT to_regclass('schema_version') IS NOT NULL", {}).text(0, 0) != "t")
+      refuse_foreign_tables(found);
+  }
   for (int attempt = 1; current != k_schema_version; ++attempt) {
     try {
       // Concurrent CREATE TABLE IF NOT EXISTS may trip over the catalog: its unique index
@@ -353,6 +373,7 @@ void PgStore::migrate() {
         auto r = c->exec("SELECT version FROM schema_version WHERE id = 1 FOR UPDATE");
         std::int64_t version = r.int64(0, 0);
         refuse_newer_schema(version, k_schema_version);
+        if (version == 0) refuse_foreign_tables(foreign_tables());
         for (int v = static_cast<int>(version) + 1; v <= k_schema_version; ++v) {
           c->exec(std::string(k_pg_schemas[v - 1]));
           c->exec(fmt::format("UPDATE schema_version SET version = {} WHERE id = 1", v));

@@ -34,6 +34,13 @@ void refuse_newer_schema(std::int64_t version, int ours) {
         fmt::format("database schema version {} is newer than this mep ({}); upgrade mep", version, ours));
 }
 
+void refuse_foreign_tables(const std::string& found) {
+  if (!found.empty())
+    throw std::runtime_error(fmt::format("the database already has tables named as mep's ({}), which mep did not "
+                                         "create; give mep a database of its own",
+                                         found));
+}
+
 std::string default_db_url() { return "sqlite:" + (xdg_state_home() / "mep" / "control.db").string(); }
 
 expected<std::string, std::string> check_db_url(const std::string& url) {

@@ -607,15 +607,26 @@ SqliteStore::~SqliteStore() {
 int sqlite_schema_version() { return k_schema_version; }
 
 void SqliteStore::migrate() {
-  m_db->exec("CREATE TABLE IF NOT EXISTS schema_version (version INTEGER NOT NULL)");
   m_db->exec("BEGIN IMMEDIATE");
   try {
+    // In the transaction: a database refused below is left as it was.
+    m_db->exec("CREATE TABLE IF NOT EXISTS schema_version (version INTEGER NOT NULL)");
     std::int64_t version = 0;
     {
       Use s(m_db->prepare("SELECT max(version) FROM schema_version"));
       if (s->step() && !s->is_null(0)) version = s->int64(0);
     }
     refuse_newer_schema(version, k_schema_version);
+    if (version < 1) {
+      std::string found;
+      Use s(m_db->prepare("SELECT name FROM sqlite_master WHERE type = 'table' AND name = ?"));
+      for (std::string_view table : k_first_schema_tables) {
+        s->reset();
+        s->bind(1, table);
+        if (s->step()) found += (found.empty() ? "" : ", ") + std::string(table);
+      }
+      refuse_foreign_tables(found);
+    }
     if (version < 1) {
       m_db->exec(k_schema_v1);
       m_db->exec("INSERT INTO schema_version(version) VALUES (1)");

@@ -258,6 +258,16 @@ std::unique_ptr<Store> open_store(const std::string& url, const StoreOptions& op
 /// and what this one would read or write may no longer mean what it did.
 void refuse_newer_schema(std::int64_t version, int ours);
 
+/// The tables of mep's first schema (both backends). mep creates its schema_version table
+/// before any of them, and migrates a database that has none of them or that table too.
+inline constexpr std::string_view k_first_schema_tables[] = {
+    "tenants",     "tokens",       "memories", "leases",         "agent_names",
+    "idempotency", "audit_events", "settings", "migration_rows", "migration_identity_map"};
+
+/// Throws when a database without mep's schema (version 0) already has tables of mep's
+/// names (`found`, comma-separated; empty: none): someone else's, which mep would misread.
+void refuse_foreign_tables(const std::string& found);
+
 /// The default database URL: sqlite:$XDG_STATE_HOME/mep/control.db.
 std::string default_db_url();
 

@@ -1689,6 +1689,27 @@ class Lifecycle(ServerTestCase):
                 self.assertTrue(lines[0].startswith("mep"), (args, err))
                 self.assertNotIn("internal error", err, args)
 
+    def test_a_database_with_someone_elses_tables_is_refused_untouched(self):
+        # A SQLite file with a table named as one of mep's (an application's own `leases`) got
+        # mep's other tables and a schema_version, then failed on a column it lacked.
+        d = tempfile.mkdtemp(prefix="mep-foreign-", dir=self.workdir)
+        path = os.path.join(d, "app.db")
+        conn = sqlite3.connect(path)
+        conn.execute("CREATE TABLE leases (id INTEGER PRIMARY KEY, holder TEXT)")
+        conn.execute("CREATE TABLE tokens (t TEXT)")
+        conn.commit()
+        conn.close()
+        for args in (["token", "create", "--tenant", "t"], ["server", "--listen", "127.0.0.1:0"],
+                     ["token", "list"], ["server", "audit"]):
+            rc, out, err = run_mep([*args, "--db", "sqlite:" + path], check=False)
+            self.assertEqual(rc, 1, (args, err))
+            self.assertIn("already has tables named as mep's (tokens, leases)", err, args)
+            self.assertEqual(len(err.strip().splitlines()), 1, (args, err))
+        conn = sqlite3.connect(path)
+        tables = sorted(r[0] for r in conn.execute("SELECT name FROM sqlite_master WHERE type = 'table'"))
+        conn.close()
+        self.assertEqual(tables, ["leases", "tokens"])
+
     def test_a_database_url_is_one_of_the_two_forms_and_its_password_never_shown(self):
         # Anything but sqlite: and postgresql:// became a SQLite file in the current
         # directory ("postgresql:/…" with a slash missing started a server on an empty

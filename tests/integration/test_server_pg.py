@@ -947,6 +947,41 @@ class ReadOnlyRole(PgTestCase):
         self.assertEqual(p.returncode, 1, p.stderr)
 
 
+class ForeignTables(PgTestCase):
+    def test_a_database_with_someone_elses_leases_table_is_refused_untouched(self):
+        # A database that already had a table named as one of mep's (an application's own
+        # `leases`) failed with 'column "expires_at" does not exist' and was left with a
+        # schema_version table at version 0.
+        self.db = pgfixture.PgDb()
+        self.db.execute("CREATE TABLE leases (id integer PRIMARY KEY, holder text)")
+        for args in (["token", "create", "--tenant", "t"], ["server", "--listen", "127.0.0.1:0"],
+                     ["token", "list"], ["server", "audit"]):
+            p = subprocess.run([mep_bin(), *args, "--db", self.db.url], stdin=subprocess.DEVNULL,
+                               capture_output=True, timeout=60)
+            self.assertEqual(p.returncode, 1, (args, p.stderr))
+            err = p.stderr.decode()
+            self.assertIn("already has tables named as mep's (leases)", err, args)
+            self.assertEqual(len(err.strip().splitlines()), 1, (args, err))
+        tables = [r[0] for r in self.db.query("SELECT tablename FROM pg_tables WHERE schemaname = 'public'")]
+        self.assertEqual(tables, ["leases"])
+        # A database that mep's schema_version was left in at 0 (by an older mep) is refused too.
+        self.db.execute("CREATE TABLE schema_version (id INTEGER PRIMARY KEY, version INTEGER NOT NULL); "
+                        "INSERT INTO schema_version VALUES (1, 0)")
+        p = subprocess.run([mep_bin(), "token", "list", "--db", self.db.url], stdin=subprocess.DEVNULL,
+                           capture_output=True, timeout=60)
+        self.assertEqual(p.returncode, 1, p.stderr)
+        self.assertIn(b"already has tables named as mep's (leases)", p.stderr)
+        # mep's own database, made by two servers at once, is no one else's.
+        fresh = pgfixture.PgDb()
+        self.addCleanup(fresh.drop)
+        procs = [subprocess.Popen([mep_bin(), "token", "create", "--tenant", "t%d" % i, "--db", fresh.url],
+                                  stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+                 for i in range(4)]
+        for proc in procs:
+            out, err = proc.communicate(timeout=60)
+            self.assertEqual(proc.returncode, 0, err)
+
+
 class AuditHashes(PgTestCase):
     def test_audit_hashes_of_ended_leases(self):
         self.db = pgfixture.PgDb()
