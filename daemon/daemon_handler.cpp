@@ -338,13 +338,9 @@ bool DaemonHandler::agent_gone(int fd) {
 }
 
 DaemonHandler::Out DaemonHandler::on_detach(const Call& c) {
-  auto o = body(c.req);
-  if (!o) return make_unexpected(std::move(o.error()));
-  json::ObjectReader rd(*o);
-  auto name = rd.string("name", Need::required);
-  auto lease_id = rd.string("lease_id", Need::optional);
-  if (auto ok = rd.finish(); !ok) return make_unexpected(std::move(ok.error()));
-  auto r = m_service.detach(*name, lease_id, c.peer.uid);
+  auto l = lease_of(c);
+  if (!l) return make_unexpected(std::move(l.error()));
+  auto r = m_service.detach(l->name, l->lease_id, c.peer.uid);
   if (!r) return make_unexpected(std::move(r.error()));
   return Answer{204, {}, {}};
 }
@@ -403,26 +399,29 @@ DaemonHandler::Out DaemonHandler::on_identify(const Call& c) {
   return encode(m_service.identify(*path), 200, [](const Identified& i) { return api::to_json(i); });
 }
 
-// {name}: verify and sync.
-expected<std::string, Problem> DaemonHandler::name_of(const Call& c) {
+// {name, lease_id?}: detach, verify and sync.
+expected<DaemonHandler::LeaseOf, Problem> DaemonHandler::lease_of(const Call& c) {
   auto o = body(c.req);
   if (!o) return make_unexpected(std::move(o.error()));
   json::ObjectReader rd(*o);
   auto name = rd.string("name", Need::required);
+  auto lease_id = rd.string("lease_id", Need::optional);
   if (auto ok = rd.finish(); !ok) return make_unexpected(std::move(ok.error()));
-  return *name;
+  return LeaseOf{*name, lease_id};
 }
 
 DaemonHandler::Out DaemonHandler::on_verify(const Call& c) {
-  auto name = name_of(c);
-  if (!name) return make_unexpected(std::move(name.error()));
-  return encode(m_service.verify(*name, c.peer.uid), 200, [](const VerifiedLease& v) { return api::to_json(v); });
+  auto l = lease_of(c);
+  if (!l) return make_unexpected(std::move(l.error()));
+  return encode(m_service.verify(l->name, l->lease_id, c.peer.uid), 200,
+                [](const VerifiedLease& v) { return api::to_json(v); });
 }
 
 DaemonHandler::Out DaemonHandler::on_sync(const Call& c) {
-  auto name = name_of(c);
-  if (!name) return make_unexpected(std::move(name.error()));
-  return encode(m_service.sync(*name, c.peer.uid), 200, [](const ObjectResult& o) { return api::to_json_sync(o); });
+  auto l = lease_of(c);
+  if (!l) return make_unexpected(std::move(l.error()));
+  return encode(m_service.sync(l->name, l->lease_id, c.peer.uid), 200,
+                [](const ObjectResult& o) { return api::to_json_sync(o); });
 }
 
 DaemonHandler::Out DaemonHandler::on_fetch(const Call& c) {

@@ -781,9 +781,14 @@ expected<lease::Lineage, Problem> Keeper::lineage(const std::optional<fs::path>&
 namespace {
 // The lease under `name` when it is live at this moment by the local clock: 404 when there
 // is none, 410 once it is lost or its local deadline has passed.
-expected<Held, Problem> live_lease(const LeaseBook& book, const std::string& name, uid_t viewer) {
+expected<Held, Problem> live_lease(const LeaseBook& book, const std::string& name,
+                                   const std::optional<std::string>& lease_id, uid_t viewer) {
   auto h = book.get(name);
   if (!h || !may_act_on(viewer, h->uid)) return make_unexpected(not_yours());
+  // The client's lease, not one granted under the name since (whose token may be equal:
+  // tokens count per memory).
+  if (lease_id && h->lease_id != *lease_id)
+    return make_unexpected(Problem(Code::lease_not_found, "this daemon holds no lease with that id under that name"));
   if (h->state == LeaseState::lost || Clock::now() >= h->local_deadline)
     return make_unexpected(
         Problem(Code::lease_expired, "the lease was lost (" +
@@ -793,9 +798,10 @@ expected<Held, Problem> live_lease(const LeaseBook& book, const std::string& nam
 }
 } // namespace
 
-expected<VerifiedLease, Problem> Keeper::verify(const std::string& display, uid_t viewer) {
+expected<VerifiedLease, Problem> Keeper::verify(const std::string& display, const std::optional<std::string>& lease_id,
+                                                uid_t viewer) {
   const std::string name = canonical_or(display);
-  auto h = live_lease(m_book, name, viewer);
+  auto h = live_lease(m_book, name, lease_id, viewer);
   if (!h) return make_unexpected(std::move(h.error()));
   m_cp_requests++;
   auto r = m_cp->verify(lease::VerifyRequest{h->memory_id, h->fencing_token});
@@ -808,9 +814,10 @@ expected<VerifiedLease, Problem> Keeper::verify(const std::string& display, uid_
   return VerifiedLease{h->canonical_name, h->memory_id, h->fencing_token, r->expires_at};
 }
 
-expected<ObjectResult, Problem> Keeper::sync(const std::string& display, uid_t viewer) {
+expected<ObjectResult, Problem> Keeper::sync(const std::string& display, const std::optional<std::string>& lease_id,
+                                             uid_t viewer) {
   const std::string name = canonical_or(display);
-  auto h = live_lease(m_book, name, viewer);
+  auto h = live_lease(m_book, name, lease_id, viewer);
   if (!h) return make_unexpected(std::move(h.error()));
   if (!m_dp)
     return make_unexpected(

@@ -87,7 +87,11 @@ private:
   void start_events(const http::Responder& responder, uid_t viewer);
   Out route(const http::Request& req, const http::Peer& peer, std::string& allow, int fd);
   bool agent_gone(int fd);
-  expected<std::string, Problem> name_of(const Call& c);
+  struct LeaseOf {
+    std::string name;
+    std::optional<std::string> lease_id;
+  };
+  expected<LeaseOf, Problem> lease_of(const Call& c);
   Out on_branch_or_init(const Call& c, bool branch);
 
   Out on_events(const Call&);

@@ -62,11 +62,14 @@ public:
   /// The lineage of the memory at `path`, or of the memory id `id`.
   virtual expected<lease::Lineage, Problem> lineage(const std::optional<std::filesystem::path>& path,
                                                     const std::string& id) = 0;
-  /// Asks the control plane whether the lease under `name` is still the live one.
-  virtual expected<VerifiedLease, Problem> verify(const std::string& name, uid_t viewer) = 0;
+  /// Asks the control plane whether the lease under `name` is still the live one. With
+  /// `lease_id`, only that lease: another under the name since is 404 lease-not-found.
+  virtual expected<VerifiedLease, Problem> verify(const std::string& name, const std::optional<std::string>& lease_id,
+                                                  uid_t viewer) = 0;
   /// Uploads the lease's file to the data plane with its token; refused locally (nothing
-  /// sent) when the lease is not live.
-  virtual expected<ObjectResult, Problem> sync(const std::string& name, uid_t viewer) = 0;
+  /// sent) when the lease is not live, or (`lease_id`) not that lease.
+  virtual expected<ObjectResult, Problem> sync(const std::string& name, const std::optional<std::string>& lease_id,
+                                               uid_t viewer) = 0;
   /// Downloads the latest object of `memory_id` into the new file `path` (created with
   /// `mode`) and binds that file to the memory's identity.
   virtual expected<ObjectResult, Problem> fetch(const std::string& memory_id, const std::filesystem::path& path,

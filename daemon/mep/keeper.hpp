@@ -56,8 +56,10 @@ public:
   expected<Initialized, Problem> init(const std::filesystem::path& path, mode_t mode) override;
   expected<lease::Lineage, Problem> lineage(const std::optional<std::filesystem::path>& path,
                                             const std::string& id) override;
-  expected<VerifiedLease, Problem> verify(const std::string& name, uid_t viewer) override;
-  expected<ObjectResult, Problem> sync(const std::string& name, uid_t viewer) override;
+  expected<VerifiedLease, Problem> verify(const std::string& name, const std::optional<std::string>& lease_id,
+                                          uid_t viewer) override;
+  expected<ObjectResult, Problem> sync(const std::string& name, const std::optional<std::string>& lease_id,
+                                       uid_t viewer) override;
   expected<ObjectResult, Problem> fetch(const std::string& memory_id, const std::filesystem::path& path,
                                         mode_t mode) override;
   boost::json::object health() const override;

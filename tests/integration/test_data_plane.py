@@ -305,6 +305,33 @@ class SyncAndFetch(DataPlaneCase):
         self.assertEqual(self.mep_json(self.a, "sync", "err-agent", expect=1)["code"], "lease-not-found")
         self.assertEqual(self.objects.get(memory).body, b"good")
 
+    def test_verify_and_sync_of_a_lease_by_its_id_refuse_a_later_lease_under_the_name(self):
+        # verify and sync took only a name: an agent whose lease was released and the name
+        # claimed by another on another memory (its first token is 1 too) was told its
+        # lease was verified, and uploaded the other agent's file. With lease_id, only
+        # that lease is used (as detach does).
+        one, two = self.new_memory(self.a, "one.uai"), self.new_memory(self.a, "two.uai")
+        first = self.mep_json(self.a, "claim", "race-agent", one)
+        self.mep(self.a, "release", "race-agent")
+        second = self.mep_json(self.a, "claim", "race-agent", two)
+        self.assertEqual(first["fencing_token"], second["fencing_token"])
+        self.assertNotEqual(first["lease_id"], second["lease_id"])
+        with open(two, "wb") as f:
+            f.write(b"the other agent's")
+        client = self.a.client()
+        for target in ("/v1/verify", "/v1/sync"):
+            with self.subTest(target):
+                r = client.request("POST", target, {"name": "race-agent", "lease_id": first["lease_id"]})
+                self.assertEqual(r.status, 404, r)
+                self.assertEqual(r.json["code"], "lease-not-found", r)
+        self.assertEqual(self.objects.get(second["memory_instance_id"]).status, 404, "a refused sync uploaded")
+        for target in ("/v1/verify", "/v1/sync"):
+            with self.subTest(target):
+                r = client.request("POST", target, {"name": "race-agent", "lease_id": second["lease_id"]})
+                self.assertEqual(r.status, 200, r)
+                self.assertEqual(r.json["memory_instance_id"], second["memory_instance_id"], r)
+        self.assertEqual(self.objects.get(second["memory_instance_id"]).body, b"the other agent's")
+
     def test_a_file_written_while_it_is_sent(self):
         # An upload sends exactly the size the file had when it began: bytes appended
         # meanwhile must not follow, or the store reads them as the start of another request

@@ -74,13 +74,15 @@ public:
     l.memory.memory_id = k_memory;
     return l;
   }
-  expected<daemon::VerifiedLease, Problem> verify(const std::string& name, uid_t) override {
-    record("verify", {name}, {});
+  expected<daemon::VerifiedLease, Problem> verify(const std::string& name, const std::optional<std::string>& lease_id,
+                                                  uid_t) override {
+    record("verify", {name}, {}).lease_id = lease_id;
     if (problem) return make_unexpected(*problem);
     return daemon::VerifiedLease{name, k_memory, 3, k_expires};
   }
-  expected<daemon::ObjectResult, Problem> sync(const std::string& name, uid_t) override {
-    record("sync", {name}, {});
+  expected<daemon::ObjectResult, Problem> sync(const std::string& name, const std::optional<std::string>& lease_id,
+                                               uid_t) override {
+    record("sync", {name}, {}).lease_id = lease_id;
     if (problem) return make_unexpected(*problem);
     return daemon::ObjectResult{name, k_memory, {}, 3, "\"e1\"", 12};
   }

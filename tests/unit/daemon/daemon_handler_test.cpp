@@ -157,6 +157,13 @@ TEST_CASE("daemon handler: answers are encoded as the API says", "[daemon_handle
   REQUIRE(res.result_int() == 204);
   REQUIRE(res.body().empty());
   REQUIRE(svc.calls.at(0).lease_id == std::optional<std::string>("L1"));
+  // verify and sync name the client's lease too, when it gives one.
+  REQUIRE(call(h, bhttp::verb::post, "/v1/verify", R"({"name":"a","lease_id":"L2"})").result_int() == 200);
+  REQUIRE(svc.calls.back().lease_id == std::optional<std::string>("L2"));
+  REQUIRE(call(h, bhttp::verb::post, "/v1/sync", R"({"name":"a","lease_id":"L3"})").result_int() == 200);
+  REQUIRE(svc.calls.back().lease_id == std::optional<std::string>("L3"));
+  REQUIRE(call(h, bhttp::verb::post, "/v1/sync", R"({"name":"a"})").result_int() == 200);
+  REQUIRE(svc.calls.back().lease_id == std::nullopt);
 
   res = call(h, bhttp::verb::get, "/v1/leases");
   REQUIRE(res.result_int() == 200);
