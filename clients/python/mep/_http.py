@@ -67,6 +67,16 @@ class Response:
         """The exception for an error answer (4xx/5xx)."""
         return error_for_problem(self.status, self.body, self.headers)
 
+    def refused_field(self, field: str) -> bool:
+        """Whether this is a 400 naming ``field`` as unknown (a mepd older than the field)."""
+        if self.status != 400:
+            return False
+        try:
+            doc = self.json()
+        except ProtocolError:
+            return False
+        return isinstance(doc, dict) and field in (doc.get("unknown_fields") or [])
+
 
 def parse_head(head: bytes) -> Tuple[int, Dict[str, str]]:
     """Status and lower-cased headers of a response head (without the blank line)."""

@@ -338,13 +338,16 @@ class AsyncLease(LeaseBase):
         """Ask the control plane through the daemon (``POST /v1/verify``) whether the token
         is current; raises like :meth:`mep.Lease.verify`."""
         self.check()
-        resp = await self._client._request("POST", "/v1/verify", {"name": self.canonical_name})
+        resp = await self._client._request("POST", "/v1/verify", self._lease_body())
+        if resp.refused_field("lease_id"):  # an older mepd: the memory id is compared below
+            resp = await self._client._request("POST", "/v1/verify", {"name": self.canonical_name})
         self._judge_answer(resp, "/v1/verify")
         result = VerifyResult.from_json(resp.json_object())
-        if result.fencing_token != self.token:
+        if result.fencing_token != self.token or result.memory_instance_id != self.memory_instance_id:
             self._lose("stale-fence")
-            raise StaleFence("the control plane's current token for %s is %d, this lease's is %d"
-                             % (self.canonical_name, result.fencing_token, self.token),
+            raise StaleFence("the control plane's current lease for %s is token %d on memory %s; this lease's "
+                             "is token %d on %s" % (self.canonical_name, result.fencing_token,
+                                                    result.memory_instance_id, self.token, self.memory_instance_id),
                              extensions={"presented_token": self.token, "current_token": result.fencing_token})
         if result.expires_at is not None and (self._tracker.expires_at is None or
                                               result.expires_at > self._tracker.expires_at):
@@ -358,9 +361,16 @@ class AsyncLease(LeaseBase):
         no limit, however long the upload takes (the client's ``timeout`` does not apply)."""
         limit = _transfer_timeout(timeout)
         self.check()
-        resp = await self._client._request("POST", "/v1/sync", {"name": self.canonical_name}, timeout=limit)
+        resp = await self._client._request("POST", "/v1/sync", self._lease_body(), timeout=limit)
+        if resp.refused_field("lease_id"):  # an older mepd
+            resp = await self._client._request("POST", "/v1/sync", {"name": self.canonical_name}, timeout=limit)
         self._judge_answer(resp, "/v1/sync")
-        return SyncResult.from_json(resp.json_object())
+        result = SyncResult.from_json(resp.json_object())
+        self.check()
+        return result
+
+    def _lease_body(self) -> Dict[str, Any]:
+        return {"name": self.canonical_name, "lease_id": self.lease_id}
 
     async def refresh(self) -> LeaseInfo:
         """The daemon's current view of this lease."""

@@ -261,13 +261,18 @@ class Lease(LeaseBase):
         :class:`~mep.NotSupported` on a mepd that predates the endpoint.
         """
         self.check()
-        resp = self._client._request("POST", "/v1/verify", {"name": self.canonical_name})
+        # This lease by its id: after a loss the name may hold another agent's lease, whose
+        # token can equal this one's (tokens count per memory).
+        resp = self._client._request("POST", "/v1/verify", self._lease_body())
+        if resp.refused_field("lease_id"):  # an older mepd: the memory id is compared below
+            resp = self._client._request("POST", "/v1/verify", {"name": self.canonical_name})
         self._judge_answer(resp, "/v1/verify")
         result = VerifyResult.from_json(resp.json_object())
-        if result.fencing_token != self.token:
+        if result.fencing_token != self.token or result.memory_instance_id != self.memory_instance_id:
             self._lose(StaleFence.CODE or "stale-fence")
-            raise StaleFence("the control plane's current token for %s is %d, this lease's is %d"
-                             % (self.canonical_name, result.fencing_token, self.token),
+            raise StaleFence("the control plane's current lease for %s is token %d on memory %s; this lease's "
+                             "is token %d on %s" % (self.canonical_name, result.fencing_token,
+                                                    result.memory_instance_id, self.token, self.memory_instance_id),
                              extensions={"presented_token": self.token, "current_token": result.fencing_token})
         if result.expires_at is not None:
             with self._lock:
@@ -290,9 +295,16 @@ class Lease(LeaseBase):
         that makes no progress for 30 s. The client's ``timeout`` does not apply."""
         limit = _transfer_timeout(timeout)
         self.check()
-        resp = self._client._request("POST", "/v1/sync", {"name": self.canonical_name}, timeout=limit)
+        resp = self._client._request("POST", "/v1/sync", self._lease_body(), timeout=limit)
+        if resp.refused_field("lease_id"):  # an older mepd
+            resp = self._client._request("POST", "/v1/sync", {"name": self.canonical_name}, timeout=limit)
         self._judge_answer(resp, "/v1/sync")
-        return SyncResult.from_json(resp.json_object())
+        result = SyncResult.from_json(resp.json_object())
+        self.check()  # lost while it uploaded: the answer does not count
+        return result
+
+    def _lease_body(self) -> Dict[str, Any]:
+        return {"name": self.canonical_name, "lease_id": self.lease_id}
 
     def refresh(self) -> LeaseInfo:
         """The daemon's current view of this lease (``GET /v1/leases/{name}``)."""

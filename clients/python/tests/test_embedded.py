@@ -299,6 +299,28 @@ class DetachTest(DaemonTestCase):
 
 
 class LossTest(DaemonTestCase):
+    def test_verify_is_of_this_lease_not_a_later_one_under_the_name(self):
+        # verify sent only the name and compared only the token: a lease released and its
+        # name claimed by another agent on another memory (whose first token is 1 too) was
+        # verified, when the SDK had not yet heard the events (a busy process).
+        d = self.start_mepd()
+        c = d.client()
+        one, two = self.new_memory(c, "one.uai"), self.new_memory(c, "two.uai")
+        with c.lease("verified race", one, ttl=30, bind="none") as lease:
+            lease._tracker._apply = lambda ev, now: None  # the events not yet heard
+            for args in (["release", "verified race"], ["claim", "verified race", two]):
+                p = subprocess.run([mep_bin(), "--socket", d.socket_path, *args], stdout=subprocess.PIPE,
+                                   stderr=subprocess.PIPE, env=self.env, timeout=20)
+                self.assertEqual(p.returncode, 0, p.stderr)
+            other = c.get_lease("verified race")
+            self.assertEqual(other.fencing_token, lease.token)
+            self.assertNotEqual(other.lease_id, lease.lease_id)
+            with self.assertRaises((mep.LeaseGone, mep.LeaseNotFound)):
+                lease.verify()
+            self.assertTrue(lease.lost.is_set())
+        # Leaving the block does not take the other agent's lease.
+        self.assertEqual([l.lease_id for l in c.leases()], [other.lease_id])
+
     def test_released_by_someone_else_is_lost(self):
         d = self.start_mepd()
         c = d.client()
