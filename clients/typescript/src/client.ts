@@ -70,6 +70,12 @@ export interface TransferOptions {
   timeoutMs?: number;
 }
 
+/** Options of {@link Client.sync}. */
+export interface SyncOptions extends TransferOptions {
+  /** Only this lease's file: another agent's lease under the name since is {@link LeaseNotFound}. */
+  leaseId?: string;
+}
+
 /** A lineage query: a memory file's path or a memory id. */
 export type LineageQuery = string | { path: string } | { id: string };
 
@@ -94,7 +100,9 @@ export class Client {
    */
   constructor(options: ClientOptions = {}) {
     checkOptions(options);
-    if (options.socketPath !== undefined) checkText(options.socketPath, "socketPath");
+    if (options.socketPath !== undefined && checkText(options.socketPath, "socketPath") === "")
+      // An empty path (an unset variable) would silently mean $MEP_SOCKET or the config file's.
+      throw new TypeError("socketPath must not be empty (leave it out for $MEP_SOCKET, the config file or the default)");
     const timeoutMs = checkTimeoutMs(options.timeoutMs);
     const r = resolveSocketPath(options.socketPath, options.env ?? process.env);
     this.socketPath = r.path;
@@ -174,9 +182,7 @@ export class Client {
    * @throws LeaseNotFound
    */
   async detach(name: string, leaseId?: string): Promise<void> {
-    checkText(name, "name");
-    const body = leaseId === undefined ? { name } : { name, lease_id: checkText(leaseId, "leaseId") };
-    await this.#call("POST", "/v1/detach", body, [200, 204]);
+    await this.#call("POST", "/v1/detach", leaseBody(name, leaseId), [200, 204]);
   }
 
   /** Every lease the daemon keeps (`GET /v1/leases`). */
@@ -194,21 +200,26 @@ export class Client {
 
   /**
    * Asks the control plane (through the daemon, `POST /v1/verify`) whether the lease on
-   * `name` still has the current token. @throws StaleFence (409), LeaseExpired (410), LeaseNotFound, Unavailable
+   * `name` still has the current token; with `leaseId`, only that lease (another agent's
+   * lease under the name since is {@link LeaseNotFound}).
+   * @throws StaleFence (409), LeaseExpired (410), LeaseNotFound, Unavailable
    */
-  async verify(name: string): Promise<VerifyResult> {
-    const r = await this.#call("POST", "/v1/verify", { name: checkText(name, "name") }, 200);
+  async verify(name: string, leaseId?: string): Promise<VerifyResult> {
+    const r = await this.#call("POST", "/v1/verify", leaseBody(name, leaseId), 200);
     return parseVerify(r.json);
   }
 
   /**
    * Uploads the memory file of the lease on `name` to the data plane under its token
-   * (`POST /v1/sync`). No time limit unless `options.timeoutMs` (see {@link TransferOptions}).
+   * (`POST /v1/sync`). No time limit unless `options.timeoutMs` (see {@link TransferOptions});
+   * with `options.leaseId`, only that lease's file (another agent's lease under the name
+   * since is {@link LeaseNotFound}).
    * @throws StaleFence, LeaseExpired, LeaseNotFound, StoreNotConfigured, StoreUnavailable, InsufficientStorage
    */
-  async sync(name: string, options: TransferOptions = {}): Promise<SyncResult> {
-    const timeoutMs = checkTimeoutMs(checkOptions(options).timeoutMs) ?? 0;
-    const r = await this.#call("POST", "/v1/sync", { name: checkText(name, "name") }, 200, timeoutMs);
+  async sync(name: string, options: SyncOptions = {}): Promise<SyncResult> {
+    const o = checkOptions(options);
+    const timeoutMs = checkTimeoutMs(o.timeoutMs) ?? 0;
+    const r = await this.#call("POST", "/v1/sync", leaseBody(name, o.leaseId), 200, timeoutMs);
     return parseSync(r.json);
   }
 
@@ -313,12 +324,15 @@ export class Client {
         onEnd(err) {
           finished = true;
           failure = err;
+          options.signal?.removeEventListener("abort", onAbort);
           flush();
         },
       },
-      { unref: options.ref === false },
+      { unref: options.ref === false, openTimeoutMs: this.timeoutMs },
     );
-    const onAbort = () => stream.close();
+    function onAbort() {
+      stream.close();
+    }
     options.signal?.addEventListener("abort", onAbort, { once: true });
     if (options.signal?.aborted) stream.close();
     const it: DaemonEventStream = {
@@ -342,6 +356,12 @@ export class Client {
     };
     return it;
   }
+}
+
+/** `{name, lease_id?}`: the body of detach, verify and sync. */
+function leaseBody(name: string, leaseId: string | undefined): Record<string, string> {
+  checkText(name, "name");
+  return leaseId === undefined ? { name } : { name, lease_id: checkText(leaseId, "leaseId") };
 }
 
 /** The body of `POST /v1/attach`, every argument checked. */

@@ -55,6 +55,8 @@ export function rawRequest(
     let settled = false;
     let req: ClientRequest;
     const onAbort = () => req.destroy(abortError(opts.signal));
+    // An abort is the caller's AbortError (or its signal's reason), not a daemon that failed.
+    const failure = (e: unknown) => (opts.signal?.aborted ? abortError(opts.signal) : connectError(socketPath, e));
     const done = (f: () => void) => {
       if (settled) return;
       settled = true;
@@ -68,7 +70,7 @@ export function rawRequest(
     req = httpRequest({ socketPath, method, path, headers, agent: false }, (res: IncomingMessage) => {
       const chunks: Uint8Array[] = [];
       res.on("data", (c: Uint8Array) => chunks.push(c));
-      res.on("error", (e: Error) => done(() => reject(connectError(socketPath, e))));
+      res.on("error", (e: Error) => done(() => reject(failure(e))));
       res.on("end", () => {
         const text = Buffer.concat(chunks).toString("utf8");
         let json: JsonValue | undefined;
@@ -95,7 +97,7 @@ export function rawRequest(
         }),
       ),
     );
-    req.on("error", (e: Error) => done(() => reject(connectError(socketPath, e))));
+    req.on("error", (e: Error) => done(() => reject(failure(e))));
     opts.signal?.addEventListener("abort", onAbort, { once: true });
     req.end(data);
   });
@@ -163,6 +165,7 @@ export function openNdjson(
   h: StreamHandlers,
   opts: { openTimeoutMs?: number; unref?: boolean } = {},
 ): OpenStream {
+  // The client's timeoutMs (0: none) bounds the wait for the stream's 200.
   const openTimeoutMs = opts.openTimeoutMs ?? 10000;
   let ended = false;
   let closedByUs = false;
@@ -226,7 +229,19 @@ export function openNdjson(
           h.onObject(o);
         }
       });
-      res.on("end", () => end(undefined));
+      res.on("end", () => {
+        // A last line the daemon ended without a newline is still an event.
+        const line = (buf + decoder.decode()).trim();
+        buf = "";
+        if (line && !ended) {
+          try {
+            h.onObject(parseJson(line));
+          } catch {
+            /* not JSON: dropped, as above */
+          }
+        }
+        end(undefined);
+      });
       res.on("close", () => end(undefined));
       res.on("error", (e: Error) => end(connectError(socketPath, e)));
     },
@@ -237,9 +252,10 @@ export function openNdjson(
     sock = s;
     if (!keepAlive) s.unref();
   });
-  req.setTimeout(openTimeoutMs, () =>
-    req.destroy(new Unavailable({ code: "unavailable", status: 0, detail: `mepd at ${socketPath} did not open ${path} within ${openTimeoutMs} ms` })),
-  );
+  if (openTimeoutMs > 0 && Number.isFinite(openTimeoutMs))
+    req.setTimeout(openTimeoutMs, () =>
+      req.destroy(new Unavailable({ code: "unavailable", status: 0, detail: `mepd at ${socketPath} did not open ${path} within ${openTimeoutMs} ms` })),
+    );
   req.on("error", (e: Error) => end(connectError(socketPath, e)));
   req.end();
   return {

@@ -17,11 +17,11 @@
  * @packageDocumentation
  */
 import "./polyfill.js";
-import { Client, type DaemonEventStream, type EventsOptions, type LineageQuery, type TransferOptions } from "./client.js";
+import { Client, type DaemonEventStream, type EventsOptions, type LineageQuery, type SyncOptions, type TransferOptions } from "./client.js";
 import type { Lease, LeaseOptions } from "./lease.js";
 import type { BranchResult, DaemonStatus, FetchResult, Lineage, MemoryIdentity } from "./types.js";
 
-export { Client, type ClientOptions, type DaemonEventStream, type EventsOptions, type LineageQuery, type TransferOptions } from "./client.js";
+export { Client, type ClientOptions, type DaemonEventStream, type EventsOptions, type LineageQuery, type SyncOptions, type TransferOptions } from "./client.js";
 export {
   Lease,
   currentLease,

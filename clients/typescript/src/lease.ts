@@ -3,7 +3,7 @@
 import "./polyfill.js";
 import { AsyncLocalStorage } from "node:async_hooks";
 import { EventEmitter } from "node:events";
-import { DaemonNotRunning, LeaseExpired, LeaseLost, LeaseNotFound, type MepError, StaleFence } from "./errors.js";
+import { DaemonNotRunning, InvalidRequest, LeaseExpired, LeaseLost, LeaseNotFound, type MepError, StaleFence, Unavailable } from "./errors.js";
 import { openNdjson, type OpenStream } from "./http.js";
 import { parseEvent, type DaemonEvent, type LeaseInfo, type SyncResult, type VerifyResult } from "./types.js";
 import type { Client, TransferOptions } from "./client.js";
@@ -72,6 +72,21 @@ function marginMs(ttlS: number): number {
 const RECONNECT_MIN_MS = 100;
 const RECONNECT_MAX_MS = 2000;
 const KEY = Symbol("mep.lease.construct");
+
+/**
+ * Calls `f` with the lease's id; a mepd older than `lease_id` on verify and sync refuses the
+ * field (400 with `unknown_fields`), and is asked again by name (the caller compares the
+ * memory id and token of the answer).
+ */
+async function byLeaseId<T>(f: (leaseId: string | undefined) => Promise<T>, leaseId: string): Promise<T> {
+  try {
+    return await f(leaseId);
+  } catch (e) {
+    const unknown = e instanceof InvalidRequest ? e.extensions["unknown_fields"] : undefined;
+    if (Array.isArray(unknown) && unknown.includes("lease_id")) return f(undefined);
+    throw e;
+  }
+}
 
 /**
  * A lease on an agent name and a memory file, held through the local mepd. Get one with
@@ -167,13 +182,18 @@ export class Lease implements AsyncDisposable {
         streamEnded = true;
         if (lease) lease.#onStreamEnd(err);
       },
-    }, { unref: false }); // kept alive until the attach answered, then unref'd
+    }, { unref: false, openTimeoutMs: client.timeoutMs }); // kept alive until the attach answered, then unref'd
     try {
       await stream.ready;
     } catch (e) {
-      // No stream (e.g. no daemon): the attach below tells which error to report; without a
-      // stream the lease still has its local deadline and reconnects in the background.
-      if (e instanceof DaemonNotRunning) throw e;
+      // No daemon, or one that did not answer within the client's timeoutMs: the attach
+      // would fare no better. Otherwise (a refusal) the attach below tells which error to
+      // report; without a stream the lease still has its local deadline and reconnects in
+      // the background.
+      if (e instanceof DaemonNotRunning || e instanceof Unavailable) {
+        stream.close();
+        throw e;
+      }
     }
     const sentAt = performance.now();
     let info: LeaseInfo;
@@ -188,7 +208,14 @@ export class Lease implements AsyncDisposable {
     // deadline counts from there (else a wait longer than the TTL is a lost lease).
     const after = info.raw["granted_after_ms"];
     const grantedFrom = typeof after === "number" && after > 0 ? sentAt + after : sentAt;
-    lease = new Lease(KEY, client, info, grantedFrom, streamEnded ? undefined : stream, early);
+    try {
+      lease = new Lease(KEY, client, info, grantedFrom, streamEnded ? undefined : stream, early);
+    } catch (e) {
+      // The daemon holds a lease no one could release: give it back.
+      stream.close();
+      await client.detach(info.canonicalName, info.leaseId).catch(() => {});
+      throw e;
+    }
     return lease;
   }
 
@@ -264,15 +291,15 @@ export class Lease implements AsyncDisposable {
     this.check();
     let r: VerifyResult;
     try {
-      r = await this.#client.verify(this.canonicalName);
+      // This lease by its id: after a loss the name may hold another agent's lease, whose
+      // token can be equal to ours (tokens count per memory).
+      r = await byLeaseId((id) => this.#client.verify(this.canonicalName, id), this.leaseId);
     } catch (e) {
       this.#loseOnRefusal(e);
       throw e;
     }
-    if (r.fencingToken !== this.token) {
-      this.#lose("token-changed");
-      this.check();
-    }
+    if (r.fencingToken !== this.token || r.memoryInstanceId !== this.memoryInstanceId) this.#lose("token-changed");
+    this.check(); // lost meanwhile (an event, the local deadline): the answer does not count
     return r;
   }
 
@@ -287,12 +314,16 @@ export class Lease implements AsyncDisposable {
    */
   async sync(options: TransferOptions = {}): Promise<SyncResult> {
     this.check();
+    let r: SyncResult;
     try {
-      return await this.#client.sync(this.canonicalName, options);
+      r = await byLeaseId((leaseId) => this.#client.sync(this.canonicalName, { ...options, leaseId }), this.leaseId);
     } catch (e) {
       this.#loseOnRefusal(e);
       throw e;
     }
+    if (r.fencingToken !== this.token || r.memoryInstanceId !== this.memoryInstanceId) this.#lose("token-changed");
+    this.check();
+    return r;
   }
 
   /** Runs `fn` with this lease as {@link currentLease}. */
@@ -473,7 +504,16 @@ export class Lease implements AsyncDisposable {
   #onEvent(ev: DaemonEvent): void {
     if (ev.canonicalName !== this.canonicalName) return;
     if (this.#state === "lost" || this.#state === "released") return;
-    if (!this.#seenGrant) {
+    if (ev.leaseId !== undefined) {
+      // A daemon that names the lease in its events: attribution is exact. Another lease
+      // granted under the name after ours means ours is gone; its other events are not ours.
+      if (ev.leaseId !== this.leaseId) {
+        if (ev.event === "granted" && this.#seenGrant) this.#lose("token-changed");
+        return;
+      }
+      this.#seenGrant = true;
+      if (ev.event === "granted") return;
+    } else if (!this.#seenGrant) {
       // Events before our own `granted` belong to an earlier holder of the name.
       if (ev.event === "granted" && ev.fencingToken === this.token) this.#seenGrant = true;
       return;
@@ -541,7 +581,7 @@ export class Lease implements AsyncDisposable {
         if (this.#stream === stream) this.#onStreamEnd(err);
         else if (this.#stream === undefined && !opened) this.#scheduleReconnect();
       },
-    });
+    }, { openTimeoutMs: this.#client.timeoutMs });
     stream.ready.then(
       async () => {
         opened = true;

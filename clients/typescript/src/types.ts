@@ -112,6 +112,8 @@ export interface DaemonEvent {
   canonicalName: string;
   /** The lease's memory. */
   memoryInstanceId: string;
+  /** The lease's id ({@link LeaseInfo.leaseId}): tells successive holders of a name apart. */
+  leaseId: string | undefined;
   /** The lease's state after the event. */
   state: string;
   /** When the daemon emitted it (its wall clock). */
@@ -268,6 +270,7 @@ export function parseEvent(v: JsonValue): DaemonEvent | undefined {
     event: s(o, "event"),
     canonicalName: s(o, "canonical_name"),
     memoryInstanceId: s(o, "memory_instance_id"),
+    leaseId: so(o, "lease_id"),
     state: s(o, "state"),
     at: d(o, "at"),
     fencingToken: token,
