@@ -419,8 +419,33 @@ void PgStore::enqueue(Work work, Finish done, std::string request_id, bool repea
   enqueue(Job{std::move(work), std::move(done), std::move(request_id), repeatable, nullptr, nullptr, Batch::none});
 }
 
+void PgStore::refuse_queued(const Problem& why) {
+  std::deque<Job> refused;
+  {
+    std::lock_guard lock(m_mutex);
+    m_refusing = why;
+    refused.swap(m_queue);
+    for (Batch b : {Batch::claim, Batch::renew, Batch::release}) queued(b) = 0;
+  }
+  if (!refused.empty()) log::info("refused {} queued database operations: {}", refused.size(), why.detail);
+  for (Job& job : refused) answer_refused(job, why);
+}
+
+void PgStore::answer_refused(Job& job, const Problem& why) {
+  try {
+    job.done(why);
+  } catch (const std::exception& e) {
+    log::error("request {}: answering failed: {}", job.request_id, e.what());
+  }
+}
+
 void PgStore::enqueue(Job job) {
-  std::lock_guard lock(m_mutex);
+  std::unique_lock lock(m_mutex);
+  if (m_refusing) {
+    const Problem why = *m_refusing;
+    lock.unlock();
+    return answer_refused(job, why);
+  }
   // A claim (renewal, release) that no lane of its kind is open for waits for the next batch:
   // no worker could take it.
   const auto now = std::chrono::steady_clock::now();

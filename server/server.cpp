@@ -65,7 +65,13 @@ std::unique_ptr<Store> open_store(const std::string& given, const StoreOptions& 
   return std::make_unique<SqliteStore>(*url, options.create, options.writer_nice, options.serving);
 }
 
-namespace {} // namespace
+namespace {
+/// SIGTERM: how long requests in flight may take before the queued ones are refused.
+constexpr auto k_drain_time = std::chrono::seconds(5);
+/// Then: how long the operations running in the database may take (its statement timeout
+/// is 10 s) before the server stops without their answers.
+constexpr auto k_running_grace = std::chrono::seconds(11);
+} // namespace
 
 int run_server(const ServerOptions& o) {
   log::set_program("mep server");
@@ -125,12 +131,28 @@ int run_server(const ServerOptions& o) {
   http->start();
   auto sweeper = std::make_unique<Sweeper>(*store);
 
-  // 4. SIGTERM/SIGINT: stop accepting, let requests in flight finish (at most 5 s).
+  // 4. SIGTERM/SIGINT: stop accepting, let requests in flight finish (5 s). Then the
+  //    operations still queued for the database (held up behind a lock, say) are answered
+  //    503 (they never ran), and those running get until the database's statement timeout
+  //    (10 s) to end: every request gets its answer, and none is told 503 after it was done.
   net::signal_set signals(ioc, SIGINT, SIGTERM);
   net::steady_timer drain(ioc);
   auto deadline = std::make_shared<std::chrono::steady_clock::time_point>();
+  bool refused_queued = false;
   std::function<void()> wait_drain = [&] {
-    if (http->in_flight() == 0 || std::chrono::steady_clock::now() >= *deadline) return ioc.stop();
+    const auto now = std::chrono::steady_clock::now();
+    if (http->in_flight() == 0) return ioc.stop();
+    if (now >= *deadline) {
+      if (refused_queued) {
+        log::warn("{} requests still running in the database get no answer", http->in_flight());
+        return ioc.stop();
+      }
+      refused_queued = true;
+      Problem why(Code::unavailable, "the server is shutting down; the request was not carried out");
+      why.retry_after_s = 1;
+      store->refuse_queued(why);
+      *deadline = now + k_running_grace;
+    }
     drain.expires_after(std::chrono::milliseconds(20));
     drain.async_wait([&](boost::system::error_code) { wait_drain(); });
   };
@@ -139,7 +161,7 @@ int run_server(const ServerOptions& o) {
     log::info("signal {}: shutting down", sig);
     http->stop_accepting();
     router.end_waits(); // waiting claims get 503 and Retry-After now, not after the drain
-    *deadline = std::chrono::steady_clock::now() + std::chrono::seconds(5);
+    *deadline = std::chrono::steady_clock::now() + k_drain_time;
     wait_drain();
   });
 

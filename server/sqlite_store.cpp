@@ -668,10 +668,32 @@ void SqliteStore::migrate() {
 
 void SqliteStore::enqueue(Work work, Finish done, std::string request_id, bool careful, bool lazy) {
   {
-    std::lock_guard lock(m_mutex);
+    std::unique_lock lock(m_mutex);
+    if (m_refusing) {
+      const Problem why = *m_refusing;
+      lock.unlock();
+      return done(why);
+    }
     m_queue.push_back(Job{std::move(work), std::move(done), std::move(request_id), careful, lazy});
   }
   m_cv.notify_one();
+}
+
+void SqliteStore::refuse_queued(const Problem& why) {
+  std::deque<Job> refused;
+  {
+    std::lock_guard lock(m_mutex);
+    m_refusing = why;
+    refused.swap(m_queue);
+  }
+  if (!refused.empty()) log::info("refused {} queued database operations: {}", refused.size(), why.detail);
+  for (Job& job : refused) {
+    try {
+      job.done(why);
+    } catch (const std::exception& e) {
+      log::error("request {}: answering failed: {}", job.request_id, e.what());
+    }
+  }
 }
 
 template <class T, class Op>

@@ -39,6 +39,7 @@ public:
   void leave_queue(std::uint64_t ticket) override;
   void mark_queue(std::uint64_t ticket, bool abandoned) override;
   void leave_all_queues() override;
+  void refuse_queued(const Problem& why) override;
   /// Finishes every queued job, then stops the workers.
   ~PgStore() override;
 
@@ -135,6 +136,7 @@ private:
   int& running(Batch b);
   /// The jobs of a kind waiting in m_queue (under m_mutex).
   int& queued(Batch b);
+  static void answer_refused(Job& job, const Problem& why);
   /// Whether a worker may start a call of a kind now, and why (under m_mutex).
   enum class Lane { closed, first, full_batch, waited };
   Lane lane_open(Batch b, std::chrono::steady_clock::time_point now);
@@ -181,7 +183,8 @@ private:
 
   std::mutex m_mutex;
   std::deque<Job> m_queue;
-  std::vector<Idle*> m_idle; // most recently idle last
+  std::optional<Problem> m_refusing; ///< refuse_queued: what every new job is answered (under m_mutex)
+  std::vector<Idle*> m_idle;         // most recently idle last
   // Claims in flight at once, in batches: at most m_claim_lanes calls (an eighth of the pool,
   // at least one). On a 2-core database host, 16 backends each running one claim used about
   // 40 % more database CPU per claim than 4 (pgbench, the same function), and sent fewer

@@ -59,6 +59,7 @@ public:
   std::int64_t sweep() override;
   bool migration_in_progress() override;
   void set_completion_executor(CompletionExecutor executor) override { m_complete = std::move(executor); }
+  void refuse_queued(const Problem& why) override;
   /// One process serves the database, so the queue of waiting claims is that process's:
   /// a ticket is a counter, and the claim's transaction asks the gate.
   void enter_queue(const Ctx&, QueuePlace, Then<std::uint64_t> then) override { then(++m_last_ticket); }
@@ -195,6 +196,7 @@ private:
   std::deque<Job> m_queue;
   bool m_flush_wanted = false; // under m_mutex: m_renewals has renewals the database was not told
   bool m_stopping = false;
+  std::optional<Problem> m_refusing; // refuse_queued: what every new job is answered (under m_mutex)
   std::atomic<bool> m_healthy{true};
   std::atomic<bool> m_migration_in_progress{false};
   std::thread m_writer;

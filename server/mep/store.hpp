@@ -182,6 +182,10 @@ public:
   /// request. Set before the first operation.
   using CompletionExecutor = std::function<void(std::function<void()>)>;
   virtual void set_completion_executor(CompletionExecutor) {}
+  /// Shutting down: the operations queued and not started, and any submitted from now on,
+  /// are answered with `why` (they never ran); the ones running finish. Their answers go
+  /// through the completion executor, which must still run them.
+  virtual void refuse_queued(const Problem& /*why*/) {}
   /// Told of every lease ended by a release or a revocation through any server on the same
   /// database (PostgreSQL: LISTEN/NOTIFY), so that claims waiting here (Prefer: wait) are
   /// woken at once. Called from a store thread; empty stops the calls. A store that only

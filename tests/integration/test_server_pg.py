@@ -753,6 +753,71 @@ class LockedTable(PgTestCase):
             self.assertEqual(r.status, 201, r.json)
 
 
+class ShutdownUnderALock(PgTestCase):
+    def test_every_request_is_answered_when_the_server_stops_under_a_held_lock(self):
+        """SIGTERM while operations wait behind a held lock: after the 5 s drain the server
+        stopped its I/O, and the requests still in the database (running, or queued behind
+        the running batch) got no answer at all. Now the queued ones are answered 503 (they
+        never ran) and the running ones get until the statement timeout: every request has
+        its answer, and the server still exits."""
+        self.db = pgfixture.PgDb()
+        token = create_token(self.db, "tenant-a")
+        # One database connection: one batch runs, the rest wait their turn behind it.
+        self.servers = start_servers(self.dir, self.db, 1, ["--db-pool", "1"])
+        server = self.servers[0]
+        with server.client(token) as c:
+            mems = [c.new_memory() for _ in range(24)]
+            held = []
+            for i in range(8):
+                r = c.claim(unique_name(), mems[i], "owner-%d" % i)
+                self.assertEqual(r.status, 201, r.json)
+                held.append(r.json)
+        unlock = self.hold_in_transaction("LOCK TABLE leases IN ACCESS EXCLUSIVE MODE", "LOCK TABLE%")
+        results, errors = {}, []
+
+        def call(i, op, barrier):
+            try:
+                with ApiClient(server.port, token, timeout=90) as c:
+                    c.get("/healthz")  # connected before the server stops listening
+                    barrier.wait()
+                    results[i] = op(c)
+            except Exception as e:  # reported below
+                errors.append((i, repr(e)))
+
+        ops = {i: (lambda c, i=i: c.claim(unique_name(), mems[8 + i], "owner-new-%d" % i)) for i in range(12)}
+        ops.update({100 + i: (lambda c, g=g, i=i: c.renew(g["canonical_name"], g["memory_instance_id"],
+                                                           g["fencing_token"], "owner-%d" % i))
+                    for i, g in enumerate(held)})
+        ops.update({200 + i: (lambda c, g=g, i=i: c.release(g["canonical_name"], g["memory_instance_id"],
+                                                             g["fencing_token"], "owner-%d" % i))
+                    for i, g in enumerate(held[:4])})
+        barrier = threading.Barrier(len(ops))
+        threads = [threading.Thread(target=call, args=(i, op, barrier), daemon=True) for i, op in ops.items()]
+        for t in threads:
+            t.start()
+        # Once they all wait in the server (its database connection blocked on the lock).
+        deadline = time.monotonic() + 20
+        while db_query(self.db, "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock'") == [(0,)]:
+            self.assertLess(time.monotonic(), deadline, "no operation waits for the lock")
+            time.sleep(0.05)
+        time.sleep(1)
+        rc = server.stop(timeout=60)
+        for t in threads:
+            t.join(timeout=60)
+            self.assertFalse(t.is_alive(), "a request is still waiting after the server stopped")
+        self.assertEqual(errors, [], "requests that got no answer: %s\n%s" % (errors, server.stderr_text()[-3000:]))
+        self.assertEqual(rc, 0, server.stderr_text()[-3000:])
+        self.assertEqual(set(results), set(ops))
+        for i, r in results.items():
+            self.assertEqual(r.status, 503, (i, r.json))
+            self.assertIsNotNone(r.header("Retry-After"), (i, r.json))
+        # None of the claims was carried out.
+        unlock()
+        granted = db_query(self.db, "SELECT count(*) FROM leases WHERE memory_id IN (%s)"
+                           % ", ".join("'%s'" % m for m in mems[8:20]))
+        self.assertEqual(granted, [(0,)])
+
+
 class RenewBatches(PgTestCase):
     def test_renewals_sent_together_are_each_answered_as_if_alone(self):
         """With --db-pool 4 a server runs single renewals in one lane, so clients renewing at

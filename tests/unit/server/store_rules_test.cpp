@@ -130,6 +130,18 @@ struct Case {
 };
 
 const Case k_cases[] = {
+    {"once a shutdown refuses the queued operations, new ones are refused unrun, as asked",
+     [](Rig& r) {
+       auto m = r.memory();
+       Problem why(Code::unavailable, "shutting down");
+       why.retry_after_s = 1;
+       r.store->refuse_queued(why);
+       auto g = r.claim(r.name("late"), m);
+       REQUIRE(code_of(g) == Code::unavailable);
+       CHECK(g.value.error().retry_after_s == std::optional<int>(1));
+       CHECK(g.value.error().detail == "shutting down");
+       CHECK(code_of(r.verify(m, 1)) == Code::unavailable); // every kind of operation
+     }},
     {"a claim of a registered memory is granted token 1 for its TTL",
      [](Rig& r) {
        auto m = r.memory();
