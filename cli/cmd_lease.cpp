@@ -336,6 +336,7 @@ void register_lease_commands(CLI::App& app, GlobalOptions& g, Action& action) {
           {"token_file", cfg->get("token_file", std::nullopt, "--token-file", "")},
           {"store", cfg->get("store", std::nullopt, "--store", "")},
           {"store_token_file", cfg->get("store_token_file", std::nullopt, "--store-token-file", "")},
+          {"ca_file", cfg->get("ca_file", std::nullopt, "--ca-file", "")},
           {"state_dir", cfg->get("state_dir", std::nullopt, "--state-dir", state)},
           {"db", cfg->get("db", std::nullopt, "--db", "sqlite:" + (xdg_state_home() / "mep" / "control.db").string())},
       };
@@ -345,7 +346,9 @@ void register_lease_commands(CLI::App& app, GlobalOptions& g, Action& action) {
         std::printf("%s\n", json::dump(o).c_str());
       } else {
         for (auto& [k, s] : rows) {
-          const char* none = k == "control_plane" ? "(none: embedded)" : "(none)";
+          const char* none = k == "control_plane" ? "(none: embedded)"
+                             : k == "ca_file"     ? "(none: the system's)"
+                                                  : "(none)";
           std::printf("%-16s %-50s (%s)\n", k.c_str(), s.value.empty() ? none : s.value.c_str(), s.source.c_str());
         }
       }

@@ -13,7 +13,7 @@ _mep_valued=${_mep_valued//$'\n'/ } # each name between spaces, also at the ends
 # Returns 1 when $1 takes no value.
 _mep_option_value() {
     case $1 in
-        --socket | --config | --tls-cert | --tls-key | --input | --report | --token-file | --store-token-file)
+        --socket | --config | --tls-cert | --tls-key | --input | --report | --token-file | --store-token-file | --ca-file)
             compgen -f -- "$2" ;;
         --state-dir | --dir)
             compgen -d -- "$2" ;;
@@ -151,11 +151,11 @@ _mep() {
 _mepd() {
     local cur=${COMP_WORDS[COMP_CWORD]}
     COMPREPLY=()
-    if _mep_complete_value " --socket --state-dir --control-plane --token-file --store --store-token-file --config --log-level "; then
+    if _mep_complete_value " --socket --state-dir --control-plane --token-file --store --store-token-file --ca-file --config --log-level "; then
         return 0
     fi
     mapfile -t COMPREPLY < <(compgen -W "--help -h --system --socket --state-dir --control-plane --token-file
-        --store --store-token-file --config --log-level --version" -- "$cur")
+        --store --store-token-file --ca-file --config --log-level --version" -- "$cur")
     return 0
 }
 

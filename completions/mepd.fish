@@ -9,5 +9,6 @@ complete -c mepd -l control-plane -x -d 'URL of a mep server; none: embedded con
 complete -c mepd -l token-file -r -F -d 'File holding the bearer token'
 complete -c mepd -l store -x -d 'URL of a data plane (mep store)'
 complete -c mepd -l store-token-file -r -F -d 'File holding the bearer token for --store'
+complete -c mepd -l ca-file -r -F -d 'PEM certificates to trust for https:// planes'
 complete -c mepd -l config -r -F -d 'Config file'
 complete -c mepd -l log-level -x -a 'debug info warn error' -d 'Log level'

@@ -338,8 +338,9 @@ private:
 
 class RemoteControlPlane final : public HttpControlPlane {
 public:
-  RemoteControlPlane(std::string url, std::string token)
-      : m_url(http::checked_base_url(std::move(url), "control-plane URL")), m_token(std::move(token)) {
+  RemoteControlPlane(std::string url, std::string token, const std::string& ca_file)
+      : m_url(http::checked_base_url(std::move(url), "control-plane URL")), m_token(std::move(token)),
+        m_client(ca_file) {
     if (m_token.empty()) throw std::runtime_error("a remote control plane needs a token (--token-file or MEP_TOKEN)");
   }
 
@@ -379,8 +380,9 @@ std::unique_ptr<ControlPlane> make_embedded_control_plane(const std::filesystem:
   return std::make_unique<EmbeddedControlPlane>(state_dir);
 }
 
-std::unique_ptr<ControlPlane> make_remote_control_plane(const std::string& url, const std::string& token) {
-  return std::make_unique<RemoteControlPlane>(url, token);
+std::unique_ptr<ControlPlane> make_remote_control_plane(const std::string& url, const std::string& token,
+                                                        const std::string& ca_file) {
+  return std::make_unique<RemoteControlPlane>(url, token, ca_file);
 }
 
 } // namespace mep::daemon

@@ -22,8 +22,8 @@ std::string unquote(std::string s) {
 
 } // namespace
 
-DataPlane::DataPlane(const std::string& url, std::string token)
-    : m_url(http::checked_base_url(url, "data-plane URL")), m_token(std::move(token)) {
+DataPlane::DataPlane(const std::string& url, std::string token, const std::string& ca_file)
+    : m_url(http::checked_base_url(url, "data-plane URL")), m_token(std::move(token)), m_client(ca_file) {
   if (m_token.empty()) throw std::runtime_error("a data plane needs a token (--store-token-file)");
 }
 

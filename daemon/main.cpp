@@ -4,6 +4,7 @@
 #include "mep/config.hpp"
 #include "mep/control_plane.hpp"
 #include "mep/data_plane.hpp"
+#include "mep/http/client.hpp"
 #include "mep/http/edge.hpp"
 #include "mep/keeper.hpp"
 #include "mep/local_server.hpp"
@@ -103,7 +104,8 @@ int main(int argc, char** argv) {
   mep::http::raise_open_files_limit(); // one descriptor per agent connection
   // 1. Options: flags > MEP_* environment > ~/.config/mep/config.toml > defaults.
   CLI::App app{"mepd: the mep host daemon. Local agents attach over a Unix socket.", "mepd"};
-  std::optional<std::string> socket, state_dir, control_plane, token_file, config_file, store, store_token_file;
+  std::optional<std::string> socket, state_dir, control_plane, token_file, config_file, store, store_token_file,
+      ca_file;
   std::string log_level = "info";
   bool system = false;
   app.add_option("--socket", socket,
@@ -123,6 +125,9 @@ int main(int argc, char** argv) {
                  "before every token is handed out, and sync/fetch use it");
   app.add_option("--store-token-file", store_token_file,
                  "File holding the bearer token for --store (default: the control plane's token)");
+  app.add_option("--ca-file", ca_file,
+                 "PEM certificates to trust for https:// --control-plane and --store, instead of the system's "
+                 "(a private CA)");
   app.add_option("--config", config_file, "Config file");
   app.add_option("--log-level", log_level, "debug, info, warn or error")->capture_default_str();
   app.set_version_flag("--version", "mepd " MEP_VERSION);
@@ -167,19 +172,21 @@ int main(int argc, char** argv) {
   std::string tok_file = cfg->get("token_file", token_file, "--token-file", "").value;
   std::string store_url = cfg->get("store", store, "--store", "").value;
   std::string store_tok_file = cfg->get("store_token_file", store_token_file, "--store-token-file", "").value;
+  std::string ca = cfg->get("ca_file", ca_file, "--ca-file", "").value;
 
   // 2. The remote planes, built from the option values before anything is touched: a bad URL,
   //    an unreadable token file or a missing token is a usage error (2), as for mep server.
   std::unique_ptr<mep::daemon::ControlPlane> cp;
   std::unique_ptr<mep::daemon::DataPlane> dp;
   try {
+    if (!ca.empty()) mep::http::checked_ca_file(ca, "--ca-file");
     std::string token;
     if (!cp_url.empty()) {
       if (!tok_file.empty())
         token = read_token(tok_file);
       else if (const char* t = std::getenv("MEP_TOKEN"))
         token = t;
-      cp = mep::daemon::make_remote_control_plane(cp_url, token);
+      cp = mep::daemon::make_remote_control_plane(cp_url, token, ca);
     }
     //    The data plane, when there is one: its own token, else the control plane's.
     if (!store_url.empty()) {
@@ -187,7 +194,7 @@ int main(int argc, char** argv) {
       if (store_token.empty())
         throw std::runtime_error(
             "--store needs --store-token-file (the embedded control plane has no token a store accepts)");
-      dp = std::make_unique<mep::daemon::DataPlane>(store_url, store_token);
+      dp = std::make_unique<mep::daemon::DataPlane>(store_url, store_token, ca);
     }
   } catch (const std::exception& e) {
     mep::log::error("{}", e.what());

@@ -2,11 +2,13 @@
 #include "mep/http/client.hpp"
 
 #include <curl/curl.h>
+#include <fmt/format.h>
 
 #include <algorithm>
 #include <cctype>
 #include <cerrno>
 #include <cstring>
+#include <fstream>
 #include <stdexcept>
 #include <unistd.h>
 
@@ -122,7 +124,18 @@ std::optional<int> ClientResponse::retry_after() const {
   return std::stoi(*v);
 }
 
-Client::Client() { static CurlGlobal global; }
+Client::Client(std::string ca_file) : m_ca_file(std::move(ca_file)) { static CurlGlobal global; }
+
+std::string checked_ca_file(const std::string& path, std::string_view what) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in) throw std::runtime_error(fmt::format("{} {}: cannot read it: {}", what, path, std::strerror(errno)));
+  std::string text(1 << 20, '\0'); // a bundle of the system's size is 200 KiB
+  in.read(text.data(), static_cast<std::streamsize>(text.size()));
+  text.resize(static_cast<std::size_t>(in.gcount()));
+  if (text.find("-----BEGIN CERTIFICATE-----") == std::string::npos)
+    throw std::runtime_error(fmt::format("{} {}: no PEM certificate in it (-----BEGIN CERTIFICATE-----)", what, path));
+  return path;
+}
 
 Client::~Client() {
   for (void* c : m_pool) curl_easy_cleanup(static_cast<CURL*>(c));
@@ -198,6 +211,7 @@ ClientResponse Client::perform(const ClientRequest& req) {
     curl_easy_setopt(c, CURLOPT_LOW_SPEED_TIME, static_cast<long>(req.stall->count()));
   }
   curl_easy_setopt(c, CURLOPT_SSLVERSION, static_cast<long>(CURL_SSLVERSION_TLSv1_3));
+  if (!m_ca_file.empty()) curl_easy_setopt(c, CURLOPT_CAINFO, m_ca_file.c_str());
   curl_easy_setopt(c, CURLOPT_PROTOCOLS_STR, "http,https");
   CURLcode rc = curl_easy_perform(c);
   if (rc == CURLE_OK) {

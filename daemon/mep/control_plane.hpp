@@ -61,8 +61,10 @@ public:
 std::unique_ptr<ControlPlane> make_embedded_control_plane(const std::filesystem::path& state_dir);
 
 /// A remote control plane at `url` (https://…, or http:// on a loopback address only)
-/// with a bearer token. TLS 1.3 with certificate verification. Throws std::runtime_error
-/// for a URL it refuses.
-std::unique_ptr<ControlPlane> make_remote_control_plane(const std::string& url, const std::string& token);
+/// with a bearer token. TLS 1.3 with certificate verification, against `ca_file`'s
+/// certificates when given (else the system's). Throws std::runtime_error for a URL it
+/// refuses.
+std::unique_ptr<ControlPlane> make_remote_control_plane(const std::string& url, const std::string& token,
+                                                        const std::string& ca_file = {});
 
 } // namespace mep::daemon

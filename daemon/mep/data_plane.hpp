@@ -22,9 +22,10 @@ struct StoredObject {
 
 class DataPlane {
 public:
-  /// `url`: https://…, or http:// on loopback; `token`: the bearer token for it. Throws
+  /// `url`: https://…, or http:// on loopback; `token`: the bearer token for it;
+  /// `ca_file`: the certificates to trust instead of the system's. Throws
   /// std::runtime_error for a URL it refuses.
-  DataPlane(const std::string& url, std::string token);
+  DataPlane(const std::string& url, std::string token, const std::string& ca_file = {});
 
   /// Raises the store's mark for `memory_id` to `token`: the mark, 409 stale-fence when
   /// the store has seen a higher one, 503 store-unavailable when it cannot be reached.

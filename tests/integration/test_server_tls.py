@@ -8,6 +8,7 @@ import subprocess
 import tempfile
 import unittest
 
+from daemonfixture import Mepd, clean_env, mepd_bin
 from mephelpers import read_to_close, send_expecting_continue
 from serverfixture import MepServer, create_token, db_url, drop_db, mep_bin, new_db, new_key, run_mep
 
@@ -100,6 +101,79 @@ class TlsServer(unittest.TestCase):
         self.assertTrue(self.server.running())
         version, reply = self.exchange(self.context(), b"GET /healthz HTTP/1.1\r\nHost: mep\r\nConnection: close\r\n\r\n")
         self.assertTrue(reply.startswith(b"HTTP/1.1 200 "), reply[:200])
+
+
+class DaemonOverTls(unittest.TestCase):
+    """mepd talks to an https:// control plane whose certificate a private CA issued: it
+    trusts what --ca-file (or MEP_CA_FILE, or the config's ca_file) holds; without it,
+    or with another CA's, the server is not trusted and nothing is granted."""
+
+    @classmethod
+    def setUpClass(cls):
+        mep_bin()
+        mepd_bin()
+        cls._tmp = tempfile.TemporaryDirectory(prefix="mep-tls-daemon-")
+        cls.addClassCleanup(cls._tmp.cleanup)
+        cls.workdir = cls._tmp.name
+        cls.cert, cls.key = make_cert(cls.workdir)
+        other = os.path.join(cls.workdir, "other")
+        os.makedirs(other)
+        cls.other_cert, _ = make_cert(other)
+        cls.db_path = new_db(cls.workdir)
+        cls.addClassCleanup(drop_db, cls.db_path)
+        cls.token = create_token(cls.db_path, "tenant-tls", "lease")
+        cls.server = MepServer(cls.workdir, cls.db_path, ["--tls-cert", cls.cert, "--tls-key", cls.key])
+        cls.server.start()
+        cls.addClassCleanup(cls.server.stop)
+        cls.url = "https://127.0.0.1:%d" % cls.server.port
+
+    def setUp(self):
+        self.tmp = tempfile.mkdtemp(prefix="d-", dir=self.workdir)
+        self.env = clean_env(self.tmp)
+
+    def daemon(self, tag, extra=(), env=None):
+        d = Mepd(self.tmp, env or self.env, control_plane=self.url, token=self.token, tag=tag, extra_args=extra)
+        self.addCleanup(d.stop)
+        return d.start()
+
+    def mep(self, d, *args):
+        return subprocess.run([mep_bin(), "--socket", d.socket_path, *args], capture_output=True, text=True,
+                              env=self.env, cwd=self.tmp, timeout=60)
+
+    def test_a_private_ca_given_with_ca_file_is_trusted(self):
+        for how, d in (("--ca-file", self.daemon("flag", ["--ca-file", self.cert])),
+                       ("MEP_CA_FILE", self.daemon("env", env=dict(self.env, MEP_CA_FILE=self.cert)))):
+            with self.subTest(how):
+                path = os.path.join(self.tmp, d.tag + ".uai")
+                p = self.mep(d, "init", path)
+                self.assertEqual(p.returncode, 0, p.stderr)
+                p = self.mep(d, "--json", "claim", "tls-" + d.tag, path)
+                self.assertEqual(p.returncode, 0, p.stderr)
+                self.assertEqual(json.loads(p.stdout)["fencing_token"], 1)
+                self.assertEqual(self.mep(d, "release", "tls-" + d.tag).returncode, 0)
+
+    def test_without_the_ca_or_with_another_the_server_is_not_trusted(self):
+        for how, extra in (("system CAs", []), ("another CA", ["--ca-file", self.other_cert])):
+            with self.subTest(how):
+                d = self.daemon("untrusted-%d" % len(extra), extra)
+                path = os.path.join(self.tmp, d.tag + ".uai")
+                p = self.mep(d, "init", path)
+                self.assertEqual(p.returncode, 5, p.stdout + p.stderr)  # unavailable: nothing made
+                self.assertFalse(os.path.exists(path))
+                self.assertIn("certificate", d.log_text().lower())
+
+    def test_a_ca_file_that_is_not_one_is_a_usage_error(self):
+        not_pem = os.path.join(self.tmp, "not.pem")
+        with open(not_pem, "w") as f:
+            f.write("hello\n")
+        for path, words in ((not_pem, "no PEM certificate"), (os.path.join(self.tmp, "missing.pem"), "cannot read")):
+            with self.subTest(path):
+                p = subprocess.run([mepd_bin(), "--socket", os.path.join(self.tmp, "x.sock"), "--state-dir",
+                                    os.path.join(self.tmp, "x-state"), "--control-plane", self.url, "--ca-file", path],
+                                   capture_output=True, text=True, env=dict(self.env, MEP_TOKEN=self.token), timeout=30)
+                self.assertEqual(p.returncode, 2, p.stderr)
+                self.assertIn("--ca-file", p.stderr)
+                self.assertIn(words, p.stderr)
 
 
 class TlsRefusals(unittest.TestCase):

@@ -50,7 +50,9 @@ struct ClientResponse {
 /// on each handle.
 class Client {
 public:
-  Client();
+  /// `ca_file`: PEM certificates to trust for https:// instead of the system's (a private
+  /// CA); empty: the system's.
+  explicit Client(std::string ca_file = {});
   ~Client();
   Client(const Client&) = delete;
   Client& operator=(const Client&) = delete;
@@ -63,7 +65,12 @@ private:
   void release(void* handle);
   std::mutex m_mutex;
   std::vector<void*> m_pool;
+  std::string m_ca_file;
 };
+
+/// `path` when it is a readable file holding at least one PEM certificate; else throws
+/// std::runtime_error naming `what` (the option).
+std::string checked_ca_file(const std::string& path, std::string_view what);
 
 /// `url` without trailing slashes when it is https://…, or http://… to a loopback host
 /// (localhost, 127.0.0.0/8, [::1]); else throws std::runtime_error naming `what`.
