@@ -43,6 +43,7 @@
 #include <poll.h>
 #include <random>
 #include <sys/eventfd.h>
+#include <sys/socket.h>
 #include <tuple>
 #include <unistd.h>
 
@@ -307,6 +308,11 @@ PgStore::~PgStore() {
   if (m_listen_thread.joinable()) {
     std::uint64_t one = 1;
     [[maybe_unused]] auto n = ::write(m_listen_wake, &one, sizeof one);
+    {
+      std::lock_guard lock(m_listen_fd_mutex);
+      m_listen_closing = true;
+      if (const int fd = m_listen_fd.load(); fd >= 0) ::shutdown(fd, SHUT_RDWR);
+    }
     m_listen_thread.join();
   }
   if (m_listen_wake >= 0) ::close(m_listen_wake);
@@ -823,12 +829,19 @@ void PgStore::listen_loop() {
       struct Listening {
         PgStore* s;
         ~Listening() {
-          s->m_listen_fd = -1; // before the connection closes (it is destroyed after this)
+          {
+            std::lock_guard lock(s->m_listen_fd_mutex);
+            s->m_listen_fd = -1; // before the connection closes (it is destroyed after this)
+          }
           s->drop_auth_cache();
         }
       } listening{this};
       drop_auth_cache();
-      m_listen_fd = PQsocket(c.raw());
+      {
+        std::lock_guard lock(m_listen_fd_mutex);
+        if (m_listen_closing) return;
+        m_listen_fd = PQsocket(c.raw());
+      }
       auto beaten = std::chrono::steady_clock::time_point{};
       for (;;) {
         // This server's tickets in the queue of waiting claims are renewed every second.
@@ -862,6 +875,10 @@ void PgStore::listen_loop() {
         }
       }
     } catch (const std::exception& e) {
+      {
+        std::lock_guard lock(m_listen_fd_mutex);
+        if (m_listen_closing) return; // its socket was shut down: the store is closing
+      }
       if (!warned)
         log::warn("cannot listen for releases on the database ({}); waiting claims are tried at the "
                   "holders' expiry until it works again",

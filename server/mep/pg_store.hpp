@@ -245,6 +245,11 @@ private:
   std::unordered_map<std::string, std::pair<AuthInfo, std::chrono::steady_clock::time_point>> m_auth_cache;
   std::atomic<std::uint64_t> m_auth_gen{0};
   std::atomic<int> m_listen_fd{-1};
+  /// The listener's socket is set and cleared under this, and shut down under it when the
+  /// store closes: a statement blocked on a database that does not answer (frozen, cut
+  /// off) then fails at once, rather than hold up the exit until the client-side timeout.
+  std::mutex m_listen_fd_mutex;
+  bool m_listen_closing = false; // under m_listen_fd_mutex
 
   std::atomic<bool> m_healthy{true};
   std::atomic<bool> m_migration_in_progress{false};

@@ -380,6 +380,25 @@ class DatabaseFrozen(PgTestCase):
             self.assertEqual(r.status, 200, r)
         self.assertTrue(server.running())
 
+    def test_the_server_stops_at_once_with_the_database_frozen(self):
+        # The listener's statement (its heartbeat, every second) waited for the frozen
+        # database until its 15 s client-side limit before the server could exit; its socket
+        # is now shut down when the store closes.
+        cluster, server, token = self.private_server("frozen-exit")
+        pids = cluster_pids(cluster)
+        self.addCleanup(lambda: [os.kill(p, signal.SIGCONT) for p in pids])
+        time.sleep(1.5)  # a heartbeat or two, so the listener is in its loop
+        for pid in pids:
+            os.kill(pid, signal.SIGSTOP)
+        time.sleep(2.5)  # its next heartbeat waits on the frozen database
+        t0 = time.monotonic()
+        rc = server.stop(timeout=60)
+        took = time.monotonic() - t0
+        self.assertEqual(rc, 0, server.stderr_text()[-2000:])
+        after = server.stderr_text().split("shutting down", 1)[-1]
+        self.assertNotIn("cannot listen for releases", after)
+        self.assertLess(took, 10, "the server took %.1f s to stop" % took)
+
 
 class SweepSpacing(PgTestCase):
     def test_sweeps_of_a_large_table_are_spaced_by_their_cost(self):
