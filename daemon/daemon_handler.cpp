@@ -342,7 +342,10 @@ DaemonHandler::Out DaemonHandler::on_detach(const Call& c) {
   if (!l) return make_unexpected(std::move(l.error()));
   auto r = m_service.detach(l->name, l->lease_id, c.peer.uid);
   if (!r) return make_unexpected(std::move(r.error()));
-  return Answer{204, {}, {}};
+  if (!r->control_plane) return Answer{204, {}, {}};
+  // Ended here, not confirmed there: 200 with the control plane's problem, for the caller
+  // to tell (mep release exits with its status; the SDKs take any 2xx as released).
+  return json(200, boost::json::object{{"released", true}, {"control_plane", r->control_plane->to_json()}});
 }
 
 DaemonHandler::Out DaemonHandler::on_list(const Call& c) {

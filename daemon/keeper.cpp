@@ -528,14 +528,18 @@ void Keeper::remember_fate(const std::string& key, IntentFate fate) {
   m_intent_fates[key] = fate;
 }
 
-bool Keeper::release_on_server(const Held& h) {
+bool Keeper::release_on_server(const Held& h, std::optional<Problem>* refused) {
   m_cp_requests++;
   auto r = m_cp->release(lease::LeaseRef{h.canonical_name, h.memory_id, h.fencing_token, h.owner_client_id, h.ttl_s});
-  if (!r && outcome_unknown(r.error())) {
+  if (r) return true;
+  if (refused) *refused = r.error();
+  if (outcome_unknown(r.error())) {
     log::warn("release of {} did not reach the control plane ({}); it expires with its TTL", h.canonical_name,
               r.error().detail);
     return false;
   }
+  log::info("release of {}: the control plane answered {} ({})", h.canonical_name, r.error().status(),
+            r.error().slug());
   return true;
 }
 
@@ -545,7 +549,7 @@ bool Keeper::release_on_server(const Held& h) {
 // learns that the lease ended. A release that did not reach the control plane has its delete
 // made durable: otherwise a restart would renew a lease its agent was told was released. The
 // delete names the lease id, so a grant that replaced the row meanwhile keeps it.
-void Keeper::end_taken(const Held& h) {
+std::optional<Problem> Keeper::end_taken(const Held& h) {
   Releasing releasing(m_book, h.lease_id);
   try {
     OwnerScope as_owner(h); // the file is read as its owner, not as the daemon
@@ -553,13 +557,15 @@ void Keeper::end_taken(const Held& h) {
   } catch (const std::exception& e) {
     g_state_health.failed("refresh a fingerprint", e);
   }
-  const bool ended = h.state == LeaseState::lost || release_on_server(h);
+  std::optional<Problem> refused;
+  const bool ended = h.state == LeaseState::lost || release_on_server(h, &refused);
   try {
     m_state.forget_lease(h.canonical_name, h.lease_id, ended ? Sync::lazy : Sync::durable);
   } catch (const std::exception& e) {
     g_state_health.failed("forget a lease", e); // re-adoption renews it and learns it is over
   }
   on_event(Event{"released", h, {}});
+  return refused;
 }
 
 void Keeper::forget(const std::vector<Ended>& ended) {
@@ -572,8 +578,8 @@ void Keeper::forget(const std::vector<Ended>& ended) {
   }
 }
 
-expected<void, Problem> Keeper::detach(const std::string& display, const std::optional<std::string>& lease_id,
-                                       uid_t viewer) {
+expected<Detached, Problem> Keeper::detach(const std::string& display, const std::optional<std::string>& lease_id,
+                                           uid_t viewer) {
   const std::string key = canonical_or(display);
   auto seen = m_book.get(key);
   if (seen && !may_act_on(viewer, seen->uid)) return make_unexpected(not_yours());
@@ -583,8 +589,7 @@ expected<void, Problem> Keeper::detach(const std::string& display, const std::op
     return make_unexpected(
         Problem(Code::lease_not_found, lease_id ? "this daemon holds no lease with that id under that name"
                                                 : "this daemon holds no lease under that name"));
-  end_taken(*h);
-  return {};
+  return Detached{end_taken(*h)};
 }
 
 std::vector<Held> Keeper::list(uid_t viewer) const {

@@ -35,6 +35,13 @@ struct AttachRequest {
   std::function<bool()> cancelled;
 };
 
+/// What a detach did besides ending the lease here.
+struct Detached {
+  /// Why the control plane did not confirm the release (unreachable, the lease superseded or
+  /// expired there, this daemon's token refused); nullopt: it did.
+  std::optional<Problem> control_plane;
+};
+
 /// Requests from a local peer: `viewer` is its uid. A peer sees and acts on only the leases
 /// it attached (root and the daemon's own user on all: may_act_on); another's is 404. File
 /// calls run with the current peer's credentials (peer.hpp: AsPeer). Every path is absolute
@@ -48,9 +55,11 @@ public:
   /// answers (503 store-unavailable, and the lease given back, when it cannot). A peer that
   /// is not the daemon's own user must be able to open the file for writing itself (403).
   virtual expected<Held, Problem> attach(const AttachRequest& req) = 0;
-  /// Releases the lease under `name` (only the one with `lease_id`, when given).
-  virtual expected<void, Problem> detach(const std::string& name, const std::optional<std::string>& lease_id,
-                                         uid_t viewer) = 0;
+  /// Releases the lease under `name` (only the one with `lease_id`, when given). The lease
+  /// ends here in any case; Detached::control_plane says why the control plane did not
+  /// confirm it, when it did not.
+  virtual expected<Detached, Problem> detach(const std::string& name, const std::optional<std::string>& lease_id,
+                                             uid_t viewer) = 0;
   virtual std::vector<Held> list(uid_t viewer) const = 0;
   virtual expected<Held, Problem> get(const std::string& name, uid_t viewer) const = 0;
   /// Copies the memory at `path` to `new_path` (created with the source's mode within

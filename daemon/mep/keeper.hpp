@@ -46,8 +46,8 @@ public:
 
   // DaemonService (daemon_service.hpp says what each does).
   expected<Held, Problem> attach(const AttachRequest& req) override;
-  expected<void, Problem> detach(const std::string& name, const std::optional<std::string>& lease_id,
-                                 uid_t viewer) override;
+  expected<Detached, Problem> detach(const std::string& name, const std::optional<std::string>& lease_id,
+                                     uid_t viewer) override;
   std::vector<Held> list(uid_t viewer) const override;
   expected<Held, Problem> get(const std::string& name, uid_t viewer) const override;
   expected<BranchedFile, Problem> branch(const std::filesystem::path& path, const std::filesystem::path& new_path,
@@ -77,9 +77,11 @@ private:
   /// `finished_intent` deleted in the same write; in the book; its agent watched.
   void adopt(Held h, bool announce, const std::string& finished_intent = {}, bool save = true);
   /// False when the outcome is unknown (the control plane was not reached, or did not answer).
-  bool release_on_server(const Held& h);
-  /// Ends a lease taken from the book (a detach, its agent's exit): see keeper.cpp.
-  void end_taken(const Held& h);
+  /// `refused`, when given, gets the control plane's answer unless it confirmed the release.
+  bool release_on_server(const Held& h, std::optional<Problem>* refused = nullptr);
+  /// Ends a lease taken from the book (a detach, its agent's exit): see keeper.cpp. Returns
+  /// why the control plane did not confirm the release, when it did not.
+  std::optional<Problem> end_taken(const Held& h);
   /// Deletes the records of leases that ended (lazily: see StateDb::forget_lease).
   void forget(const std::vector<Ended>& ended);
   void on_event(const Event& e);

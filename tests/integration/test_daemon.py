@@ -1188,5 +1188,64 @@ class RemoteDaemonTests(DaemonTestCase):
         self.assertTrue(all(l["state"] == "held" for l in leases.values()), leases)
 
 
+class ReleaseOutcome(DaemonTestCase):
+    """mep release ends the lease on this host whatever happens; when the control plane does
+    not confirm it, the exit status and message say so (it printed "released" and exited 0
+    when the control plane was down, the lease superseded there, or the token revoked)."""
+
+    def mep(self, *args):
+        p = subprocess.run([mep_bin(), "--socket", self.mepd.socket_path, *args], capture_output=True, text=True,
+                           env=self.env, cwd=self.data, timeout=60)
+        return p.returncode, p.stdout, p.stderr
+
+    def claim(self, name):
+        rc, out, err = self.mep("claim", name, self.new_file(name + ".uai"))
+        self.assertEqual(rc, 0, err)
+
+    def held_here(self):
+        return [l["canonical_name"] for l in self.client.request("GET", "/v1/leases").json["leases"]]
+
+    def test_confirmed_superseded_revoked_and_unreachable(self):
+        self.claim("fine")
+        self.assertEqual(self.mep("release", "fine"), (0, "released fine\n", ""))
+        # Revoked by an admin and granted to another holder there: superseded (4), and the
+        # other holder's lease is untouched.
+        admin = self.server.token("tenant-a", admin=True)
+
+        def supersede(name):
+            memory = self.client.request("GET", "/v1/leases/" + name).json["memory_instance_id"]
+            r = self.server.request("POST", "/v1/admin/leases/revoke", admin, {"canonical_name": name})
+            self.assertEqual(r.status, 204, r)
+            r = self.server.request("POST", "/v1/leases", self.token, {"display_name": name, "memory_instance_id": memory,
+                                                                      "owner_client_id": "someone-else"},
+                                    idempotency_key=str(uuid.uuid4()))
+            self.assertEqual(r.status, 201, r)
+            return r.json["fencing_token"]
+
+        self.claim("superseded")
+        token = supersede("superseded")
+        rc, out, err = self.mep("release", "superseded")
+        self.assertEqual(rc, 4, err)
+        self.assertIn("did not confirm", err)
+        self.assertIn("superseded", err.lower())
+        self.assertNotIn("superseded", self.held_here())
+        self.assertEqual(self.server_lease("superseded").json["fencing_token"], token)
+        # --json: the daemon's answer, with the control plane's problem.
+        self.claim("as-json")
+        supersede("as-json")
+        rc, out, err = self.mep("--json", "release", "as-json")
+        self.assertEqual(rc, 4, err)
+        self.assertEqual(json.loads(out)["control_plane"]["code"], "stale-fence")
+        # The control plane down: ended here, not there (5); the name stays held there until
+        # the lease expires, and the message says so.
+        self.claim("unreachable")
+        self.server.stop()
+        rc, out, err = self.mep("release", "unreachable")
+        self.assertEqual(rc, 5, err)
+        self.assertIn("did not confirm", err)
+        self.assertIn("until the lease expires", err)
+        self.assertEqual(self.held_here(), [])
+
+
 if __name__ == "__main__":
     unittest.main()

@@ -36,10 +36,13 @@ public:
     h.bind_pid = req.bind_pid ? req.pid : 0;
     return h;
   }
-  expected<void, Problem> detach(const std::string& name, const std::optional<std::string>& lease_id, uid_t) override {
+  /// Given, a detach ends the lease but reports this as the control plane's refusal.
+  std::optional<Problem> control_plane_refusal;
+  expected<daemon::Detached, Problem> detach(const std::string& name, const std::optional<std::string>& lease_id,
+                                             uid_t) override {
     record("detach", {name}, {}).lease_id = lease_id;
     if (problem) return make_unexpected(*problem);
-    return {};
+    return daemon::Detached{control_plane_refusal};
   }
   std::vector<daemon::Held> list(uid_t) const override { return {held("a"), held("b")}; }
   expected<daemon::Held, Problem> get(const std::string& name, uid_t) const override {

@@ -157,6 +157,13 @@ TEST_CASE("daemon handler: answers are encoded as the API says", "[daemon_handle
   REQUIRE(res.result_int() == 204);
   REQUIRE(res.body().empty());
   REQUIRE(svc.calls.at(0).lease_id == std::optional<std::string>("L1"));
+  // Ended here, refused by the control plane: 200 with its problem, for the caller to tell.
+  svc.control_plane_refusal = mep::Problem(mep::Code::stale_fence, "superseded");
+  res = call(h, bhttp::verb::post, "/v1/detach", R"({"name":"a"})");
+  REQUIRE(res.result_int() == 200);
+  REQUIRE(body_of(res).at("released") == true);
+  REQUIRE(body_of(res).at("control_plane").at("code") == "stale-fence");
+  svc.control_plane_refusal.reset();
   // verify and sync name the client's lease too, when it gives one.
   REQUIRE(call(h, bhttp::verb::post, "/v1/verify", R"({"name":"a","lease_id":"L2"})").result_int() == 200);
   REQUIRE(svc.calls.back().lease_id == std::optional<std::string>("L2"));
