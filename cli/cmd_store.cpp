@@ -15,6 +15,8 @@ void register_store(CLI::App& app, GlobalOptions&, Action& action) {
   cmd->add_flag("--strict", opt->strict,
                 "Check every request with the control plane (fence/verify with the writer's own token)");
   cmd->add_option("--control-plane", opt->control_plane, "URL of the mep server that --strict asks");
+  cmd->add_option("--ca-file", opt->ca_file,
+                  "PEM certificates to trust for an https:// --control-plane, instead of the system's (a private CA)");
   cmd->add_option("--max-object-size", opt->max_object_size, "Largest object in bytes (1024, 64MiB, 1GiB…)")
       ->transform(CLI::AsSizeValue(false))
       ->default_str("1GiB");

@@ -105,7 +105,7 @@ _mep() {
         lineage/*)      opts="--format" ;;
         server/)        opts="--db --listen --tls-cert --tls-key --insecure-plaintext --rate-limit --log-level --threads --writer-nice --isolation --db-pool" ;;
         server/audit)   opts="--db --tenant --limit --json" ;;
-        store/*)        opts="--listen --dir --token-file --strict --control-plane --max-object-size --tls-cert --tls-key --insecure-plaintext --log-level --threads" ;;
+        store/*)        opts="--listen --dir --token-file --strict --control-plane --ca-file --max-object-size --tls-cert --tls-key --insecure-plaintext --log-level --threads" ;;
         token/create)   opts="--db --tenant --scope --admin --json" ;;
         token/list)     opts="--db --tenant --json" ;;
         token/revoke)   opts="--db" ;;

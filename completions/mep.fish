@@ -117,6 +117,7 @@ complete -c mep -n '__mep_using store' -l dir -x -a '(__fish_complete_directorie
 complete -c mep -n '__mep_using store' -l token-file -r -F -d 'SHA-256 of each accepted token, one per line'
 complete -c mep -n '__mep_using store' -l strict -d 'Check every request with the control plane'
 complete -c mep -n '__mep_using store' -l control-plane -x -d 'URL of the mep server --strict asks'
+complete -c mep -n '__mep_using store' -l ca-file -r -F -d 'PEM certificates to trust for --control-plane'
 complete -c mep -n '__mep_using store' -l max-object-size -x -d 'Largest object (bytes, 64MiB, 1GiB)'
 complete -c mep -n '__mep_using store' -l tls-cert -r -F -d 'PEM certificate chain'
 complete -c mep -n '__mep_using store' -l tls-key -r -F -d 'PEM private key'

@@ -119,8 +119,9 @@ private:
 
 class StoreHandler final : public http::Handler {
 public:
-  StoreHandler(ObjectStore& store, std::unordered_set<std::string> token_hashes, std::string control_plane)
-      : m_store(store), m_tokens(std::move(token_hashes)), m_cp(std::move(control_plane)) {}
+  StoreHandler(ObjectStore& store, std::unordered_set<std::string> token_hashes, std::string control_plane,
+               const std::string& ca_file)
+      : m_store(store), m_tokens(std::move(token_hashes)), m_cp(std::move(control_plane)), m_client(ca_file) {}
 
   ~StoreHandler() override { shutdown(); }
 
@@ -497,8 +498,17 @@ int run_store(const StoreServerOptions& o) {
     if (!o.token_file.empty())
       errors.push_back(
           "--strict and --token-file exclude each other: with --strict the control plane checks every token");
+    if (!o.ca_file.empty()) {
+      try {
+        http::checked_ca_file(o.ca_file, "--ca-file");
+      } catch (const std::exception& e) {
+        errors.push_back(e.what());
+      }
+    }
   } else if (!o.control_plane.empty()) {
     errors.push_back("--control-plane is used with --strict only");
+  } else if (!o.ca_file.empty()) {
+    errors.push_back("--ca-file is used with --strict --control-plane only");
   }
   std::unordered_set<std::string> hashes;
   if (!o.strict) {
@@ -529,7 +539,7 @@ int run_store(const StoreServerOptions& o) {
   // 3. Bind and serve.
   std::signal(SIGPIPE, SIG_IGN);
   net::io_context ioc(o.threads);
-  auto handler = std::make_unique<StoreHandler>(*store, std::move(hashes), cp);
+  auto handler = std::make_unique<StoreHandler>(*store, std::move(hashes), cp, o.ca_file);
   http::EdgeOptions edge;
   edge.server_name = std::string(k_server_name);
   std::unique_ptr<http::TcpListener> listener;

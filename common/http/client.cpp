@@ -213,7 +213,12 @@ ClientResponse Client::perform(const ClientRequest& req) {
   curl_easy_setopt(c, CURLOPT_SSLVERSION, static_cast<long>(CURL_SSLVERSION_TLSv1_3));
   if (!m_ca_file.empty()) curl_easy_setopt(c, CURLOPT_CAINFO, m_ca_file.c_str());
   curl_easy_setopt(c, CURLOPT_PROTOCOLS_STR, "http,https");
+  // libcurl's own words for the failure ("SSL certificate problem: certificate has
+  // expired"), not only its code's ("SSL peer certificate or SSH remote key was not OK").
+  char detail[CURL_ERROR_SIZE] = "";
+  curl_easy_setopt(c, CURLOPT_ERRORBUFFER, detail);
   CURLcode rc = curl_easy_perform(c);
+  curl_easy_setopt(c, CURLOPT_ERRORBUFFER, nullptr); // the handle outlives `detail`
   if (rc == CURLE_OK) {
     long code = 0;
     curl_easy_getinfo(c, CURLINFO_RESPONSE_CODE, &code);
@@ -223,6 +228,7 @@ ClientResponse Client::perform(const ClientRequest& req) {
     res.error = x.write_failed   ? std::string("cannot write the downloaded bytes: ") + std::strerror(errno)
                 : x.cancelled    ? std::string("cancelled")
                 : x.upload_short ? std::string("the file ended before the size it had when the upload began")
+                : detail[0]      ? std::string(detail)
                                  : curl_easy_strerror(rc);
   }
   curl_slist_free_all(headers);

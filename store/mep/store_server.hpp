@@ -14,6 +14,7 @@ struct StoreServerOptions {
   std::string token_file;                ///< SHA-256 (hex) of each accepted bearer token, one per line
   bool strict = false;                   ///< check every request with the control plane
   std::string control_plane;             ///< its URL, for --strict
+  std::string ca_file;                   ///< PEM certificates to trust for it (else the system's)
   std::uint64_t max_object_size = k_default_max_object_size;
   std::string tls_cert;
   std::string tls_key;

@@ -7,8 +7,10 @@ import ssl
 import subprocess
 import tempfile
 import unittest
+import uuid
 
 from daemonfixture import Mepd, clean_env, mepd_bin
+from storefixture import MepStore, StoreClient
 from mephelpers import read_to_close, send_expecting_continue
 from serverfixture import MepServer, create_token, db_url, drop_db, mep_bin, new_db, new_key, run_mep
 
@@ -131,8 +133,9 @@ class DaemonOverTls(unittest.TestCase):
         self.tmp = tempfile.mkdtemp(prefix="d-", dir=self.workdir)
         self.env = clean_env(self.tmp)
 
-    def daemon(self, tag, extra=(), env=None):
-        d = Mepd(self.tmp, env or self.env, control_plane=self.url, token=self.token, tag=tag, extra_args=extra)
+    def daemon(self, tag, extra=(), env=None, url=None):
+        d = Mepd(self.tmp, env or self.env, control_plane=url or self.url, token=self.token, tag=tag,
+                 extra_args=extra)
         self.addCleanup(d.stop)
         return d.start()
 
@@ -152,15 +155,38 @@ class DaemonOverTls(unittest.TestCase):
                 self.assertEqual(json.loads(p.stdout)["fencing_token"], 1)
                 self.assertEqual(self.mep(d, "release", "tls-" + d.tag).returncode, 0)
 
-    def test_without_the_ca_or_with_another_the_server_is_not_trusted(self):
-        for how, extra in (("system CAs", []), ("another CA", ["--ca-file", self.other_cert])):
+    def test_without_the_ca_or_with_another_or_by_another_name_the_server_is_not_trusted(self):
+        # Each says why in libcurl's own words (it said "SSL peer certificate or SSH remote
+        # key was not OK" for all three).
+        localhost = "https://localhost:%d" % self.server.port
+        for i, (how, extra, url, why) in enumerate((
+                ("system CAs", [], None, "SSL certificate problem"),
+                ("another CA", ["--ca-file", self.other_cert], None, "SSL certificate problem"),
+                ("another name", ["--ca-file", self.cert], localhost, "localhost"))):
             with self.subTest(how):
-                d = self.daemon("untrusted-%d" % len(extra), extra)
+                d = self.daemon("untrusted-%d" % i, extra, url=url)
                 path = os.path.join(self.tmp, d.tag + ".uai")
                 p = self.mep(d, "init", path)
                 self.assertEqual(p.returncode, 5, p.stdout + p.stderr)  # unavailable: nothing made
                 self.assertFalse(os.path.exists(path))
-                self.assertIn("certificate", d.log_text().lower())
+                self.assertIn(why, p.stderr)
+                self.assertNotIn("SSH", p.stderr)
+
+    def test_a_strict_store_trusts_the_ca_its_given(self):
+        # mep store --strict asks the control plane about every token; it had no way to trust
+        # a private CA (every request 503 "could not confirm the token").
+        memory = str(uuid.uuid4())
+        for how, extra, status in (("--ca-file", ["--ca-file", self.cert], 404), ("system CAs", [], 503)):
+            with self.subTest(how):
+                store = MepStore(self.tmp, os.path.join(self.tmp, "store-%d" % len(extra)),
+                                 ["--strict", "--control-plane", self.url, *extra]).start()
+                self.addCleanup(store.stop)
+                client = StoreClient(store.port, self.token)
+                self.addCleanup(client.close)
+                r = client.fence(memory)  # the token is checked first: then there is no such fence
+                self.assertEqual(r.status, status, r)
+                if status == 503:
+                    self.assertIn("SSL certificate problem", r.json()["detail"])
 
     def test_a_ca_file_that_is_not_one_is_a_usage_error(self):
         not_pem = os.path.join(self.tmp, "not.pem")
