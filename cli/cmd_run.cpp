@@ -98,11 +98,14 @@ void on_event(LeaseWatch& w, const std::string& line) {
   if (!w.lease_id.empty() && !s("lease_id").empty() && s("lease_id") != w.lease_id) return;
   std::string ev = s("event");
   auto now = Clock::now();
-  if (ev == "renewed" || ev == "granted") {
+  if (ev == "renewed") {
     auto margin = std::chrono::milliseconds(std::max<std::int64_t>(1000, w.ttl_s * 100));
-    // The renew was sent before this event arrived: keep twice the daemon's margin.
-    w.deadline = now + std::chrono::seconds(w.ttl_s) - 2 * margin;
-    w.expiry = now + std::chrono::seconds(w.ttl_s);
+    // The renew was sent before this event arrived: keep twice the daemon's margin. Only
+    // ever forward: a renewal heard just after the grant must not shorten the deadline that
+    // the claim's own sending set (the grant's event, which came with it, leaves it too:
+    // it cut a tenth of the TTL off every run).
+    w.deadline = std::max(w.deadline, now + std::chrono::seconds(w.ttl_s) - 2 * margin);
+    w.expiry = std::max(w.expiry, now + std::chrono::seconds(w.ttl_s));
   } else if (ev == "lost" || ev == "released") {
     w.lost_reason = ev == "lost" ? s("reason") : "released by someone else";
     w.lost = true;
