@@ -984,6 +984,16 @@ void Keeper::renew_due() {
                       : (r.error().status() == 503 && r.error().detail.find("unreachable") != std::string::npos
                              ? std::string("unreachable")
                              : std::to_string(r.error().status()));
+  // A refused token fails every renewal until the operator fixes it: say so once, plainly
+  // (the leases are otherwise lost at their deadlines with no word of why).
+  const bool refused = !r && (r.error().code == Code::unauthenticated || r.error().code == Code::forbidden);
+  if (refused && !m_token_refused)
+    log::error("the control plane refuses this daemon's token ({}): no lease can be renewed, and each is lost at "
+               "its deadline; check --token-file",
+               r.error().detail);
+  else if (!refused && m_token_refused && r)
+    log::info("the control plane accepts this daemon's token again");
+  if (refused || r) m_token_refused = refused;
   m_book.apply(due, r ? r->results : none, r.has_value(), why, sent, Clock::now(), renewed, lost);
   forget(lost);
   try {

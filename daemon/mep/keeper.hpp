@@ -136,6 +136,8 @@ private:
 
   // counters for /metrics
   std::atomic<long> m_batches{0}, m_batch_leases{0}, m_cp_requests{0}, m_lost{0}, m_grants{0}, m_state_errors{0};
+  /// The renewer's: the control plane refuses the daemon's token (logged once per run of refusals).
+  bool m_token_refused = false;
 };
 
 } // namespace mep::daemon

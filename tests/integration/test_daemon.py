@@ -1246,6 +1246,26 @@ class ReleaseOutcome(DaemonTestCase):
         self.assertIn("until the lease expires", err)
         self.assertEqual(self.held_here(), [])
 
+    def test_a_revoked_daemon_token_is_said_in_the_log_and_by_release(self):
+        # Renewals refused with 401 left no word in mepd's log: the leases went degraded, then
+        # "lost: deadline", and an operator looked for a network problem.
+        rc, out, err = self.mep("claim", "--ttl", "6", "refused", self.new_file("refused.uai"))
+        self.assertEqual(rc, 0, err)
+        listed = subprocess.run([mep_bin(), "token", "list", "--db", self.server.db, "--json"], capture_output=True,
+                                text=True, env=self.env, timeout=60)
+        self.assertEqual(listed.returncode, 0, listed.stderr)
+        ids = [t["token_id"] for t in json.loads(listed.stdout)["tokens"]]
+        self.assertEqual(len(ids), 1, listed.stdout)
+        revoked = subprocess.run([mep_bin(), "token", "revoke", "--db", self.server.db, ids[0]], capture_output=True,
+                                 text=True, env=self.env, timeout=60)
+        self.assertEqual(revoked.returncode, 0, revoked.stderr)
+        self.assertTrue(self.poll(lambda: "refuses this daemon's token" in self.mepd.log_text(), 15),
+                        self.mepd.log_text()[-2000:])
+        self.assertEqual(self.mepd.log_text().count("refuses this daemon's token"), 1)
+        rc, out, err = self.mep("release", "refused")
+        self.assertEqual(rc, 7, err)
+        self.assertIn("did not confirm", err)
+
 
 if __name__ == "__main__":
     unittest.main()
