@@ -160,6 +160,24 @@ class PgTestCase(unittest.TestCase):
             session.stdin.close()
         return release
 
+    def server_under_a_locked_table(self, memories, extra=()):
+        """One server on a fresh database, 8 leases held there (owner-0 … owner-7) on the first
+        of `memories` new memories, then its leases table locked by another session:
+        (server, token, memories, held grants, unlock)."""
+        self.db = pgfixture.PgDb()
+        token = create_token(self.db, "tenant-a")
+        self.servers = start_servers(self.dir, self.db, 1, extra)
+        server = self.servers[0]
+        with server.client(token) as c:
+            mems = [c.new_memory() for _ in range(memories)]
+            held = []
+            for i in range(8):
+                r = c.claim(unique_name(), mems[i], "owner-%d" % i)
+                self.assertEqual(r.status, 201, r.json)
+                held.append(r.json)
+        unlock = self.hold_in_transaction("LOCK TABLE leases IN ACCESS EXCLUSIVE MODE", "LOCK TABLE%")
+        return server, token, mems, held, unlock
+
     def private_server(self, tenant):
         """One server on a database in a cluster of this test's own, which it may stop,
         restart or freeze: (cluster, server, token)."""
@@ -325,6 +343,23 @@ class DatabaseRestart(PgTestCase):
         while time.monotonic() < deadline and "sweeper: sweeping again" not in server.stderr_text():
             time.sleep(0.5)
         self.assertIn("sweeper: sweeping again", server.stderr_text())
+
+
+def new_claims(memories):
+    """{i: a call claiming a new name on memories[i]} (i from 0), for ApiClient calls."""
+    return {i: (lambda c, m=m, i=i: c.claim(unique_name(), m, "owner-new-%d" % i)) for i, m in enumerate(memories)}
+
+
+def renewals_of(held):
+    """{100 + i: a call renewing held[i] as owner-i}."""
+    return {100 + i: (lambda c, g=g, i=i: c.renew(g["canonical_name"], g["memory_instance_id"], g["fencing_token"],
+                                                  "owner-%d" % i)) for i, g in enumerate(held)}
+
+
+def releases_of(held):
+    """{200 + i: a call releasing held[i] as owner-i}."""
+    return {200 + i: (lambda c, g=g, i=i: c.release(g["canonical_name"], g["memory_instance_id"], g["fencing_token"],
+                                                    "owner-%d" % i)) for i, g in enumerate(held)}
 
 
 def cluster_pids(cluster):
@@ -721,18 +756,7 @@ class LockedTable(PgTestCase):
         out lock_timeout (5 s) once and is answered 503 as a whole: it was sent again one
         item at a time, each waiting 5 s more, and the last of 12 claims was answered after
         40 s, against the 15 s mep-server(8) gives a lease operation."""
-        self.db = pgfixture.PgDb()
-        token = create_token(self.db, "tenant-a")
-        self.servers = start_servers(self.dir, self.db, 1)
-        server = self.servers[0]
-        with server.client(token) as c:
-            mems = [c.new_memory() for _ in range(20)]
-            held = []
-            for i in range(8):
-                r = c.claim(unique_name(), mems[i], "owner-%d" % i)
-                self.assertEqual(r.status, 201, r.json)
-                held.append(r.json)
-        unlock = self.hold_in_transaction("LOCK TABLE leases IN ACCESS EXCLUSIVE MODE", "LOCK TABLE%")
+        server, token, mems, held, unlock = self.server_under_a_locked_table(20)
         results, took, errors = {}, {}, []
 
         def call(i, barrier, op):
@@ -754,11 +778,7 @@ class LockedTable(PgTestCase):
             for t in threads:
                 t.join(timeout=120)
 
-        claims = {i: (lambda c, i=i: c.claim(unique_name(), mems[8 + i], "owner-new-%d" % i)) for i in range(12)}
-        renewals = {100 + i: (lambda c, g=g, i=i: c.renew(g["canonical_name"], g["memory_instance_id"],
-                                                           g["fencing_token"], "owner-%d" % i))
-                    for i, g in enumerate(held)}
-        for ops in (claims, renewals):
+        for ops in (new_claims(mems[8:20]), renewals_of(held)):
             together(ops)
             self.assertEqual(errors, [])
             for i in ops:
@@ -779,19 +799,8 @@ class ShutdownUnderALock(PgTestCase):
         the running batch) got no answer at all. Now the queued ones are answered 503 (they
         never ran) and the running ones get until the statement timeout: every request has
         its answer, and the server still exits."""
-        self.db = pgfixture.PgDb()
-        token = create_token(self.db, "tenant-a")
         # One database connection: one batch runs, the rest wait their turn behind it.
-        self.servers = start_servers(self.dir, self.db, 1, ["--db-pool", "1"])
-        server = self.servers[0]
-        with server.client(token) as c:
-            mems = [c.new_memory() for _ in range(24)]
-            held = []
-            for i in range(8):
-                r = c.claim(unique_name(), mems[i], "owner-%d" % i)
-                self.assertEqual(r.status, 201, r.json)
-                held.append(r.json)
-        unlock = self.hold_in_transaction("LOCK TABLE leases IN ACCESS EXCLUSIVE MODE", "LOCK TABLE%")
+        server, token, mems, held, unlock = self.server_under_a_locked_table(20, ["--db-pool", "1"])
         results, errors = {}, []
 
         def call(i, op, barrier):
@@ -803,13 +812,7 @@ class ShutdownUnderALock(PgTestCase):
             except Exception as e:  # reported below
                 errors.append((i, repr(e)))
 
-        ops = {i: (lambda c, i=i: c.claim(unique_name(), mems[8 + i], "owner-new-%d" % i)) for i in range(12)}
-        ops.update({100 + i: (lambda c, g=g, i=i: c.renew(g["canonical_name"], g["memory_instance_id"],
-                                                           g["fencing_token"], "owner-%d" % i))
-                    for i, g in enumerate(held)})
-        ops.update({200 + i: (lambda c, g=g, i=i: c.release(g["canonical_name"], g["memory_instance_id"],
-                                                             g["fencing_token"], "owner-%d" % i))
-                    for i, g in enumerate(held[:4])})
+        ops = {**new_claims(mems[8:20]), **renewals_of(held), **releases_of(held[:4])}
         barrier = threading.Barrier(len(ops))
         threads = [threading.Thread(target=call, args=(i, op, barrier), daemon=True) for i, op in ops.items()]
         for t in threads:

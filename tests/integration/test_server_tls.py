@@ -25,20 +25,26 @@ def make_cert(directory):
     return cert, key
 
 
+def start_tls_server(cls, prefix):
+    """For a test class: a temporary directory, a certificate for 127.0.0.1, a database with
+    a lease token, and a mep server serving HTTPS with them, all ended with the class."""
+    mep_bin()
+    cls._tmp = tempfile.TemporaryDirectory(prefix=prefix)
+    cls.addClassCleanup(cls._tmp.cleanup)
+    cls.workdir = cls._tmp.name
+    cls.cert, cls.key = make_cert(cls.workdir)
+    cls.db_path = new_db(cls.workdir)
+    cls.addClassCleanup(drop_db, cls.db_path)
+    cls.token = create_token(cls.db_path, "tenant-tls", "lease")
+    cls.server = MepServer(cls.workdir, cls.db_path, ["--tls-cert", cls.cert, "--tls-key", cls.key])
+    cls.server.start()
+    cls.addClassCleanup(cls.server.stop)
+
+
 class TlsServer(unittest.TestCase):
     @classmethod
     def setUpClass(cls):
-        mep_bin()
-        cls._tmp = tempfile.TemporaryDirectory(prefix="mep-tls-")
-        cls.addClassCleanup(cls._tmp.cleanup)
-        cls.workdir = cls._tmp.name
-        cls.cert, cls.key = make_cert(cls.workdir)
-        cls.db_path = new_db(cls.workdir)
-        cls.addClassCleanup(drop_db, cls.db_path)
-        cls.token = create_token(cls.db_path, "tenant-tls", "lease")
-        cls.server = MepServer(cls.workdir, cls.db_path, ["--tls-cert", cls.cert, "--tls-key", cls.key])
-        cls.server.start()
-        cls.addClassCleanup(cls.server.stop)
+        start_tls_server(cls, "mep-tls-")
 
     def context(self, maximum=None):
         ctx = ssl.create_default_context(cafile=self.cert)
@@ -112,21 +118,11 @@ class DaemonOverTls(unittest.TestCase):
 
     @classmethod
     def setUpClass(cls):
-        mep_bin()
         mepd_bin()
-        cls._tmp = tempfile.TemporaryDirectory(prefix="mep-tls-daemon-")
-        cls.addClassCleanup(cls._tmp.cleanup)
-        cls.workdir = cls._tmp.name
-        cls.cert, cls.key = make_cert(cls.workdir)
+        start_tls_server(cls, "mep-tls-daemon-")
         other = os.path.join(cls.workdir, "other")
         os.makedirs(other)
         cls.other_cert, _ = make_cert(other)
-        cls.db_path = new_db(cls.workdir)
-        cls.addClassCleanup(drop_db, cls.db_path)
-        cls.token = create_token(cls.db_path, "tenant-tls", "lease")
-        cls.server = MepServer(cls.workdir, cls.db_path, ["--tls-cert", cls.cert, "--tls-key", cls.key])
-        cls.server.start()
-        cls.addClassCleanup(cls.server.stop)
         cls.url = "https://127.0.0.1:%d" % cls.server.port
 
     def setUp(self):
