@@ -10,7 +10,7 @@ import unittest
 import uuid
 
 from daemonfixture import Mepd, clean_env, mepd_bin
-from storefixture import MepStore, StoreClient
+from storefixture import MepStore, StoreClient, new_store_token
 from mephelpers import read_to_close, send_expecting_continue
 from serverfixture import MepServer, create_token, db_url, drop_db, mep_bin, new_db, new_key, run_mep
 
@@ -183,6 +183,39 @@ class DaemonOverTls(unittest.TestCase):
                 self.assertEqual(r.status, status, r)
                 if status == 503:
                     self.assertIn("SSL certificate problem", r.json()["detail"])
+
+    def test_a_tls_store_is_trusted_through_the_same_ca_file(self):
+        # mepd's data-plane client takes --ca-file too: the fence is advanced over TLS at the
+        # grant and sync uploads over it. A bundle without the store's CA: the grant is given
+        # back (503 store-unavailable, exit 5).
+        store_dir = os.path.join(self.tmp, "store-cert")
+        os.makedirs(store_dir)
+        store_cert, store_key = make_cert(store_dir)
+        both = os.path.join(self.tmp, "both.pem")
+        with open(both, "w") as out:
+            for pem in (self.cert, store_cert):
+                with open(pem) as f:
+                    out.write(f.read())
+        _, hashes = new_store_token(self.tmp)
+        store = MepStore(self.tmp, os.path.join(self.tmp, "tls-store"),
+                         ["--token-file", hashes, "--tls-cert", store_cert, "--tls-key", store_key]).start()
+        self.addCleanup(store.stop)
+        store_args = ["--store", "https://127.0.0.1:%d" % store.port,
+                      "--store-token-file", os.path.join(self.tmp, "store.token")]
+        for i, (bundle, status) in enumerate(((both, 0), (self.cert, 5))):
+            with self.subTest(bundle=os.path.basename(bundle)):
+                d = self.daemon("store-%d" % i, ["--ca-file", bundle, *store_args])
+                path = os.path.join(self.tmp, d.tag + ".uai")
+                p = self.mep(d, "init", path)
+                self.assertEqual(p.returncode, 0, p.stderr)
+                p = self.mep(d, "claim", "tls-store-%d" % i, path)
+                self.assertEqual(p.returncode, status, p.stdout + p.stderr)
+                if status == 0:
+                    with open(path, "w") as f:
+                        f.write("over TLS\n")
+                    p = self.mep(d, "--json", "sync", "tls-store-%d" % i)
+                    self.assertEqual(p.returncode, 0, p.stderr)
+                    self.assertEqual(json.loads(p.stdout)["size"], len("over TLS\n"))
 
     def test_a_ca_file_that_is_not_one_is_a_usage_error(self):
         not_pem = os.path.join(self.tmp, "not.pem")
