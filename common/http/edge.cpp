@@ -705,7 +705,8 @@ void TcpListener::do_accept() {
 struct UnixListener::UidCounts {
   struct Count {
     std::size_t open = 0;
-    bool warned = false; // since it last held fewer than half its limit
+    std::size_t refusing = 0; // connections over the limit, being answered 429
+    bool warned = false;      // since it last held fewer than half its limit
   };
   std::mutex mutex;
   std::unordered_map<uid_t, Count> by_uid;
@@ -745,34 +746,45 @@ std::optional<std::vector<gid_t>> peer_groups(int fd) {
 
 } // namespace
 
-void UnixListener::count_connection(Peer& peer) {
+bool UnixListener::count_connection(Peer& peer) {
   const std::size_t limit = m_options.connections_per_uid;
-  if (limit == 0 || std::find(m_options.uncapped_uids.begin(), m_options.uncapped_uids.end(), peer.uid) !=
-                        m_options.uncapped_uids.end())
-    return;
+  if (limit == 0 || !peer.cred_known ||
+      std::find(m_options.uncapped_uids.begin(), m_options.uncapped_uids.end(), peer.uid) !=
+          m_options.uncapped_uids.end())
+    return true;
+  // Refusals are answered and closed lingering (up to linger_time): a user who keeps
+  // connecting past its limit would hold descriptors that way too, so past a few refusals
+  // in flight its connections are closed at once, unanswered.
+  constexpr std::size_t k_refusals_in_flight = 16;
   std::lock_guard lock(m_uid_counts->mutex);
   auto& count = m_uid_counts->by_uid[peer.uid];
-  if (count.open >= limit) {
-    peer.over_limit = true;
+  const bool over = count.open >= limit;
+  if (over) {
     if (!count.warned)
       log::warn("uid {} holds {} connections, as many as one user may; its next ones are refused (429) until some "
                 "close",
                 static_cast<long>(peer.uid), count.open);
     count.warned = true;
-    return;
+    if (count.refusing >= k_refusals_in_flight) return false;
+    peer.over_limit = true;
+    ++count.refusing;
+  } else {
+    ++count.open;
   }
-  ++count.open;
   // Given back when the last copy of the peer (the session's, a request's) is gone.
-  peer.counted =
-      std::shared_ptr<const void>(m_uid_counts.get(), [counts = m_uid_counts, uid = peer.uid, limit](const void*) {
-        std::lock_guard l(counts->mutex);
-        auto it = counts->by_uid.find(uid);
-        if (it == counts->by_uid.end()) return;
-        if (--it->second.open == 0)
-          counts->by_uid.erase(it);
-        else if (it->second.open < limit / 2)
-          it->second.warned = false;
-      });
+  peer.counted = std::shared_ptr<const void>(m_uid_counts.get(),
+                                             [counts = m_uid_counts, uid = peer.uid, limit, over](const void*) {
+                                               std::lock_guard l(counts->mutex);
+                                               auto it = counts->by_uid.find(uid);
+                                               if (it == counts->by_uid.end()) return;
+                                               auto& c = it->second;
+                                               --(over ? c.refusing : c.open);
+                                               if (c.open == 0 && c.refusing == 0)
+                                                 counts->by_uid.erase(it);
+                                               else if (c.open < limit / 2)
+                                                 c.warned = false;
+                                             });
+  return true;
 }
 
 void UnixListener::do_accept() {
@@ -790,10 +802,11 @@ void UnixListener::do_accept() {
         peer.uid = cred.uid;
         peer.gid = cred.gid;
         peer.groups = peer_groups(socket.native_handle());
-        count_connection(peer);
       }
-      using Stream = beast::basic_stream<local>;
-      std::make_shared<Session<Stream>>(Stream(std::move(socket)), m_handler, peer, m_options, m_in_flight)->run();
+      if (count_connection(peer)) {
+        using Stream = beast::basic_stream<local>;
+        std::make_shared<Session<Stream>>(Stream(std::move(socket)), m_handler, peer, m_options, m_in_flight)->run();
+      }
     }
     m_pacing.then(ec, [this] { do_accept(); });
   });

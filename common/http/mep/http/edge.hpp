@@ -196,7 +196,9 @@ public:
 
 private:
   void do_accept();
-  void count_connection(Peer& peer);
+  /// Counts `peer`'s connection against its user's limit (EdgeOptions::connections_per_uid);
+  /// false: close it at once (refusals enough already in flight).
+  bool count_connection(Peer& peer);
   boost::asio::io_context& m_ioc;
   boost::asio::local::stream_protocol::acceptor m_acceptor;
   Handler& m_handler;
