@@ -95,6 +95,10 @@ struct Releasing {
 };
 
 Problem not_yours() { return Problem(Code::lease_not_found, "this daemon holds no lease under that name"); }
+// A lease named by its id that the name no longer has (another was granted under it since).
+Problem not_that_lease() {
+  return Problem(Code::lease_not_found, "this daemon holds no lease with that id under that name");
+}
 
 std::string canonical_or(const std::string& display) {
   auto n = canonicalize(display);
@@ -585,10 +589,7 @@ expected<Detached, Problem> Keeper::detach(const std::string& display, const std
   if (seen && !may_act_on(viewer, seen->uid)) return make_unexpected(not_yours());
   // Only the lease looked at: another that replaced it meanwhile is not taken.
   auto h = seen ? m_book.take(key, lease_id ? lease_id : std::optional<std::string>(seen->lease_id)) : std::nullopt;
-  if (!h)
-    return make_unexpected(
-        Problem(Code::lease_not_found, lease_id ? "this daemon holds no lease with that id under that name"
-                                                : "this daemon holds no lease under that name"));
+  if (!h) return make_unexpected(lease_id ? not_that_lease() : not_yours());
   return Detached{end_taken(*h)};
 }
 
@@ -792,8 +793,7 @@ expected<Held, Problem> live_lease(const LeaseBook& book, const std::string& nam
   if (!h || !may_act_on(viewer, h->uid)) return make_unexpected(not_yours());
   // The client's lease, not one granted under the name since (whose token may be equal:
   // tokens count per memory).
-  if (lease_id && h->lease_id != *lease_id)
-    return make_unexpected(Problem(Code::lease_not_found, "this daemon holds no lease with that id under that name"));
+  if (lease_id && h->lease_id != *lease_id) return make_unexpected(not_that_lease());
   if (h->state == LeaseState::lost || Clock::now() >= h->local_deadline)
     return make_unexpected(
         Problem(Code::lease_expired, "the lease was lost (" +
