@@ -183,28 +183,15 @@ void register_lease_commands(CLI::App& app, GlobalOptions& g, Action& action) {
           daemon_request(socket, "POST", "/v1/detach", json::dump(boost::json::object{{"name", *rel_name}}));
       if (r.status < 200 || r.status >= 300) return report_problem(r, socket, g.json);
       // Ended on this host; when the control plane did not confirm it, its problem decides
-      // the exit status (4: superseded or expired there, 5: not reached, 7: token refused).
-      const auto o = r.json();
-      const auto* cp = o.if_contains("control_plane");
-      std::optional<Problem> refused;
-      if (cp && cp->is_object()) refused = Problem::from_json(cp->get_object());
-      // A lease the control plane no longer has (expired, revoked) is lost there: 4, as for
-      // one it says expired; not "this daemon holds no lease" (1).
-      const int status = !refused                                 ? exit_code::ok
-                         : refused->code == Code::lease_not_found ? exit_code::lost
-                                                                  : refused->exit_code();
-      if (g.json) {
+      // the exit status.
+      const auto refused = unconfirmed_release(r);
+      if (g.json)
         std::printf("%s\n", r.body.empty() ? "{}" : r.body.c_str());
-      } else if (!refused) {
+      else if (refused)
+        warn_unconfirmed_release(*rel_name, *refused);
+      else
         std::printf("released %s\n", rel_name->c_str());
-      } else {
-        const Problem& p = *refused;
-        std::fprintf(stderr,
-                     "mep: released %s on this host, but the control plane did not confirm it (%s: %s); there the "
-                     "name stays held until the lease expires\n",
-                     rel_name->c_str(), std::string(p.title()).c_str(), p.detail.c_str());
-      }
-      return status;
+      return refused ? unconfirmed_release_status(*refused) : exit_code::ok;
     };
   });
 

@@ -317,9 +317,13 @@ int run(const RunOptions& o, const GlobalOptions& g) {
   //    command succeeded), or 4 after a loss. The lease is bound to this process, so a daemon
   //    that does not answer soon (stopped, overloaded) releases it when this process is gone:
   //    the command's status is not held back for a minute.
-  if (!was_lost)
-    daemon_request(socket, "POST", "/v1/detach", json::dump(boost::json::object{{"name", field("canonical_name")}}),
-                   k_release_timeout_ms);
+  if (!was_lost) {
+    auto released =
+        daemon_request(socket, "POST", "/v1/detach", json::dump(boost::json::object{{"name", field("canonical_name")}}),
+                       k_release_timeout_ms);
+    // The command's status stands; the release that the control plane did not confirm is said.
+    if (auto refused = unconfirmed_release(released)) warn_unconfirmed_release(field("canonical_name"), *refused);
+  }
   stop_events();
   if (was_lost) return exit_code::lost;
   if (WIFEXITED(status)) return WEXITSTATUS(status) == 0 ? sync_status : WEXITSTATUS(status);

@@ -239,4 +239,25 @@ int report_problem(const DaemonReply& r, const std::string& socket, bool json) {
   return p.exit_code();
 }
 
+std::optional<Problem> unconfirmed_release(const DaemonReply& r) {
+  if (r.status < 200 || r.status >= 300 || r.body.empty()) return std::nullopt;
+  const auto o = r.json();
+  const auto* cp = o.if_contains("control_plane");
+  if (!cp || !cp->is_object()) return std::nullopt;
+  return Problem::from_json(cp->get_object());
+}
+
+int unconfirmed_release_status(const Problem& p) {
+  // A lease the control plane no longer has (expired, revoked) is lost there: 4, as for one
+  // it says expired; not "this daemon holds no lease" (1).
+  return p.code == Code::lease_not_found ? exit_code::lost : p.exit_code();
+}
+
+void warn_unconfirmed_release(const std::string& name, const Problem& p) {
+  std::fprintf(stderr,
+               "mep: released %s on this host, but the control plane did not confirm it (%s: %s); there the name "
+               "stays held until the lease expires\n",
+               name.c_str(), std::string(p.title()).c_str(), p.detail.c_str());
+}
+
 } // namespace mep::cli

@@ -57,4 +57,15 @@ bool follow_events(const std::string& socket, const std::function<bool(const std
 /// problem's title and detail on stderr. Returns the exit code of the problem's code.
 int report_problem(const DaemonReply& r, const std::string& socket, bool json);
 
+/// For a 2xx reply of POST /v1/detach: the control plane's problem when it did not confirm
+/// the release (the lease ended on this host all the same), else nullopt.
+std::optional<Problem> unconfirmed_release(const DaemonReply& r);
+
+/// The exit status for a release the control plane did not confirm: 4 (superseded, expired
+/// or gone there), 5 (not reached) or 7 (the daemon's token refused).
+int unconfirmed_release_status(const Problem& p);
+
+/// Says on stderr that `name` was released on this host only, and why.
+void warn_unconfirmed_release(const std::string& name, const Problem& p);
+
 } // namespace mep::cli

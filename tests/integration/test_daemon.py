@@ -1239,11 +1239,24 @@ class ReleaseOutcome(DaemonTestCase):
         # The control plane down: ended here, not there (5); the name stays held there until
         # the lease expires, and the message says so.
         self.claim("unreachable")
+        # mep run's release at the command's exit says so too; the command's status stands.
+        go = os.path.join(self.data, "go")
+        run = subprocess.Popen([mep_bin(), "--socket", self.mepd.socket_path, "run", "running",
+                                self.new_file("running.uai"), "--", "sh", "-c",
+                                'while [ ! -e "$1" ]; do sleep 0.05; done', "sh", go],
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=self.env, cwd=self.data)
+        self.addCleanup(lambda: run.poll() is None and (run.kill(), run.wait()))
+        self.assertTrue(self.poll(lambda: "running" in self.held_here(), 20))
         self.server.stop()
         rc, out, err = self.mep("release", "unreachable")
         self.assertEqual(rc, 5, err)
         self.assertIn("did not confirm", err)
         self.assertIn("until the lease expires", err)
+        self.assertEqual(self.held_here(), ["running"])
+        open(go, "w").close()
+        out, err = run.communicate(timeout=60)
+        self.assertEqual(run.returncode, 0, err)
+        self.assertIn("released running on this host, but the control plane did not confirm it", err)
         self.assertEqual(self.held_here(), [])
 
     def test_a_revoked_daemon_token_is_said_in_the_log_and_by_release(self):
