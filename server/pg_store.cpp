@@ -434,12 +434,12 @@ void PgStore::refuse_queued(const Problem& why) {
     for (Batch b : {Batch::claim, Batch::renew, Batch::release}) queued(b) = 0;
   }
   if (!refused.empty()) log::info("refused {} queued database operations: {}", refused.size(), why.detail);
-  for (Job& job : refused) answer_refused(job, why);
+  for (Job& job : refused) answer(job, why);
 }
 
-void PgStore::answer_refused(Job& job, const Problem& why) {
+void PgStore::answer(Job& job, std::optional<Problem> failure) {
   try {
-    job.done(why);
+    job.done(std::move(failure));
   } catch (const std::exception& e) {
     log::error("request {}: answering failed: {}", job.request_id, e.what());
   }
@@ -450,7 +450,7 @@ void PgStore::enqueue(Job job) {
   if (m_refusing) {
     const Problem why = *m_refusing;
     lock.unlock();
-    return answer_refused(job, why);
+    return answer(job, why);
   }
   // A claim (renewal, release) that no lane of its kind is open for waits for the next batch:
   // no worker could take it.
@@ -540,13 +540,7 @@ void PgStore::worker_loop() {
     }
     // The lane goes back before the answers go out: the next batch need not wait for them.
     if (jobs.front().batch != Batch::none) free_lane(jobs.front());
-    for (std::size_t i = 0; i < jobs.size(); ++i) {
-      try {
-        jobs[i].done(std::move(failures[i]));
-      } catch (const std::exception& e) {
-        log::error("request {}: answering failed: {}", jobs[i].request_id, e.what());
-      }
-    }
+    for (std::size_t i = 0; i < jobs.size(); ++i) answer(jobs[i], std::move(failures[i]));
   }
 }
 

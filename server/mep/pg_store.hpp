@@ -136,7 +136,8 @@ private:
   int& running(Batch b);
   /// The jobs of a kind waiting in m_queue (under m_mutex).
   int& queued(Batch b);
-  static void answer_refused(Job& job, const Problem& why);
+  /// Hands `job` its outcome (`failure`, or none: its own); a throwing handler is logged.
+  static void answer(Job& job, std::optional<Problem> failure);
   /// Whether a worker may start a call of a kind now, and why (under m_mutex).
   enum class Lane { closed, first, full_batch, waited };
   Lane lane_open(Batch b, std::chrono::steady_clock::time_point now);
