@@ -264,6 +264,22 @@ def request(
         s.close()
 
 
+def release_problem(resp: Response) -> Optional[MepError]:
+    """What a ``200`` to ``POST /v1/detach`` says beside ``released``: the control plane's
+    problem when it did not confirm the release (None for ``204``, a confirmed release)."""
+    if resp.status != 200:
+        return None
+    try:
+        doc = resp.json()
+    except ProtocolError:
+        return None
+    cp = doc.get("control_plane") if isinstance(doc, dict) else None
+    if not isinstance(cp, dict):
+        return None
+    status = cp.get("status") if isinstance(cp.get("status"), int) else 503
+    return error_for_problem(status, json.dumps(cp).encode("utf-8"))
+
+
 def raise_for(resp: Response, target: str) -> None:
     """Raise the answer's problem, unless it is a success (2xx). A ``404 not-found`` from an
     endpoint older daemons lack becomes :class:`~mep.NotSupported`."""

@@ -376,19 +376,21 @@ class AsyncLease(LeaseBase):
         """The daemon's current view of this lease."""
         return await self._client.get_lease(self.canonical_name)
 
-    async def release(self) -> None:
+    async def release(self) -> Optional[MepError]:
         """Give the lease up (idempotent once it succeeded); see :meth:`mep.Lease.release`:
         if the daemon cannot be reached the error propagates, the lease stays held by the
-        daemon and calling :meth:`release` again retries."""
+        daemon and calling :meth:`release` again retries. Returns :attr:`release_problem`
+        (None when the control plane confirmed the release)."""
         if self._released:
-            return
+            return self._release_problem
         first = not self._tracker.closing
         self._tracker.closing = True
         if first:
             await self._stop_watcher()
             self._fire_callbacks()
-        await self._detach_if_ours()  # raises if the daemon cannot be asked: release() again retries
+        problem = await self._detach_if_ours()  # raises if the daemon cannot be asked: release() again retries
         self._released = True
+        return self._released_with(problem)
 
     async def __aenter__(self) -> "AsyncLease":
         self._cv_tokens.append(_current.set(self))
@@ -449,22 +451,23 @@ class AsyncLease(LeaseBase):
         self._read_task = None
         self._wake_task = None
 
-    async def _detach_if_ours(self) -> None:
+    async def _detach_if_ours(self) -> Optional[MepError]:
         try:
             try:
                 info = await self._client.get_lease(self.canonical_name)
             except NotFound:
-                return
+                return None
             if info.lease_id != self.lease_id:
-                return
+                return None
             try:
-                await self._client.detach(self.canonical_name, self.lease_id)
+                return await self._client.detach(self.canonical_name, self.lease_id)
             except LeaseNotFound:
-                pass
+                return None
         except MepError as e:
             if not self._tracker.lost:
                 raise
             log.debug("forgetting the lost lease on %s: %s", self.canonical_name, e)
+            return None
 
     def _apply_flags(self) -> None:
         if self._tracker.at_risk and not self.at_risk.is_set():
@@ -706,10 +709,12 @@ class AsyncClient:
         _attach_body(name, path, ttl, wait, bind)  # wrong arguments raise here, not on entry
         return AsyncLeaseContext(self, name, path, ttl, wait, bind)
 
-    async def detach(self, name: str, lease_id: Optional[str] = None) -> None:
-        """``POST /v1/detach`` (with ``lease_id``: only that lease, as :meth:`mep.Client.detach`)."""
+    async def detach(self, name: str, lease_id: Optional[str] = None) -> Optional[MepError]:
+        """``POST /v1/detach`` (with ``lease_id``: only that lease); returns the control
+        plane's problem when it did not confirm the release, as :meth:`mep.Client.detach`."""
         resp = await self._request("POST", "/v1/detach", _detach_body(name, lease_id))
         _http.raise_for(resp, "/v1/detach")
+        return _http.release_problem(resp)
 
     async def leases(self) -> List[LeaseInfo]:
         """``GET /v1/leases``."""

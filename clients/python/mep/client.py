@@ -282,11 +282,18 @@ class Client:
         body = _attach_body(name, path, ttl, wait, bind)
         return LeaseInfo.from_json(self._obj("POST", "/v1/attach", body, self.timeout + body.get("wait_seconds", 0)))
 
-    def detach(self, name: str, lease_id: Optional[str] = None) -> None:
+    def detach(self, name: str, lease_id: Optional[str] = None) -> Optional[MepError]:
         """``POST /v1/detach``: release the daemon's lease on ``name`` (display or canonical
         name); :class:`~mep.LeaseNotFound` if it holds none. With ``lease_id``, only that
-        lease: not one another agent was granted under the name after this one ended."""
-        self._call("POST", "/v1/detach", _detach_body(name, lease_id))
+        lease: not one another agent was granted under the name after this one ended.
+
+        Returns None when the control plane confirmed the release. Otherwise the daemon
+        still ended the lease here, but the control plane may hold the name until the lease
+        expires there: the return value is the control plane's problem (not raised), e.g.
+        :class:`~mep.Unavailable` or :class:`~mep.LeaseExpired` (``mep release`` exits 5 or 4)."""
+        resp = self._request("POST", "/v1/detach", _detach_body(name, lease_id))
+        _http.raise_for(resp, "/v1/detach")
+        return _http.release_problem(resp)
 
     def leases(self) -> List[LeaseInfo]:
         """Every lease the daemon keeps (``GET /v1/leases``), lost ones included."""

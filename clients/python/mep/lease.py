@@ -64,6 +64,7 @@ class LeaseBase:
     _info: LeaseInfo
     _tracker: LossTracker
     _released: bool
+    _release_problem: Optional[MepError] = None
 
     @property
     def info(self) -> LeaseInfo:
@@ -132,6 +133,21 @@ class LeaseBase:
         """Whether this process released the lease (the block ended or :meth:`release`
         returned). False after a :meth:`release` that raised: call it again."""
         return self._released
+
+    @property
+    def release_problem(self) -> Optional[MepError]:
+        """After a release the control plane did not confirm, its problem (e.g.
+        :class:`~mep.Unavailable`): the lease ended on this host, but the control plane may
+        hold the name until the lease expires there. None otherwise."""
+        return self._release_problem
+
+    def _released_with(self, problem: Optional[MepError]) -> Optional[MepError]:
+        """Keeps and logs what the daemon's detach said of the control plane; returns it."""
+        if problem is not None:
+            self._release_problem = problem
+            log.warning("released %s on this host, but the control plane did not confirm it (%s): "
+                        "it may hold the name until the lease expires there", self.canonical_name, problem)
+        return self._release_problem
 
     def _given_up(self) -> bool:
         """Lost, released, or :meth:`release` was called (even if it failed): the token
@@ -310,10 +326,13 @@ class Lease(LeaseBase):
         """The daemon's current view of this lease (``GET /v1/leases/{name}``)."""
         return self._client.get_lease(self.canonical_name)
 
-    def release(self) -> None:
+    def release(self) -> Optional[MepError]:
         """Give the lease up (``POST /v1/detach``); idempotent once it succeeded. A lease
         the daemon already gave up (lost, or released by someone else) is only forgotten.
         Callbacks of a loss that was not reported yet run before this returns.
+
+        Returns None, or :attr:`release_problem` when the control plane did not confirm
+        the release (also logged as a warning): the lease is released here all the same.
 
         From the first call on the token is not to be used (:meth:`check` and
         :meth:`fencing_headers` raise :class:`~mep.LeaseLost`) and the lease is no longer
@@ -323,7 +342,7 @@ class Lease(LeaseBase):
         exits: call :meth:`release` again, and once the daemon answers it is released."""
         with self._lock:
             if self._released:
-                return
+                return self._release_problem
             first = not self._tracker.closing
             self._tracker.closing = True
         if first:
@@ -334,9 +353,10 @@ class Lease(LeaseBase):
             self._close_conn()
             self._fire_callbacks()
             self._close_wake()
-        self._detach_if_ours()  # raises if the daemon cannot be asked: release() again retries
+        problem = self._detach_if_ours()  # raises if the daemon cannot be asked: release() again retries
         with self._lock:
             self._released = True
+        return self._released_with(problem)
 
     # ---- context manager ---------------------------------------------------------------
     def __enter__(self) -> "Lease":
@@ -379,26 +399,28 @@ class Lease(LeaseBase):
         self._apply_flags()
         self._wake()  # the watcher runs the callbacks
 
-    def _detach_if_ours(self) -> None:
+    def _detach_if_ours(self) -> Optional[MepError]:
         # Detach is by name: make sure the daemon's lease under the name is still this one
         # (after a loss, another agent on this host may have attached the name since).
+        # Returns the control plane's problem when it did not confirm the release.
         try:
             try:
                 info = self._client.get_lease(self.canonical_name)
             except NotFound:
-                return
+                return None
             if info.lease_id != self.lease_id:
-                return
+                return None
             try:
-                self._client.detach(self.canonical_name, self.lease_id)
+                return self._client.detach(self.canonical_name, self.lease_id)
             except LeaseNotFound:
-                pass
+                return None
         except MepError as e:
             if not self._tracker.lost:
                 raise
             # Lost already: there is nothing left to give up (a daemon that is gone
             # forgot it or lets it expire).
             log.debug("forgetting the lost lease on %s: %s", self.canonical_name, e)
+            return None
 
     def _apply_flags(self) -> None:
         with self._lock:

@@ -1,4 +1,5 @@
 """The SDK against a mepd that uses a remote control plane (a real ``mep server``)."""
+import asyncio
 import signal
 import threading
 import time
@@ -7,6 +8,7 @@ import unittest
 from .harness import DaemonTestCase, wait_until
 
 import mep
+import mep.aio
 
 
 class RemoteTest(DaemonTestCase):
@@ -101,6 +103,50 @@ class RemoteTest(DaemonTestCase):
                              (lease.canonical_name, lease.memory_instance_id, lease.token))
         with self.assertRaises(mep.LeaseNotFound):
             c.verify("verified")
+
+    def test_a_release_the_control_plane_did_not_confirm_is_reported(self):
+        server, d = self.start_remote()
+        c = d.client(timeout=10)
+        path = self.new_memory(c)
+        confirmed = c.acquire("confirmed", path, ttl=10)
+        self.assertIsNone(confirmed.release())
+        self.assertIsNone(confirmed.release_problem)
+        lease = c.acquire("unconfirmed", path, ttl=10)
+        other = c.acquire("unconfirmed two", self.new_memory(c, "two.uai"), ttl=10)
+        c.attach("unconfirmed three", self.new_memory(c, "three.uai"), ttl=10)
+        server.stop()
+        # Released here all the same (the daemon keeps nothing), but the control plane,
+        # which holds the name until the lease expires there, was not reached.
+        with self.assertLogs("mep", "WARNING") as logged:
+            problem = lease.release()
+        self.assertIsInstance(problem, mep.Unavailable)
+        self.assertIs(lease.release_problem, problem)
+        self.assertTrue(lease.released)
+        self.assertIn("did not confirm", logged.output[0])
+        self.assertIs(lease.release(), problem, "a second call answers the same")
+        with self.assertLogs("mep", "WARNING"):
+            with other:
+                pass
+        self.assertIsInstance(other.release_problem, mep.Unavailable)
+        # The bare client call says the same.
+        self.assertIsInstance(c.detach("unconfirmed three"), mep.Unavailable)
+        self.assertEqual(c.leases(), [])
+
+    def test_async_release_the_control_plane_did_not_confirm(self):
+        server, d = self.start_remote()
+        path = self.new_memory(d.client())
+
+        async def main():
+            c = mep.aio.AsyncClient(d.socket_path, timeout=10)
+            lease = await c.acquire("async unconfirmed", path, ttl=10)
+            server.stop()
+            with self.assertLogs("mep", "WARNING"):
+                problem = await lease.release()
+            self.assertIsInstance(problem, mep.Unavailable)
+            self.assertIs(lease.release_problem, problem)
+            self.assertEqual(await c.leases(), [])
+
+        asyncio.run(asyncio.wait_for(main(), 60))
 
 
 if __name__ == "__main__":

@@ -2,7 +2,7 @@
 import "./polyfill.js";
 import { existsSync } from "node:fs";
 import { checkBind, checkOptions, checkPath, checkText, checkTimeoutMs, checkTtl, checkWait } from "./args.js";
-import { errorFrom, expectJson, openNdjson, rawRequest, type OpenStream } from "./http.js";
+import { errorFrom, expectJson, openNdjson, rawRequest, releaseProblem, type OpenStream } from "./http.js";
 import type { JsonValue } from "./json.js";
 import { Lease, currentLease, type LeaseOptions } from "./lease.js";
 import type { MepError } from "./errors.js";
@@ -179,10 +179,15 @@ export class Client {
   /**
    * Releases the daemon's lease on `name` (`POST /v1/detach`); with `leaseId`, only that
    * lease, not one granted to another agent under the name after it ended.
+   *
+   * Resolves to undefined when the control plane confirmed the release. Otherwise the daemon
+   * still ended the lease here, but the control plane may hold the name until the lease
+   * expires there: the result is the control plane's problem (not thrown), e.g.
+   * {@link Unavailable} or {@link LeaseExpired} (what makes `mep release` exit 5 or 4).
    * @throws LeaseNotFound
    */
-  async detach(name: string, leaseId?: string): Promise<void> {
-    await this.#call("POST", "/v1/detach", leaseBody(name, leaseId), [200, 204]);
+  async detach(name: string, leaseId?: string): Promise<MepError | undefined> {
+    return releaseProblem(await this.#call("POST", "/v1/detach", leaseBody(name, leaseId), [200, 204]));
   }
 
   /** Every lease the daemon keeps (`GET /v1/leases`). */

@@ -136,6 +136,18 @@ export function errorFrom(r: RawResponse): MepError {
   return problemToError(r.status, r.json ?? r.text, Array.isArray(ra) ? ra[0] : ra);
 }
 
+/**
+ * What a `200` to `POST /v1/detach` says beside `released`: the control plane's problem
+ * when it did not confirm the release (undefined for `204`, a confirmed release). @internal
+ */
+export function releaseProblem(r: RawResponse): MepError | undefined {
+  if (r.status !== 200 || r.json === null || typeof r.json !== "object" || Array.isArray(r.json)) return undefined;
+  const cp = (r.json as Record<string, unknown>)["control_plane"];
+  if (cp === null || typeof cp !== "object" || Array.isArray(cp)) return undefined;
+  const status = (cp as Record<string, unknown>)["status"];
+  return problemToError(typeof status === "number" ? status : 503, cp);
+}
+
 /** Callbacks of an NDJSON stream. @internal */
 export interface StreamHandlers {
   /** One parsed line (malformed lines are skipped). */

@@ -50,8 +50,11 @@ export interface LeaseEventMap {
   renewed: (info: RenewedInfo) => void;
   /** The lease is gone; the token must not be used. Fired once. */
   lost: (error: LeaseLost) => void;
-  /** {@link Lease.release} finished (not fired for a lease that was lost before). */
-  released: () => void;
+  /**
+   * {@link Lease.release} finished (not fired for a lease that was lost before); with the
+   * control plane's problem when it did not confirm the release ({@link Lease.releaseProblem}).
+   */
+  released: (problem: MepError | undefined) => void;
 }
 
 const als = new AsyncLocalStorage<Lease>();
@@ -135,7 +138,8 @@ export class Lease implements AsyncDisposable {
   #backoff = RECONNECT_MIN_MS;
   #stream: OpenStream | undefined;
   #seenGrant: boolean;
-  #releasing: Promise<void> | undefined;
+  #releasing: Promise<MepError | undefined> | undefined;
+  #releaseProblem: MepError | undefined;
   #releaseStarted = false;
   #releasedLive = false;
   #watching = true;
@@ -231,6 +235,15 @@ export class Lease implements AsyncDisposable {
   get atRisk(): boolean {
     this.#checkDeadline();
     return this.#state === "at-risk";
+  }
+
+  /**
+   * After a release the control plane did not confirm, its problem (e.g. {@link Unavailable}):
+   * the lease ended on this host, but the control plane may hold the name until the lease
+   * expires there. Undefined otherwise.
+   */
+  get releaseProblem(): MepError | undefined {
+    return this.#releaseProblem;
   }
 
   /** True once the lease is lost (not for a clean {@link release}). */
@@ -341,8 +354,11 @@ export class Lease implements AsyncDisposable {
    * If mepd cannot be reached (e.g. {@link DaemonNotRunning} while it restarts) the promise
    * rejects and the lease is *not* released: the daemon keeps it (a restarted mepd re-adopts
    * it) until this process exits. Call `release()` again — it retries — once the daemon is back.
+   *
+   * Resolves to undefined, or to {@link releaseProblem} when the control plane did not confirm
+   * the release: the lease is released on this host all the same.
    */
-  release(): Promise<void> {
+  release(): Promise<MepError | undefined> {
     if (this.#releasing) return this.#releasing;
     if (!this.#releaseStarted) {
       this.#releaseStarted = true;
@@ -359,12 +375,12 @@ export class Lease implements AsyncDisposable {
     const attempt = (async () => {
       if (wasLive) {
         try {
-          await this.#client.detach(this.canonicalName, this.leaseId);
+          this.#releaseProblem = await this.#client.detach(this.canonicalName, this.leaseId);
         } catch (e) {
           if (!(e instanceof LeaseNotFound)) throw e;
         }
-        this.#emit("released");
-        return;
+        this.#emit("released", this.#releaseProblem);
+        return this.#releaseProblem;
       }
       // Lost: the daemon may keep a `lost` record under the name. Detach is by name only, so
       // detach only while that record is still ours (not a newer holder's).
@@ -374,6 +390,7 @@ export class Lease implements AsyncDisposable {
       } catch {
         // best effort: nothing of ours is held
       }
+      return undefined;
     })();
     this.#releasing = attempt;
     // A failed attempt is forgotten, so that the next release() tries again.

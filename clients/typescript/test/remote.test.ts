@@ -95,3 +95,26 @@ test("loss when the control plane stops: atRisk first, then lost; signal, callba
   assert.ok(again!.token > lease.token);
   await again!.release();
 });
+
+test("a release the control plane did not confirm: released here, its problem returned, kept and given to 'released'", opts, async () => {
+  await using sb = Sandbox.create();
+  const server = await sb.startServer();
+  const d = await sb.startMepd({ controlPlane: server.url, tokenFile: sb.tokenFile(server, "t") });
+  const confirmed = await d.client.lease("confirmed", await newMemory(sb, d.client, "a"), { ttl: 10 });
+  assert.equal(await confirmed.release(), undefined);
+  assert.equal(confirmed.releaseProblem, undefined);
+  const lease = await d.client.lease("unconfirmed", await newMemory(sb, d.client, "b"), { ttl: 10 });
+  await d.client.attach("bare", await newMemory(sb, d.client, "c"), { ttl: 10 });
+  const heard: (mep.MepError | undefined)[] = [];
+  lease.on("released", (p) => heard.push(p));
+  await server.proc.stop();
+  const problem = await lease.release();
+  assert.ok(problem instanceof mep.Unavailable, String(problem));
+  assert.equal(lease.releaseProblem, problem);
+  assert.equal(lease.state, "released");
+  assert.deepEqual(heard, [problem]);
+  assert.equal(await lease.release(), problem, "a second call answers the same");
+  // The bare client call says the same; the daemon keeps nothing either way.
+  assert.ok((await d.client.detach("bare")) instanceof mep.Unavailable);
+  assert.deepEqual(await d.client.leases(), []);
+});
