@@ -344,6 +344,31 @@ class FenceRule(StoreCase):
             self.assertProblem(self.client.request("POST", path, b"", token=False), 405, "method-not-allowed")
         self.assertEqual(self.client.request("GET", "/metrics", token=False).status, 200)  # loopback
 
+    def test_answers_given_before_the_body_are_counted_in_the_duration_metric(self):
+        def counts():
+            text = self.client.request("GET", "/metrics").body.decode()
+            out = {}
+            for line in text.splitlines():
+                if line.startswith("mep_http_request_duration_seconds_count{"):
+                    labels, value = line[len("mep_http_request_duration_seconds_count"):].rsplit(" ", 1)
+                    out[labels] = float(value)
+            return out
+        m = uuid7()
+        self.assertEqual(self.client.put(m, b"v1", 2).status, 200)
+        before = counts()
+        # Each is answered before its body is read, so handle() never sees it.
+        self.assertProblem(self.client.put(m, b"old", 1), 409, "stale-fence")
+        self.assertProblem(self.client.put(m, b"x", 3, token=False), 401, "unauthenticated")
+        self.assertProblem(self.client.request("PUT", "/v1/objects/" + m, b"x", {"Fencing-Token": "x"}), 400,
+                           "invalid-request")
+        self.assertProblem(self.client.request("GET", "/v1/nothing", token=False), 401, "unauthenticated")
+        after = counts()
+        put = '{route="/v1/objects/{id}",code="%d"}'
+        for labels, n in ((put % 409, 1), (put % 401, 1), (put % 400, 1), ('{route="unmatched",code="401"}', 1),
+                          (put % 200, 0)):
+            with self.subTest(labels=labels):
+                self.assertEqual(after.get(labels, 0) - before.get(labels, 0), n)
+
     def test_the_token_is_checked_before_anything_else(self):
         # As on the control plane: without a valid token nothing about the endpoints is
         # learned (404, 405, 400 or 413 go to clients with one). The scheme is any case.
