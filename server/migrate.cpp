@@ -33,7 +33,9 @@
 #include <bit>
 #include <deque>
 #include <chrono>
+#include <cerrno>
 #include <cstdio>
+#include <cstring>
 #include <filesystem>
 #include <functional>
 #include <optional>
@@ -42,6 +44,7 @@
 #include <unistd.h>
 #include <unordered_map>
 #include <unordered_set>
+#include <utility>
 
 namespace mep::server {
 namespace {
@@ -400,6 +403,29 @@ constexpr const char* k_names_not_migrated =
     "SELECT canonical_name, skeleton FROM agent_names a "
     "WHERE NOT EXISTS (SELECT 1 FROM migration_rows m WHERE m.canonical_name = a.canonical_name)";
 
+// Another `mep migrate run` is writing to the same database: a second one would read the
+// same resume state and then fail on the first one's rows.
+// open_target takes a lock that a run holds until its process ends (a crash lets it go),
+// before the schema is touched or anything is read: PostgreSQL's advisory lock of this key
+// ("mep-migr" in ASCII), or DB_PATH-migrate.lock on SQLite.
+struct RunInProgress {};
+constexpr std::int64_t k_run_lock_key = 0x6d65702d6d696772;
+
+// A descriptor closed with its owner.
+class Fd {
+public:
+  explicit Fd(int fd = -1) : m_fd(fd) {}
+  Fd(Fd&& o) noexcept : m_fd(std::exchange(o.m_fd, -1)) {}
+  Fd& operator=(Fd&&) = delete;
+  explicit operator bool() const { return m_fd >= 0; }
+  ~Fd() {
+    if (m_fd >= 0) ::close(m_fd);
+  }
+
+private:
+  int m_fd;
+};
+
 class Target {
 public:
   virtual ~Target() = default;
@@ -434,7 +460,8 @@ bool plain_identifier(const std::string& table) {
 
 class SqliteTarget final : public Target {
 public:
-  explicit SqliteTarget(std::unique_ptr<Db> db) : m_db(std::move(db)) {
+  explicit SqliteTarget(std::unique_ptr<Db> db, Fd run_lock = Fd())
+      : m_db(std::move(db)), m_run_lock(std::move(run_lock)) {
     if (!table_exists(*m_db, "schema_version")) return;
     Use s(m_db->prepare("SELECT max(version) FROM schema_version"));
     if (s->step() && !s->is_null(0)) refuse_newer_schema(s->int64(0), sqlite_schema_version());
@@ -536,6 +563,7 @@ public:
 
 private:
   std::unique_ptr<Db> m_db;
+  Fd m_run_lock;
 };
 
 // A PostgreSQL text-array literal of `values` (NULL for nullopt): one parameter carries a
@@ -649,6 +677,11 @@ public:
              {uuid_v7().to_string(), name, salt, hex(pads.first), hex(pads.second)});
     return tenant_id(name);
   }
+  void lock_run() {
+    // A session-level advisory lock: released when the connection closes (the process ends).
+    auto r = m_c.exec("migrate_lock_run", "SELECT pg_try_advisory_lock($1::bigint)", {std::to_string(k_run_lock_key)});
+    if (r.text(0, 0) != "t") throw RunInProgress{};
+  }
   void mark_in_progress() override {
     m_c.exec("INSERT INTO settings(key, value) VALUES ('migration_state', 'in-progress') "
              "ON CONFLICT (key) DO UPDATE SET value = CASE WHEN settings.value = 'active' THEN 'active' "
@@ -710,18 +743,24 @@ private:
 // null for a plan on a SQLite file that does not exist.
 std::unique_ptr<Target> open_target(const std::string& url, bool dry_run) {
   if (is_postgres(url)) {
-    if (!dry_run) open_store(url); // creates and upgrades the schema
-    return std::make_unique<PgTarget>(url);
+    auto target = std::make_unique<PgTarget>(url);
+    if (!dry_run) {
+      target->lock_run();
+      open_store(url); // creates and upgrades the schema
+    }
+    return target;
   }
   const std::string path = db_path(url);
   if (dry_run) {
     if (!std::filesystem::exists(path)) return nullptr;
     return std::make_unique<SqliteTarget>(std::make_unique<Db>(path, sqlite::Mode::read_only));
   }
+  Fd lock(try_lock_beside(path, "-migrate.lock"));
+  if (!lock) throw RunInProgress{};
   { SqliteStore init(url); } // creates and migrates the schema
   auto db = std::make_unique<Db>(path, sqlite::Mode::read_write_create);
   db->exec("PRAGMA journal_mode=WAL; PRAGMA synchronous=FULL;");
-  return std::make_unique<SqliteTarget>(std::move(db));
+  return std::make_unique<SqliteTarget>(std::move(db), std::move(lock));
 }
 
 } // namespace
@@ -1031,6 +1070,10 @@ int migrate_run(const MigrateOptions& o) {
                    o.dry_run ? "plan" : "migrated", rows.size(), kept, renamed, generated, resumed,
                    o.dry_run ? std::size_t{0} : fresh);
     return exit_code::ok;
+  } catch (const RunInProgress&) {
+    std::fprintf(stderr, "mep migrate: another 'mep migrate run' is writing to this database; nothing was done: "
+                         "run again once it has finished (it resumes where that one ended)\n");
+    return exit_code::held;
   } catch (const std::exception& e) {
     std::fprintf(stderr, "mep migrate: %s\n", e.what());
     return exit_code::other;

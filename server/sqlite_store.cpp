@@ -422,22 +422,14 @@ std::string with_parent_directory(std::string path) {
   return path;
 }
 
-// Takes PATH-serving.lock (flock, held as long as the descriptor is open, dropped by the
-// kernel however the process ends); throws when another process holds it.
+// Takes PATH-serving.lock; throws when another process holds it.
 int lock_serving(const std::string& path) {
-  const std::string lock = path + "-serving.lock";
-  int fd = ::open(lock.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0600);
-  if (fd < 0) throw std::runtime_error(fmt::format("cannot open {}: {}", lock, std::strerror(errno)));
-  if (::flock(fd, LOCK_EX | LOCK_NB) != 0) {
-    const int err = errno;
-    ::close(fd);
-    if (err == EWOULDBLOCK)
-      throw std::runtime_error(fmt::format(
-          "another process (mep server, or mepd with its embedded control plane) is serving {}; SQLite serves one "
-          "process only: stop it, or use PostgreSQL for several servers",
-          path));
-    throw std::runtime_error(fmt::format("cannot lock {}: {}", lock, std::strerror(err)));
-  }
+  const int fd = try_lock_beside(path, "-serving.lock");
+  if (fd < 0)
+    throw std::runtime_error(fmt::format("another process (mep server, or mepd with its embedded control plane) is "
+                                         "serving {}; SQLite serves one process only: stop it, or use PostgreSQL for "
+                                         "several servers",
+                                         path));
   return fd;
 }
 
@@ -605,6 +597,19 @@ SqliteStore::~SqliteStore() {
 }
 
 int sqlite_schema_version() { return k_schema_version; }
+
+int try_lock_beside(const std::string& db_path, std::string_view suffix) {
+  const std::string lock = with_parent_directory(db_path) + std::string(suffix);
+  int fd = ::open(lock.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0600);
+  if (fd < 0) throw std::runtime_error(fmt::format("cannot open {}: {}", lock, std::strerror(errno)));
+  if (::flock(fd, LOCK_EX | LOCK_NB) != 0) {
+    const int err = errno;
+    ::close(fd);
+    if (err == EWOULDBLOCK) return -1;
+    throw std::runtime_error(fmt::format("cannot lock {}: {}", lock, std::strerror(err)));
+  }
+  return fd;
+}
 
 void SqliteStore::migrate() {
   m_db->exec("BEGIN IMMEDIATE");

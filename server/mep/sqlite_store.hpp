@@ -16,6 +16,8 @@
 #include <memory>
 #include <mutex>
 #include <optional>
+#include <string>
+#include <string_view>
 #include <thread>
 #include <vector>
 
@@ -23,6 +25,12 @@ namespace mep::server {
 
 /// The schema version this mep writes on SQLite (a newer database is refused).
 int sqlite_schema_version();
+
+/// Takes the lock file DB_PATH + `suffix` (flock: held while the descriptor is open, dropped
+/// by the kernel however the process ends), creating the database's directory (0700) when
+/// missing. The open descriptor, or -1 when another process holds the lock; throws on any
+/// other failure.
+int try_lock_beside(const std::string& db_path, std::string_view suffix);
 
 class SqliteStore final : public Store {
 public:

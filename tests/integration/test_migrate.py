@@ -372,6 +372,49 @@ class MigrateTest(unittest.TestCase):
         self.assertEqual(len(r), n)
         self.assertEqual(sum(1 for x in r.values() if x["action"] == "kept"), 50000)
 
+    def test_a_second_run_while_one_is_writing_is_refused_and_writes_nothing(self):
+        n = 60000
+        rows = [{"legacy_id": str(i), "display_name": f"agent{i}", "created_at": "2020-01-01T00:00:00Z",
+                 "legacy_memory_ref": f"ref{i}"} for i in range(n)]
+        src = os.path.join(self.dir, "legacy.jsonl")
+        write_jsonl(src, rows)
+        first = subprocess.Popen([MEP, "migrate", "run", "--db", self.url, "--input", src, "--batch", "200"],
+                                 stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        try:
+            deadline = time.monotonic() + 60
+            written = 0
+            while time.monotonic() < deadline and first.poll() is None and written < 400:
+                try:
+                    (written,) = db_rows(self.db, "SELECT count(*) FROM migration_rows")[0]
+                except (sqlite3.OperationalError, AssertionError):  # not created yet
+                    pass
+                time.sleep(0.01)
+            if first.poll() is not None:
+                self.skipTest("the first run finished before a second could start (machine too fast for this input)")
+            # Stopped while it holds the run (perhaps inside a batch's transaction): the second
+            # run must be refused at once, not wait for it nor fail on its rows.
+            first.send_signal(signal.SIGSTOP)
+            try:
+                (before,) = db_rows(self.db, "SELECT count(*) FROM migration_rows")[0]
+                second = mep("migrate", "run", "--db", self.url, "--input", src, check=False, timeout=60)
+                self.assertEqual(second.returncode, 3, second.stderr)
+                self.assertIn("another 'mep migrate run' is writing to this database", second.stderr)
+                self.assertEqual(second.stderr.count("\n"), 1, second.stderr)
+            finally:
+                first.send_signal(signal.SIGCONT)
+            self.assertEqual(first.wait(timeout=300), 0, first.stderr.read())
+        finally:
+            if first.poll() is None:
+                first.kill()
+                first.wait(timeout=10)
+            first.stderr.close()
+        self.assertGreaterEqual(before, 400)
+        # The first run wrote every row once; once it has ended, a run is let in again.
+        again = json.loads(mep("--json", "migrate", "run", "--db", self.url, "--input", src).stdout)
+        self.assertEqual((again["already_migrated"], again["written"]), (n, 0))
+        (count,) = db_rows(self.db, "SELECT count(DISTINCT legacy_id) FROM migration_rows")[0]
+        self.assertEqual(count, n)
+
     def test_activation_gate(self):
         token = mep("token", "create", "--db", self.url, "--tenant", "default").stdout.strip()
         src = os.path.join(self.dir, "legacy.jsonl")
