@@ -2,6 +2,7 @@
 #include "mep/daemon_handler.hpp"
 
 #include "mep/allocator.hpp"
+#include "mep/client_process.hpp"
 #include "mep/json.hpp"
 #include "mep/lease/wire.hpp"
 #include "mep/log.hpp"
@@ -14,7 +15,9 @@
 #include <cstdlib>
 #include <fstream>
 #include <limits>
+#include <optional>
 #include <poll.h>
+#include <sstream>
 #include <system_error>
 #include <thread>
 
@@ -67,20 +70,27 @@ expected<fs::path, Problem> client_path(const std::string& p, pid_t pid) {
   return dir / path.filename();
 }
 
-// The mode a file the client creates itself would get: 0666 less the client's umask, as
-// Linux (4.7 and later) reports it in /proc/PID/status; 0600 when it cannot be read. A
-// memory file mepd creates for `mep init` is then no more open than the user asked for.
-mode_t client_file_mode(pid_t pid) {
-  std::ifstream status("/proc/" + std::to_string(pid) + "/status");
+} // namespace
+
+mode_t client_file_mode(std::istream& status, uid_t uid) {
+  std::optional<mode_t> mode;
+  bool same_user = false;
   for (std::string line; std::getline(status, line);) {
-    if (line.rfind("Umask:", 0) != 0) continue;
-    const unsigned long mask = std::strtoul(line.c_str() + 6, nullptr, 8);
-    return static_cast<mode_t>(0666 & ~mask);
+    if (line.rfind("Umask:", 0) == 0) {
+      mode = static_cast<mode_t>(0666 & ~std::strtoul(line.c_str() + 6, nullptr, 8));
+    } else if (line.rfind("Uid:", 0) == 0) { // real, effective, saved, file-system
+      std::istringstream ids(line.substr(4));
+      unsigned long real = 0, effective = 0;
+      same_user = (ids >> real >> effective) && effective == uid;
+    }
   }
-  return 0600;
+  return mode && same_user ? *mode : 0600;
 }
 
-} // namespace
+mode_t client_file_mode(pid_t pid, uid_t uid) {
+  std::ifstream status("/proc/" + std::to_string(pid) + "/status");
+  return client_file_mode(status, uid);
+}
 
 DaemonHandler::DaemonHandler(DaemonService& service, std::function<bool(const http::Peer&)> allowed)
     : m_service(service), m_allowed(std::move(allowed)) {}
@@ -370,11 +380,11 @@ DaemonHandler::Out DaemonHandler::on_branch_or_init(const Call& c, bool branch) 
   auto path = client_path(*p, c.peer.pid);
   if (!path) return make_unexpected(std::move(path.error()));
   if (!branch)
-    return encode(m_service.init(*path, client_file_mode(c.peer.pid)), 201,
+    return encode(m_service.init(*path, client_file_mode(c.peer.pid, c.peer.uid)), 201,
                   [](const Initialized& i) { return api::to_json(i); });
   auto new_path = client_path(*np, c.peer.pid);
   if (!new_path) return make_unexpected(std::move(new_path.error()));
-  return encode(m_service.branch(*path, *new_path, c.peer.uid, client_file_mode(c.peer.pid)), 201,
+  return encode(m_service.branch(*path, *new_path, c.peer.uid, client_file_mode(c.peer.pid, c.peer.uid)), 201,
                 [](const BranchedFile& b) { return api::to_json(b); });
 }
 DaemonHandler::Out DaemonHandler::on_branch(const Call& c) { return on_branch_or_init(c, true); }
@@ -436,7 +446,7 @@ DaemonHandler::Out DaemonHandler::on_fetch(const Call& c) {
   if (auto ok = rd.finish(); !ok) return make_unexpected(std::move(ok.error()));
   auto path = client_path(*p, c.peer.pid);
   if (!path) return make_unexpected(std::move(path.error()));
-  return encode(m_service.fetch(*id, *path, client_file_mode(c.peer.pid)), 201,
+  return encode(m_service.fetch(*id, *path, client_file_mode(c.peer.pid, c.peer.uid)), 201,
                 [](const ObjectResult& r) { return api::to_json_fetch(r); });
 }
 

@@ -2,12 +2,18 @@
 // a fake DaemonService: decoding (strict JSON, paths, the fields' rules), routing (404,
 // 405 with Allow), encoding (JSON, 204, problem+json) and the exception boundary.
 #include "../../support/fake_daemon_service.hpp"
+#include "mep/client_process.hpp"
 #include "mep/daemon_handler.hpp"
 #include "mep/json.hpp"
 
 #include <catch2/catch.hpp>
 
+#include <csignal>
 #include <filesystem>
+#include <fstream>
+#include <sstream>
+#include <sys/stat.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
 using mep::daemon::DaemonHandler;
@@ -53,6 +59,50 @@ void require_problem(const mep::http::Response& res, int status, const std::stri
 }
 
 } // namespace
+
+TEST_CASE("daemon handler: a file mepd creates for a client gets the client's umask, only from its own process",
+          "[daemon_handler]") {
+  using mep::daemon::client_file_mode;
+  auto of = [](const char* text, uid_t uid) {
+    std::istringstream status(text);
+    return client_file_mode(status, uid);
+  };
+  const char* s = "Name:\tpython3\nUmask:\t0027\nState:\tS (sleeping)\nUid:\t1000\t1001\t1001\t1001\n";
+  CHECK(of(s, 1001) == 0640);
+  // The pid is another user's process (the client exited, its pid was reused): not its umask.
+  CHECK(of(s, 1000) == 0600);
+  CHECK(of(s, 0) == 0600);
+  CHECK(of("Umask:\t0002\n", 1001) == 0600);                 // no Uid line
+  CHECK(of("Uid:\t1001\t1001\t1001\t1001\n", 1001) == 0600); // no Umask line (before Linux 4.7)
+  CHECK(of("", 1001) == 0600);
+  // This process, read from /proc.
+  const mode_t mask = ::umask(0022);
+  ::umask(mask);
+  CHECK(client_file_mode(::getpid(), ::geteuid()) == (0666 & ~mask));
+  CHECK(client_file_mode(::getpid(), ::geteuid() + 1) == 0600);
+  if (::geteuid() == 0) { // a process of another user, as a reused pid would be
+    const pid_t child = ::fork();
+    REQUIRE(child >= 0);
+    if (child == 0) {
+      ::umask(0);
+      if (::setgid(65534) != 0 || ::setuid(65534) != 0) ::_exit(1);
+      ::pause();
+      ::_exit(0);
+    }
+    bool switched = false;
+    for (int i = 0; i < 500 && !switched; ++i) {
+      std::ifstream st("/proc/" + std::to_string(child) + "/status");
+      for (std::string line; std::getline(st, line);)
+        if (line.rfind("Uid:", 0) == 0 && line.find("65534") != std::string::npos) switched = true;
+      if (!switched) ::usleep(10000);
+    }
+    CHECK(switched);
+    CHECK(client_file_mode(child, 0) == 0600);
+    CHECK(client_file_mode(child, 65534) == 0666);
+    ::kill(child, SIGKILL);
+    ::waitpid(child, nullptr, 0);
+  }
+}
 
 TEST_CASE("daemon handler: '..' in a path is the kernel's, after a symbolic link too", "[daemon_handler]") {
   // L -> A/B: for the kernel L/.. is A, not the directory holding L.
