@@ -11,6 +11,7 @@
 
 #include <boost/asio/post.hpp>
 #include <boost/beast/http.hpp>
+#include <fmt/format.h>
 
 #include <cstdlib>
 #include <fstream>
@@ -131,6 +132,8 @@ void DaemonHandler::handle(http::Request&& req, const http::Peer& peer, std::sha
   // false, so waiting attaches took the pool's threads).
   const bool may_wait = req.method() == bhttp::verb::post && req.target() == "/v1/attach" &&
                         req.body().find("\"wait_seconds\"") != std::string::npos;
+  const unsigned version = req.version();
+  const bool keep_alive = req.keep_alive();
   auto work = [this, req = std::move(req), peer, responder, fd]() mutable { responder.send(respond(req, peer, fd)); };
   // A job for the pool: counted in m_busy until it has run (its threads are long-lived; a
   // waiting attach's own thread gives its memory back when it ends).
@@ -145,27 +148,51 @@ void DaemonHandler::handle(http::Request&& req, const http::Peer& peer, std::sha
     };
   };
   if (may_wait) {
+    const bool member = peer.counted != nullptr && m_waiting_per_member > 0;
+    const uid_t uid = peer.uid;
     std::unique_lock lock(m_waiters_mutex);
+    if (member && !m_stopping) {
+      auto it = m_waiters_of.find(uid);
+      if (m_waiters >= k_max_waiting_attaches || (it != m_waiters_of.end() && it->second >= m_waiting_per_member)) {
+        lock.unlock();
+        Problem p(Code::rate_limited,
+                  fmt::format("your user has as many attaches waiting on this daemon as one user may ({}), or the "
+                              "daemon's threads for waiting are all taken; wait for some to end, or attach without "
+                              "waiting",
+                              m_waiting_per_member));
+        p.retry_after_s = 1;
+        return responder.send(response(make_unexpected(std::move(p)), {}, version, keep_alive, uuid_v7().to_string()));
+      }
+    }
     if (!m_stopping && m_waiters < k_max_waiting_attaches) {
       ++m_waiters;
+      if (member) ++m_waiters_of[uid];
       lock.unlock();
       auto shared = std::make_shared<decltype(work)>(std::move(work));
       try {
-        std::thread([this, shared] {
+        std::thread([this, shared, member, uid] {
           (*shared)();
           std::lock_guard l(m_waiters_mutex);
-          if (--m_waiters == 0) m_waiters_done.notify_all();
+          waiter_done(member, uid);
         }).detach();
         return;
       } catch (const std::system_error& e) { // no thread to be had: the pool, then
         log::warn("no thread for a waiting attach ({}); it runs on the worker pool", e.what());
         std::lock_guard l(m_waiters_mutex);
-        if (--m_waiters == 0) m_waiters_done.notify_all();
+        waiter_done(member, uid);
       }
       return net::post(m_work, pooled([shared] { (*shared)(); }));
     }
   }
   net::post(m_work, pooled(std::move(work)));
+}
+
+void DaemonHandler::waiter_done(bool member, uid_t uid) {
+  if (member) {
+    auto it = m_waiters_of.find(uid);
+    if (it != m_waiters_of.end() && --it->second == 0) m_waiters_of.erase(it);
+  }
+  if (--m_waiters == 0) m_waiters_done.notify_all();
 }
 
 void DaemonHandler::finished() noexcept {

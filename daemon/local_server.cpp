@@ -82,6 +82,9 @@ LocalServer::LocalServer(net::io_context& ioc, DaemonService& service, const fs:
     // others need: each holds a quarter of the daemon's descriptors at most, and 1024.
     options.connections_per_uid = connections_per_member();
     options.uncapped_uids = {::getuid(), 0};
+    // And half of them, 256 at most, as attaches waiting for a name (a thread each).
+    m_handler->limit_waiting_per_member(
+        static_cast<int>(std::clamp<std::size_t>(options.connections_per_uid / 2, 1, 256)));
   }
   m_listener = std::make_unique<http::UnixListener>(ioc, std::move(acceptor), *m_handler, options);
 }

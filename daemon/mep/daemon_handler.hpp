@@ -15,6 +15,7 @@
 #include <functional>
 #include <memory>
 #include <mutex>
+#include <unordered_map>
 #include <optional>
 #include <string>
 #include <string_view>
@@ -44,6 +45,11 @@ public:
   /// exception from the service is a logged 500 problem. `fd` is the agent's socket (a
   /// waiting attach polls it to see the agent leave), or -1.
   http::Response respond(const http::Request& req, const http::Peer& peer, int fd);
+
+  /// System mode: a member (a peer whose connections are counted, EdgeOptions) may have at
+  /// most `n` attaches waiting at once, and none once the daemon's threads for waiting are all
+  /// taken; the next is refused 429, never put on the pool, whose threads everyone needs.
+  void limit_waiting_per_member(int n) { m_waiting_per_member = n; }
 
   /// Waiting attaches end (their agent counts as gone); the pool takes no more work.
   void stop();
@@ -121,11 +127,15 @@ private:
   /// A request answered: gives the worker's cache back when few others are busy, and the
   /// page heap's free pages when none is (allocator.hpp).
   void finished() noexcept;
-  static constexpr int k_max_waiting_attaches = 1024; // beyond, they queue for the pool
+  static constexpr int k_max_waiting_attaches = 1024; // beyond, they queue for the pool (members: 429)
   std::mutex m_waiters_mutex;
   std::condition_variable m_waiters_done;
   int m_waiters = 0;
+  int m_waiting_per_member = 0;                ///< 0: no limit (a personal daemon)
+  std::unordered_map<uid_t, int> m_waiters_of; ///< the members' waiting attaches, by uid
   bool m_stopping = false;
+  /// Ends a waiting attach's count (under m_waiters_mutex).
+  void waiter_done(bool member, uid_t uid);
 };
 
 } // namespace mep::daemon

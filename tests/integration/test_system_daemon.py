@@ -150,6 +150,30 @@ print(json.dumps(statuses))
 """
 
 
+# Opens argv[2] connections, each a POST /v1/attach of name argv[3] on file argv[4] that may wait
+# 60 s; after 2 s, prints each one's status (0: still waiting) and keeps them open until stdin closes.
+WAITS_SCRIPT = r"""
+import json, select, socket, sys, time
+body = json.dumps({"name": sys.argv[3], "path": sys.argv[4], "wait_seconds": 60}).encode()
+socks = []
+for _ in range(int(sys.argv[2])):
+    s = socket.socket(socket.AF_UNIX)
+    s.connect(sys.argv[1])
+    s.sendall(b"POST /v1/attach HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n"
+              b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+    socks.append(s)
+time.sleep(2)
+statuses = []
+for s in socks:
+    head = b""
+    if select.select([s], [], [], 0)[0]:
+        head = s.recv(4096)
+    words = head.split(b" ")
+    statuses.append(int(words[1]) if len(words) > 2 and words[1].isdigit() else 0)
+print(json.dumps(statuses), flush=True)
+sys.stdin.read()
+"""
+
 def run(argv, **kw):
     return subprocess.run(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, timeout=TIMEOUT_S, check=False, **kw)
 
@@ -817,6 +841,62 @@ class SystemDaemon(unittest.TestCase):
         finally:
             if streams is not None:
                 self.stop_all([streams])
+            mepd.stop()
+
+    def test_one_member_cannot_take_the_threads_of_waiting_attaches(self):
+        # Guards: a member's attaches waiting for a held name took the daemon's 1024 threads
+        # for waiting, and the others' waiting attaches then took the worker pool that every
+        # request needs. A member may have half its connections waiting (here 15 of 30).
+        if self.daemon_user:
+            self.skipTest("its second daemon runs as root in either set-up: run once")
+        a, b = self.alice, self.bob
+        mepd, sock = self.start_small_daemon(120)
+        waits = []
+        try:
+            def cli(user, *args):
+                return self.finish(self.popen_as(user, [self.mep, "--socket", sock, *args]),
+                                   time.monotonic() + TIMEOUT_S)
+
+            for user, prefix in ((a, "wa"), (b, "wb")):
+                for n in (1, 2):
+                    rc, _, err = cli(user, "init", "%s%d.uai" % (prefix, n))
+                    self.assertEqual(rc, 0, err.decode())
+            self.assertEqual(cli(b, "claim", "bob-busy", "wb1.uai")[0], 0)
+            self.assertEqual(cli(a, "claim", "alice-busy", "wa1.uai")[0], 0)
+            path = os.path.join(self.homes[b.pw_name], "wb2.uai")
+            waits.append(self.popen_as(b, ["python3", "-c", WAITS_SCRIPT, sock, "17", "bob-busy", path],
+                                       stdin=subprocess.PIPE))
+            line = waits[0].stdout.readline()
+            self.assertTrue(line, waits[0].stderr.read().decode() if waits[0].poll() is not None else "")
+            statuses = json.loads(line)
+            self.assertEqual(sorted(statuses), [0] * 15 + [429, 429], statuses)
+            # Alice's waiting attach still waits (and ends held: exit 3), not refused (exit 5);
+            # so does root's.
+            t0 = time.monotonic()
+            rc, _, err = cli(a, "claim", "--wait", "2", "alice-busy", "wa2.uai")
+            self.assertEqual(rc, 3, err.decode())
+            self.assertGreaterEqual(time.monotonic() - t0, 1.5)
+            mine = os.path.join(self.tmp, "wr.uai")
+            for args in (["init", mine], ["claim", "--wait", "1", "bob-busy", mine]):
+                rc, _, err = self.finish(subprocess.Popen([self.mep, "--socket", sock, *args], stdout=subprocess.PIPE,
+                                                          stderr=subprocess.PIPE), time.monotonic() + TIMEOUT_S)
+            self.assertEqual(rc, 3, err.decode())
+            # Bob's next one is refused and told why, with the exit code for "try again" (5).
+            rc, _, err = cli(b, "claim", "--wait", "2", "bob-busy", "wb2.uai")
+            self.assertEqual(rc, 5, err.decode())
+            self.assertIn("attaches waiting", err.decode())
+            # Once his waiting agents are gone, he may wait again.
+            self.stop_all(waits)
+            waits = []
+            deadline = time.monotonic() + TIMEOUT_S
+            while True:
+                rc, _, err = cli(b, "claim", "--wait", "1", "bob-busy", "wb2.uai")
+                if rc != 5 or time.monotonic() > deadline:
+                    break
+                time.sleep(0.2)
+            self.assertEqual(rc, 3, err.decode())
+        finally:
+            self.stop_all(waits)
             mepd.stop()
 
     def rss_kib(self, pid):
