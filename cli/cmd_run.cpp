@@ -17,6 +17,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <fcntl.h>
 #include <filesystem>
 #include <mutex>
 #include <sys/prctl.h>
@@ -63,6 +64,59 @@ void forward_signal(int sig) {
 // `mep run … &` leaves the terminal to the shell.
 void hand_terminal(int tty, pid_t from_pgrp, pid_t to_pgrp) {
   if (tty >= 0 && ::tcgetpgrp(tty) == from_pgrp) ::tcsetpgrp(tty, to_pgrp);
+}
+
+// The guard of the command's process group: its leader, a process that outlives `mep run`
+// only to SIGKILL the group when `mep run` ends without a word (SIGKILL, a crash). The
+// command itself dies then of PR_SET_PDEATHSIG, but what it started in the background would
+// run on after the daemon released the lease: two holders of one name. The guard waits on a
+// socket whose other end only `mep run` holds: a byte says stand down, end of file says kill.
+// Being a member, it also keeps the group's id from being reused while it waits. Forked
+// from a process with threads, it makes async-signal-safe calls only. -1 when it cannot be
+// started (the command then leads its own group, unguarded); `stand_down` gets mep run's end.
+pid_t start_group_guard(int& stand_down) {
+  int p[2]; // a socket pair rather than a pipe: a word to a guard that died raises no SIGPIPE
+  if (::socketpair(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0, p) != 0) return -1;
+  const pid_t guard = ::fork();
+  if (guard == 0) {
+    ::setpgid(0, 0);
+    struct sigaction ignore {};
+    ignore.sa_handler = SIG_IGN;
+    // What reaches the group (^C, ^Z, a hang-up, mep run's forwarding) is for the command.
+    for (int s : {SIGINT, SIGTERM, SIGHUP, SIGQUIT, SIGUSR1, SIGUSR2, SIGALRM, SIGTSTP, SIGTTIN, SIGTTOU, SIGPIPE})
+      ::sigaction(s, &ignore, nullptr);
+    // Nothing of mep run's stays open here (a pipeline's reader would wait for it): the
+    // socket becomes descriptor 3, standard input and output /dev/null, and the rest closes.
+    const int r = p[0] >= 3 ? p[0] : ::fcntl(p[0], F_DUPFD, 3);
+    const int null = ::open("/dev/null", O_RDWR);
+    for (int fd = 0; fd < 3 && null >= 0; ++fd) ::dup2(null, fd);
+    if (r != 3) ::dup2(r, 3);
+    ::close_range(4, ~0U, 0);
+    char word = 0;
+    ssize_t n;
+    do n = ::read(3, &word, 1);
+    while (n < 0 && errno == EINTR);
+    if (n != 1) ::kill(0, SIGKILL); // the whole group, this process last
+    ::_exit(0);
+  }
+  ::close(p[0]);
+  if (guard < 0) {
+    ::close(p[1]);
+    return -1;
+  }
+  ::setpgid(guard, guard); // here and in the guard: whichever runs first
+  stand_down = p[1];
+  return guard;
+}
+
+// Ends the guard and reaps it: `tell` says stand down (mep run ends as it should, and what
+// is left of the group is not to be killed); without it the guard was killed with its group.
+void end_guard(pid_t guard, int stand_down, bool tell) {
+  if (guard < 0) return;
+  const char word = 'x';
+  while (tell && ::send(stand_down, &word, 1, MSG_NOSIGNAL) < 0 && errno == EINTR) {}
+  ::close(stand_down);
+  while (::waitpid(guard, nullptr, 0) < 0 && errno == EINTR) {}
 }
 
 // What the event thread learned about our lease.
@@ -211,10 +265,19 @@ int run(const RunOptions& o, const GlobalOptions& g) {
   sigemptyset(&forwarded);
   for (int s : k_forwarded) sigaddset(&forwarded, s);
   ::sigprocmask(SIG_BLOCK, &forwarded, &unblocked);
+  // The command runs in a group of its own, led by its guard (when one could be started).
+  int stand_down = -1;
+  const pid_t guard = start_group_guard(stand_down);
+  if (guard < 0)
+    std::fprintf(stderr,
+                 "mep: warning: cannot start the guard of the command's process group (%s): if mep run is "
+                 "killed outright, what the command started in the background outlives the lease\n",
+                 std::strerror(errno));
   pid_t child = ::fork();
   if (child == 0) {
-    ::setpgid(0, 0);
-    hand_terminal(tty, own_pgrp, ::getpid()); // here and in the parent: whichever runs first
+    const pid_t group = guard > 0 ? guard : ::getpid();
+    ::setpgid(0, group);
+    hand_terminal(tty, own_pgrp, group); // here and in the parent: whichever runs first
     for (int s : k_forwarded) std::signal(s, SIG_DFL);
     std::signal(SIGTTOU, SIG_DFL);
     ::sigprocmask(SIG_SETMASK, &unblocked, nullptr);
@@ -231,14 +294,16 @@ int run(const RunOptions& o, const GlobalOptions& g) {
     const int err = errno;
     ::sigprocmask(SIG_SETMASK, &unblocked, nullptr);
     std::fprintf(stderr, "mep: cannot start %s: %s\n", argv[0], std::strerror(err));
+    end_guard(guard, stand_down, true);
     daemon_request(socket, "POST", "/v1/detach", json::dump(boost::json::object{{"name", field("canonical_name")}}),
                    k_release_timeout_ms);
     stop_events();
     return exit_code::other;
   }
-  ::setpgid(child, child);
-  hand_terminal(tty, own_pgrp, child);
-  g_child_pgid = child;
+  const pid_t group = guard > 0 ? guard : child;
+  ::setpgid(child, group);
+  hand_terminal(tty, own_pgrp, group);
+  g_child_pgid = group;
   struct sigaction sa {};
   sa.sa_handler = forward_signal;
   sigemptyset(&sa.sa_mask);
@@ -257,10 +322,10 @@ int run(const RunOptions& o, const GlobalOptions& g) {
       // the shell sees the job stopped, and carry on where the shell's fg or bg puts us.
       int sig = WSTOPSIG(status);
       if (sig == SIGTSTP || sig == SIGTTIN || sig == SIGTTOU) {
-        hand_terminal(tty, child, own_pgrp);
+        hand_terminal(tty, group, own_pgrp);
         ::kill(::getpid(), SIGSTOP);
-        hand_terminal(tty, own_pgrp, child);
-        ::kill(-child, SIGCONT);
+        hand_terminal(tty, own_pgrp, group);
+        ::kill(-group, SIGCONT);
       }
       continue;
     }
@@ -277,10 +342,10 @@ int run(const RunOptions& o, const GlobalOptions& g) {
       lost = true;
       std::fprintf(stderr, "mep: lease on %s lost (%s)\n", field("canonical_name").c_str(), reason.c_str());
       if (o.on_loss == "kill") {
-        ::kill(-child, SIGKILL);
+        ::kill(-group, SIGKILL);
       } else if (o.on_loss == "term") {
-        ::kill(-child, SIGTERM);
-        ::kill(-child, SIGCONT); // a stopped process acts on SIGTERM only once it runs
+        ::kill(-group, SIGTERM);
+        ::kill(-group, SIGCONT); // a stopped process acts on SIGTERM only once it runs
         std::lock_guard lock(watch.mutex);
         // Bounded before the cast (inf or 1e308 would overflow it): the expiry caps it anyway.
         auto grace = std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(std::min(o.grace, 1e6)));
@@ -289,7 +354,7 @@ int run(const RunOptions& o, const GlobalOptions& g) {
       }
     }
     if (kill_pending && now >= kill_at) {
-      ::kill(-child, SIGKILL);
+      ::kill(-group, SIGKILL);
       kill_pending = false;
     }
     auto nap = std::chrono::duration_cast<Clock::duration>(std::chrono::milliseconds(20));
@@ -297,10 +362,13 @@ int run(const RunOptions& o, const GlobalOptions& g) {
     std::this_thread::sleep_for(nap);
   }
   g_child_pgid = 0;
-  hand_terminal(tty, child, own_pgrp);
+  hand_terminal(tty, group, own_pgrp);
   // What is left of the group (a process the command started in the background) would
   // run on without the lease: it ends before the release.
-  if (o.on_loss != "ignore") ::kill(-child, SIGKILL);
+  // The guard goes with it (reaped only then: its id keeps the group's from being reused).
+  const bool leave_the_rest = o.on_loss == "ignore";
+  if (!leave_the_rest) ::kill(-group, SIGKILL);
+  end_guard(guard, stand_down, leave_the_rest);
 
   // 5. With --sync-on-exit, upload the memory under the lease's token while it is still held.
   const bool was_lost = lost || watch.lost; // before our own release emits `released`

@@ -737,6 +737,44 @@ class Run(CliTestCase):
         finally:
             kill_if_alive(int(child))
 
+    def test_what_the_command_started_dies_with_mep_run(self):
+        # Guards: only the command itself died with mep run (PR_SET_PDEATHSIG); what it had
+        # started in the background ran on, writing with the token, after the daemon released
+        # the lease and another host was granted the name. The group's guard kills it all.
+        path, _ = self.new_memory()
+        name = unique()
+        pidfile = self.path(unique("bg"))
+        p = self.popen_mep("run", name, path, "--", "sh", "-c",
+                           'sleep 60 >/dev/null 2>&1 & echo $! > "$1"; exec sleep 60', "sh", pidfile)
+        bg = wait_for(lambda: (read_file(pidfile) or "").strip())
+        self.assertTrue(bg, "the command never started")
+        bg = int(bg)
+        group = os.getpgid(bg)
+        self.assertNotEqual(group, os.getpgid(p.pid), "the command runs in a group of its own")
+
+        def members():
+            """The live processes of the command's group (zombies not reaped yet are gone)."""
+            found = []
+            for d in filter(str.isdigit, os.listdir("/proc")):
+                try:
+                    with open("/proc/%s/stat" % d) as f:
+                        state, _, pgrp = f.read().rsplit(")", 1)[1].split()[:3]
+                except OSError:
+                    continue
+                if int(pgrp) == group and state != "Z":
+                    found.append(int(d))
+            return found
+
+        try:
+            os.kill(p.pid, signal.SIGKILL)
+            p.wait(timeout=COMMAND_TIMEOUT_S)
+            self.assertTrue(wait_for(lambda: pid_gone(bg)), "the command's background process outlived mep run")
+            # Nothing of the run is left in the group (the guard that killed it neither).
+            self.assertTrue(wait_for(lambda: not members()), members())
+            self.assertIsNotNone(wait_for(lambda: name not in self.leases()), "the lease was not released")
+        finally:
+            kill_if_alive(bg)
+
     def run_on_terminal(self, script):
         """Starts `mep run NAME PATH -- sh -c SCRIPT` as the session leader of a new pseudo
         terminal, as a shell would in the foreground; returns (process, master fd)."""
@@ -880,8 +918,8 @@ class RunLeaseLoss(CliTestCase):
         self.assertTrue(pids, "the child never started")
         self.addCleanup(kill_if_alive, pids[0])
         self.addCleanup(kill_if_alive, pids[1])
-        self.assertEqual(os.getpgid(pids[0]), pids[0], "the child leads its own process group")
-        self.assertEqual(os.getpgid(pids[1]), pids[0], "the grandchild is in the child's group")
+        self.assertNotEqual(os.getpgid(pids[0]), os.getpgid(p.pid), "the child runs in a process group of its own")
+        self.assertEqual(os.getpgid(pids[1]), os.getpgid(pids[0]), "the grandchild is in the child's group")
         # Survive at least one renewal (ttl/3 = 2 s) before the partition.
         time.sleep(3)
         self.assertIsNone(p.poll(), "mep run ended early: %r" % (p.stderr.read() if p.poll() is not None else ""))
