@@ -359,11 +359,14 @@ expected<void, Problem> Keeper::fence(const Held& h) {
     }
     last = std::move(r.error());
     if (last.code == Code::stale_fence) {
-      // The store has seen a higher token than the one just granted: the control plane
-      // lost grants (a failover to a standby that was behind). Handing this token out would
-      // only have its holder's writes refused; say so.
+      // The store has seen a higher token than the one just granted: the grant expired
+      // before it was fenced (this daemon was paused or cut off past its TTL) and the next
+      // holder fenced first, or the control plane lost grants (a failover to a standby that
+      // was behind). Handing this token out would only have its holder's writes refused.
       last.detail = fmt::format("the data plane has seen a higher token for this memory than the {} just granted: "
-                                "the control plane may have lost grants (a failover?); the lease was given back",
+                                "a later holder fenced it first (this grant expired before it could be fenced, as "
+                                "when this daemon is paused), or the control plane lost grants in a failover; the "
+                                "lease was given back",
                                 h.fencing_token);
       return make_unexpected(std::move(last));
     }
