@@ -403,11 +403,11 @@ constexpr const char* k_names_not_migrated =
     "SELECT canonical_name, skeleton FROM agent_names a "
     "WHERE NOT EXISTS (SELECT 1 FROM migration_rows m WHERE m.canonical_name = a.canonical_name)";
 
-// Another `mep migrate run` is writing to the same database: a second one would read the
-// same resume state and then fail on the first one's rows.
-// open_target takes a lock that a run holds until its process ends (a crash lets it go),
-// before the schema is touched or anything is read: PostgreSQL's advisory lock of this key
-// ("mep-migr" in ASCII), or DB_PATH-migrate.lock on SQLite.
+// Thrown when another `mep migrate run` is writing to the same database: two runs would read
+// the same resume state, then collide on each other's rows. So open_target takes a lock that
+// a run holds until its process ends (a crash lets it go), before the schema is touched or
+// anything is read: PostgreSQL's advisory lock of this key ("mep-migr" in ASCII), or
+// DB_PATH-migrate.lock on SQLite.
 struct RunInProgress {};
 constexpr std::int64_t k_run_lock_key = 0x6d65702d6d696772;
 

@@ -330,33 +330,42 @@ class MigrateTest(unittest.TestCase):
         self.assertEqual(snap, db_rows(self.db, "SELECT * FROM migration_rows ORDER BY legacy_id"))
         self.assertEqual(read_report(r1), read_report(r2))
 
-    def test_kill9_halfway_then_resume_each_row_once(self):
-        n = 60000
-        rows = [{"legacy_id": str(i), "display_name": f"worker{i % 50000}", "created_at": "2020-01-01T00:00:00Z",
+    def start_long_run(self, display_name, n=60000, stderr=subprocess.DEVNULL):
+        """A `mep migrate run` of `n` rows (names display_name(i)) in batches of 200, long enough
+        to be caught halfway; (the input file, the process)."""
+        rows = [{"legacy_id": str(i), "display_name": display_name(i), "created_at": "2020-01-01T00:00:00Z",
                  "legacy_memory_ref": f"ref{i}"} for i in range(n)]
         src = os.path.join(self.dir, "legacy.jsonl")
         write_jsonl(src, rows)
         proc = subprocess.Popen([MEP, "migrate", "run", "--db", self.url, "--input", src, "--batch", "200"],
-                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        killed_at = None
+                                stdout=subprocess.DEVNULL, stderr=stderr, text=True)
+        return src, proc
+
+    def wait_written(self, proc, at_least, timeout=60):
+        """Waits until the run `proc` has written `at_least` rows; False if it ended first."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline and proc.poll() is None:
+            try:
+                (count,) = db_rows(self.db, "SELECT count(*) FROM migration_rows")[0]
+            except (sqlite3.OperationalError, AssertionError):  # not created yet
+                count = 0
+            if count >= at_least:
+                return True
+            time.sleep(0.01)
+        return False
+
+    def test_kill9_halfway_then_resume_each_row_once(self):
+        n = 60000
+        src, proc = self.start_long_run(lambda i: f"worker{i % 50000}", n)
         try:
-            deadline = time.monotonic() + 60
-            while time.monotonic() < deadline and proc.poll() is None:
-                if self.pg or os.path.exists(self.db):
-                    try:
-                        (count,) = db_rows(self.db, "SELECT count(*) FROM migration_rows")[0]
-                    except (sqlite3.OperationalError, AssertionError):  # not created yet
-                        count = 0
-                    if count >= 2000:
-                        proc.send_signal(signal.SIGKILL)
-                        killed_at = count
-                        break
-                time.sleep(0.01)
+            caught = self.wait_written(proc, 2000)
+            if caught:
+                proc.send_signal(signal.SIGKILL)
         finally:
             if proc.poll() is None:
                 proc.kill()
             proc.wait(timeout=10)
-        if killed_at is None:
+        if not caught:
             self.skipTest("the run finished before it could be interrupted (machine too fast for this input)")
         (partial,) = db_rows(self.db, "SELECT count(*) FROM migration_rows")[0]
         self.assertLess(partial, n, "the kill came after the run finished")
@@ -374,22 +383,11 @@ class MigrateTest(unittest.TestCase):
 
     def test_a_second_run_while_one_is_writing_is_refused_and_writes_nothing(self):
         n = 60000
-        rows = [{"legacy_id": str(i), "display_name": f"agent{i}", "created_at": "2020-01-01T00:00:00Z",
-                 "legacy_memory_ref": f"ref{i}"} for i in range(n)]
-        src = os.path.join(self.dir, "legacy.jsonl")
-        write_jsonl(src, rows)
-        first = subprocess.Popen([MEP, "migrate", "run", "--db", self.url, "--input", src, "--batch", "200"],
-                                 stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        err_path = os.path.join(self.dir, "first.err")  # a file, not a pipe: its progress lines never block it
+        with open(err_path, "w") as err:
+            src, first = self.start_long_run(lambda i: f"agent{i}", n, stderr=err)
         try:
-            deadline = time.monotonic() + 60
-            written = 0
-            while time.monotonic() < deadline and first.poll() is None and written < 400:
-                try:
-                    (written,) = db_rows(self.db, "SELECT count(*) FROM migration_rows")[0]
-                except (sqlite3.OperationalError, AssertionError):  # not created yet
-                    pass
-                time.sleep(0.01)
-            if first.poll() is not None:
+            if not self.wait_written(first, 400):
                 self.skipTest("the first run finished before a second could start (machine too fast for this input)")
             # Stopped while it holds the run (perhaps inside a batch's transaction): the second
             # run must be refused at once, not wait for it nor fail on its rows.
@@ -402,12 +400,11 @@ class MigrateTest(unittest.TestCase):
                 self.assertEqual(second.stderr.count("\n"), 1, second.stderr)
             finally:
                 first.send_signal(signal.SIGCONT)
-            self.assertEqual(first.wait(timeout=300), 0, first.stderr.read())
+            self.assertEqual(first.wait(timeout=300), 0, open(err_path).read())
         finally:
             if first.poll() is None:
                 first.kill()
                 first.wait(timeout=10)
-            first.stderr.close()
         self.assertGreaterEqual(before, 400)
         # The first run wrote every row once; once it has ended, a run is let in again.
         again = json.loads(mep("--json", "migrate", "run", "--db", self.url, "--input", src).stdout)

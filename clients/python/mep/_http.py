@@ -67,15 +67,18 @@ class Response:
         """The exception for an error answer (4xx/5xx)."""
         return error_for_problem(self.status, self.body, self.headers)
 
-    def refused_field(self, field: str) -> bool:
-        """Whether this is a 400 naming ``field`` as unknown (a mepd older than the field)."""
-        if self.status != 400:
-            return False
+    def object_or_none(self) -> Optional[Dict[str, Any]]:
+        """The body as a JSON object, or None when it is not one."""
         try:
             doc = self.json()
         except ProtocolError:
-            return False
-        return isinstance(doc, dict) and field in (doc.get("unknown_fields") or [])
+            return None
+        return doc if isinstance(doc, dict) else None
+
+    def refused_field(self, field: str) -> bool:
+        """Whether this is a 400 naming ``field`` as unknown (a mepd older than the field)."""
+        doc = self.object_or_none() if self.status == 400 else None
+        return doc is not None and field in (doc.get("unknown_fields") or [])
 
 
 def parse_head(head: bytes) -> Tuple[int, Dict[str, str]]:
@@ -267,13 +270,8 @@ def request(
 def release_problem(resp: Response) -> Optional[MepError]:
     """What a ``200`` to ``POST /v1/detach`` says beside ``released``: the control plane's
     problem when it did not confirm the release (None for ``204``, a confirmed release)."""
-    if resp.status != 200:
-        return None
-    try:
-        doc = resp.json()
-    except ProtocolError:
-        return None
-    cp = doc.get("control_plane") if isinstance(doc, dict) else None
+    doc = resp.object_or_none() if resp.status == 200 else None
+    cp = doc.get("control_plane") if doc is not None else None
     if not isinstance(cp, dict):
         return None
     status = cp.get("status") if isinstance(cp.get("status"), int) else 503
