@@ -8,6 +8,7 @@
 
 #include "mep/json.hpp"
 #include "mep/problem.hpp"
+#include "mep/time.hpp"
 
 #include <boost/json.hpp>
 
@@ -20,6 +21,7 @@
 #include <fcntl.h>
 #include <filesystem>
 #include <mutex>
+#include <sys/ioctl.h>
 #include <sys/prctl.h>
 #include <sys/socket.h>
 #include <sys/wait.h>
@@ -79,6 +81,7 @@ pid_t start_group_guard(int& stand_down) {
   if (::socketpair(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0, p) != 0) return -1;
   const pid_t guard = ::fork();
   if (guard == 0) {
+    ::close(p[1]); // mep run's end: held here, it would never read as closed
     ::setpgid(0, 0);
     struct sigaction ignore {};
     ignore.sa_handler = SIG_IGN;
@@ -119,6 +122,26 @@ void end_guard(pid_t guard, int stand_down, bool tell) {
   while (::waitpid(guard, nullptr, 0) < 0 && errno == EINTR) {}
 }
 
+// Stops this process with the signal that stopped the command, so that a shell, or a mep
+// run around this one (which acts only on those signals), sees the job stopped the same
+// way. SIGTTOU is ignored here (for tcsetpgrp), so its default action is put back meanwhile.
+void stop_like(int sig) {
+  // The kernel discards those signals in an orphaned process group (no member with a
+  // parent elsewhere in the session, as for a session leader): SIGSTOP stops it anyway.
+  const pid_t parent = ::getppid();
+  if (::getsid(parent) != ::getsid(0) || ::getpgid(parent) == ::getpgrp()) {
+    ::kill(::getpid(), SIGSTOP);
+    return;
+  }
+  struct sigaction dfl = {};
+  struct sigaction old = {};
+  dfl.sa_handler = SIG_DFL;
+  sigemptyset(&dfl.sa_mask);
+  ::sigaction(sig, &dfl, &old);
+  ::kill(::getpid(), sig); // returns once continued
+  ::sigaction(sig, &old, nullptr);
+}
+
 // What the event thread learned about our lease.
 struct LeaseWatch {
   std::mutex mutex;
@@ -154,12 +177,19 @@ void on_event(LeaseWatch& w, const std::string& line) {
   auto now = Clock::now();
   if (ev == "renewed") {
     auto margin = std::chrono::milliseconds(std::max<std::int64_t>(1000, w.ttl_s * 100));
-    // The renew was sent before this event arrived: keep twice the daemon's margin. Only
+    // Counted from when the daemon announced the renewal ("at", this host's clock), not
+    // from when it was heard: renewals queued while this process was stopped are old.
+    auto renewed = now;
+    if (auto at = parse_rfc3339(s("at"))) {
+      const std::int64_t age = std::clamp<std::int64_t>(now_unix_ms() - *at, 0, w.ttl_s * 1000);
+      renewed = now - std::chrono::milliseconds(age);
+    }
+    // The renew was sent before it was announced: keep twice the daemon's margin. Only
     // ever forward: a renewal heard just after the grant must not shorten the deadline that
     // the claim's own sending set (the grant's event, which came with it, leaves it too:
     // it cut a tenth of the TTL off every run).
-    w.deadline = std::max(w.deadline, now + std::chrono::seconds(w.ttl_s) - 2 * margin);
-    w.expiry = std::max(w.expiry, now + std::chrono::seconds(w.ttl_s));
+    w.deadline = std::max(w.deadline, renewed + std::chrono::seconds(w.ttl_s) - 2 * margin);
+    w.expiry = std::max(w.expiry, renewed + std::chrono::seconds(w.ttl_s));
   } else if (ev == "lost" || ev == "released") {
     w.lost_reason = ev == "lost" ? s("reason") : "released by someone else";
     w.lost = true;
@@ -213,6 +243,20 @@ int run(const RunOptions& o, const GlobalOptions& g) {
     }
     events.join();
   };
+  // Waits (a second at most) until what the daemon sent while this process was stopped has
+  // been read and handled by the event thread: nothing unread on the stream for 20 ms.
+  auto catch_up_events = [&] {
+    int quiet = 0;
+    for (int i = 0; i < 200 && quiet < 4; ++i) {
+      int pending = 0;
+      {
+        std::lock_guard lock(events_mutex);
+        if (events_fd < 0 || ::ioctl(events_fd, FIONREAD, &pending) != 0) pending = 0;
+      }
+      quiet = pending > 0 ? 0 : quiet + 1;
+      std::this_thread::sleep_for(std::chrono::milliseconds(5));
+    }
+  };
   if (r.status != 201) {
     stop_events();
     return report_problem(r, socket, g.json);
@@ -256,14 +300,29 @@ int run(const RunOptions& o, const GlobalOptions& g) {
   std::vector<char*> argv;
   for (const auto& a : o.command) argv.push_back(const_cast<char*>(a.c_str()));
   argv.push_back(nullptr);
-  const int tty = ::isatty(STDIN_FILENO) ? STDIN_FILENO : -1;
+  // The terminal, on whichever standard stream has it: `echo x | mep run …` in the
+  // foreground still hands it to the command (its ^Z, its reads of /dev/tty).
+  int tty = -1;
+  for (int fd : {STDIN_FILENO, STDOUT_FILENO, STDERR_FILENO})
+    if (tty < 0 && ::isatty(fd)) tty = fd;
   const pid_t own_pgrp = ::getpgrp(), parent = ::getpid();
+  // Signals the caller ignored (nohup) stay ignored, here and in the command; the others
+  // are forwarded to the command's group.
+  std::vector<int> forward, ignored;
+  for (int s : k_forwarded) {
+    struct sigaction cur {};
+    ::sigaction(s, nullptr, &cur);
+    (cur.sa_handler == SIG_IGN ? ignored : forward).push_back(s);
+  }
+  struct sigaction ttou {};
+  ::sigaction(SIGTTOU, nullptr, &ttou);
+  const bool ttou_ignored = ttou.sa_handler == SIG_IGN;
   std::signal(SIGTTOU, SIG_IGN); // tcsetpgrp from a background group, and stderr under `stty tostop`
   // Signals to forward wait until the handler knows where to: one that arrives as the
   // command starts is forwarded, not taken by this process's default action.
   sigset_t forwarded, unblocked;
   sigemptyset(&forwarded);
-  for (int s : k_forwarded) sigaddset(&forwarded, s);
+  for (int s : forward) sigaddset(&forwarded, s);
   ::sigprocmask(SIG_BLOCK, &forwarded, &unblocked);
   // The command runs in a group of its own, led by its guard (when one could be started).
   int stand_down = -1;
@@ -278,8 +337,8 @@ int run(const RunOptions& o, const GlobalOptions& g) {
     const pid_t group = guard > 0 ? guard : ::getpid();
     ::setpgid(0, group);
     hand_terminal(tty, own_pgrp, group); // here and in the parent: whichever runs first
-    for (int s : k_forwarded) std::signal(s, SIG_DFL);
-    std::signal(SIGTTOU, SIG_DFL);
+    for (int s : forward) std::signal(s, SIG_DFL);
+    if (!ttou_ignored) std::signal(SIGTTOU, SIG_DFL);
     ::sigprocmask(SIG_SETMASK, &unblocked, nullptr);
     // If `mep run` is killed outright the daemon releases the lease: the command must not
     // run on without it.
@@ -307,7 +366,7 @@ int run(const RunOptions& o, const GlobalOptions& g) {
   struct sigaction sa {};
   sa.sa_handler = forward_signal;
   sigemptyset(&sa.sa_mask);
-  for (int s : k_forwarded) ::sigaction(s, &sa, nullptr);
+  for (int s : forward) ::sigaction(s, &sa, nullptr);
   ::sigprocmask(SIG_SETMASK, &unblocked, nullptr);
 
   // 4. Wait for the child; act on loss.
@@ -323,7 +382,11 @@ int run(const RunOptions& o, const GlobalOptions& g) {
       int sig = WSTOPSIG(status);
       if (sig == SIGTSTP || sig == SIGTTIN || sig == SIGTTOU) {
         hand_terminal(tty, group, own_pgrp);
-        ::kill(::getpid(), SIGSTOP);
+        stop_like(sig);
+        // Continued. The renewals mepd made meanwhile wait on the event stream: they are
+        // heard before the command goes on and the deadline is judged, or a stop longer
+        // than the TTL would read as a loss.
+        catch_up_events();
         hand_terminal(tty, own_pgrp, group);
         ::kill(-group, SIGCONT);
       }

@@ -775,9 +775,10 @@ class Run(CliTestCase):
         finally:
             kill_if_alive(bg)
 
-    def run_on_terminal(self, script):
-        """Starts `mep run NAME PATH -- sh -c SCRIPT` as the session leader of a new pseudo
-        terminal, as a shell would in the foreground; returns (process, master fd)."""
+    def run_on_terminal(self, script, *run_args, stdin_from_terminal=True):
+        """Starts `mep run RUN_ARGS NAME PATH -- sh -c SCRIPT` as the session leader of a new
+        pseudo terminal, as a shell would in the foreground (standard input /dev/null unless
+        `stdin_from_terminal`); returns (process, master fd)."""
         path, _ = self.new_memory()
         master, slave = pty.openpty()
         self.addCleanup(os.close, master)
@@ -785,12 +786,14 @@ class Run(CliTestCase):
         def controlling_terminal():
             import fcntl
             import termios
-            fcntl.ioctl(0, termios.TIOCSCTTY, 0)
+            fcntl.ioctl(1, termios.TIOCSCTTY, 0)
 
         try:
-            p = subprocess.Popen([mep_bin(), "--socket", self.daemon.socket_path, "run", unique(), path, "--",
-                                  "sh", "-c", script], stdin=slave, stdout=slave, stderr=slave, env=self.env,
-                                 cwd=self.work, start_new_session=True, preexec_fn=controlling_terminal)
+            p = subprocess.Popen([mep_bin(), "--socket", self.daemon.socket_path, "run", *run_args, unique(), path,
+                                  "--", "sh", "-c", script],
+                                 stdin=slave if stdin_from_terminal else subprocess.DEVNULL, stdout=slave,
+                                 stderr=slave, env=self.env, cwd=self.work, start_new_session=True,
+                                 preexec_fn=controlling_terminal)
         finally:
             os.close(slave)
         self.popens.append(p)
@@ -832,6 +835,72 @@ class Run(CliTestCase):
         os.write(master, b"b\n")
         self.read_until(master, b"two:b", seen)
         self.assertEqual(p.wait(timeout=COMMAND_TIMEOUT_S), 0)
+
+    def test_a_stop_longer_than_the_ttl_is_no_loss(self):
+        # Guards: after ^Z for longer than the TTL, mep run judged its deadline before it had
+        # heard the renewals mepd made meanwhile, and killed the command as "lost".
+        p, master = self.run_on_terminal('read x; echo "one:$x"; read y; echo "two:$y"', "--ttl", "5")
+        os.write(master, b"a\n")
+        seen = self.read_until(master, b"one:a")
+        os.write(master, b"\x1a")
+
+        def stopped():
+            with open("/proc/%d/stat" % p.pid) as f:
+                return f.read().rsplit(")", 1)[1].split()[0] == "T"
+        self.assertTrue(wait_for(stopped), "mep run did not stop with its command")
+        time.sleep(7)  # past the TTL; mepd renews all along
+        os.killpg(p.pid, signal.SIGCONT)
+        os.write(master, b"b\n")
+        seen = self.read_until(master, b"two:b", seen)
+        self.assertEqual(p.wait(timeout=COMMAND_TIMEOUT_S), 0, seen)
+        self.assertNotIn(b"lost", seen)
+
+    def test_the_terminal_on_standard_output_is_handed_over_too(self):
+        # Guards: only a terminal on standard input was handed to the command; with input from
+        # a pipe or /dev/null, the command stayed in the background and stopped (SIGTTIN) when
+        # it read /dev/tty.
+        p, master = self.run_on_terminal('read x </dev/tty; echo "tty:$x"', stdin_from_terminal=False)
+        os.write(master, b"hi\n")
+        self.read_until(master, b"tty:hi")
+        self.assertEqual(p.wait(timeout=COMMAND_TIMEOUT_S), 0)
+
+    def test_signals_ignored_by_the_caller_stay_ignored(self):
+        # Guards: `nohup mep run ...` was defeated: mep run forwarded SIGHUP, and the command
+        # had it reset to the default, so a hang-up ended the command nohup was to protect.
+        path, _ = self.new_memory()
+        ready = self.path(unique("ready"))
+
+        def ignore_hup():
+            signal.signal(signal.SIGHUP, signal.SIG_IGN)
+
+        p = self.popen_mep("run", unique(), path, "--", "sh", "-c",
+                           'grep SigIgn /proc/$$/status > "$1"; exec sleep 60', "sh", ready,
+                           preexec_fn=ignore_hup)
+        line = wait_for(lambda: (read_file(ready) or "").strip())
+        self.assertTrue(line, "the command never started")
+        self.assertTrue(int(line.split()[1], 16) & (1 << (signal.SIGHUP - 1)), line)
+        os.kill(p.pid, signal.SIGHUP)
+        time.sleep(0.5)
+        self.assertIsNone(p.poll(), "SIGHUP ended mep run")
+        os.kill(p.pid, signal.SIGTERM)
+        rc, _, err = self.communicate(p)
+        self.assertEqual(rc, 128 + signal.SIGTERM, err)
+
+    def test_closed_standard_streams_are_dev_null(self):
+        # Guards: with standard input, output and error closed, the next descriptors opened
+        # became them: mep run's messages went into the socket of the group's guard, which
+        # read them as "stand down".
+        path, _ = self.new_memory()
+        ready = self.path(unique("ready"))
+        p = subprocess.Popen(["sh", "-c", 'exec "$0" --socket "$1" run "$2" "$3" -- sh -c "echo \\$PPID > $4; '
+                              'exec sleep 60" <&- >&- 2>&-', mep_bin(), self.daemon.socket_path, unique(), path, ready],
+                             env=self.env, cwd=self.work, start_new_session=True)
+        self.popens.append(p)
+        self.assertTrue(wait_for(lambda: (read_file(ready) or "").strip()), "the command never started")
+        for fd in (0, 1, 2):
+            self.assertEqual(os.readlink("/proc/%d/fd/%d" % (p.pid, fd)), "/dev/null", fd)
+        os.kill(p.pid, signal.SIGTERM)
+        self.assertEqual(p.wait(timeout=COMMAND_TIMEOUT_S), 128 + signal.SIGTERM)
 
     def test_held_name_does_not_start_the_command(self):
         a, _ = self.new_memory()
