@@ -902,6 +902,57 @@ class Run(CliTestCase):
         os.kill(p.pid, signal.SIGTERM)
         self.assertEqual(p.wait(timeout=COMMAND_TIMEOUT_S), 128 + signal.SIGTERM)
 
+    def test_ctrl_z_of_mep_run_inside_mep_run_under_an_interactive_shell(self):
+        # Guards: the inner mep run stopped itself with SIGSTOP, on which the outer one does not
+        # act: ^Z left the terminal to a stopped job, with no prompt, and ^C did nothing.
+        a, _ = self.new_memory()
+        b, _ = self.new_memory()
+        outer, inner = unique(), unique()
+        pid, fd = pty.fork()
+        if pid == 0:
+            try:
+                os.chdir(self.work)
+                os.execvpe("bash", ["bash", "--norc", "--noprofile", "-i"], dict(self.env, PS1="PROMPT> ", TERM="dumb"))
+            finally:
+                os._exit(127)
+        self.addCleanup(os.close, fd)
+
+        def end_session():  # bash leads the pty's session: whatever it started goes too
+            for d in filter(str.isdigit, os.listdir("/proc")):
+                try:
+                    if os.getsid(int(d)) == pid:
+                        os.kill(int(d), signal.SIGKILL)
+                except (ProcessLookupError, PermissionError):
+                    pass
+            os.waitpid(pid, 0)
+        self.addCleanup(end_session)
+        out = bytearray()
+
+        def until(pred, timeout=WAIT_S):
+            deadline = time.monotonic() + timeout
+            while not pred() and time.monotonic() < deadline:
+                if select.select([fd], [], [], 0.1)[0]:
+                    try:
+                        out.extend(os.read(fd, 4096))
+                    except OSError:
+                        break
+            return pred()
+
+        mep = "%s --socket %s" % (mep_bin(), self.daemon.socket_path)
+        self.assertTrue(until(lambda: out.endswith(b"PROMPT> ")), bytes(out))
+        os.write(fd, ("%s run %s %s -- %s run %s %s -- sh -c 'while :; do echo tick; sleep 0.2; done'\n"
+                      % (mep, outer, a, mep, inner, b)).encode())
+        self.assertTrue(until(lambda: out.count(b"tick\r\n") >= 2), bytes(out[-300:]))
+        os.write(fd, b"\x1a")
+        self.assertTrue(until(lambda: b"Stopped" in out and out.endswith(b"PROMPT> ")), bytes(out[-300:]))
+        mark = len(out)
+        os.write(fd, b"fg\n")
+        self.assertTrue(until(lambda: out[mark:].count(b"tick\r\n") >= 2), bytes(out[-300:]))
+        mark = len(out)
+        os.write(fd, b"\x03")
+        self.assertTrue(until(lambda: out[mark:].endswith(b"PROMPT> ")), bytes(out[-300:]))
+        self.assertIsNotNone(wait_for(lambda: outer not in self.leases() and inner not in self.leases()))
+
     def test_held_name_does_not_start_the_command(self):
         a, _ = self.new_memory()
         b, _ = self.new_memory()
