@@ -308,11 +308,11 @@ int run(const RunOptions& o, const GlobalOptions& g) {
   const pid_t own_pgrp = ::getpgrp(), parent = ::getpid();
   // Signals the caller ignored (nohup) stay ignored, here and in the command; the others
   // are forwarded to the command's group.
-  std::vector<int> forward, ignored;
+  std::vector<int> forward;
   for (int s : k_forwarded) {
     struct sigaction cur {};
     ::sigaction(s, nullptr, &cur);
-    (cur.sa_handler == SIG_IGN ? ignored : forward).push_back(s);
+    if (cur.sa_handler != SIG_IGN) forward.push_back(s);
   }
   struct sigaction ttou {};
   ::sigaction(SIGTTOU, nullptr, &ttou);
