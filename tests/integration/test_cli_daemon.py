@@ -819,10 +819,11 @@ class Run(CliTestCase):
         self.read_until(master, b"got:hello")
         self.assertEqual(p.wait(timeout=COMMAND_TIMEOUT_S), 0)
 
-    def test_ctrl_z_stops_mep_run_with_the_command(self):
-        # ^Z stops the command and mep run with it (the shell sees its job stopped); SIGCONT
-        # to mep run, as the shell's fg sends, gives the terminal back to the command.
-        p, master = self.run_on_terminal('read x; echo "one:$x"; read y; echo "two:$y"')
+    def stop_and_resume(self, stopped_for, *run_args):
+        """A command reading two lines on a terminal: ^Z after the first, SIGCONT to mep run
+        (as the shell's fg sends) `stopped_for` seconds later, then the second; returns what
+        the terminal showed, once the command exited 0."""
+        p, master = self.run_on_terminal('read x; echo "one:$x"; read y; echo "two:$y"', *run_args)
         os.write(master, b"a\n")
         seen = self.read_until(master, b"one:a")
         os.write(master, b"\x1a")
@@ -831,29 +832,22 @@ class Run(CliTestCase):
             with open("/proc/%d/stat" % p.pid) as f:
                 return f.read().rsplit(")", 1)[1].split()[0] == "T"
         self.assertTrue(wait_for(stopped), "mep run did not stop with its command")
-        os.killpg(p.pid, signal.SIGCONT)
-        os.write(master, b"b\n")
-        self.read_until(master, b"two:b", seen)
-        self.assertEqual(p.wait(timeout=COMMAND_TIMEOUT_S), 0)
-
-    def test_a_stop_longer_than_the_ttl_is_no_loss(self):
-        # Guards: after ^Z for longer than the TTL, mep run judged its deadline before it had
-        # heard the renewals mepd made meanwhile, and killed the command as "lost".
-        p, master = self.run_on_terminal('read x; echo "one:$x"; read y; echo "two:$y"', "--ttl", "5")
-        os.write(master, b"a\n")
-        seen = self.read_until(master, b"one:a")
-        os.write(master, b"\x1a")
-
-        def stopped():
-            with open("/proc/%d/stat" % p.pid) as f:
-                return f.read().rsplit(")", 1)[1].split()[0] == "T"
-        self.assertTrue(wait_for(stopped), "mep run did not stop with its command")
-        time.sleep(7)  # past the TTL; mepd renews all along
+        time.sleep(stopped_for)
         os.killpg(p.pid, signal.SIGCONT)
         os.write(master, b"b\n")
         seen = self.read_until(master, b"two:b", seen)
         self.assertEqual(p.wait(timeout=COMMAND_TIMEOUT_S), 0, seen)
-        self.assertNotIn(b"lost", seen)
+        return seen
+
+    def test_ctrl_z_stops_mep_run_with_the_command(self):
+        # ^Z stops the command and mep run with it (the shell sees its job stopped); SIGCONT
+        # to mep run, as the shell's fg sends, gives the terminal back to the command.
+        self.stop_and_resume(0)
+
+    def test_a_stop_longer_than_the_ttl_is_no_loss(self):
+        # Guards: after ^Z for longer than the TTL, mep run judged its deadline before it had
+        # heard the renewals mepd made meanwhile, and killed the command as "lost".
+        self.assertNotIn(b"lost", self.stop_and_resume(7, "--ttl", "5"))  # mepd renews all along
 
     def test_the_terminal_on_standard_output_is_handed_over_too(self):
         # Guards: only a terminal on standard input was handed to the command; with input from
