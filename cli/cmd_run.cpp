@@ -89,11 +89,11 @@ pid_t start_group_guard(int& stand_down) {
     for (int s : {SIGINT, SIGTERM, SIGHUP, SIGQUIT, SIGUSR1, SIGUSR2, SIGALRM, SIGTSTP, SIGTTIN, SIGTTOU, SIGPIPE})
       ::sigaction(s, &ignore, nullptr);
     // Nothing of mep run's stays open here (a pipeline's reader would wait for it): the
-    // socket becomes descriptor 3, standard input and output /dev/null, and the rest closes.
-    const int r = p[0] >= 3 ? p[0] : ::fcntl(p[0], F_DUPFD, 3);
+    // socket becomes descriptor 3 (main() keeps 0..2 open, so it is 3 or above), standard
+    // input, output and error /dev/null, and the rest closes.
+    ::dup2(p[0], 3);
     const int null = ::open("/dev/null", O_RDWR);
     for (int fd = 0; fd < 3 && null >= 0; ++fd) ::dup2(null, fd);
-    if (r != 3) ::dup2(r, 3);
     ::close_range(4, ~0U, 0);
     char word = 0;
     ssize_t n;

@@ -3,24 +3,19 @@
 
 #include "mep/allocator.hpp"
 #include "mep/problem.hpp"
+#include "mep/standard_streams.hpp"
 
 #include <CLI/CLI.hpp>
 
-#include <cerrno>
 #include <cstdio>
 #include <exception>
-#include <fcntl.h>
 
 #ifndef MEP_VERSION
 #define MEP_VERSION "0.0.0"
 #endif
 
 int main(int argc, char** argv) {
-  // Standard input, output and error that the caller closed are /dev/null here: otherwise
-  // the next descriptor opened (a socket to mepd, mep run's guard) would become one of
-  // them, and a message meant for stderr would be written into it.
-  for (int fd = 0; fd < 3; ++fd)
-    if (::fcntl(fd, F_GETFD) < 0 && errno == EBADF && ::open("/dev/null", O_RDWR) != fd) return 1;
+  if (!mep::open_standard_streams()) return 1;
   mep::tune_allocator(); // before the server and the store allocate
   using namespace mep::cli;
   // 1. Declare the global options and every command.

@@ -11,6 +11,7 @@
 #include "mep/log.hpp"
 #include "mep/peer.hpp"
 #include "mep/problem.hpp"
+#include "mep/standard_streams.hpp"
 
 #include <CLI/CLI.hpp>
 #include <fmt/format.h>
@@ -99,6 +100,7 @@ int inherited_socket() {
 } // namespace
 
 int main(int argc, char** argv) {
+  if (!mep::open_standard_streams()) return 1; // before any descriptor is opened
   mep::tune_allocator();
   mep::log::set_program("mepd");
   mep::http::raise_open_files_limit(); // one descriptor per agent connection
