@@ -140,6 +140,7 @@ void register_lease_commands(CLI::App& app, GlobalOptions& g, Action& action) {
     std::string name, path;
     std::int64_t ttl = 30;
     std::string wait = "0";
+    HolderOptions holder;
   };
   auto c = std::make_shared<Claim>();
   auto* claim =
@@ -152,12 +153,14 @@ void register_lease_commands(CLI::App& app, GlobalOptions& g, Action& action) {
                    "Seconds to wait for a held name or memory, first come first served (0: fail at once; inf: "
                    "until interrupted); exit 3 if it stays held")
       ->capture_default_str();
+  add_holder_options(claim, c->holder);
   claim->callback([c, &g, &action] {
     auto wait = parse_wait(c->wait);
     if (!wait) throw CLI::ValidationError("--wait", "must be a number of seconds or inf (got \"" + c->wait + "\")");
     action = [c, &g, wait = *wait] {
       boost::json::object body{
           {"name", c->name}, {"path", path_argument(c->path)}, {"ttl_seconds", c->ttl}, {"bind", "none"}};
+      c->holder.add_to(body);
       std::string socket = resolve_socket(g.socket, g.config_file);
       DaemonReply r = attach(socket, std::move(body), wait);
       if (r.status < 200 || r.status >= 300) return report_problem(r, socket, g.json);
@@ -349,6 +352,8 @@ void register_lease_commands(CLI::App& app, GlobalOptions& g, Action& action) {
           {"store", cfg->get("store", std::nullopt, "--store", "")},
           {"store_token_file", cfg->get("store_token_file", std::nullopt, "--store-token-file", "")},
           {"ca_file", cfg->get("ca_file", std::nullopt, "--ca-file", "")},
+          {"anonymous_holder", cfg->get("anonymous_holder", std::nullopt, "--anonymous-holder", "false")},
+          {"server", cfg->get("server", std::nullopt, "--server", "")},
           {"state_dir", cfg->get("state_dir", std::nullopt, "--state-dir", state)},
           {"db", cfg->get("db", std::nullopt, "--db", "sqlite:" + (xdg_state_home() / "mep" / "control.db").string())},
       };
@@ -360,6 +365,7 @@ void register_lease_commands(CLI::App& app, GlobalOptions& g, Action& action) {
         for (auto& [k, s] : rows) {
           const char* none = k == "control_plane" ? "(none: embedded)"
                              : k == "ca_file"     ? "(none: the system's)"
+                             : k == "server"      ? "(none: control_plane, else 127.0.0.1:7878)"
                                                   : "(none)";
           std::printf("%-16s %-50s (%s)\n", k.c_str(), s.value.empty() ? none : s.value.c_str(), s.source.c_str());
         }

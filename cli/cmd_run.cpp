@@ -5,6 +5,7 @@
 // that never reaches past the lease's expiry.
 #include "commands.hpp"
 #include "daemon_client.hpp"
+#include "mep/utf8.hpp"
 
 #include "mep/json.hpp"
 #include "mep/problem.hpp"
@@ -39,6 +40,7 @@ struct RunOptions {
   std::int64_t wait_s = 0;
   double grace = 5;
   bool sync_on_exit = false;
+  HolderOptions holder;
   std::vector<std::string> command;
 };
 
@@ -231,6 +233,13 @@ int run(const RunOptions& o, const GlobalOptions& g) {
   // 2. Claim, bound to this process: if `mep run` dies, mepd releases the lease.
   std::string abs = path_argument(o.path);
   boost::json::object body{{"name", o.name}, {"path", abs}, {"ttl_seconds", o.ttl}, {"bind", "pid"}};
+  o.holder.add_to(body);
+  // The holder's executable is the command's, not mep's (mepd would read this process's).
+  if (const std::string& cmd0 = o.command.front(); !cmd0.empty()) {
+    const auto slash = cmd0.rfind('/');
+    std::string exe = slash == std::string::npos ? cmd0 : cmd0.substr(slash + 1);
+    if (!exe.empty() && exe.size() <= lease::k_max_holder_text && utf8::decode(exe)) body["exe"] = std::move(exe);
+  }
   auto sent = Clock::now();
   DaemonReply r = attach(socket, std::move(body), o.wait_s);
   // After a wait the grant is no earlier than the request plus the daemon's
@@ -474,6 +483,7 @@ void register_run(CLI::App& app, GlobalOptions& g, Action& action) {
                   "When the lease is lost: term (SIGTERM, then SIGKILL after --grace), kill, ignore")
       ->check(CLI::IsMember({"term", "kill", "ignore"}))
       ->capture_default_str();
+  add_holder_options(cmd, o->holder);
   cmd->add_option("--wait", o->wait,
                   "Seconds to wait for a held name or memory, first come first served (0: fail at once; inf: until "
                   "interrupted); exit 3 if it stays held")

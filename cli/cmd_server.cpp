@@ -72,6 +72,10 @@ void register_server(CLI::App& app, GlobalOptions& g, Action& action) {
                   "CAP_SYS_NICE or RLIMIT_NICE; batches of renewals alone commit at the process's); 0 leaves it")
       ->capture_default_str()
       ->check(CLI::Range(-20, 19));
+  cmd->add_option("--max-hold", opt->max_hold_s,
+                  "Longest a lease may be held, in seconds: renewals past it are refused (410, reason max-hold), "
+                  "so a hung agent cannot keep a memory forever; a claim's max_hold_seconds may ask for less")
+      ->check(CLI::Range(lease::k_min_hold_s, lease::k_max_hold_s));
 
   auto audit_db = std::make_shared<std::string>();
   auto audit_tenant = std::make_shared<std::string>();

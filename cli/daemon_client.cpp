@@ -1,6 +1,9 @@
 // A small blocking HTTP/1.1 client over a Unix socket.
 #include "daemon_client.hpp"
+
 #include "commands.hpp"
+#include "mep/lease/wire.hpp"
+#include "mep/time.hpp"
 
 #include "mep/config.hpp"
 #include "mep/json.hpp"
@@ -12,6 +15,7 @@
 #include <cctype>
 #include <cmath>
 #include <cstdio>
+#include <ctime>
 #include <cstdlib>
 #include <cerrno>
 #include <cstring>
@@ -170,10 +174,13 @@ DaemonReply attach(const std::string& socket, boost::json::object body, std::int
       if (auto* c = o->if_contains("code"); c && c->is_string()) code = c->get_string();
       if (auto* w = o->if_contains("waiters"); w && w->is_int64()) ahead = w->get_int64();
     }
-    const char* why = code == "memory-attached"   ? "its memory is attached to another lease"
+    std::string why = code == "memory-attached"   ? "its memory is attached to another lease"
                       : code == "name-confusable" ? "a confusable name is held by another owner"
                                                   : "held by another owner";
-    std::fprintf(stderr, "waiting for %s, %s, %lld waiting ahead\n", name.c_str(), why, static_cast<long long>(ahead));
+    if (auto o = json::parse_object(first.body))
+      if (auto holder = held_by(Problem::from_json(*o)); !holder.empty()) why = holder;
+    std::fprintf(stderr, "waiting for %s, %s, %lld waiting ahead\n", name.c_str(), why.c_str(),
+                 static_cast<long long>(ahead));
   }
   body["wait_seconds"] = wait_s;
   // The daemon answers within the wait; the socket may stay silent that long.
@@ -234,9 +241,64 @@ int report_problem(const DaemonReply& r, const std::string& socket, bool json) {
     if (detail.size() > title.size() + 1 && detail[title.size()] == ':' &&
         std::equal(title.begin(), title.end(), detail.begin(), same))
       detail.erase(0, detail.find_first_not_of(' ', title.size() + 1));
+    // A refusal that names its holder says who, instead of "held by another owner": one line.
+    if (auto holder = held_by(p); !holder.empty()) detail = holder;
     std::fprintf(stderr, "mep: %s: %s\n", title.c_str(), detail.c_str());
   }
   return p.exit_code();
+}
+
+std::string held_by(const Problem& p) {
+  const auto* v = p.extensions.if_contains("holder");
+  if (!v || !v->is_object()) return {};
+  auto h = lease::wire::decode_holder_view(v->get_object());
+  if (!h) return {};
+  std::string out = "held by " + h->display_name;
+  if (!h->host.empty()) out += " on " + h->host;
+  // Since when, in this host's local time: the time of day within a day, else the date too.
+  const std::time_t since = static_cast<std::time_t>(h->since / 1000);
+  std::tm local{};
+  if (::localtime_r(&since, &local)) {
+    char buf[32];
+    const bool today = now_unix_ms() - h->since < 20LL * 3600 * 1000;
+    std::strftime(buf, sizeof buf, today ? "%H:%M" : "%Y-%m-%d %H:%M", &local);
+    out += std::string(" since ") + buf;
+  }
+  const long left = static_cast<long>((h->expires_at - now_unix_ms() + 999) / 1000);
+  out += left > 0 ? ", expires in " + std::to_string(left) + " s" : ", expiring now";
+  return out;
+}
+
+namespace {
+bool label_key_ok(std::string_view k) {
+  return !k.empty() && k.size() <= lease::k_max_label_key && std::all_of(k.begin(), k.end(), [](char c) {
+    return std::isalnum(static_cast<unsigned char>(c)) || c == '_' || c == '.' || c == '-';
+  });
+}
+} // namespace
+
+void HolderOptions::add_to(boost::json::object& body) const {
+  boost::json::object labels_json;
+  for (const auto& l : labels) {
+    const auto eq = l.find('=');
+    if (eq == std::string::npos || !label_key_ok(std::string_view(l).substr(0, eq)))
+      throw UsageError("--label must be KEY=VALUE, the key 1-63 characters of A-Z a-z 0-9 _ . - (got \"" + l + "\")");
+    const std::string key = l.substr(0, eq);
+    if (labels_json.contains(key)) throw UsageError("--label " + key + " is given twice");
+    labels_json[key] = l.substr(eq + 1);
+  }
+  if (labels_json.size() > lease::k_max_labels) throw UsageError("at most 16 --label options");
+  if (!labels_json.empty()) body["labels"] = std::move(labels_json);
+  if (max_hold_s) body["max_hold_seconds"] = *max_hold_s;
+}
+
+void add_holder_options(CLI::App* cmd, HolderOptions& o) {
+  cmd->add_option("--label", o.labels,
+                  "KEY=VALUE shown with the lease to operators (mep lease ls --label); repeat for more (at most 16)");
+  cmd->add_option("--max-hold", o.max_hold_s,
+                  "Longest the lease may be held, in seconds: renewals past it are refused and the lease is lost "
+                  "(the server's --max-hold may be shorter)")
+      ->check(CLI::Range(lease::k_min_hold_s, lease::k_max_hold_s));
 }
 
 std::optional<Problem> unconfirmed_release(const DaemonReply& r) {

@@ -3,12 +3,14 @@
 #pragma once
 #include "mep/problem.hpp"
 
+#include <CLI/App.hpp>
 #include <boost/json/object.hpp>
 
 #include <cstdint>
 #include <functional>
 #include <optional>
 #include <string>
+#include <vector>
 
 namespace mep::cli {
 
@@ -52,6 +54,20 @@ DaemonReply attach(const std::string& socket, boost::json::object body, std::int
 /// gets the stream's descriptor once it is open, and -1 just before it is closed.
 bool follow_events(const std::string& socket, const std::function<bool(const std::string&)>& on_line,
                    const std::function<void(int fd)>& on_connected);
+
+/// What a claim says of its holder (mep claim/run --label, --max-hold): the labels (KEY=VALUE,
+/// each key once) and the longest hold. `add_holder_options` adds the flags to `cmd`.
+struct HolderOptions {
+  std::vector<std::string> labels;
+  std::optional<std::int64_t> max_hold_s;
+  /// Checks the labels (UsageError) and adds `labels` and `max_hold_seconds` to an attach body.
+  void add_to(boost::json::object& attach_body) const;
+};
+void add_holder_options(CLI::App* cmd, HolderOptions& o);
+
+/// "held by builder-7 on host-a since 14:02, expires in 21 s" for a refusal that names its
+/// holder (the holder member of a 423); empty when it names none.
+std::string held_by(const Problem& p);
 
 /// Prints a reply the way every command does: the JSON document with --json, else the
 /// problem's title and detail on stderr. Returns the exit code of the problem's code.

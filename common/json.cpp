@@ -353,6 +353,16 @@ const boost::json::array* ObjectReader::array(std::string_view key, Need need) {
   return &v->get_array();
 }
 
+const boost::json::object* ObjectReader::object(std::string_view key, Need need) {
+  const auto* v = find(key, need);
+  if (!v) return nullptr;
+  if (!v->is_object()) {
+    m_errors.push_back("field \"" + std::string(key) + "\" must be an object");
+    return nullptr;
+  }
+  return &v->get_object();
+}
+
 expected<void, Problem> ObjectReader::finish() {
   std::vector<std::string> unknown;
   for (const auto& kv : m_obj)

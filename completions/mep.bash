@@ -6,7 +6,8 @@
 _mep_valued=" --socket --config --ttl --wait --on-loss --grace --format --profile --db --listen
  --tls-cert --tls-key --rate-limit --log-level --threads --tenant --limit --scope --input
  --from-table --report --batch --isolation --db-pool --writer-nice --dir --token-file
- --control-plane --max-object-size "
+ --control-plane --max-object-size --ca-file --label --max-hold --name --host
+ --expiring-within --server --since --reason "
 _mep_valued=${_mep_valued//$'\n'/ } # each name between spaces, also at the ends of lines
 
 # Completes the value of option $1 (the previous word), with $2 the current word.
@@ -23,8 +24,10 @@ _mep_option_value() {
         --log-level) compgen -W "debug info warn error" -- "$2" ;;
         --scope)     compgen -W "lease admin" -- "$2" ;;
         --isolation) compgen -W "read-committed serializable" -- "$2" ;;
+        --host)      compgen -A hostname -- "$2" ;;
         --ttl | --wait | --grace | --db | --listen | --rate-limit | --threads | --tenant | --limit | \
-        --from-table | --batch | --control-plane | --db-pool | --writer-nice | --max-object-size | --store)
+        --from-table | --batch | --control-plane | --db-pool | --writer-nice | --max-object-size | --store | \
+        --label | --max-hold | --name | --expiring-within | --server | --since | --reason)
             ;; # free-form: nothing to offer
         *) return 1 ;;
     esac
@@ -53,7 +56,7 @@ _mep_complete_value() {
 _mep() {
     local cur=${COMP_WORDS[COMP_CWORD]}
     local globals="--help -h --version --json -v --verbose --socket --config"
-    local commands="canonicalize server store token claim release init branch status identify lineage sync fetch config run migrate"
+    local commands="canonicalize server store token claim release init branch status identify lineage sync fetch config run migrate lease"
     COMPREPLY=()
 
     # Find the command, its subcommand and the number of positionals before the cursor.
@@ -69,12 +72,17 @@ _mep() {
             if [[ $w != *=* && $_mep_valued == *" $w "* ]]; then
                 ((i++))
                 [[ ${COMP_WORDS[i]} == = ]] && ((i++))
+                # bash splits a value at '=' and ':' too: `--label team=infra` arrives as
+                # team, =, infra; `--db sqlite:/x` as sqlite, :, /x. The pieces are the value's.
+                while ((i + 1 < COMP_CWORD)) && [[ ${COMP_WORDS[i + 1]} == [=:] ]]; do
+                    ((i += 2))
+                done
             fi
             continue
         fi
         if [[ -z $cmd ]]; then
             cmd=$w
-        elif [[ -z $sub && ($cmd == token || $cmd == server || $cmd == migrate) ]]; then
+        elif [[ -z $sub && ($cmd == token || $cmd == server || $cmd == migrate || $cmd == lease) ]]; then
             sub=$w
         else
             ((npos++))
@@ -100,10 +108,10 @@ _mep() {
     local opts=""
     case $cmd/$sub in
         canonicalize/*) opts="--json --explain --profile" ;;
-        claim/*)        opts="--ttl --wait" ;;
-        run/*)          opts="--ttl --wait --on-loss --grace --sync-on-exit" ;;
+        claim/*)        opts="--ttl --wait --label --max-hold" ;;
+        run/*)          opts="--ttl --wait --on-loss --grace --label --max-hold --sync-on-exit" ;;
         lineage/*)      opts="--format" ;;
-        server/)        opts="--db --listen --tls-cert --tls-key --insecure-plaintext --rate-limit --log-level --threads --writer-nice --isolation --db-pool" ;;
+        server/)        opts="--db --listen --tls-cert --tls-key --insecure-plaintext --rate-limit --log-level --threads --writer-nice --isolation --db-pool --max-hold" ;;
         server/audit)   opts="--db --tenant --limit --json" ;;
         store/*)        opts="--listen --dir --token-file --strict --control-plane --ca-file --max-object-size --tls-cert --tls-key --insecure-plaintext --log-level --threads" ;;
         token/create)   opts="--db --tenant --scope --admin --json" ;;
@@ -112,6 +120,10 @@ _mep() {
         migrate/plan)   opts="--db --input --from-table --report --tenant" ;;
         migrate/run)    opts="--db --input --from-table --report --tenant --batch" ;;
         migrate/activate | migrate/status) opts="--db" ;;
+        lease/ls)       opts="--name --host --label --expiring-within --server --token-file --ca-file --json" ;;
+        lease/show)     opts="--server --token-file --ca-file --json" ;;
+        lease/revoke)   opts="--reason --server --token-file --ca-file --json" ;;
+        lease/history)  opts="--since --limit --server --token-file --ca-file --json" ;;
     esac
     if [[ $cur == -* ]]; then
         mapfile -t COMPREPLY < <(compgen -W "$opts $globals" -- "$cur" | awk '!seen[$0]++')
@@ -124,6 +136,7 @@ _mep() {
         token)   [[ -z $sub ]] && mapfile -t COMPREPLY < <(compgen -W "create list revoke new hash" -- "$cur") ;;
         server)  [[ -z $sub ]] && mapfile -t COMPREPLY < <(compgen -W "audit" -- "$cur") ;;
         migrate) [[ -z $sub ]] && mapfile -t COMPREPLY < <(compgen -W "plan run activate status" -- "$cur") ;;
+        lease)   [[ -z $sub ]] && mapfile -t COMPREPLY < <(compgen -W "ls show revoke history" -- "$cur") ;;
         claim | run)
             # NAME (free-form), then PATH; `mep run NAME PATH` continues with --.
             if ((npos == 1)); then
@@ -155,7 +168,7 @@ _mepd() {
         return 0
     fi
     mapfile -t COMPREPLY < <(compgen -W "--help -h --system --socket --state-dir --control-plane --token-file
-        --store --store-token-file --ca-file --config --log-level --version" -- "$cur")
+        --store --store-token-file --ca-file --anonymous-holder --config --log-level --version" -- "$cur")
     return 0
 }
 

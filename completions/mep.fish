@@ -5,7 +5,7 @@ function __mep_words
     set -l valued --socket --config --ttl --wait --on-loss --grace --format --profile --db --listen \
         --tls-cert --tls-key --rate-limit --log-level --threads --tenant --limit --scope --input \
         --from-table --report --batch --isolation --db-pool --writer-nice --dir --token-file --control-plane \
-        --max-object-size
+        --max-object-size --ca-file --label --max-hold --name --host --expiring-within --server --since --reason
     set -l skip 0
     for w in (commandline -opc)[2..-1]
         if test $skip -eq 1
@@ -32,7 +32,7 @@ function __mep_using
     end
 end
 
-# True when CMD (token, server, migrate) has no subcommand yet.
+# True when CMD (token, server, migrate, lease) has no subcommand yet.
 function __mep_needs_sub
     set -l words (__mep_words)
     test (count $words) -eq 1; and test "$words[1]" = "$argv[1]"
@@ -75,16 +75,21 @@ complete -c mep -n __mep_no_command -a token -d 'Create, list and revoke bearer 
 complete -c mep -n __mep_no_command -a server -d 'Run the control plane'
 complete -c mep -n __mep_no_command -a store -d 'Run the data plane (a fenced object store)'
 complete -c mep -n __mep_no_command -a migrate -d 'Bring legacy names and memories under the rules'
+complete -c mep -n __mep_no_command -a lease -d "List, show and revoke the tenant's leases (control plane)"
 
 # claim, run: NAME (free-form), PATH (a file).
 complete -c mep -n '__mep_using claim' -l ttl -x -d 'Lease TTL in seconds (5-300)'
 complete -c mep -n '__mep_using claim' -l wait -x -a 'inf' -d 'Seconds to wait for a held name (0: fail at once; inf)'
+complete -c mep -n '__mep_using claim' -l label -x -d 'KEY=VALUE shown to operators (repeat, at most 16)'
+complete -c mep -n '__mep_using claim' -l max-hold -x -d 'Longest the lease may be held, in seconds'
 complete -c mep -n '__mep_using claim' -F
 complete -c mep -n '__mep_using run' -l ttl -x -d 'Lease TTL in seconds (5-300)'
 complete -c mep -n '__mep_using run' -l wait -x -a 'inf' -d 'Seconds to wait for a held name (0: fail at once; inf)'
 complete -c mep -n '__mep_using run' -l on-loss -x -a 'term kill ignore' -d 'What to do when the lease is lost'
 complete -c mep -n '__mep_using run' -l sync-on-exit -d 'Sync the memory to the data plane before the release'
 complete -c mep -n '__mep_using run' -l grace -x -d 'Seconds between SIGTERM and SIGKILL'
+complete -c mep -n '__mep_using run' -l label -x -d 'KEY=VALUE shown to operators (repeat, at most 16)'
+complete -c mep -n '__mep_using run' -l max-hold -x -d 'Longest the lease may be held, in seconds'
 complete -c mep -n '__mep_using run' -F
 
 complete -c mep -n '__mep_using release' -x -a '(__mep_held_names)'
@@ -138,6 +143,7 @@ complete -c mep -n '__mep_needs_sub server' -l threads -x -d 'I/O threads (1-64)
 complete -c mep -n '__mep_needs_sub server' -l writer-nice -x -d 'Nice value of the SQLite commit thread (-20-19)'
 complete -c mep -n '__mep_needs_sub server' -l isolation -x -a 'read-committed serializable' -d 'PostgreSQL transaction isolation'
 complete -c mep -n '__mep_needs_sub server' -l db-pool -x -d 'PostgreSQL connections for lease operations'
+complete -c mep -n '__mep_needs_sub server' -l max-hold -x -d 'Longest any lease may be held, in seconds'
 complete -c mep -n '__mep_using server audit' -l tenant -x -d 'Only this tenant'
 complete -c mep -n '__mep_using server audit' -l limit -x -d 'At most this many rows'
 
@@ -152,3 +158,20 @@ complete -c mep -n '__mep_using migrate plan; or __mep_using migrate run' -l fro
 complete -c mep -n '__mep_using migrate plan; or __mep_using migrate run' -l report -r -F -d 'Write one JSON line per legacy row'
 complete -c mep -n '__mep_using migrate plan; or __mep_using migrate run' -l tenant -x -d 'Tenant that owns the memories'
 complete -c mep -n '__mep_using migrate run' -l batch -x -d 'Rows per transaction'
+
+# lease ls|show|revoke|history (the control plane, with a token)
+complete -c mep -n '__mep_needs_sub lease' -a ls -d "List the tenant's live leases and their holders"
+complete -c mep -n '__mep_needs_sub lease' -a show -d 'Show one lease in full'
+complete -c mep -n '__mep_needs_sub lease' -a revoke -d 'End the live lease on NAME now (admin scope)'
+complete -c mep -n '__mep_needs_sub lease' -a history -d "A name's grants, expiries and revocations (admin scope)"
+set -l __mep_lease_subs '__mep_using lease ls; or __mep_using lease show; or __mep_using lease revoke; or __mep_using lease history'
+complete -c mep -n $__mep_lease_subs -l server -x -d 'URL of the control plane'
+complete -c mep -n $__mep_lease_subs -l token-file -r -F -d 'File holding a token of the tenant'
+complete -c mep -n $__mep_lease_subs -l ca-file -r -F -d 'PEM certificates to trust for an https:// server'
+complete -c mep -n '__mep_using lease ls' -l name -x -d 'Only names matching this glob'
+complete -c mep -n '__mep_using lease ls' -l host -x -a '(__fish_print_hostnames)' -d 'Only leases held from this host'
+complete -c mep -n '__mep_using lease ls' -l label -x -d 'Only leases with this label (KEY=VALUE or KEY)'
+complete -c mep -n '__mep_using lease ls' -l expiring-within -x -d 'Only leases that expire within this many seconds'
+complete -c mep -n '__mep_using lease revoke' -l reason -x -d 'Why, told to the holder'
+complete -c mep -n '__mep_using lease history' -l since -x -d 'Only events from this time (RFC 3339, or 90s, 15m, 2h, 7d)'
+complete -c mep -n '__mep_using lease history' -l limit -x -d 'At most this many events'

@@ -342,6 +342,25 @@ DaemonHandler::Out DaemonHandler::on_attach(const Call& c) {
   if (bind && *bind != "pid" && *bind != "none") rd.fail("field \"bind\" must be \"pid\" or \"none\"");
   // Seconds to wait for a held name or memory; 0 (the default) fails fast.
   auto wait = rd.seconds("wait_seconds", Need::optional, std::numeric_limits<std::int32_t>::max());
+  // What the holder shows operators (labels, the executable's name when the peer is a
+  // launcher such as mep run), and the longest hold.
+  const boost::json::object* labels = rd.object("labels", Need::optional);
+  auto exe = rd.string("exe", Need::optional);
+  a.max_hold_s = rd.integer("max_hold_seconds", Need::optional, lease::k_min_hold_s, lease::k_max_hold_s);
+  if (labels || exe) {
+    boost::json::object h;
+    if (labels) h["labels"] = *labels;
+    if (exe) h["exe"] = *exe;
+    if (auto holder = lease::wire::decode_holder(h); !holder) {
+      // Its members are this request's own (labels, exe): said without the holder's prefix.
+      std::string why = holder.error().detail;
+      if (why.rfind("holder: ", 0) == 0) why.erase(0, 8);
+      rd.fail(why);
+    } else {
+      a.labels = std::move(holder->labels);
+      a.exe = std::move(holder->exe);
+    }
+  }
   if (auto ok = rd.finish(); !ok) return make_unexpected(std::move(ok.error()));
   a.name = *name;
   a.wait = std::chrono::seconds(wait.value_or(0));

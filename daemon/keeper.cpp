@@ -30,7 +30,9 @@
 #include "mep/keeper.hpp"
 
 #include "mep/canonical.hpp"
+#include "mep/client_process.hpp"
 #include "mep/json.hpp"
+#include "mep/lease/wire.hpp"
 #include "mep/log.hpp"
 #include "mep/sqlite.hpp"
 #include "mep/uuid.hpp"
@@ -376,6 +378,25 @@ expected<void, Problem> Keeper::fence(const Held& h) {
   return make_unexpected(std::move(last));
 }
 
+// What the control plane is told of who holds a lease: this host's name, the agent's pid
+// and executable's file name (never a path), and its labels; nothing with --anonymous-holder.
+// Parts that would not pass the server's checks (an odd host name, say) are left out.
+std::optional<lease::Holder> Keeper::holder_of(const AttachRequest& req) const {
+  if (m_anonymous_holder) return std::nullopt;
+  lease::Holder h;
+  h.host = host_name();
+  if (req.pid > 0) h.pid = req.pid;
+  h.exe = req.exe.empty() ? executable_name(req.pid) : req.exe;
+  h.labels = req.labels;
+  for (auto* part : {&h.host, &h.exe}) {
+    lease::Holder one;
+    (part == &h.host ? one.host : one.exe) = *part;
+    if (!lease::wire::decode_holder(lease::wire::to_json(one))) part->clear();
+  }
+  if (h.empty()) return std::nullopt;
+  return h;
+}
+
 expected<Held, Problem> Keeper::attach(const AttachRequest& req) {
   // Validate locally first: the same canonicalizer and bounds as the server.
   auto name = canonicalize(req.name);
@@ -400,12 +421,10 @@ expected<Held, Problem> Keeper::attach(const AttachRequest& req) {
     auto file_lock = lock_file(req.path);
     auto ident = resolve_registered(req.path);
     if (!ident) return make_unexpected(std::move(ident.error()));
-    intent = Intent{"claim-" + attach_id,
-                    lease::ClaimRequest{req.name, ident->memory_id, owner, req.ttl_s},
-                    path,
-                    bound,
-                    req.uid,
-                    req.gid};
+    lease::ClaimRequest claim{req.name, ident->memory_id, owner, req.ttl_s};
+    claim.holder = holder_of(req);
+    claim.max_hold_s = req.max_hold_s;
+    intent = Intent{"claim-" + attach_id, std::move(claim), path, bound, req.uid, req.gid};
     // Exactly once: the intent is on disk before the claim leaves.
     {
       std::lock_guard lock(m_attaching_mutex);
@@ -565,7 +584,10 @@ std::optional<Problem> Keeper::end_taken(const Held& h) {
     g_state_health.failed("refresh a fingerprint", e);
   }
   std::optional<Problem> refused;
-  const bool ended = h.state == LeaseState::lost || release_on_server(h, &refused);
+  // A lease lost to its hold limit is still live on the control plane (its renewal was
+  // refused, not its lease ended): released like a held one, so its name is free at once.
+  const bool gone_there = h.state == LeaseState::lost && h.lost_reason != "max-hold";
+  const bool ended = gone_there || release_on_server(h, &refused);
   try {
     m_state.forget_lease(h.canonical_name, h.lease_id, ended ? Sync::lazy : Sync::durable);
   } catch (const std::exception& e) {

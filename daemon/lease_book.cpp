@@ -284,7 +284,9 @@ void LeaseBook::apply(const std::vector<Due>& due, const std::vector<lease::Rene
         events.push_back(Event{"renewed", h, {}});
       } else if (status == 409 || status == 410 || status == 404) {
         h.state = LeaseState::lost;
-        h.lost_reason = item->code.empty() ? "lost" : item->code;
+        // Why: an operator revoked it, or its hold limit came (the control plane's reason),
+        // else the problem's code (stale-fence, lease-expired, lease-not-found).
+        h.lost_reason = !item->reason.empty() ? item->reason : item->code.empty() ? "lost" : item->code;
         lost.push_back(Ended{h.canonical_name, h.lease_id});
         events.push_back(Event{"lost", h, h.lost_reason});
       } else {

@@ -110,6 +110,7 @@ int main(int argc, char** argv) {
       ca_file;
   std::string log_level = "info";
   bool system = false;
+  bool anonymous_holder = false;
   app.add_option("--socket", socket,
                  "Socket path (default $MEP_SOCKET, $XDG_RUNTIME_DIR/mep/mepd.sock, /run/mep/mepd.sock; "
                  "with --system /run/mep/mepd.sock)");
@@ -130,6 +131,9 @@ int main(int argc, char** argv) {
   app.add_option("--ca-file", ca_file,
                  "PEM certificates to trust for https:// --control-plane and --store, instead of the system's "
                  "(a private CA)");
+  app.add_flag("--anonymous-holder", anonymous_holder,
+               "Tell the control plane nothing of who holds a lease: no host name, pid, executable name or labels "
+               "(also MEP_ANONYMOUS_HOLDER=1, config anonymous_holder = true)");
   app.add_option("--config", config_file, "Config file");
   app.add_option("--log-level", log_level, "debug, info, warn or error")->capture_default_str();
   app.set_version_flag("--version", "mepd " MEP_VERSION);
@@ -175,6 +179,14 @@ int main(int argc, char** argv) {
   std::string store_url = cfg->get("store", store, "--store", "").value;
   std::string store_tok_file = cfg->get("store_token_file", store_token_file, "--store-token-file", "").value;
   std::string ca = cfg->get("ca_file", ca_file, "--ca-file", "").value;
+  const std::string anonymous =
+      cfg->get("anonymous_holder", anonymous_holder ? std::optional<std::string>("true") : std::nullopt,
+               "--anonymous-holder", "false")
+          .value;
+  if (anonymous != "true" && anonymous != "false" && anonymous != "1" && anonymous != "0") {
+    mep::log::error("anonymous_holder must be true or false (got \"{}\")", anonymous);
+    return mep::exit_code::usage;
+  }
 
   // 2. The remote planes, built from the option values before anything is touched: a bad URL,
   //    an unreadable token file or a missing token is a usage error (2), as for mep server.
@@ -218,6 +230,7 @@ int main(int argc, char** argv) {
     //    The keeper outlives the io_context: event streams still open unsubscribe from it
     //    when the io_context is destroyed.
     mep::daemon::Keeper keeper(state, std::move(cp), std::move(dp));
+    keeper.set_anonymous_holder(anonymous == "true" || anonymous == "1");
     boost::asio::io_context ioc(1);
     mep::daemon::LocalServer server(ioc, keeper, sock, inherited_socket(), system);
     keeper.start();

@@ -21,6 +21,8 @@ packages=(
   etcd-server libgrpc++-dev libprotobuf-dev protobuf-compiler-grpc
   # docs and packaging checks
   scdoc mandoc lintian graphviz zsh fish
+  # promtool, for the alert rules' unit tests (packaging/prometheus; the service is not used)
+  prometheus
 )
 
 missing=()

@@ -84,6 +84,9 @@ void LeaseService::claim(const Ctx& ctx, Idempotency idem, const lease::ClaimReq
                          ClaimThen then) {
   Claim req{request.display_name, canonicalize(request.display_name), request.memory_id, request.owner_client_id,
             request.ttl_s};
+  req.holder = request.holder;
+  req.max_hold_s = request.max_hold_s;
+  if (m_max_hold_s && (!req.max_hold_s || *req.max_hold_s > *m_max_hold_s)) req.max_hold_s = m_max_hold_s;
   if (!req.name || wait.seconds <= 0) {
     // No wait: the store answers; a refusal says how many wait for the resource. The same
     // request waiting here already holds its key in flight.
@@ -173,10 +176,11 @@ void LeaseService::release(const Ctx& ctx, lease::LeaseRef ref, Then<Released> t
   });
 }
 
-void LeaseService::revoke(const Ctx& ctx, const std::string& name, Then<Revoked> then) {
+void LeaseService::revoke(const Ctx& ctx, const std::string& name, std::string reason, Then<Revoked> then) {
   std::string canonical = lookup_name(name);
   auto keys = freed_keys(canonical, "");
-  m_store.revoke(ctx, std::move(canonical), [this, keys = std::move(keys), then = std::move(then)](Outcome<Revoked> r) {
+  Revoke req{std::move(canonical), std::move(reason)};
+  m_store.revoke(ctx, std::move(req), [this, keys = std::move(keys), then = std::move(then)](Outcome<Revoked> r) {
     std::vector<std::string> all = keys;
     if (r.ok() && !r.value->memory_id.empty()) all.push_back(memory_key(r.value->memory_id));
     const bool ok = r.ok();
@@ -192,6 +196,11 @@ std::size_t LeaseService::waiting(const std::string& display_name, const std::st
 
 void LeaseService::get_lease(const Ctx& ctx, const std::string& name, Then<lease::LeaseInfo> then) {
   m_store.get_lease(ctx, lookup_name(name), std::move(then));
+}
+
+void LeaseService::history(const Ctx& ctx, HistoryQuery req, Then<lease::HistoryPage> then) {
+  req.canonical_name = lookup_name(req.canonical_name);
+  m_store.history(ctx, std::move(req), std::move(then));
 }
 
 } // namespace mep::server

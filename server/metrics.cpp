@@ -11,29 +11,45 @@ namespace {
 constexpr std::array k_buckets = {0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0};
 // Waits for a lease last up to 300 s (Prefer: wait).
 constexpr std::array k_wait_buckets = {0.01, 0.1, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0};
+// Leases are held from a second (a quick job) to days (an agent's session).
+constexpr std::array k_hold_buckets = {1.0,    5.0,     15.0,    60.0,     300.0,   900.0,
+                                       3600.0, 14400.0, 86400.0, 259200.0, 604800.0};
 
 std::span<const double> buckets_for(std::string_view family) {
   if (family == "mep_lease_wait_seconds") return k_wait_buckets;
+  if (family == "mep_lease_hold_seconds") return k_hold_buckets;
   return k_buckets;
 }
+
+// Who counts a family: the control plane, the data plane (mep store), or both.
+enum class By { server, store, both };
 
 struct Family {
   std::string_view name;
   std::string_view type;
   std::string_view help;
+  By by = By::server;
 };
 
 constexpr Family k_families[] = {
     {"mep_lease_renewal_latency_seconds", "histogram", "Time to answer a renew request"},
-    {"mep_fencing_rejections_total", "counter", "Requests rejected for a superseded fencing token"},
+    {"mep_fencing_rejections_total", "counter", "Requests rejected for a superseded fencing token", By::both},
     {"mep_idempotency_lookups_total", "counter", "Idempotency-Key lookups by result"},
     {"mep_claims_total", "counter", "Claim requests by outcome"},
     {"mep_leases_active", "gauge", "Unexpired leases"},
-    {"mep_http_request_duration_seconds", "histogram", "HTTP request duration by route and code"},
+    {"mep_leases_active_by_tenant", "gauge",
+     "Unexpired leases per tenant (the 20 tenants with the most; the rest as tenant=\"_other\")"},
+    {"mep_lease_ends_total", "counter", "Leases ended, by cause (released, expired, revoked, taken_over, max_hold)"},
+    {"mep_lease_hold_seconds", "histogram", "How long a lease was held by its owner when it ended"},
+    {"mep_renewals_total", "counter",
+     "Renewals (single and in batches) by outcome: renewed, or the problem's code (max_hold and revoked apart)"},
+    {"mep_db_ready", "gauge", "1 when the database answered the last readiness check (at each scrape), else 0"},
+    {"mep_http_request_duration_seconds", "histogram", "HTTP request duration by route and code", By::both},
     {"mep_db_transaction_retries_total", "counter", "Database transactions retried"},
     {"mep_clock_steps_total", "counter", "Wall-clock steps found of the database clock that decides lease expiry"},
     {"mep_rate_limited_total", "counter", "Requests refused by the rate limiter"},
-    {"mep_auth_failures_total", "counter", "Requests refused for a missing, malformed, unknown or revoked token"},
+    {"mep_auth_failures_total", "counter", "Requests refused for a missing, malformed, unknown or revoked token",
+     By::both},
     // SQLite's group commit (zero on PostgreSQL): requests per commit is the ratio of the
     // two counters; the histogram is the COMMIT's time, its fsync included.
     {"mep_sqlite_commits_total", "counter", "SQLite group commits"},
@@ -59,6 +75,8 @@ constexpr Family k_families[] = {
     {"mep_pg_extra_lanes_total", "counter",
      "PostgreSQL batch calls started beside a running one of their kind, by reason (full_batch, waited)"},
     {"mep_lease_waiters", "gauge", "Claims waiting for a held name or memory (Prefer: wait)"},
+    // mep store (zero on the control plane).
+    {"mep_store_bytes_written_total", "counter", "Bytes of objects mep store wrote (accepted PUTs)", By::store},
     {"mep_lease_wait_seconds", "histogram", "Time a waiting claim waited, by outcome"},
 };
 
@@ -113,6 +131,19 @@ void Metrics::observe(std::string_view name, std::string_view labels, double sec
   h.count += 1;
 }
 
+void Metrics::replace(std::string_view name, const std::vector<std::pair<std::string, double>>& series) {
+  std::lock_guard lock(m_mutex);
+  for (auto it = m_values.lower_bound(name); it != m_values.end();) {
+    const std::string& k = it->first;
+    if (k.compare(0, name.size(), name) != 0) break;
+    if (k.size() > name.size() && k[name.size()] == '{')
+      it = m_values.erase(it);
+    else
+      ++it;
+  }
+  for (const auto& [labels, v] : series) m_values[key(name, labels)] = v;
+}
+
 double Metrics::value(std::string_view name, std::string_view labels) const {
   std::string k = key(name, labels);
   std::lock_guard lock(m_mutex);
@@ -120,10 +151,11 @@ double Metrics::value(std::string_view name, std::string_view labels) const {
   return it == m_values.end() ? 0 : it->second;
 }
 
-std::string Metrics::render() const {
+std::string Metrics::render(Exporter exporter) const {
   std::lock_guard lock(m_mutex);
   std::string out;
   for (const auto& f : k_families) {
+    if (f.by != By::both && (f.by == By::store) != (exporter == Exporter::store)) continue;
     out += "# HELP ";
     out += f.name;
     out += ' ';

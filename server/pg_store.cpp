@@ -24,6 +24,8 @@
 #include "mep/canonical.hpp"
 #include "mep/crypto.hpp"
 #include "mep/json.hpp"
+#include "mep/lease/wire.hpp"
+#include "mep/lease_rules.hpp"
 #include "mep/log.hpp"
 #include "mep/metrics.hpp"
 #include "mep/random.hpp"
@@ -60,6 +62,7 @@ extern const std::string_view k_pg_schema_v8;
 extern const std::string_view k_pg_schema_v9;
 extern const std::string_view k_pg_schema_v10;
 extern const std::string_view k_pg_schema_v11;
+extern const std::string_view k_pg_schema_v12;
 
 namespace {
 
@@ -67,9 +70,9 @@ namespace json = boost::json;
 using Clock = std::chrono::steady_clock;
 
 // Each version's schema, applied in turn from the database's version up.
-const std::string_view k_pg_schemas[] = {k_pg_schema_v1, k_pg_schema_v2,  k_pg_schema_v3, k_pg_schema_v4,
-                                         k_pg_schema_v5, k_pg_schema_v6,  k_pg_schema_v7, k_pg_schema_v8,
-                                         k_pg_schema_v9, k_pg_schema_v10, k_pg_schema_v11};
+const std::string_view k_pg_schemas[] = {k_pg_schema_v1, k_pg_schema_v2,  k_pg_schema_v3,  k_pg_schema_v4,
+                                         k_pg_schema_v5, k_pg_schema_v6,  k_pg_schema_v7,  k_pg_schema_v8,
+                                         k_pg_schema_v9, k_pg_schema_v10, k_pg_schema_v11, k_pg_schema_v12};
 constexpr int k_schema_version = static_cast<int>(std::size(k_pg_schemas));
 constexpr int k_max_attempts = 10;
 constexpr auto k_reconnect_gap = std::chrono::milliseconds(500);
@@ -100,7 +103,8 @@ json::object parse_result(const std::string& text) {
 
 bool is_problem(const json::object& r) { return r.contains("code"); }
 
-// A problem from its stored form {code, detail, instance, retry_after?, ext?}.
+// A problem from its stored form {code, detail, instance, retry_after?, ext?}. A holder
+// (mep_holder_view) is stored with its times in ms and rendered here, as lease/wire does.
 Problem problem_of(const json::object& r) {
   Code code = code_from_slug(str(r, "code")).value_or(Code::internal);
   Problem p(code, str(r, "detail"));
@@ -108,7 +112,32 @@ Problem problem_of(const json::object& r) {
   if (auto* ra = r.if_contains("retry_after")) p.retry_after_s = static_cast<int>(i64(*ra));
   if (auto* ext = r.if_contains("ext"); ext && ext->is_object())
     for (const auto& kv : ext->as_object()) p.extensions[kv.key()] = kv.value();
+  if (auto* h = p.extensions.if_contains("holder"); h && h->is_object()) {
+    const json::object& v = h->as_object();
+    lease::HolderView view;
+    view.display_name = str(v, "display_name");
+    view.host = str(v, "host");
+    if (auto* since = v.if_contains("since"); since && !since->is_string()) view.since = i64(*since);
+    if (auto* exp = v.if_contains("expires_at"); exp && !exp->is_string()) view.expires_at = i64(*exp);
+    p.extensions["holder"] = lease::wire::to_json(view);
+  }
   return p;
+}
+
+// Counts the ends of leases a function reports ({c: cause, h: ms held}, see mep_end).
+void count_ends(const json::value* ends) {
+  if (!ends) return;
+  auto one = [](const json::value& e) {
+    if (!e.is_object()) return;
+    const json::object& o = e.as_object();
+    auto& m = Metrics::global();
+    m.inc("mep_lease_ends_total", "cause=\"" + str(o, "c") + "\"");
+    if (auto* h = o.if_contains("h")) m.observe("mep_lease_hold_seconds", "", static_cast<double>(i64(*h)) / 1000.0);
+  };
+  if (ends->is_array())
+    for (const auto& e : ends->as_array()) one(e);
+  else
+    one(*ends);
 }
 
 // The stored form of a problem found before the database call (invalid name or TTL).
@@ -156,6 +185,7 @@ Outcome<T> finish_envelope(const json::object& envelope, T (*success)(const json
                                                : mismatch ? "result=\"mismatch\""
                                                           : "result=\"miss\"");
   if (!replayed && str(r, "code") == "stale-fence") metrics.inc("mep_fencing_rejections_total");
+  if (!replayed) count_ends(envelope.if_contains("ends"));
   if (is_problem(r)) return Outcome<T>(problem_of(r), replayed);
   return Outcome<T>(success(r, status == 201 && !replayed), replayed);
 }
@@ -167,17 +197,17 @@ Outcome<T> finish_idempotent(const pg::Result& res, T (*success)(const json::obj
 
 // SQL text of the hot statements, prepared once per connection.
 constexpr const char* k_sql_claim =
-    "SELECT mep_claim_t($1, $2, $3, $4, $5::jsonb, $6, $7, $8, $9, $10, $11::bigint, $12, $13, $14, $15::bigint, "
-    "$16::bigint, $17, $18, $19, true)";
+    "SELECT mep_claim_h($1, $2, $3, $4, $5::jsonb, $6, $7, $8, $9, $10, $11::bigint, $12, $13, $14, $15::bigint, "
+    "$16::bigint, $17, $18, $19, $20, $21::bigint, true)";
 // A waiting claim's attempt: a 423 is not kept under the key (Claim::record_refusal).
 constexpr const char* k_sql_claim_attempt =
-    "SELECT mep_claim_t($1, $2, $3, $4, $5::jsonb, $6, $7, $8, $9, $10, $11::bigint, $12, $13, $14, $15::bigint, "
-    "$16::bigint, $17, $18, $19, false)";
-// Claims in one call (schema v10): each parameter an array, but the versions and the bound.
+    "SELECT mep_claim_h($1, $2, $3, $4, $5::jsonb, $6, $7, $8, $9, $10, $11::bigint, $12, $13, $14, $15::bigint, "
+    "$16::bigint, $17, $18, $19, $20, $21::bigint, false)";
+// Claims in one call (schema v12): each parameter an array, but the versions and the bound.
 constexpr const char* k_sql_claim_batch =
-    "SELECT mep_claim_batch($1::text[], $2::text[], $3::text[], $4::text[], $5::text[], $6::text[], $7::text[], "
+    "SELECT mep_claim_batch_h($1::text[], $2::text[], $3::text[], $4::text[], $5::text[], $6::text[], $7::text[], "
     "$8::text[], $9::text[], $10::text[], $11::bigint[], $12::text[], $13, $14, $15::bigint[], $16::bigint, "
-    "$17::text[], $18::text[], $19::text[], $20::boolean[])";
+    "$17::text[], $18::text[], $19::text[], $20::text[], $21::bigint[], $22::boolean[])";
 // The queue of waiting claims (schema v5). A ticket lives while its server renews it
 // (k_sql_wait_beat); leaving, or being left by its clients, wakes the waiters for the same
 // things on every server.
@@ -212,11 +242,12 @@ constexpr const char* k_sql_renew_batch =
 constexpr const char* k_sql_release =
     "SELECT mep_release($1, $2, $3, $4::bigint, $5, $6)::text, pg_notify('mep_lease_freed', $2 || chr(9) || $3)";
 constexpr const char* k_sql_verify = "SELECT mep_verify($1, $2, $3::bigint, $4, $5::bigint)::text";
-// mep_revoke (schema v4) notifies mep_lease_freed itself, with the memory it freed.
-constexpr const char* k_sql_revoke = "SELECT mep_revoke($1, $2, $3)::text";
+// mep_revoke_r (schema v12) notifies mep_lease_freed itself, with the memory it freed.
+constexpr const char* k_sql_revoke = "SELECT mep_revoke_r($1, $2, $3, $4)::text";
 constexpr const char* k_lease_cols =
     "lease_id, tenant_id, canonical_name, display_name, skeleton, memory_id, fencing_token, "
-    "owner_client_id, ttl_seconds, expires_at, acquired_at";
+    "owner_client_id, ttl_seconds, expires_at, acquired_at, holder, granted_at, renewed_at, renewals, hold_until";
+constexpr int k_lease_col_count = 16;
 
 LeaseRow read_lease(const pg::Result& r, int row) {
   LeaseRow l;
@@ -231,6 +262,11 @@ LeaseRow read_lease(const pg::Result& r, int row) {
   l.ttl_s = r.int64(row, 8);
   l.expires_at = r.int64(row, 9);
   l.acquired_at = r.int64(row, 10);
+  l.holder = r.opt_text(row, 11).value_or("");
+  l.granted_at = r.opt_int64(row, 12).value_or(l.acquired_at);
+  l.renewed_at = r.opt_int64(row, 13);
+  l.renewals = r.int64(row, 14);
+  l.hold_until = r.opt_int64(row, 15);
   return l;
 }
 
@@ -240,20 +276,27 @@ std::optional<MemoryRow> find_memory(pg::Conn& c, const std::string& id) {
                   "FROM memories WHERE memory_id = $1",
                   {id});
   if (r.rows() == 0) return std::nullopt;
-  return MemoryRow{r.text(0, 0), r.text(0, 1), r.opt_text(0, 2), r.opt_int64(0, 3), r.int64(0, 4), r.int64(0, 5)};
+  MemoryRow m;
+  m.memory_id = r.text(0, 0);
+  m.tenant_id = r.text(0, 1);
+  m.parent_memory_id = r.opt_text(0, 2);
+  m.branched_at_token = r.opt_int64(0, 3);
+  m.fence_counter = r.int64(0, 4);
+  m.created_at = r.int64(0, 5);
+  return m;
 }
 
 std::string to_s(std::int64_t v) { return std::to_string(v); }
 
-// mep_claim's parameters: $16 the clock's bound, $17 the audit row's event id, $18 and $19
-// the hashes of the name and the memory.
+// mep_claim_h's parameters: $16 the clock's bound, $17 the audit row's event id, $18 and $19
+// the hashes of the name and the memory, $20 the holder, $21 the hold.
 constexpr std::size_t k_claim_name = 5;     // the canonical name
 constexpr std::size_t k_claim_memory = 8;   // the memory id
 constexpr std::size_t k_claim_unicode = 12; // this server's Unicode version
 constexpr std::size_t k_claim_icu = 13;     // and ICU's
 constexpr std::size_t k_claim_bound = 15;
 constexpr std::size_t k_claim_event = 16;
-constexpr std::size_t k_claim_params = 19;
+constexpr std::size_t k_claim_params = 21;
 
 // HMAC-SHA256 of `text` under a tenant's audit salt, in hex, '' for no text: mep_hash's
 // rule. The keyed contexts are kept per thread (HmacSha256 is not shared between threads).
@@ -962,6 +1005,8 @@ void PgStore::claim(const Ctx& ctx, Idempotency idem, Claim req, Then<lease::Gra
                                std::string(unicode_version()), std::string(icu_version())});
   params.push_back(req.ticket ? pg::Param(std::to_string(req.ticket)) : pg::Param());
   params.resize(k_claim_params); // the clock's bound, taken when the call is sent; the audit's hashes
+  if (auto holder = rules::holder_text(req.holder); !holder.empty()) params[k_claim_params - 2] = std::move(holder);
+  if (req.max_hold_s) params[k_claim_params - 1] = to_s(*req.max_hold_s);
   // A waiting claim's refusal is not kept under its key (Claim::record_refusal): the
   // server-side function leaves it out in the claim's own transaction.
   call->record = req.record_refusal;
@@ -1106,9 +1151,15 @@ lease::Renewed renewed_of(const json::object& r) {
   return lease::Renewed{i64(r.at("expires_at")), i64(r.at("ttl_seconds")), i64(r.at("server_time"))};
 }
 
-Released released_of(const json::object&) { return Released{}; }
+Released released_of(const json::object& r) {
+  count_ends(r.if_contains("end"));
+  return Released{};
+}
 
-Revoked revoked_of(const json::object& r) { return Revoked{str(r, "canonical_name"), str(r, "memory_instance_id")}; }
+Revoked revoked_of(const json::object& r) {
+  count_ends(r.if_contains("end"));
+  return Revoked{str(r, "canonical_name"), str(r, "memory_instance_id")};
+}
 
 lease::Verified verified_of(const json::object& r) {
   return lease::Verified{str(r, "memory_instance_id"), i64(r.at("fencing_token")), str(r, "canonical_name"),
@@ -1298,10 +1349,10 @@ void PgStore::verify(const Ctx& ctx, Verify req, Then<lease::Verified> then) {
       std::move(then), ctx.request_id);
 }
 
-void PgStore::revoke(const Ctx& ctx, std::string canonical_name, Then<Revoked> then) {
+void PgStore::revoke(const Ctx& ctx, Revoke req, Then<Revoked> then) {
   submit<Revoked>(
-      [ctx, canonical_name](pg::Conn& c) -> Outcome<Revoked> {
-        auto r = c.exec("revoke", k_sql_revoke, {ctx.auth.tenant_id, canonical_name, ctx.request_id});
+      [ctx, req](pg::Conn& c) -> Outcome<Revoked> {
+        auto r = c.exec("revoke", k_sql_revoke, {ctx.auth.tenant_id, req.canonical_name, req.reason, ctx.request_id});
         return finish_simple(r, revoked_of);
       },
       std::move(then), ctx.request_id, false);
@@ -1317,7 +1368,7 @@ void PgStore::get_lease(const Ctx& ctx, std::string canonical_name, Then<lease::
         auto res = c.exec("get_lease", sql, {canonical_name});
         if (res.rows() == 0) return Problem(Code::lease_not_found, "no live lease of this tenant under this name");
         LeaseRow l = read_lease(res, 0);
-        UnixMs now = res.int64(0, 11);
+        UnixMs now = res.int64(0, k_lease_col_count);
         if (l.tenant_id != ctx.auth.tenant_id || l.expires_at <= now)
           return Problem(Code::lease_not_found, "no live lease of this tenant under this name");
         return to_lease_info(l, now);
@@ -1344,7 +1395,7 @@ void PgStore::list_leases(const Ctx& ctx, ListLeases req, Then<lease::LeasePage>
                                 {ctx.auth.tenant_id, req.cursor.value_or(""), limit, req.owner_client_id})
                        : c.exec("list_leases", by_tenant, {ctx.auth.tenant_id, req.cursor.value_or(""), limit});
         LeasePageBuilder page(req.limit);
-        for (int i = 0; i < res.rows() && page.add(read_lease(res, i), res.int64(i, 11)); ++i) {}
+        for (int i = 0; i < res.rows() && page.add(read_lease(res, i), res.int64(i, k_lease_col_count)); ++i) {}
         return page.take();
       },
       then);
@@ -1359,6 +1410,51 @@ void PgStore::get_memory(const Ctx& ctx, std::string memory_id, Then<lease::Memo
         return to_memory(*m);
       },
       then);
+}
+
+void PgStore::history(const Ctx& ctx, HistoryQuery req, Then<lease::HistoryPage> then) {
+  // Newest first by event id (UUIDv7: time-ordered); the cursor is the last id of the page
+  // before. The name is hashed with the tenant's salt, as its audit rows were.
+  static constexpr const char* k_sql =
+      "SELECT event_id, event_type, fencing_token, renewals, created_at FROM audit_events "
+      "WHERE tenant_id = $1 AND redacted_name_hash = mep_hash($1, $2) AND created_at >= $3::bigint "
+      "AND ($4 = '' OR event_id < $4) ORDER BY event_id DESC LIMIT $5::bigint";
+  read<lease::HistoryPage>(
+      [&](pg::Conn& c) -> Outcome<lease::HistoryPage> {
+        if (req.cursor && !Uuid::parse(*req.cursor))
+          return Problem(Code::invalid_request, "cursor is not a next_cursor this server returned");
+        auto res = c.exec("history", k_sql,
+                          {ctx.auth.tenant_id, req.canonical_name, to_s(req.since.value_or(0)), req.cursor.value_or(""),
+                           to_s(static_cast<std::int64_t>(req.limit) + 1)});
+        lease::HistoryPage page;
+        page.canonical_name = req.canonical_name;
+        for (int i = 0; i < res.rows(); ++i) {
+          if (page.events.size() == req.limit) {
+            page.next_cursor = res.text(i - 1, 0);
+            break;
+          }
+          page.events.push_back(
+              lease::HistoryEvent{res.text(i, 1), res.opt_int64(i, 2), res.opt_int64(i, 3), res.int64(i, 4)});
+        }
+        return page;
+      },
+      then);
+}
+
+std::vector<std::pair<std::string, std::int64_t>> PgStore::active_leases_by_tenant() {
+  try {
+    return with_conn<std::vector<std::pair<std::string, std::int64_t>>>([](pg::Conn& c) {
+      auto r = c.exec("active_by_tenant",
+                      "SELECT t.name, count(*) FROM leases l JOIN tenants t ON t.tenant_id = l.tenant_id "
+                      "WHERE l.expires_at > mep_now_ms() GROUP BY t.name",
+                      {});
+      std::vector<std::pair<std::string, std::int64_t>> out;
+      for (int i = 0; i < r.rows(); ++i) out.emplace_back(r.text(i, 0), r.int64(i, 1));
+      return out;
+    });
+  } catch (const pg::Error&) {
+    return {};
+  }
 }
 
 void PgStore::lineage(const Ctx& ctx, std::string memory_id, Then<lease::Lineage> then) {
@@ -1386,8 +1482,14 @@ void PgStore::lineage(const Ctx& ctx, std::string memory_id, Then<lease::Lineage
         if (res.rows() == 0 || res.int64(0, 0) != 0 || res.int64(0, 1) != 0)
           return Problem(Code::memory_not_found, "no such memory for this tenant");
         auto row = [&](int i) {
-          return MemoryRow{res.text(i, 2),      res.text(i, 3),  res.opt_text(i, 4),
-                           res.opt_int64(i, 5), res.int64(i, 6), res.int64(i, 7)};
+          MemoryRow m;
+          m.memory_id = res.text(i, 2);
+          m.tenant_id = res.text(i, 3);
+          m.parent_memory_id = res.opt_text(i, 4);
+          m.branched_at_token = res.opt_int64(i, 5);
+          m.fence_counter = res.int64(i, 6);
+          m.created_at = res.int64(i, 7);
+          return m;
         };
         lease::Lineage out;
         out.memory_id = memory_id;
@@ -1504,7 +1606,10 @@ std::int64_t PgStore::sweep() {
     // cost (sweep_spacing: it scans the leases table).
     const auto began = std::chrono::steady_clock::now();
     if (began < m_next_sweep) return std::int64_t{0};
-    const std::int64_t removed = c.exec("sweep", "SELECT mep_sweep($1::bigint)", {clock_bound()}).int64(0, 0);
+    const json::object swept =
+        parse_result(c.exec("sweep", "SELECT mep_sweep_r($1::bigint)", {clock_bound()}).text(0, 0));
+    count_ends(swept.if_contains("ends"));
+    const std::int64_t removed = i64(swept.at("removed"));
     m_next_sweep = began + sweep_spacing(std::chrono::steady_clock::now() - began, removed);
     return removed;
   });

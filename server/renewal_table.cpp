@@ -57,10 +57,14 @@ std::optional<RenewalTable::Renewal> RenewalTable::renew(std::string_view memory
   if (it == m_entries.end() || m_closed) return std::nullopt;
   Entry& e = it->second;
   if (e.fencing_token != token || e.who != who || e.ttl_s != ttl_s || e.expires_at <= now) return std::nullopt;
+  // Past the hold limit (or a count that would not fit): the writer decides.
+  if ((e.hold_s && now + ttl_s * 1000 > static_cast<UnixMs>(e.hold_s) * 1000) || e.count() == Entry::k_max_count)
+    return std::nullopt;
   e.expires_at = std::max(e.expires_at, now + ttl_s * 1000);
+  e.set_count(e.count() + 1);
   bool first = false;
-  if (!e.pending) {
-    e.pending = true;
+  if (!e.pending()) {
+    e.set_pending(true);
     first = m_pending.empty();
     m_pending.push_back(*k);
   }
@@ -102,10 +106,11 @@ std::vector<RenewalTable::Pending> RenewalTable::drain() {
   out.reserve(m_pending.size());
   for (const Key& k : m_pending) {
     auto it = m_entries.find(k);
-    if (it == m_entries.end() || !it->second.pending) continue;
-    it->second.pending = false;
+    if (it == m_entries.end() || !it->second.pending()) continue;
     out.push_back(Pending{Uuid{k}.to_string(), it->second.lease()});
-    m_drained.push_back(k);
+    m_drained.emplace_back(k, it->second.count());
+    it->second.set_pending(false);
+    it->second.set_count(0);
   }
   m_pending.clear();
   return out;
@@ -113,10 +118,12 @@ std::vector<RenewalTable::Pending> RenewalTable::drain() {
 
 void RenewalTable::put_back(const Key& k, const Lease& lease) {
   auto [it, inserted] = m_entries.try_emplace(k, Entry{lease, false});
-  if (!inserted && it->second.fencing_token == lease.fencing_token)
+  if (!inserted && it->second.fencing_token == lease.fencing_token) {
     it->second.expires_at = std::max(it->second.expires_at, lease.expires_at);
-  if (!it->second.pending) {
-    it->second.pending = true;
+    it->second.set_count(it->second.count() + lease.renewals);
+  }
+  if (!it->second.pending()) {
+    it->second.set_pending(true);
     m_pending.push_back(k);
   }
 }
@@ -152,10 +159,12 @@ void RenewalTable::committed() {
 void RenewalTable::rolled_back() {
   undo_to(0);
   std::lock_guard lock(m_mutex);
-  for (const Key& k : m_drained) {
+  for (const auto& [k, told] : m_drained) {
     auto it = m_entries.find(k);
-    if (it == m_entries.end() || it->second.pending) continue; // taken: put back pending by undo_to
-    it->second.pending = true;
+    if (it == m_entries.end()) continue; // taken: put back pending by undo_to
+    it->second.set_count(it->second.count() + told);
+    if (it->second.pending()) continue;
+    it->second.set_pending(true);
     m_pending.push_back(k);
   }
   m_drained.clear();

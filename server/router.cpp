@@ -336,15 +336,11 @@ void on_register(const CallPtr& c, LeaseService& svc) {
 void on_claim(const CallPtr& c, LeaseService& svc) {
   auto body = body_object(c, false);
   if (!body) return;
-  json::ObjectReader r(*body);
-  auto display = r.string("display_name", Need::required);
-  auto memory = r.uuid("memory_instance_id", Need::required);
-  auto owner = owner_field(r);
-  auto ttl = r.integer("ttl_seconds", Need::optional, -k_any_ttl, k_any_ttl);
-  if (!finish_reader(c, r)) return;
+  auto decoded = wire::read_claim_request(*body, k_any_ttl);
+  if (!decoded) return fail(c, std::move(decoded.error()));
   auto idem = idempotency(c, *body);
   if (!idem) return;
-  lease::ClaimRequest req{*display, *memory, *owner, ttl.value_or(k_default_ttl_s)};
+  const lease::ClaimRequest& req = *decoded;
   WaitSpec wait;
   wait.watch_fd = c->fd;
   std::optional<std::int64_t> wait_s; // the first wait preference of all Prefer fields (RFC 7240)
@@ -384,13 +380,36 @@ std::optional<lease::LeaseRef> lease_ref(json::ObjectReader& r, bool with_owner,
   return ref;
 }
 
+// mep_renewals_total's label for one renewal's outcome: renewed, or the problem's code, with
+// the leases an operator or the hold limit ended told apart.
+std::string renewal_outcome(int status, std::string_view code, std::string_view reason) {
+  if (status == 200) return "renewed";
+  std::string label(reason == "max-hold" || reason == "revoked" ? reason : code);
+  if (label.empty()) label = "other";
+  std::replace(label.begin(), label.end(), '-', '_');
+  return label;
+}
+
+void count_renewal(int status, std::string_view code, std::string_view reason) {
+  Metrics::global().inc("mep_renewals_total", "outcome=\"" + renewal_outcome(status, code, reason) + "\"");
+}
+
 void on_renew(const CallPtr& c, LeaseService& svc) {
   auto body = body_object(c, false);
   if (!body) return;
   json::ObjectReader r(*body);
   auto ref = lease_ref(r, true, true);
   if (!finish_reader(c, r)) return;
-  svc.renew(c->ctx, std::move(*ref), answer<lease::Renewed, 200>(c));
+  svc.renew(c->ctx, std::move(*ref), [c](Outcome<lease::Renewed> o) {
+    if (o.ok()) {
+      count_renewal(200, {}, {});
+    } else {
+      const auto* reason = o.value.error().extensions.if_contains("reason");
+      count_renewal(o.value.error().status(), o.value.error().slug(),
+                    reason && reason->is_string() ? std::string_view(reason->get_string()) : std::string_view());
+    }
+    finish(c, encode(c, o, 200));
+  });
 }
 
 void on_renew_batch(const CallPtr& c, LeaseService& svc) {
@@ -423,7 +442,11 @@ void on_renew_batch(const CallPtr& c, LeaseService& svc) {
   }
   if (!finish_reader(c, r)) return;
   req.owner_client_id = *owner;
-  svc.renew_batch(c->ctx, std::move(req), answer<lease::RenewBatchResult, 200>(c));
+  svc.renew_batch(c->ctx, std::move(req), [c](Outcome<lease::RenewBatchResult> o) {
+    if (o.ok())
+      for (const auto& item : o.value->results) count_renewal(item.status, item.code, item.reason);
+    finish(c, encode(c, o, 200));
+  });
 }
 
 void on_release(const CallPtr& c, LeaseService& svc) {
@@ -467,13 +490,21 @@ void on_verify(const CallPtr& c, LeaseService& svc) {
   svc.verify(c->ctx, lease::VerifyRequest{*memory, *token}, answer<lease::Verified, 200>(c));
 }
 
+// The longest reason an operator may give for a revocation (it is told to the holder).
+constexpr std::size_t k_max_revoke_reason = 200;
+
 void on_revoke(const CallPtr& c, LeaseService& svc) {
   auto body = body_object(c, false);
   if (!body) return;
   json::ObjectReader r(*body);
   auto name = r.string("canonical_name", Need::required);
+  auto reason = r.string("reason", Need::optional);
+  if (reason && (reason->size() > k_max_revoke_reason || !utf8::decode(*reason) ||
+                 std::any_of(reason->begin(), reason->end(),
+                             [](char ch) { return static_cast<unsigned char>(ch) < 0x20 || ch == 0x7F; })))
+    r.fail("field \"reason\" must be at most 200 bytes of printable UTF-8");
   if (!finish_reader(c, r)) return;
-  svc.revoke(c->ctx, *name, answer<Revoked, 204>(c));
+  svc.revoke(c->ctx, *name, reason.value_or(""), answer<Revoked, 204>(c));
 }
 
 void on_get_lease(const CallPtr& c, LeaseService& svc) {
@@ -491,6 +522,36 @@ std::optional<std::size_t> page_limit(std::string_view v, std::size_t max) {
   for (char ch : v) n = n * 10 + static_cast<std::size_t>(ch - '0');
   if (n < 1 || n > max) return std::nullopt;
   return n;
+}
+
+void on_history(const CallPtr& c, LeaseService& svc) {
+  const std::string& raw = c->params[0];
+  if (!utf8::decode(raw) || raw.find('\0') != std::string::npos)
+    return fail(c, Problem(Code::invalid_request, "the name in the path is not UTF-8"));
+  HistoryQuery req;
+  req.canonical_name = raw;
+  std::vector<std::string> seen;
+  for (auto p : c->query) {
+    if (std::find(seen.begin(), seen.end(), p.key) != seen.end())
+      return fail(c, Problem(Code::invalid_request, "query parameter \"" + std::string(p.key) + "\" given twice"));
+    seen.emplace_back(p.key);
+    if (p.key == "since") {
+      auto t = parse_rfc3339(p.value);
+      if (!t) return fail(c, Problem(Code::invalid_request, "since must be an RFC 3339 time"));
+      req.since = *t;
+    } else if (p.key == "cursor") {
+      if (p.value.empty() || p.value.size() > 64)
+        return fail(c, Problem(Code::invalid_request, "cursor is not a next_cursor this server returned"));
+      req.cursor = std::string(p.value);
+    } else if (p.key == "limit") {
+      auto n = page_limit(p.value, 1000);
+      if (!n) return fail(c, Problem(Code::invalid_request, "limit must be an integer from 1 to 1000"));
+      req.limit = *n;
+    } else {
+      return fail(c, Problem(Code::invalid_request, "unknown query parameter \"" + std::string(p.key) + "\""));
+    }
+  }
+  svc.history(c->ctx, std::move(req), answer<lease::HistoryPage, 200>(c));
 }
 
 void on_list_leases(const CallPtr& c, LeaseService& svc) {
@@ -557,10 +618,42 @@ void on_identity_map(const CallPtr& c, LeaseService& svc) {
   svc.identity_map(c->ctx, std::move(cursor), limit, answer<lease::IdentityMapPage, 200>(c));
 }
 
+// The tenants mep_leases_active_by_tenant names (its cardinality's bound).
+constexpr std::size_t k_max_tenant_series = 20;
+
+// A label value as the text exposition format writes it: \, " and newlines escaped.
+std::string prometheus_label_value(std::string_view v) {
+  std::string out;
+  for (char ch : v) {
+    if (ch == '\\' || ch == '"')
+      out += '\\', out += ch;
+    else if (ch == '\n')
+      out += "\\n";
+    else
+      out += ch;
+  }
+  return out;
+}
+
 void on_metrics(const CallPtr& c, LeaseService& svc) {
   auto& m = Metrics::global();
   try {
+    m.set("mep_db_ready", svc.store().ready() ? 1.0 : 0.0);
     m.set("mep_leases_active", static_cast<double>(svc.store().active_leases()));
+    // At most 20 tenants by name, the busiest; the rest together as _other.
+    auto by_tenant = svc.store().active_leases_by_tenant();
+    std::sort(by_tenant.begin(), by_tenant.end(), [](const auto& a, const auto& b) { return a.second > b.second; });
+    std::vector<std::pair<std::string, double>> series;
+    double other = 0;
+    for (std::size_t i = 0; i < by_tenant.size(); ++i) {
+      if (i < k_max_tenant_series)
+        series.emplace_back("tenant=\"" + prometheus_label_value(by_tenant[i].first) + "\"",
+                            static_cast<double>(by_tenant[i].second));
+      else
+        other += static_cast<double>(by_tenant[i].second);
+    }
+    if (by_tenant.size() > k_max_tenant_series) series.emplace_back("tenant=\"_other\"", other);
+    m.replace("mep_leases_active_by_tenant", series);
     m.set("mep_db_transaction_retries_total", static_cast<double>(svc.store().transaction_retries()));
     m.set("mep_clock_steps_total", static_cast<double>(svc.store().clock_steps()));
   } catch (const std::exception& e) {
@@ -584,6 +677,14 @@ void on_health(const CallPtr& c, bool readiness, LeaseService& svc) {
   Problem p(Code::unavailable, "the database cannot be read or written (unreachable, full or failing)");
   p.retry_after_s = 1;
   fail(c, std::move(p));
+}
+
+// The token has the admin scope (the route's row checked it): for a data plane that lets
+// only admins read what it guards itself (mep store --strict: its /metrics).
+void on_admin_check(const CallPtr& c, LeaseService&) {
+  Reply r;
+  r.status = 204;
+  finish(c, std::move(r));
 }
 
 void on_healthz(const CallPtr& c, LeaseService& svc) { on_health(c, false, svc); }
@@ -615,6 +716,8 @@ constexpr Route k_routes[] = {
     {GET,  "/v1/leases/{canonical_name}",      Auth::lease,   Idem::none,     Gate::open,      Priority::normal,       k_small, Metric::none,    on_get_lease},
     {POST, "/v1/fence/verify",                 Auth::lease,   Idem::none,     Gate::open,      Priority::normal,       k_small, Metric::none,    on_verify},
     {POST, "/v1/admin/leases/revoke",          Auth::admin,   Idem::none,     Gate::open,      Priority::normal,       k_small, Metric::none,    on_revoke},
+    {GET,  "/v1/admin/leases/{canonical_name}/history", Auth::admin, Idem::none, Gate::open,    Priority::normal,       k_small, Metric::none,    on_history},
+    {GET,  "/v1/admin/check",                  Auth::admin,   Idem::none,     Gate::open,      Priority::normal,       k_small, Metric::none,    on_admin_check},
     {GET,  "/v1/migration/identity-map",       Auth::lease,   Idem::none,     Gate::open,      Priority::normal,       k_small, Metric::none,    on_identity_map},
 };
 // clang-format on

@@ -1,6 +1,12 @@
 // Typed results from stored rows.
 #include "mep/rows.hpp"
 
+#include "mep/json.hpp"
+#include "mep/lease/wire.hpp"
+#include "mep/metrics.hpp"
+
+#include <algorithm>
+
 namespace mep::server {
 
 lease::Grant to_grant(const LeaseRow& l, UnixMs now) {
@@ -16,8 +22,23 @@ lease::Grant to_grant(const LeaseRow& l, UnixMs now) {
   return g;
 }
 
+std::optional<lease::Holder> parse_holder(const std::string& text) {
+  if (text.empty()) return std::nullopt;
+  auto o = json::parse_object(text);
+  if (!o) return std::nullopt;
+  auto h = lease::wire::decode_holder(*o);
+  if (!h || h->empty()) return std::nullopt;
+  return std::move(*h);
+}
+
 lease::LeaseInfo to_lease_info(const LeaseRow& l, UnixMs now) {
-  return lease::LeaseInfo{to_grant(l, now), l.owner_client_id};
+  lease::LeaseInfo info{to_grant(l, now), l.owner_client_id};
+  info.holder = parse_holder(l.holder);
+  info.granted_at = l.granted_at ? l.granted_at : l.acquired_at;
+  info.renewed_at = l.renewed_at;
+  info.renewals = l.renewals;
+  info.hold_until = l.hold_until;
+  return info;
 }
 
 lease::Memory to_memory(const MemoryRow& m) {
@@ -48,8 +69,19 @@ lease::RenewItem renew_item(std::string canonical_name, const expected<lease::Re
   } else {
     item.status = r.error().status();
     item.code = std::string(r.error().slug());
+    if (auto* reason = r.error().extensions.if_contains("reason"); reason && reason->is_string())
+      item.reason = std::string(reason->get_string());
   }
   return item;
+}
+
+void count_lease_end(const LeaseRow& l, std::string_view cause, UnixMs ended_at) {
+  if ((cause == "expired" || cause == "taken_over") && l.hold_until && l.expires_at + l.ttl_s * 1000 > *l.hold_until)
+    cause = "max_hold"; // its renewals were refused: it could not have lived a TTL more
+  auto& m = Metrics::global();
+  m.inc("mep_lease_ends_total", "cause=\"" + std::string(cause) + "\"");
+  const UnixMs start = l.granted_at ? l.granted_at : l.acquired_at;
+  m.observe("mep_lease_hold_seconds", "", static_cast<double>(std::max<UnixMs>(0, ended_at - start)) / 1000.0);
 }
 
 Problem db_unavailable() {

@@ -121,6 +121,7 @@ int run_server(const ServerOptions& o) {
   net::io_context ioc(o.threads);
   store->set_completion_executor([&ioc](std::function<void()> f) { net::post(ioc, std::move(f)); });
   Router router(*store, o.rate_limit);
+  router.service().set_max_hold(o.max_hold_s);
   std::unique_ptr<http::TcpListener> http;
   try {
     http = std::make_unique<http::TcpListener>(ioc, *endpoint, router, tls_ctx.get(), http::EdgeOptions{});

@@ -42,6 +42,7 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <charconv>
 #include <cerrno>
 #include <chrono>
 #include <cstdio>
@@ -61,7 +62,7 @@ namespace {
 using sqlite::Db;
 using sqlite::Use;
 
-constexpr int k_schema_version = 9;
+constexpr int k_schema_version = 10;
 constexpr std::size_t k_max_group = 1024;
 // The log's growth that wakes the checkpointer (SQLite's own default; see on_wal_commit),
 // and the size its file is cut back to when it starts again: above what synced commits
@@ -291,9 +292,34 @@ ALTER TABLE idempotency_v7 RENAME TO idempotency;
 CREATE INDEX idempotency_key ON idempotency(idem_key);
 )sql";
 
+// Version 10: who holds a lease and since when (holder metadata, granted_at, renewals,
+// the hold limit), the last revocation of a memory (its holder is told why its renewal
+// fails), and the renewals of a lease in the audit row that ends it. Columns only: no row
+// is rewritten, and a lease row from before has no holder and its grant as its start.
+struct NewColumn {
+  std::string_view table;
+  std::string_view column;
+  std::string_view declaration;
+};
+constexpr NewColumn k_schema_v10[] = {
+    {"leases", "holder", "TEXT"},          {"leases", "granted_at", "INTEGER"},
+    {"leases", "renewed_at", "INTEGER"},   {"leases", "renewals", "INTEGER NOT NULL DEFAULT 0"},
+    {"leases", "hold_until", "INTEGER"},   {"memories", "revoked_token", "INTEGER"},
+    {"memories", "revoke_reason", "TEXT"}, {"audit_events", "renewals", "INTEGER"},
+};
+
+// Adds a column unless the table has it (a database whose version was set back by hand, or
+// rebuilt from rows of a newer one, may).
+void add_column(Db& db, const NewColumn& c) {
+  Use s(db.prepare("SELECT 1 FROM pragma_table_info(?1) WHERE name = ?2"));
+  s->bind(1, c.table).bind(2, c.column);
+  if (s->step()) return;
+  db.exec(fmt::format("ALTER TABLE {} ADD COLUMN {} {}", c.table, c.column, c.declaration));
+}
+
 constexpr std::string_view k_lease_cols =
     "lease_id, tenant_id, canonical_name, display_name, skeleton, memory_id, fencing_token, "
-    "owner_client_id, ttl_seconds, expires_at, acquired_at";
+    "owner_client_id, ttl_seconds, expires_at, acquired_at, holder, granted_at, renewed_at, renewals, hold_until";
 
 LeaseRow read_lease(sqlite::Stmt& s) {
   LeaseRow l;
@@ -308,12 +334,17 @@ LeaseRow read_lease(sqlite::Stmt& s) {
   l.ttl_s = s.int64(8);
   l.expires_at = s.int64(9);
   l.acquired_at = s.int64(10);
+  l.holder = s.opt_text(11).value_or("");
+  l.granted_at = s.opt_int64(12).value_or(l.acquired_at);
+  l.renewed_at = s.opt_int64(13);
+  l.renewals = s.int64(14);
+  l.hold_until = s.opt_int64(15);
   return l;
 }
 
 std::optional<MemoryRow> find_memory(Db& db, const std::string& memory_id) {
   Use s(db.prepare("SELECT memory_id, tenant_id, parent_memory_id, branched_at_token, "
-                   "fence_counter, created_at FROM memories WHERE memory_id = ?1"));
+                   "fence_counter, created_at, revoked_token, revoke_reason FROM memories WHERE memory_id = ?1"));
   s->bind(1, memory_id);
   if (!s->step()) return std::nullopt;
   MemoryRow m;
@@ -323,6 +354,8 @@ std::optional<MemoryRow> find_memory(Db& db, const std::string& memory_id) {
   m.branched_at_token = s->opt_int64(3);
   m.fence_counter = s->int64(4);
   m.created_at = s->int64(5);
+  m.revoked_token = s->opt_int64(6);
+  m.revoke_reason = s->opt_text(7).value_or("");
   return m;
 }
 
@@ -369,7 +402,8 @@ void rewrite_lease(Db& db, const LeaseRow& l, bool owner_changed) {
   // Two statements: SQLite updates every index with a column named in SET, changed or not.
   static const auto sql = [](std::string_view owner) {
     return fmt::format("UPDATE leases SET lease_id = ?1, display_name = ?2, fencing_token = ?3, "
-                       "ttl_seconds = ?4, expires_at = ?5, acquired_at = ?6{} WHERE memory_id = ?7",
+                       "ttl_seconds = ?4, expires_at = ?5, acquired_at = ?6, holder = ?9, granted_at = ?10, "
+                       "renewed_at = ?11, renewals = ?12, hold_until = ?13{} WHERE memory_id = ?7",
                        owner);
   };
   static const std::string keep_owner = sql(""), new_owner = sql(", owner_client_id = ?8");
@@ -380,16 +414,14 @@ void rewrite_lease(Db& db, const LeaseRow& l, bool owner_changed) {
       .bind(4, l.ttl_s)
       .bind(5, l.expires_at)
       .bind(6, l.acquired_at)
-      .bind(7, l.memory_id);
+      .bind(7, l.memory_id)
+      .bind(9, l.holder.empty() ? std::nullopt : std::optional<std::string>(l.holder))
+      .bind(10, l.granted_at)
+      .bind(11, l.renewed_at)
+      .bind(12, l.renewals)
+      .bind(13, l.hold_until);
   if (owner_changed) s->bind(8, l.owner_client_id);
   s->run();
-}
-
-bool ttl_ok(std::int64_t ttl) { return ttl >= k_min_ttl_s && ttl <= k_max_ttl_s; }
-
-Problem ttl_problem(std::int64_t ttl) {
-  return Problem(Code::invalid_ttl,
-                 fmt::format("ttl_seconds must be between {} and {} (got {})", k_min_ttl_s, k_max_ttl_s, ttl));
 }
 
 std::string db_path_from_url(const std::string& url) {
@@ -663,6 +695,10 @@ void SqliteStore::migrate() {
       // Version 9: a stored 423 or 429 keeps its Retry-After for its replays, as on PostgreSQL.
       m_db->exec("ALTER TABLE idempotency ADD COLUMN retry_after INTEGER");
       m_db->exec("INSERT INTO schema_version(version) VALUES (9)");
+    }
+    if (version < 10) {
+      for (const auto& c : k_schema_v10) add_column(*m_db, c);
+      m_db->exec("INSERT INTO schema_version(version) VALUES (10)");
     }
     m_db->exec("COMMIT");
   } catch (...) {
@@ -1099,17 +1135,18 @@ const HmacSha256& SqliteStore::audit_mac(Db& db, const std::string& tenant_id) {
 }
 
 void SqliteStore::audit(const std::string& tenant_id, std::string_view type, std::string_view name,
-                        std::string_view memory_id, std::optional<std::int64_t> token) {
+                        std::string_view memory_id, std::optional<std::int64_t> token,
+                        std::optional<std::int64_t> renewals) {
   m_pending_audit.push_back(
-      PendingAudit{tenant_id, std::string(type), std::string(name), std::string(memory_id), token});
+      PendingAudit{tenant_id, std::string(type), std::string(name), std::string(memory_id), token, renewals});
 }
 
 void SqliteStore::write_pending_audit() {
   for (const auto& a : m_pending_audit) {
     const HmacSha256& mac = audit_mac(*m_db, a.tenant_id);
     Use s(m_db->prepare("INSERT INTO audit_events(event_id, tenant_id, event_type, "
-                        "redacted_name_hash, redacted_memory_hash, fencing_token, created_at) "
-                        "VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7)"));
+                        "redacted_name_hash, redacted_memory_hash, fencing_token, created_at, renewals) "
+                        "VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8)"));
     s->bind(1, uuid_v7().to_string())
         .bind(2, a.tenant_id)
         .bind(3, a.type)
@@ -1117,6 +1154,7 @@ void SqliteStore::write_pending_audit() {
         .bind(5, a.memory_id.empty() ? std::string() : mac.hex(a.memory_id))
         .bind(6, a.token)
         .bind(7, now_unix_ms())
+        .bind(8, a.renewals)
         .run();
   }
   m_pending_audit.clear();
@@ -1192,57 +1230,76 @@ Outcome<T> SqliteStore::run_idempotent(Db& db, UnixMs now, const Ctx& ctx, const
 
 // ---- fencing classification -------------------------------------------------------------
 
-// Decides what a presented (memory, token) refers to. Returns the live lease when the
-// token is the memory's current grant and its lease is unexpired; otherwise the problem:
-// 404 when the memory is not the tenant's, 409 stale-fence when a newer grant exists
-// (or the token was never issued), 410 lease-expired when this grant has ended.
+// What a presented (memory, token) refers to (rules::classify), read on the writer's
+// connection; a stale token is audited and counted.
 expected<LeaseRow, Problem> SqliteStore::classify(Db& db, UnixMs now, const Ctx& ctx, const std::string& memory_id,
                                                   std::int64_t token, Code not_found) {
   auto mem = find_memory(db, memory_id);
-  if (!mem || mem->tenant_id != ctx.auth.tenant_id)
-    return make_unexpected(Problem(not_found, "no such memory for this tenant"));
-  if (token != mem->fence_counter) {
-    Problem p(Code::stale_fence, token < mem->fence_counter
-                                     ? fmt::format("fencing token {} was superseded by {}", token, mem->fence_counter)
-                                     : fmt::format("fencing token {} was never issued for this memory", token));
-    p.extensions["current_fencing_token"] = mem->fence_counter;
+  std::optional<LeaseRow> lease;
+  if (mem && mem->tenant_id == ctx.auth.tenant_id && token == mem->fence_counter) {
+    lease = lease_by_memory(db, memory_id);
+    if (lease) settle(db, *lease);
+  }
+  bool stale = false;
+  auto r = rules::classify(ctx, mem, lease, token, now, not_found, &stale);
+  if (stale) {
     audit(ctx.auth.tenant_id, "STALE_FENCE_REJECTED", {}, memory_id, token);
     Metrics::global().inc("mep_fencing_rejections_total");
-    return make_unexpected(std::move(p));
   }
-  auto lease = lease_by_memory(db, memory_id);
-  if (lease) settle(db, *lease);
-  if (!lease || lease->fencing_token != token || lease->expires_at <= now)
-    return make_unexpected(
-        Problem(Code::lease_expired, fmt::format("the lease with fencing token {} has ended", token)));
-  return *lease;
+  return r;
 }
 
 // ---- renewals from memory (see the notes at the lease clock) ----------------------------------
 
 namespace {
-// A renewal from memory, written to its row (unless the row was released or granted again).
+// When the last renewal from memory was made: its expiry is that renewal's time + TTL
+// (a renewal from memory always moves the expiry to now + TTL, the clock being monotonic).
+UnixMs renewed_at_of(const RenewalTable::Lease& l) { return l.expires_at - l.ttl_s * 1000; }
+
+// Renewals from memory, written to their row (unless the row was released or granted again):
+// the later expiry and the renewals counted.
 void write_renewal(Db& db, const std::string& memory_id, const RenewalTable::Lease& l) {
-  Use s(db.prepare("UPDATE leases SET expires_at = ?2, ttl_seconds = ?3 "
-                   "WHERE memory_id = ?1 AND fencing_token = ?4 AND expires_at < ?2 AND expires_at != ?5"));
-  s->bind(1, memory_id).bind(2, l.expires_at).bind(3, l.ttl_s).bind(4, l.fencing_token).bind(5, k_released).run();
+  // (Every expression of SET reads the row as it was.)
+  Use s(db.prepare("UPDATE leases SET ttl_seconds = CASE WHEN expires_at < ?2 THEN ?3 ELSE ttl_seconds END, "
+                   "expires_at = max(expires_at, ?2), renewals = renewals + ?6, "
+                   "renewed_at = CASE WHEN ?6 > 0 THEN ?7 ELSE renewed_at END "
+                   "WHERE memory_id = ?1 AND fencing_token = ?4 AND expires_at != ?5 AND (expires_at < ?2 OR ?6 > 0)"));
+  s->bind(1, memory_id)
+      .bind(2, l.expires_at)
+      .bind(3, l.ttl_s)
+      .bind(4, l.fencing_token)
+      .bind(5, k_released)
+      .bind(6, l.renewals)
+      .bind(7, renewed_at_of(l))
+      .run();
 }
 } // namespace
 
 void SqliteStore::settle(Db& db, LeaseRow& row) {
   auto kept = m_renewals.take(row.memory_id);
-  if (!kept || kept->fencing_token != row.fencing_token || kept->expires_at <= row.expires_at ||
-      row.expires_at == k_released)
+  if (!kept || kept->fencing_token != row.fencing_token || row.expires_at == k_released ||
+      (kept->expires_at <= row.expires_at && kept->renewals == 0))
     return;
   write_renewal(db, row.memory_id, *kept);
-  row.expires_at = kept->expires_at;
-  row.ttl_s = kept->ttl_s;
+  if (kept->expires_at > row.expires_at) {
+    row.expires_at = kept->expires_at;
+    row.ttl_s = kept->ttl_s;
+  }
+  if (kept->renewals > 0) {
+    row.renewals += kept->renewals;
+    row.renewed_at = renewed_at_of(*kept);
+  }
 }
 
 void SqliteStore::overlay(LeaseRow& row) const {
   if (!m_serving || row.expires_at == k_released) return;
-  if (auto l = m_renewals.find(row.memory_id, row.fencing_token); l && l->expires_at > row.expires_at)
-    row.expires_at = l->expires_at;
+  auto l = m_renewals.find(row.memory_id, row.fencing_token);
+  if (!l) return;
+  if (l->expires_at > row.expires_at) row.expires_at = l->expires_at;
+  if (l->renewals > 0) {
+    row.renewals += l->renewals;
+    row.renewed_at = renewed_at_of(*l);
+  }
 }
 
 void SqliteStore::flush_renewals(Db& db) {
@@ -1289,97 +1346,44 @@ void SqliteStore::register_memory(const Ctx& ctx, Idempotency idem, RegisterMemo
 }
 
 expected<lease::Grant, Problem> SqliteStore::op_claim(Db& db, UnixMs now, const Ctx& ctx, const Claim& req) {
-  // 2. The name (canonicalized before the transaction) and the TTL.
-  if (!req.name) return make_unexpected(req.name.error().to_problem());
-  if (!ttl_ok(req.ttl_s)) return make_unexpected(ttl_problem(req.ttl_s));
-  const CanonicalName& name = *req.name;
-  // 3. The memory exists and is the tenant's.
-  auto mem = find_memory(db, req.memory_id);
-  if (!mem || mem->tenant_id != ctx.auth.tenant_id)
-    return make_unexpected(Problem(Code::memory_not_found, "no such memory for this tenant"));
-  // 4. Every lease that conflicts on name, skeleton or memory, in one lookup (at most one
-  // row per unique column). Takeover: the expired ones are removed and audited with the
-  // grant (step 7); a claim refused below writes nothing (see run_batch).
-  static const std::string conflicts_sql =
-      fmt::format("SELECT {} FROM leases WHERE canonical_name = ?1 OR skeleton = ?2 OR memory_id = ?3", k_lease_cols);
-  std::vector<LeaseRow> expired;
-  std::vector<LeaseRow> live;
-  {
-    Use s(db.prepare(conflicts_sql));
-    s->bind(1, name.canonical_name).bind(2, name.skeleton).bind(3, req.memory_id);
-    while (s->step()) {
-      LeaseRow row = read_lease(*s);
-      settle(db, row);
-      (row.expires_at <= now ? expired : live).push_back(std::move(row));
+  // What the rules need to decide (lease_rules.hpp): the memory and every lease that shares
+  // the name, the skeleton or the memory, in one lookup (at most one row per unique column),
+  // each settled with its renewals from memory. A claim refused writes nothing.
+  rules::ClaimView view;
+  view.now = now;
+  if (req.name && !rules::check_ttl(req.ttl_s)) {
+    view.memory = find_memory(db, req.memory_id);
+    if (view.memory && view.memory->tenant_id == ctx.auth.tenant_id) {
+      static const std::string conflicts_sql = fmt::format(
+          "SELECT {} FROM leases WHERE canonical_name = ?1 OR skeleton = ?2 OR memory_id = ?3", k_lease_cols);
+      Use s(db.prepare(conflicts_sql));
+      s->bind(1, req.name->canonical_name).bind(2, req.name->skeleton).bind(3, req.memory_id);
+      while (s->step()) {
+        LeaseRow row = read_lease(*s);
+        settle(db, row);
+        view.conflicts.push_back(std::move(row));
+      }
     }
   }
-  // 5. A live lease on the name or its skeleton (the exact name reported first).
-  std::stable_partition(live.begin(), live.end(),
-                        [&](const LeaseRow& l) { return l.canonical_name == name.canonical_name; });
-  std::optional<LeaseRow> reclaim;
-  for (const auto& l : live) {
-    const bool same_name = l.canonical_name == name.canonical_name;
-    if (!same_name && l.skeleton != name.skeleton) continue; // only the memory conflicts: step 6
-    if (same_name && l.tenant_id == ctx.auth.tenant_id && l.owner_client_id == req.owner_client_id &&
-        l.memory_id == req.memory_id) {
-      reclaim = l;
-      continue;
-    }
-    audit(ctx.auth.tenant_id, "NAME_CONFLICT", name.canonical_name, req.memory_id, std::nullopt);
-    Problem p(same_name ? Code::name_held : Code::name_confusable,
-              same_name ? fmt::format("the name \"{}\" is held by another owner", name.canonical_name)
-                        : fmt::format("the name \"{}\" is confusable with a name that is held", name.canonical_name));
-    p.retry_after_s = retry_after_until(l.expires_at, now);
-    return make_unexpected(std::move(p));
-  }
-  // 6. A live lease on the memory under another name or owner.
-  for (const auto& held : live) {
-    if (held.memory_id != req.memory_id || (reclaim && held.memory_id == reclaim->memory_id)) continue;
-    Problem p(Code::memory_attached, "this memory is attached to another lease");
-    p.retry_after_s = retry_after_until(held.expires_at, now);
-    return make_unexpected(std::move(p));
-  }
-  // 6b. Claims that wait for the skeleton or the memory come first (Claim::ticket); a
-  // re-claim of the caller's own live lease holds no one up and is not held up.
-  if (!reclaim && m_gate) {
-    if (std::size_t ahead = m_gate(name.skeleton, req.memory_id, req.ticket)) {
-      Problem p(Code::name_held, "the name or the memory is free, but earlier claims are waiting for it");
-      p.extensions["waiters"] = static_cast<std::int64_t>(ahead);
-      p.retry_after_s = 1;
-      return make_unexpected(std::move(p));
-    }
-  }
-  // 7. Grant: bump the memory's counter, write the lease, the name history and the audit.
-  // The row of this memory under this name — held by the same owner (re-claim), released
-  // or expired — is rewritten in place; other expired conflicts are removed.
-  std::optional<LeaseRow> in_place = reclaim;
-  for (const auto& e : expired)
-    if (!in_place && e.memory_id == req.memory_id && e.canonical_name == name.canonical_name &&
-        e.skeleton == name.skeleton && e.tenant_id == ctx.auth.tenant_id)
-      in_place = e;
-  for (const auto& e : expired)
-    if (!in_place || e.memory_id != in_place->memory_id) delete_lease(db, e.memory_id);
-  LeaseRow l;
-  l.lease_id = reclaim ? reclaim->lease_id : uuid_v7().to_string();
-  l.tenant_id = ctx.auth.tenant_id;
-  l.canonical_name = name.canonical_name;
-  l.display_name = name.display_name;
-  l.skeleton = name.skeleton;
-  l.memory_id = req.memory_id;
-  l.fencing_token = mem->fence_counter + 1;
-  l.owner_client_id = req.owner_client_id;
-  l.ttl_s = req.ttl_s;
-  l.expires_at = now + req.ttl_s * 1000;
-  l.acquired_at = now;
+  rules::WaitingAhead ahead;
+  if (m_gate && req.name) ahead = [&] { return m_gate(req.name->skeleton, req.memory_id, req.ticket); };
+  rules::ClaimDecision d = rules::decide_claim(ctx, req, view, ahead, uuid_v7().to_string());
+  for (const auto& note : d.audit) audit(note);
+  if (!d.outcome) return std::move(d.outcome);
+  const LeaseRow& l = d.lease;
+  for (const auto& e : d.removed) delete_lease(db, e.memory_id);
+  for (const auto& e : view.conflicts)
+    if (e.expires_at != k_released && e.expires_at <= now) count_lease_end(e, "taken_over", e.expires_at);
   {
     Use s(db.prepare("UPDATE memories SET fence_counter = ?1 WHERE memory_id = ?2"));
     s->bind(1, l.fencing_token).bind(2, l.memory_id).run();
   }
-  if (in_place) {
-    rewrite_lease(db, l, in_place->owner_client_id != l.owner_client_id);
+  if (d.in_place) {
+    rewrite_lease(db, l, d.in_place->owner_client_id != l.owner_client_id);
   } else {
-    static const std::string sql =
-        fmt::format("INSERT INTO leases({}) VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11)", k_lease_cols);
+    static const std::string sql = fmt::format(
+        "INSERT INTO leases({}) VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?13, ?14, ?15, ?16)",
+        k_lease_cols);
     Use s(db.prepare(sql));
     s->bind(1, l.lease_id)
         .bind(2, l.tenant_id)
@@ -1392,6 +1396,11 @@ expected<lease::Grant, Problem> SqliteStore::op_claim(Db& db, UnixMs now, const 
         .bind(9, l.ttl_s)
         .bind(10, l.expires_at)
         .bind(11, l.acquired_at)
+        .bind(12, l.holder.empty() ? std::nullopt : std::optional<std::string>(l.holder))
+        .bind(13, l.granted_at)
+        .bind(14, l.renewed_at)
+        .bind(15, l.renewals)
+        .bind(16, l.hold_until)
         .run();
   }
   {
@@ -1414,15 +1423,7 @@ expected<lease::Grant, Problem> SqliteStore::op_claim(Db& db, UnixMs now, const 
         .bind(8, k_name_history_resolution_ms)
         .run();
   }
-  for (const auto& e : expired) {
-    if (e.expires_at == k_released) continue; // its release was audited
-    audit(e.tenant_id, "LEASE_EXPIRED", e.canonical_name, e.memory_id, e.fencing_token);
-    audit(ctx.auth.tenant_id, "LEASE_TAKEOVER", e.canonical_name, e.memory_id, e.fencing_token);
-  }
-  audit(ctx.auth.tenant_id, "LEASE_ACQUIRED", l.canonical_name, l.memory_id, l.fencing_token);
-  lease::Grant g = to_grant(l, now);
-  g.reclaimed = reclaim.has_value();
-  return g;
+  return std::move(d.outcome);
 }
 
 void SqliteStore::claim(const Ctx& ctx, Idempotency idem, Claim req, Then<lease::Grant> then) {
@@ -1435,22 +1436,23 @@ void SqliteStore::claim(const Ctx& ctx, Idempotency idem, Claim req, Then<lease:
 }
 
 expected<lease::Renewed, Problem> SqliteStore::op_renew(Db& db, UnixMs now, const Ctx& ctx, const LeaseRef& ref) {
-  if (!ttl_ok(ref.ttl_s)) return make_unexpected(ttl_problem(ref.ttl_s));
+  if (auto p = rules::check_ttl(ref.ttl_s)) return make_unexpected(std::move(*p));
   auto lease = classify(db, now, ctx, ref.memory_id, ref.fencing_token, Code::lease_not_found);
   if (!lease) return make_unexpected(std::move(lease.error()));
-  if (lease->canonical_name != ref.canonical_name || lease->owner_client_id != ref.owner_client_id)
-    return make_unexpected(Problem(Code::lease_not_found, "no lease of this owner under this name"));
+  auto expires = rules::decide_renew(*lease, ref, now);
+  if (!expires) return make_unexpected(std::move(expires.error()));
   // A longer TTL is on disk before it is acknowledged: after a reboot, a renewal that
   // was lost is made good with the TTL on disk (anchor_clock).
   if (ref.ttl_s > lease->ttl_s) m_must_sync = true;
-  UnixMs expires = std::max(lease->expires_at, now + ref.ttl_s * 1000);
-  Use s(db.prepare("UPDATE leases SET expires_at = ?1, ttl_seconds = ?2 WHERE memory_id = ?3"));
-  s->bind(1, expires).bind(2, ref.ttl_s).bind(3, lease->memory_id).run();
+  Use s(db.prepare("UPDATE leases SET expires_at = ?1, ttl_seconds = ?2, renewed_at = ?4, renewals = renewals + 1 "
+                   "WHERE memory_id = ?3"));
+  s->bind(1, *expires).bind(2, ref.ttl_s).bind(3, lease->memory_id).bind(4, now).run();
   // Its next renewals are answered from memory (once this commits).
   if (m_serving)
-    m_renewals.stage(lease->memory_id, {lease->fencing_token, ref.ttl_s, expires,
-                                        m_renewals.tag(ctx.auth.tenant_id, ref.canonical_name, ref.owner_client_id)});
-  return lease::Renewed{expires, ref.ttl_s, now};
+    m_renewals.stage(lease->memory_id,
+                     {lease->fencing_token, ref.ttl_s, *expires,
+                      m_renewals.tag(ctx.auth.tenant_id, ref.canonical_name, ref.owner_client_id), lease->hold_until});
+  return lease::Renewed{*expires, ref.ttl_s, now};
 }
 
 void SqliteStore::renew(const Ctx& ctx, LeaseRef ref, Then<lease::Renewed> then) {
@@ -1494,15 +1496,20 @@ void SqliteStore::release(const Ctx& ctx, LeaseRef ref, Then<Released> then) {
           // expired row left for the sweeper is released now.
           if (auto row = lease_by_memory(db, ref.memory_id);
               row && row->fencing_token == ref.fencing_token && row->expires_at != k_released) {
+            settle(db, *row);
             mark_released(db, row->memory_id);
-            audit(row->tenant_id, "LEASE_EXPIRED", row->canonical_name, row->memory_id, row->fencing_token);
+            audit(row->tenant_id, "LEASE_EXPIRED", row->canonical_name, row->memory_id, row->fencing_token,
+                  row->renewals);
+            count_lease_end(*row, "expired", row->expires_at);
           }
           return Released{};
         }
         if (lease->canonical_name != ref.canonical_name || lease->owner_client_id != ref.owner_client_id)
           return Problem(Code::lease_not_found, "no lease of this owner under this name");
         mark_released(db, lease->memory_id);
-        audit(ctx.auth.tenant_id, "LEASE_RELEASED", lease->canonical_name, lease->memory_id, lease->fencing_token);
+        audit(ctx.auth.tenant_id, "LEASE_RELEASED", lease->canonical_name, lease->memory_id, lease->fencing_token,
+              lease->renewals);
+        count_lease_end(*lease, "released", now);
         return Released{};
       },
       std::move(then), ctx.request_id);
@@ -1557,15 +1564,24 @@ void SqliteStore::branch(const Ctx& ctx, Idempotency idem, Branch req, Then<leas
       std::move(then), ctx.request_id);
 }
 
-void SqliteStore::revoke(const Ctx& ctx, std::string canonical_name, Then<Revoked> then) {
+void SqliteStore::revoke(const Ctx& ctx, Revoke req, Then<Revoked> then) {
   submit<Revoked>(
-      [this, ctx, canonical_name = std::move(canonical_name)](Db& db, UnixMs now) -> Outcome<Revoked> {
-        auto lease = lease_by_name(db, canonical_name);
+      [this, ctx, req = std::move(req)](Db& db, UnixMs now) -> Outcome<Revoked> {
+        auto lease = lease_by_name(db, req.canonical_name);
         if (lease) settle(db, *lease);
         if (!lease || lease->tenant_id != ctx.auth.tenant_id || lease->expires_at <= now)
           return Problem(Code::lease_not_found, "no live lease under this name");
         delete_lease(db, lease->memory_id);
-        audit(ctx.auth.tenant_id, "LEASE_REVOKED", lease->canonical_name, lease->memory_id, lease->fencing_token);
+        // The memory remembers the revocation, so that its holder's next renewal learns why
+        // its lease ended (rules::classify); the next grant supersedes the token anyway.
+        Use s(db.prepare("UPDATE memories SET revoked_token = ?2, revoke_reason = ?3 WHERE memory_id = ?1"));
+        s->bind(1, lease->memory_id)
+            .bind(2, lease->fencing_token)
+            .bind(3, req.reason.empty() ? std::nullopt : std::optional<std::string>(req.reason))
+            .run();
+        audit(ctx.auth.tenant_id, "LEASE_REVOKED", lease->canonical_name, lease->memory_id, lease->fencing_token,
+              lease->renewals);
+        count_lease_end(*lease, "revoked", now);
         return Revoked{lease->canonical_name, lease->memory_id};
       },
       std::move(then), ctx.request_id);
@@ -1653,6 +1669,57 @@ void SqliteStore::lineage(const Ctx& ctx, std::string memory_id, Then<lease::Lin
         return out;
       },
       then);
+}
+
+void SqliteStore::history(const Ctx& ctx, HistoryQuery req, Then<lease::HistoryPage> then) {
+  read<lease::HistoryPage>(
+      [&](Db& db, UnixMs) -> Outcome<lease::HistoryPage> {
+        lease::HistoryPage page;
+        page.canonical_name = req.canonical_name;
+        std::string salt;
+        {
+          Use q(db.prepare("SELECT audit_salt FROM tenants WHERE tenant_id = ?1"));
+          q->bind(1, ctx.auth.tenant_id);
+          if (q->step()) salt = q->text(0);
+        }
+        // Newest first, in rowid order (rows are appended); the cursor is the last rowid
+        // of the page before. A scan: the audit table keeps no index (see version 7).
+        std::int64_t before = INT64_MAX;
+        if (req.cursor) {
+          auto c = std::from_chars(req.cursor->data(), req.cursor->data() + req.cursor->size(), before);
+          if (c.ec != std::errc() || c.ptr != req.cursor->data() + req.cursor->size())
+            return Problem(Code::invalid_request, "cursor is not a next_cursor this server returned");
+        }
+        Use s(db.prepare("SELECT rowid, event_type, fencing_token, renewals, created_at FROM audit_events "
+                         "WHERE tenant_id = ?1 AND redacted_name_hash = ?2 AND created_at >= ?3 AND rowid < ?4 "
+                         "ORDER BY rowid DESC LIMIT ?5"));
+        s->bind(1, ctx.auth.tenant_id)
+            .bind(2, HmacSha256(salt).hex(req.canonical_name))
+            .bind(3, req.since.value_or(0))
+            .bind(4, before)
+            .bind(5, static_cast<std::int64_t>(req.limit) + 1);
+        std::int64_t last = 0;
+        while (s->step()) {
+          if (page.events.size() == req.limit) {
+            page.next_cursor = std::to_string(last);
+            break;
+          }
+          last = s->int64(0);
+          page.events.push_back(lease::HistoryEvent{s->text(1), s->opt_int64(2), s->opt_int64(3), s->int64(4)});
+        }
+        return page;
+      },
+      then);
+}
+
+std::vector<std::pair<std::string, std::int64_t>> SqliteStore::active_leases_by_tenant() {
+  auto rd = reader();
+  Use s(rd.db().prepare("SELECT t.name, count(*) FROM leases l JOIN tenants t ON t.tenant_id = l.tenant_id "
+                        "WHERE l.expires_at > ?1 GROUP BY l.tenant_id"));
+  s->bind(1, m_clock.now());
+  std::vector<std::pair<std::string, std::int64_t>> out;
+  while (s->step()) out.emplace_back(s->text(0), s->int64(1));
+  return out;
 }
 
 std::optional<AuthInfo> SqliteStore::authenticate(const std::string& token_sha256) {
@@ -1755,8 +1822,10 @@ std::int64_t SqliteStore::sweep() {
       settle(db, e);
       if (e.expires_at > now) continue; // renewed from memory
       delete_lease(db, e.memory_id);
-      if (e.expires_at != k_released)
-        audit(e.tenant_id, "LEASE_EXPIRED", e.canonical_name, e.memory_id, e.fencing_token);
+      if (e.expires_at != k_released) {
+        audit(e.tenant_id, "LEASE_EXPIRED", e.canonical_name, e.memory_id, e.fencing_token, e.renewals);
+        count_lease_end(e, "expired", e.expires_at);
+      }
       ++removed;
     }
     // Idempotency records expire in the order they were written (the retention is fixed),

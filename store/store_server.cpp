@@ -143,7 +143,7 @@ public:
     return plan;
   }
 
-  void handle(http::Request&& req, const http::Peer&, std::shared_ptr<http::BodySink> sink,
+  void handle(http::Request&& req, const http::Peer& peer, std::shared_ptr<http::BodySink> sink,
               http::Responder responder) override {
     auto started = std::chrono::steady_clock::now();
     std::vector<std::string> params;
@@ -185,13 +185,25 @@ public:
       p.retry_after_s = 1;
       return fail(std::move(p));
     }
-    case Route::metrics: { // beyond loopback plan() authenticated it
-      http::Response res{bhttp::status::ok, 11};
-      common_headers(res);
-      res.set(bhttp::field::content_type, "text/plain; version=0.0.4; charset=utf-8");
-      res.body() = Metrics::global().render();
-      res.prepare_payload();
-      return finish(std::move(res));
+    case Route::metrics: {
+      // Beyond loopback plan() authenticated the token: against --token-file; with --strict
+      // only its presence, so the control plane says whether it has the admin scope.
+      auto answer = [finish] {
+        http::Response res{bhttp::status::ok, 11};
+        common_headers(res);
+        res.set(bhttp::field::content_type, "text/plain; version=0.0.4; charset=utf-8");
+        res.body() = Metrics::global().render(Metrics::Exporter::store);
+        res.prepare_payload();
+        finish(std::move(res));
+      };
+      if (peer.loopback || m_cp.empty()) return answer();
+      return net::post(m_work, [this, bearer = bearer_of(req.base()).value_or(""), answer, fail] {
+        http::ClientRequest r;
+        r.url = m_cp + "/v1/admin/check";
+        r.headers = {{"Authorization", "Bearer " + bearer}};
+        if (auto p = control_plane_refusal(m_client.perform(r))) return fail(std::move(*p));
+        answer();
+      });
     }
     case Route::put_object:
       return put(std::move(req), std::static_pointer_cast<UploadSink>(sink), finish, fail);

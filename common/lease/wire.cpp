@@ -3,13 +3,20 @@
 // a type needs must be there with its type.
 #include "mep/lease/wire.hpp"
 
+#include "mep/json.hpp"
+#include "mep/utf8.hpp"
+
 #include <boost/json/array.hpp>
+
+#include <algorithm>
 
 #include <string>
 #include <vector>
 
 namespace mep::lease::wire {
 namespace json = boost::json;
+using mep::json::Need;
+using mep::json::ObjectReader;
 
 namespace {
 
@@ -117,7 +124,101 @@ std::vector<Memory> read_memories(Fields& f, std::string_view key) {
   return out;
 }
 
+// Text a person may read on a terminal: UTF-8 without control characters, at most `max`
+// bytes (empty allowed).
+bool printable_text(std::string_view s, std::size_t max) {
+  if (s.size() > max) return false;
+  auto cps = utf8::decode(s);
+  if (!cps) return false;
+  return std::none_of(cps->begin(), cps->end(), [](char32_t c) { return c < 0x20 || (c >= 0x7F && c < 0xA0); });
+}
+
+bool label_key(std::string_view k) {
+  return !k.empty() && k.size() <= k_max_label_key && std::all_of(k.begin(), k.end(), [](char c) {
+    return (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || (c >= '0' && c <= '9') || c == '_' || c == '.' ||
+           c == '-';
+  });
+}
+
 } // namespace
+
+// ---- holders ----------------------------------------------------------------------------------
+
+json::object to_json(const Holder& h) {
+  json::object o;
+  if (!h.host.empty()) o["host"] = h.host;
+  if (h.pid) o["pid"] = *h.pid;
+  if (!h.exe.empty()) o["exe"] = h.exe;
+  if (!h.labels.empty()) {
+    json::object labels;
+    for (const auto& [k, v] : h.labels) labels[k] = v;
+    o["labels"] = std::move(labels);
+  }
+  return o;
+}
+
+expected<Holder, Problem> decode_holder(const json::object& o) {
+  ObjectReader r(o);
+  Holder h;
+  auto host = r.string("host", Need::optional);
+  auto pid = r.integer("pid", Need::optional, 1, (std::int64_t{1} << 31) - 1);
+  auto exe = r.string("exe", Need::optional);
+  const json::object* labels = r.object("labels", Need::optional);
+  if (host) {
+    if (!printable_text(*host, k_max_holder_text))
+      r.fail("field \"host\" must be at most 255 bytes of printable UTF-8");
+    else
+      h.host = *host;
+  }
+  h.pid = pid;
+  if (exe) {
+    if (!printable_text(*exe, k_max_holder_text) || exe->find('/') != std::string::npos)
+      r.fail("field \"exe\" must be a file name (no '/'), at most 255 bytes of printable UTF-8");
+    else
+      h.exe = *exe;
+  }
+  if (labels) {
+    if (labels->size() > k_max_labels) r.fail("field \"labels\" holds at most 16 labels");
+    for (const auto& kv : *labels) {
+      const std::string_view k = kv.key();
+      if (!label_key(k)) {
+        r.fail("field \"labels\": a key must be 1-63 characters of A-Z a-z 0-9 _ . -");
+        break;
+      }
+      if (!kv.value().is_string() || !printable_text(kv.value().get_string(), k_max_holder_text)) {
+        r.fail("field \"labels\": a value must be a string of at most 255 bytes of printable UTF-8");
+        break;
+      }
+      h.labels.emplace_back(std::string(k), std::string(kv.value().get_string()));
+    }
+    std::sort(h.labels.begin(), h.labels.end());
+  }
+  if (auto ok = r.finish(); !ok) {
+    Problem p = std::move(ok.error());
+    p.detail = "holder: " + p.detail;
+    return make_unexpected(std::move(p));
+  }
+  return h;
+}
+
+json::object to_json(const HolderView& h) {
+  json::object o{{"display_name", h.display_name}};
+  if (!h.host.empty()) o["host"] = h.host;
+  o["since"] = format_rfc3339_ms(h.since);
+  o["expires_at"] = format_rfc3339_ms(h.expires_at);
+  return o;
+}
+
+std::optional<HolderView> decode_holder_view(const json::object& o) {
+  Fields f(o);
+  HolderView h;
+  h.display_name = f.str("display_name");
+  h.host = f.opt_str("host").value_or("");
+  h.since = f.time("since");
+  h.expires_at = f.time("expires_at");
+  if (!f.done(0)) return std::nullopt;
+  return h;
+}
 
 // ---- to_json ----------------------------------------------------------------------------------
 
@@ -132,10 +233,13 @@ json::object to_json(const Registered& r) {
 }
 
 json::object to_json(const ClaimRequest& r) {
-  return json::object{{"display_name", r.display_name},
-                      {"memory_instance_id", r.memory_id},
-                      {"owner_client_id", r.owner_client_id},
-                      {"ttl_seconds", r.ttl_s}};
+  json::object o{{"display_name", r.display_name},
+                 {"memory_instance_id", r.memory_id},
+                 {"owner_client_id", r.owner_client_id},
+                 {"ttl_seconds", r.ttl_s}};
+  if (r.holder) o["holder"] = to_json(*r.holder);
+  if (r.max_hold_s) o["max_hold_seconds"] = *r.max_hold_s;
+  return o;
 }
 
 json::object to_json(const Grant& g) {
@@ -154,6 +258,11 @@ json::object to_json(const Grant& g) {
 json::object to_json(const LeaseInfo& l) {
   json::object o = to_json(l.grant);
   o["owner_client_id"] = l.owner_client_id;
+  o["holder"] = l.holder ? json::value(to_json(*l.holder)) : json::value(nullptr);
+  o["granted_at"] = format_rfc3339_ms(l.granted_at);
+  o["renewed_at"] = l.renewed_at ? json::value(format_rfc3339_ms(*l.renewed_at)) : json::value(nullptr);
+  o["renewals"] = l.renewals;
+  o["hold_until"] = l.hold_until ? json::value(format_rfc3339_ms(*l.hold_until)) : json::value(nullptr);
   return o;
 }
 
@@ -193,6 +302,7 @@ json::object to_json(const RenewBatchResult& r) {
     json::object o{{"canonical_name", i.canonical_name}, {"status", i.status}};
     if (i.expires_at) o["expires_at"] = format_rfc3339_ms(*i.expires_at);
     if (!i.code.empty()) o["code"] = i.code;
+    if (!i.reason.empty()) o["reason"] = i.reason;
     items.emplace_back(std::move(o));
   }
   return json::object{{"results", std::move(items)}};
@@ -242,6 +352,20 @@ json::object to_json(const Verified& v) {
                       {"server_time", format_rfc3339_ms(v.server_time)}};
 }
 
+json::object to_json(const HistoryPage& p) {
+  json::array events;
+  for (const auto& e : p.events) {
+    json::object o{{"event_type", e.event_type}};
+    o["fencing_token"] = opt(e.fencing_token);
+    if (e.renewals) o["renewals"] = *e.renewals;
+    o["at"] = format_rfc3339_ms(e.at);
+    events.emplace_back(std::move(o));
+  }
+  json::object o{{"canonical_name", p.canonical_name}, {"events", std::move(events)}};
+  o["next_cursor"] = opt(p.next_cursor);
+  return o;
+}
+
 json::object to_json(const IdentityMapPage& p) {
   json::array entries;
   for (const auto& e : p.entries)
@@ -268,7 +392,37 @@ expected<ClaimRequest, Problem> decode_claim_request(const json::object& o) {
   r.memory_id = f.str("memory_instance_id");
   r.owner_client_id = f.str("owner_client_id");
   r.ttl_s = f.opt_int64("ttl_seconds").value_or(k_default_ttl_s);
+  r.max_hold_s = f.opt_int64("max_hold_seconds");
+  if (auto* h = o.if_contains("holder"); h && h->is_object()) {
+    auto holder = decode_holder(h->get_object());
+    if (!holder) f.complain(holder.error().detail);
+    r.holder = std::move(holder).value_or(Holder{});
+  }
   return f.done(std::move(r));
+}
+
+expected<ClaimRequest, Problem> read_claim_request(const json::object& o, std::int64_t any_ttl) {
+  ObjectReader r(o);
+  ClaimRequest req;
+  auto display = r.string("display_name", Need::required);
+  auto memory = r.uuid("memory_instance_id", Need::required);
+  auto owner = r.string("owner_client_id", Need::required);
+  if (owner && (owner->empty() || owner->size() > 255)) r.fail("field \"owner_client_id\" must be 1-255 bytes");
+  auto ttl = r.integer("ttl_seconds", Need::optional, -any_ttl, any_ttl);
+  req.max_hold_s = r.integer("max_hold_seconds", Need::optional, k_min_hold_s, k_max_hold_s);
+  if (const json::object* h = r.object("holder", Need::optional)) {
+    auto holder = decode_holder(*h);
+    if (!holder)
+      r.fail(holder.error().detail);
+    else if (!holder->empty())
+      req.holder = std::move(*holder);
+  }
+  if (auto ok = r.finish(); !ok) return make_unexpected(std::move(ok.error()));
+  req.display_name = *display;
+  req.memory_id = *memory;
+  req.owner_client_id = *owner;
+  req.ttl_s = ttl.value_or(k_default_ttl_s);
+  return req;
 }
 
 expected<Grant, Problem> decode_grant(const json::object& o) {
@@ -290,6 +444,14 @@ expected<LeaseInfo, Problem> decode_lease_info(const json::object& o) {
   if (!g) return make_unexpected(std::move(g.error()));
   Fields f(o);
   LeaseInfo l{std::move(*g), f.str("owner_client_id")};
+  // Servers before holder metadata answer without these members.
+  if (auto* h = o.if_contains("holder"); h && h->is_object()) {
+    if (auto holder = decode_holder(h->get_object())) l.holder = std::move(*holder);
+  }
+  l.granted_at = o.contains("granted_at") ? f.time("granted_at") : l.grant.server_time;
+  l.renewed_at = f.opt_time("renewed_at");
+  l.renewals = f.opt_int64("renewals").value_or(0);
+  l.hold_until = f.opt_time("hold_until");
   return f.done(std::move(l));
 }
 
@@ -335,6 +497,7 @@ expected<RenewBatchResult, Problem> decode_renew_batch_result(const json::object
       item.status = static_cast<int>(g.int64("status"));
       item.expires_at = g.opt_time("expires_at");
       item.code = g.opt_str("code").value_or("");
+      item.reason = g.opt_str("reason").value_or("");
       if (auto ok = g.done(0); !ok) {
         f.complain("results: " + ok.error().detail);
         break;
@@ -383,6 +546,33 @@ expected<Verified, Problem> decode_verified(const json::object& o) {
   v.expires_at = f.time("expires_at");
   v.server_time = f.time("server_time");
   return f.done(std::move(v));
+}
+
+expected<HistoryPage, Problem> decode_history_page(const json::object& o) {
+  Fields f(o);
+  HistoryPage p;
+  p.canonical_name = f.str("canonical_name");
+  if (const json::array* a = f.array("events")) {
+    for (const auto& v : *a) {
+      if (!v.is_object()) {
+        f.complain("events holds a non-object");
+        break;
+      }
+      Fields g(v.get_object());
+      HistoryEvent e;
+      e.event_type = g.str("event_type");
+      e.fencing_token = g.opt_int64("fencing_token");
+      e.renewals = g.opt_int64("renewals");
+      e.at = g.time("at");
+      if (auto ok = g.done(0); !ok) {
+        f.complain("events: " + ok.error().detail);
+        break;
+      }
+      p.events.push_back(std::move(e));
+    }
+  }
+  p.next_cursor = f.opt_str("next_cursor");
+  return f.done(std::move(p));
 }
 
 expected<IdentityMapPage, Problem> decode_identity_map_page(const json::object& o) {

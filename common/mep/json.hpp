@@ -47,6 +47,8 @@ public:
   std::optional<std::string> uuid(std::string_view key, Need need);
   /// An array member (elements are checked by the caller).
   const boost::json::array* array(std::string_view key, Need need);
+  /// An object member (its members are checked by the caller).
+  const boost::json::object* object(std::string_view key, Need need);
 
   /// Records a problem found by the caller.
   void fail(std::string message) { m_errors.push_back(std::move(message)); }

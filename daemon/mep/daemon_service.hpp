@@ -33,6 +33,12 @@ struct AttachRequest {
   std::chrono::seconds wait{0};
   /// True once the agent that asked has gone: the wait ends (and leaves the server's queue).
   std::function<bool()> cancelled;
+  /// The agent's labels for its holder (sorted by key), and its executable's file name when
+  /// the peer only launches it (mep run); empty: the daemon reads the peer's own.
+  std::vector<std::pair<std::string, std::string>> labels;
+  std::string exe;
+  /// Renewals stop this long after the grant (max_hold_seconds); nullopt: the server's ceiling.
+  std::optional<std::int64_t> max_hold_s;
 };
 
 /// What a detach did besides ending the lease here.

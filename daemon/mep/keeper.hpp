@@ -68,8 +68,12 @@ public:
   void unsubscribe(int id) override;
 
   const std::string& daemon_id() const { return m_state.daemon_id(); }
+  /// mepd --anonymous-holder: claims tell the control plane nothing of who holds them (no
+  /// host name, pid, executable or labels). Set before start().
+  void set_anonymous_holder(bool on) { m_anonymous_holder = on; }
 
 private:
+  std::optional<lease::Holder> holder_of(const AttachRequest& req) const;
   expected<Resolved, Problem> resolve_registered(const std::filesystem::path& path);
   std::optional<Problem> register_memory(const std::string& memory_id);
   expected<void, Problem> fence(const Held& h);
@@ -95,6 +99,7 @@ private:
   FileLocks::Held lock_file(const std::filesystem::path& path);
 
   std::filesystem::path m_state_dir;
+  bool m_anonymous_holder = false;
   StateDb m_state;
   Files m_files;
   IdentityResolver m_resolver{m_state, m_files};

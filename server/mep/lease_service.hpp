@@ -70,9 +70,14 @@ public:
     m_store.verify(ctx, std::move(req), std::move(then));
   }
   /// Revokes the live lease under a name (as given, or its canonical form), then tries
-  /// the oldest claims waiting for what it freed.
-  void revoke(const Ctx& ctx, const std::string& name, Then<Revoked> then);
+  /// the oldest claims waiting for what it freed. `reason` is told to the holder.
+  void revoke(const Ctx& ctx, const std::string& name, std::string reason, Then<Revoked> then);
   void get_lease(const Ctx& ctx, const std::string& name, Then<lease::LeaseInfo> then);
+  /// The audit rows of a name (as given, or its canonical form), newest first.
+  void history(const Ctx& ctx, HistoryQuery req, Then<lease::HistoryPage> then);
+  /// The server's ceiling on how long a lease may be held (mep server --max-hold): a claim
+  /// that asks for more, or for nothing, gets this. nullopt: none. Set before serving.
+  void set_max_hold(std::optional<std::int64_t> seconds) { m_max_hold_s = seconds; }
   void list_leases(const Ctx& ctx, ListLeases req, Then<lease::LeasePage> then) {
     m_store.list_leases(ctx, std::move(req), std::move(then));
   }
@@ -101,6 +106,7 @@ private:
 
   Store& m_store;
   WaitQueue m_waits;
+  std::optional<std::int64_t> m_max_hold_s;
 };
 
 /// The fingerprint an Idempotency-Key is bound to: SHA-256 of the method, the route's

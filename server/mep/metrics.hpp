@@ -19,13 +19,19 @@ public:
   void inc(std::string_view name, std::string_view labels = {}, double v = 1);
   /// Sets gauge `name`.
   void set(std::string_view name, double v);
+  /// Replaces every series of gauge `name` with `series` (label set, value): for a gauge
+  /// whose label values come and go (mep_leases_active_by_tenant).
+  void replace(std::string_view name, const std::vector<std::pair<std::string, double>>& series);
   /// Records one observation (seconds) in histogram `name`.
   void observe(std::string_view name, std::string_view labels, double seconds);
   /// The current value of a counter or gauge (0 when never touched); for tests and logs.
   double value(std::string_view name, std::string_view labels = {}) const;
 
+  /// Which binary exports: each renders the families it counts (a family the other one
+  /// counts would only show zeros, such as mep_db_ready 0 on mep store).
+  enum class Exporter { server, store };
   /// The text exposition format (version 0.0.4).
-  std::string render() const;
+  std::string render(Exporter exporter = Exporter::server) const;
 
 private:
   struct Histogram {

@@ -50,15 +50,17 @@ public:
   void renew_batch(const Ctx&, RenewBatch, Then<lease::RenewBatchResult>) override;
   void release(const Ctx&, LeaseRef, Then<Released>) override;
   void verify(const Ctx&, Verify, Then<lease::Verified>) override;
-  void revoke(const Ctx&, std::string canonical_name, Then<Revoked>) override;
+  void revoke(const Ctx&, Revoke, Then<Revoked>) override;
   void get_lease(const Ctx&, std::string canonical_name, Then<lease::LeaseInfo>) override;
   void list_leases(const Ctx&, ListLeases, Then<lease::LeasePage>) override;
   void get_memory(const Ctx&, std::string memory_id, Then<lease::Memory>) override;
   void lineage(const Ctx&, std::string memory_id, Then<lease::Lineage>) override;
+  void history(const Ctx&, HistoryQuery, Then<lease::HistoryPage>) override;
   std::optional<AuthInfo> authenticate(const std::string& token_sha256) override;
   void audit_auth_failure(const std::string& tenant_id) override;
   bool ready() override;
   std::int64_t active_leases() override;
+  std::vector<std::pair<std::string, std::int64_t>> active_leases_by_tenant() override;
   std::int64_t sweep() override;
   std::int64_t transaction_retries() override { return m_retries.load(); }
   std::int64_t clock_steps() override { return m_clock_steps.load(); }

@@ -10,6 +10,7 @@
 #pragma once
 #include "mep/time.hpp"
 
+#include <algorithm>
 #include <array>
 #include <atomic>
 #include <cstdint>
@@ -33,6 +34,11 @@ public:
     std::int64_t ttl_s = 0; // as on disk: a renewal with another TTL goes to the writer
     UnixMs expires_at = 0;
     Tag who{};
+    /// The lease's hold limit (max hold): a renewal that would carry it past goes to the
+    /// writer, which refuses it. Kept to the second below, so never later than the limit.
+    std::optional<UnixMs> hold_until = std::nullopt;
+    /// Renewals answered here that the database has not counted yet.
+    std::int64_t renewals = 0;
   };
   /// A lease as the database must be told (memory_id: the canonical text).
   struct Pending {
@@ -49,7 +55,8 @@ public:
     bool first_pending; // the database had been told everything before it: wake the writer
   };
   /// Any thread. Renews the lease of `memory_id` when it is here, is `token`'s, is `who`'s,
-  /// has `ttl_s` as its TTL and is unexpired at `now`: expiry = max(old, now + ttl).
+  /// has `ttl_s` as its TTL, is unexpired at `now` and stays within its hold limit:
+  /// expiry = max(old, now + ttl).
   /// nullopt: the writer decides (and answers with the right problem, if any).
   std::optional<Renewal> renew(std::string_view memory_id, std::int64_t token, const Tag& who, std::int64_t ttl_s,
                                UnixMs now);
@@ -89,15 +96,33 @@ private:
   // 40 bytes (a Lease and a flag would take 48): 100,000 leases held here cost about
   // 6.4 MiB in the map's nodes.
   struct Entry {
+    static constexpr std::uint16_t k_pending = 0x8000; // in `bits`; the rest counts renewals
+    static constexpr std::uint16_t k_max_count = 0x7FFF;
     Entry(const Lease& l, bool p)
         : fencing_token(l.fencing_token), expires_at(l.expires_at), who(l.who),
-          ttl_s(static_cast<std::int32_t>(l.ttl_s)), pending(p) {}
-    Lease lease() const { return {fencing_token, ttl_s, expires_at, who}; }
+          hold_s(l.hold_until ? static_cast<std::uint32_t>(std::max<UnixMs>(1, *l.hold_until / 1000)) : 0),
+          ttl_s(static_cast<std::uint16_t>(l.ttl_s)),
+          bits(static_cast<std::uint16_t>((p ? k_pending : 0) | std::min<std::int64_t>(l.renewals, k_max_count))) {}
+    Lease lease() const {
+      return {fencing_token,
+              ttl_s,
+              expires_at,
+              who,
+              hold_s ? std::optional<UnixMs>(static_cast<UnixMs>(hold_s) * 1000) : std::nullopt,
+              bits & k_max_count};
+    }
+    bool pending() const { return bits & k_pending; }
+    void set_pending(bool p) { bits = static_cast<std::uint16_t>(p ? (bits | k_pending) : (bits & ~k_pending)); }
+    std::int64_t count() const { return bits & k_max_count; }
+    void set_count(std::int64_t n) {
+      bits = static_cast<std::uint16_t>((bits & k_pending) | std::min<std::int64_t>(n, k_max_count));
+    }
     std::int64_t fencing_token;
     UnixMs expires_at;
     Tag who;
-    std::int32_t ttl_s; // TTLs are at most 300 s
-    bool pending;       // renewed here since the database was last told
+    std::uint32_t hold_s; // the hold limit in whole seconds (rounded down); 0: none
+    std::uint16_t ttl_s;  // TTLs are at most 300 s
+    std::uint16_t bits;   // k_pending: renewed here since the database was last told; renewals not told
   };
   static std::optional<Key> key_of(std::string_view memory_id);
   void put_back(const Key& k, const Lease& lease); // under m_mutex
@@ -115,7 +140,7 @@ private:
     std::optional<Lease> lease; // a take's: what it took (nullopt: nothing was here)
   };
   std::vector<Event> m_log;
-  std::vector<Key> m_drained;
+  std::vector<std::pair<Key, std::int64_t>> m_drained; // with the renewals they told
 };
 
 } // namespace mep::server

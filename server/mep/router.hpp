@@ -52,6 +52,8 @@ public:
   /// Ends the claims that wait (Prefer: wait) with 503 and Retry-After; new ones get 503.
   /// The server calls it when it begins to shut down.
   void end_waits() { m_service.end_waits(); }
+  /// The service the routes call (for its settings: LeaseService::set_max_hold).
+  LeaseService& service() { return m_service; }
 
 private:
   LeaseService m_service;

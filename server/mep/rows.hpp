@@ -9,6 +9,7 @@
 #include <cstdint>
 #include <optional>
 #include <string>
+#include <string_view>
 
 namespace mep::server {
 
@@ -25,6 +26,11 @@ struct LeaseRow {
   std::int64_t ttl_s = 0;
   UnixMs expires_at = 0;
   UnixMs acquired_at = 0;
+  std::string holder = {};                         ///< the JSON text of a lease::Holder; empty: none given
+  UnixMs granted_at = 0;                           ///< since when this owner holds it (a re-claim keeps it)
+  std::optional<UnixMs> renewed_at = std::nullopt; ///< the last renewal, if any
+  std::int64_t renewals = 0;                       ///< renewals since granted_at
+  std::optional<UnixMs> hold_until = std::nullopt; ///< renewals never carry the lease past this (max hold)
 };
 
 /// A memory row as stored.
@@ -35,11 +41,17 @@ struct MemoryRow {
   std::optional<std::int64_t> branched_at_token;
   std::int64_t fence_counter = 0;
   UnixMs created_at = 0;
+  /// The token of the last lease an operator revoked, and why: a renewal with it learns
+  /// that its lease was revoked, not that it expired.
+  std::optional<std::int64_t> revoked_token = std::nullopt;
+  std::string revoke_reason = {};
 };
 
 /// The claim's grant of a lease row, read at `now`.
 lease::Grant to_grant(const LeaseRow& l, UnixMs now);
-/// GET /v1/leases/{name}: the grant and its owner.
+/// The stored holder (JSON text) as a lease::Holder; nullopt for none or unreadable text.
+std::optional<lease::Holder> parse_holder(const std::string& text);
+/// GET /v1/leases/{name}: the grant, its owner, its holder and hold times.
 lease::LeaseInfo to_lease_info(const LeaseRow& l, UnixMs now);
 /// GET /v1/memories/{id}.
 lease::Memory to_memory(const MemoryRow& m);
@@ -60,6 +72,12 @@ private:
 
 /// One lease's outcome in a renew-batch: its new expiry, or the problem's status and code.
 lease::RenewItem renew_item(std::string canonical_name, const expected<lease::Renewed, Problem>& r);
+
+/// Counts the end of lease `l` at `ended_at`: mep_lease_ends_total{cause} and its hold time
+/// (from granted_at) in mep_lease_hold_seconds. `cause`: released, revoked, expired or
+/// taken_over; an expiry (or takeover) of a lease that had reached its hold limit counts
+/// as max_hold.
+void count_lease_end(const LeaseRow& l, std::string_view cause, UnixMs ended_at);
 
 /// 503 unavailable with Retry-After: 1, for a database that cannot be used right now.
 Problem db_unavailable();

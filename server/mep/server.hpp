@@ -2,6 +2,8 @@
 #pragma once
 #include "mep/store.hpp"
 
+#include <cstdint>
+#include <optional>
 #include <string>
 
 namespace mep::server {
@@ -21,6 +23,8 @@ struct ServerOptions {
   double rate_limit = k_default_rate_limit; ///< requests/s per token; 0 = off
   std::string log_level = "info";
   int threads = 2;
+  /// The ceiling on how long a lease may be held (--max-hold); nullopt: none.
+  std::optional<std::int64_t> max_hold_s;
   StoreOptions store{.writer_nice = k_default_writer_nice}; ///< isolation, pool size, writer priority
 };
 

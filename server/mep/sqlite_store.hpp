@@ -1,6 +1,7 @@
 // The SQLite implementation of Store: embedded, one process, group commit.
 #pragma once
 #include "mep/crypto.hpp"
+#include "mep/lease_rules.hpp"
 #include "mep/renewal_table.hpp"
 #include "mep/sqlite.hpp"
 #include "mep/store.hpp"
@@ -55,15 +56,17 @@ public:
   void renew_batch(const Ctx&, RenewBatch, Then<lease::RenewBatchResult>) override;
   void release(const Ctx&, LeaseRef, Then<Released>) override;
   void verify(const Ctx&, Verify, Then<lease::Verified>) override;
-  void revoke(const Ctx&, std::string canonical_name, Then<Revoked>) override;
+  void revoke(const Ctx&, Revoke, Then<Revoked>) override;
   void get_lease(const Ctx&, std::string canonical_name, Then<lease::LeaseInfo>) override;
   void list_leases(const Ctx&, ListLeases, Then<lease::LeasePage>) override;
   void get_memory(const Ctx&, std::string memory_id, Then<lease::Memory>) override;
   void lineage(const Ctx&, std::string memory_id, Then<lease::Lineage>) override;
+  void history(const Ctx&, HistoryQuery, Then<lease::HistoryPage>) override;
   std::optional<AuthInfo> authenticate(const std::string& token_sha256) override;
   void audit_auth_failure(const std::string& tenant_id) override;
   bool ready() override;
   std::int64_t active_leases() override;
+  std::vector<std::pair<std::string, std::int64_t>> active_leases_by_tenant() override;
   std::int64_t sweep() override;
   bool migration_in_progress() override;
   void set_completion_executor(CompletionExecutor executor) override { m_complete = std::move(executor); }
@@ -100,6 +103,7 @@ private:
     std::string name;
     std::string memory_id;
     std::optional<std::int64_t> token;
+    std::optional<std::int64_t> renewals;
   };
   // A read-only connection borrowed from the pool, returned on destruction.
   class ReaderLease {
@@ -171,7 +175,10 @@ private:
   // Audit rows are collected while a job runs and written after its savepoint is
   // resolved, so rejected requests (stale fences, name conflicts) are audited too.
   void audit(const std::string& tenant_id, std::string_view type, std::string_view name, std::string_view memory_id,
-             std::optional<std::int64_t> token);
+             std::optional<std::int64_t> token, std::optional<std::int64_t> renewals = std::nullopt);
+  void audit(const rules::AuditNote& note) {
+    audit(note.tenant_id, note.type, note.name, note.memory_id, note.token, note.renewals);
+  }
   /// Sets m_clock from the saved checkpoint (see the lease clock's notes in sqlite_store.cpp).
   void anchor_clock();
   /// Saves `at` (a lease-clock reading and CLOCK_BOOTTIME then) as the clock's checkpoint.

@@ -95,6 +95,26 @@ struct Claim {
   /// one for a waiting claim. So a claim that does not wait never takes a lease in the
   /// instant between a release and the attempt of the claim at the head of the queue.
   std::uint64_t ticket = 0;
+  /// Who asks (stored with the lease, shown to the tenant's requesters and operators).
+  std::optional<lease::Holder> holder = std::nullopt;
+  /// Renewals stop this long after the grant: the request's max_hold_seconds, or the
+  /// server's ceiling (mep server --max-hold) when that is shorter or none was asked.
+  std::optional<std::int64_t> max_hold_s = std::nullopt;
+};
+
+/// POST /v1/admin/leases/revoke: the live lease under a name ends now; `reason` (an
+/// operator's words, at most 200 bytes) is told to its holder at its next renewal.
+struct Revoke {
+  std::string canonical_name;
+  std::string reason = {};
+};
+
+/// GET /v1/admin/leases/{name}/history: the name's audit rows, newest first.
+struct HistoryQuery {
+  std::string canonical_name;
+  std::optional<UnixMs> since;       ///< only rows at or after this time
+  std::optional<std::string> cursor; ///< next_cursor of the page before
+  std::size_t limit = 100;
 };
 
 /// What a waiting claim contends for: its name's skeleton and its memory.
@@ -135,6 +155,7 @@ struct AuditRow {
   std::string redacted_memory_hash;
   std::optional<std::int64_t> fencing_token;
   UnixMs created_at = 0;
+  std::optional<std::int64_t> renewals = std::nullopt; ///< on the end of a lease: its renewals
 };
 
 enum class Scope { lease, admin };
@@ -157,13 +178,15 @@ public:
   virtual void renew_batch(const Ctx&, RenewBatch, Then<lease::RenewBatchResult>) = 0;
   virtual void release(const Ctx&, LeaseRef, Then<Released>) = 0;
   virtual void verify(const Ctx&, Verify, Then<lease::Verified>) = 0;
-  virtual void revoke(const Ctx&, std::string canonical_name, Then<Revoked>) = 0;
+  virtual void revoke(const Ctx&, Revoke, Then<Revoked>) = 0;
 
   // Reads.
   virtual void get_lease(const Ctx&, std::string canonical_name, Then<lease::LeaseInfo>) = 0;
   virtual void list_leases(const Ctx&, ListLeases, Then<lease::LeasePage>) = 0;
   virtual void get_memory(const Ctx&, std::string memory_id, Then<lease::Memory>) = 0;
   virtual void lineage(const Ctx&, std::string memory_id, Then<lease::Lineage>) = 0;
+  /// The audit rows of one name of the caller's tenant (found by the name's keyed hash).
+  virtual void history(const Ctx&, HistoryQuery, Then<lease::HistoryPage>) = 0;
 
   /// The token whose SHA-256 is `token_sha256`, if it exists and is not revoked.
   virtual std::optional<AuthInfo> authenticate(const std::string& token_sha256) = 0;
@@ -173,6 +196,8 @@ public:
   virtual bool ready() = 0;
   /// Unexpired leases right now (for the mep_leases_active gauge).
   virtual std::int64_t active_leases() = 0;
+  /// Unexpired leases right now per tenant, by tenant name (mep_leases_active_by_tenant).
+  virtual std::vector<std::pair<std::string, std::int64_t>> active_leases_by_tenant() { return {}; }
   /// Deletes expired (and, SQLite, released) leases and idempotency records, at most
   /// k_sweep_batch leases per call; returns how many rows were removed.
   virtual std::int64_t sweep() = 0;

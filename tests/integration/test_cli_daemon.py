@@ -389,7 +389,8 @@ class Commands(CliTestCase):
             self.assertIsNotNone(m, line)
             rows[m.group(1)] = (m.group(2), m.group(3))
         self.assertEqual(list(rows), ["socket", "control_plane", "token_file", "store", "store_token_file", "ca_file",
-                                      "state_dir", "db"])
+                                      "anonymous_holder", "server", "state_dir", "db"])
+        self.assertEqual(rows["anonymous_holder"], ("false", "default"))
         self.assertEqual(rows["socket"], (self.daemon.socket_path, "flag --socket"))
         self.assertEqual(rows["control_plane"], ("(none: embedded)", "default"))
         self.assertEqual(rows["token_file"], ("(none)", "default"))

@@ -21,7 +21,8 @@ CPACK_TIMEOUT_S = 600
 LINTIAN_TIMEOUT_S = 240
 
 MAN1 = ["mep", "mep-claim", "mep-run", "mep-release", "mep-init", "mep-branch", "mep-status",
-        "mep-identify", "mep-lineage", "mep-sync", "mep-fetch", "mep-canonicalize", "mep-config", "mep-token"]
+        "mep-identify", "mep-lineage", "mep-sync", "mep-fetch", "mep-canonicalize", "mep-config", "mep-token",
+        "mep-lease"]
 MAN8 = ["mepd", "mep-server", "mep-store", "mep-migrate"]
 
 # Each command path of `mep` (as typed) and the page that documents it.
@@ -34,15 +35,18 @@ COMMAND_PAGES = {
     ("canonicalize",): "mep-canonicalize.1", ("config",): "mep-config.1",
     ("token", "create"): "mep-token.1", ("token", "list"): "mep-token.1",
     ("token", "revoke"): "mep-token.1", ("token", "new"): "mep-token.1", ("token", "hash"): "mep-token.1",
+    ("lease", "ls"): "mep-lease.1", ("lease", "show"): "mep-lease.1", ("lease", "revoke"): "mep-lease.1",
+    ("lease", "history"): "mep-lease.1",
     ("store",): "mep-store.8",
     ("server",): "mep-server.8", ("server", "audit"): "mep-server.8",
     ("migrate", "plan"): "mep-migrate.8", ("migrate", "run"): "mep-migrate.8",
     ("migrate", "activate"): "mep-migrate.8", ("migrate", "status"): "mep-migrate.8",
 }
 GROUPS = {"token": ["create", "list", "new", "hash", "revoke"], "server": ["audit"],
-          "migrate": ["plan", "run", "activate", "status"]}
+          "migrate": ["plan", "run", "activate", "status"], "lease": ["ls", "show", "revoke", "history"]}
 EXIT_CODES = range(0, 8)
-ENVIRONMENT = ["MEP_SOCKET", "MEP_CONTROL_PLANE", "MEP_TOKEN", "MEP_TOKEN_FILE", "MEP_STATE_DIR",
+ENVIRONMENT = ["MEP_SOCKET", "MEP_CONTROL_PLANE", "MEP_TOKEN", "MEP_TOKEN_FILE", "MEP_STATE_DIR", "MEP_SERVER",
+               "MEP_ANONYMOUS_HOLDER",
                "MEP_DB", "XDG_CONFIG_HOME", "XDG_STATE_HOME", "XDG_RUNTIME_DIR"]
 RUN_VARIABLES = ["MEP_CANONICAL_NAME", "MEP_MEMORY_INSTANCE_ID", "MEP_FENCING_TOKEN", "MEP_LEASE_ID",
                  "MEP_LEASE_EXPIRES_AT"]

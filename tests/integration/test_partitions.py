@@ -278,3 +278,61 @@ class DroppedReplies(PartitionCase):
 
 if __name__ == "__main__":
     unittest.main()
+
+
+class NonLoopbackMetrics(PartitionCase):
+    """Beyond loopback /metrics is for admins (SPEC §6). `mep store --strict` has no token
+    file to check against, so it asks the control plane whether the token has the admin
+    scope; and it exports its own families only (no mep_db_ready 0 beside the server's)."""
+
+    ADDR = "10.77.0.1"  # on a veth pair of this namespace: a peer that is not loopback
+
+    def test_store_strict_metrics_need_an_admin_token(self):
+        import http.client
+        import re
+        for argv in (["ip", "link", "add", "mep0", "type", "veth", "peer", "name", "mep1"],
+                     ["ip", "addr", "add", self.ADDR + "/24", "dev", "mep0"], ["ip", "link", "set", "mep0", "up"],
+                     ["ip", "link", "set", "mep1", "up"]):
+            subprocess.run(argv, check=True, timeout=30)
+        server = self.started(MepServer(self.tmp, self.env))
+        lease, admin = server.token("t"), server.token("t", admin=True)
+        log = os.path.join(self.tmp, "store.log")
+        with open(log, "wb") as err:
+            store = subprocess.Popen([mep_bin(), "store", "--listen", self.ADDR + ":0", "--insecure-plaintext",
+                                      "--dir", self.data, "--strict", "--control-plane", server.url],
+                                     stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=err,
+                                     start_new_session=True)
+
+        def stop_store():
+            store.kill()
+            store.wait(timeout=30)
+        self.addCleanup(stop_store)
+        port = None
+        deadline = time.monotonic() + 30
+        while port is None and time.monotonic() < deadline:
+            with open(log, "rb") as f:
+                m = re.search(rb"listening on http://10\.77\.0\.1:(\d+)", f.read())
+            if m:
+                port = int(m.group(1))
+            elif store.poll() is not None:
+                self.fail("mep store exited: %s" % open(log).read())
+            else:
+                time.sleep(0.05)
+        self.assertIsNotNone(port, "mep store never listened")
+
+        def get(token):
+            conn = http.client.HTTPConnection(self.ADDR, port, timeout=10)
+            try:
+                conn.request("GET", "/metrics", headers={"Authorization": "Bearer " + token} if token else {})
+                r = conn.getresponse()
+                return r.status, r.read().decode()
+            finally:
+                conn.close()
+        self.assertEqual(get(None)[0], 401)
+        self.assertEqual(get(lease)[0], 403)
+        status, text = get(admin)
+        self.assertEqual(status, 200, text)
+        self.assertIn("mep_store_bytes_written_total", text)
+        self.assertIn("mep_fencing_rejections_total", text)
+        for family in ("mep_db_ready", "mep_leases_active", "mep_claims_total"):
+            self.assertNotIn("\n" + family + " ", "\n" + text)

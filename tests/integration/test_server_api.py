@@ -32,6 +32,8 @@ SHORT_TTL = 5
 EXPIRY_SLACK_S = 0.4      # past expires_at before we rely on expiry (same host clock)
 GRANT_FIELDS = {"lease_id", "canonical_name", "display_name", "memory_instance_id",
                 "fencing_token", "expires_at", "ttl_seconds", "server_time"}
+# A lease as the reads show it: the grant, its owner, who holds it and since when.
+LEASE_FIELDS = GRANT_FIELDS | {"owner_client_id", "holder", "granted_at", "renewed_at", "renewals", "hold_until"}
 RENEW_FIELDS = {"expires_at", "ttl_seconds", "server_time"}
 MEMORY_FIELDS = {"memory_instance_id", "parent_memory_instance_id", "branched_at_token",
                  "created_at", "fencing_token_high_water"}
@@ -1154,7 +1156,7 @@ class ServerApi(ServerTestCase):
         self.assertTrue(any(lab.get("route") == "/v1/leases" and lab.get("code") == "401"
                             for _, lab, _ in families["mep_http_request_duration_seconds"]["samples"]))
         # No names, ids or paths in labels: only known label names, and no value carries one.
-        allowed = {"route", "code", "outcome", "result", "reason", "sync", "by", "le"}
+        allowed = {"route", "code", "outcome", "result", "reason", "sync", "by", "le", "cause", "tenant"}
         routes = {"/healthz", "/readyz", "/metrics", "/v1/memories", "/v1/memories/branch",
                   "/v1/memories/{id}", "/v1/memories/{id}/lineage", "/v1/leases", "/v1/leases/renew",
                   "/v1/leases/renew-batch", "/v1/leases/release", "/v1/leases/{canonical_name}",
@@ -1172,6 +1174,10 @@ class ServerApi(ServerTestCase):
                     self.assertIn(labels["by"], {"checkpointer", "writer"})
                 if "code" in labels:
                     self.assertRegex(labels["code"], r"^\d{3}$")
+                if "cause" in labels:  # mep_lease_ends_total
+                    self.assertIn(labels["cause"], {"released", "expired", "revoked", "taken_over", "max_hold"})
+                if "tenant" in labels:  # mep_leases_active_by_tenant: tenant names, not ids
+                    self.assertIn(labels["tenant"], {"tenant-a", "tenant-b", "_other"})
                 for v in labels.values():
                     self.assertIsNone(UUID_RE.search(v), labels)
         for s in (name, mem, who, marker, m2):
@@ -1339,7 +1345,7 @@ class ServerApi(ServerTestCase):
             self.assertLessEqual(len(r.json["leases"]), 3)
             for l in r.json["leases"]:
                 self.assertEqual(l["owner_client_id"], who)
-                self.assertEqual(set(l), GRANT_FIELDS | {"owner_client_id"})
+                self.assertEqual(set(l), LEASE_FIELDS)
             seen += [l["canonical_name"] for l in r.json["leases"]]
             pages += 1
             cursor = r.json["next_cursor"]
@@ -1811,8 +1817,11 @@ class SqliteSchemaUpgrade(ServerTestCase):
         child_id = child.json["memory_instance_id"]
         latin_mem = c.new_memory()
         self.assertGrant(c.claim("paypa", latin_mem, who))
-        # Columns that version 2 had (idempotency.retry_after came with version 9).
-        cols = {t: [r[1] for r in db_query(self.db_path, "PRAGMA table_info(%s)" % t) if r[1] != "retry_after"]
+        # Columns that version 2 had (idempotency.retry_after came with version 9, the
+        # holder's and the revocation's with version 10).
+        later = {"retry_after", "holder", "granted_at", "renewed_at", "renewals", "hold_until", "revoked_token",
+                 "revoke_reason"}
+        cols = {t: [r[1] for r in db_query(self.db_path, "PRAGMA table_info(%s)" % t) if r[1] not in later]
                 for t in UPGRADED_TABLES}
         rows = {t: db_query(self.db_path, "SELECT %s FROM %s" % (", ".join(cols[t]), t)) for t in UPGRADED_TABLES}
 
@@ -1829,7 +1838,7 @@ class SqliteSchemaUpgrade(ServerTestCase):
 
         srv = MepServer(self.workdir, old).start()
         self.addCleanup(srv.stop)
-        self.assertEqual(db_query(old, "SELECT max(version) FROM schema_version")[0][0], 9)
+        self.assertEqual(db_query(old, "SELECT max(version) FROM schema_version")[0][0], 10)
         for t in ("memories", "leases", "agent_names", "audit_events", "idempotency"):
             sql = db_query(old, "SELECT sql FROM sqlite_master WHERE type = 'table' AND name = ?", (t,))[0][0]
             if t in ("audit_events", "idempotency"):
@@ -1893,7 +1902,7 @@ class SqliteSchemaUpgrade(ServerTestCase):
         conn.close()
         srv = MepServer(self.workdir, db).start()
         self.addCleanup(srv.stop)
-        self.assertEqual(db_query(db, "SELECT max(version) FROM schema_version")[0][0], 9)
+        self.assertEqual(db_query(db, "SELECT max(version) FROM schema_version")[0][0], 10)
         self.assertNotIn("key_hash", [r[1] for r in db_query(db, "PRAGMA table_info(idempotency)")])
         self.assertEqual([r[2] for r in db_query(db, "PRAGMA index_info(idempotency_key)")], ["idem_key"])
         with ApiClient(srv.port, token) as c:
@@ -2008,7 +2017,7 @@ class SqliteGroupCommit(ServerTestCase):
         self.assertStatus(c.get("/readyz"), 200)
 
 
-@unittest.skipIf(pgfixture.backend() == "postgresql", "the SQLite store's files")
+@unittest.skipIf(pgfixture.backend() != "sqlite", "the SQLite store's files")
 class SqliteFiles(unittest.TestCase):
     def test_new_directory_gets_private_database_and_token_epoch(self):
         # A database in a directory that does not exist yet (a first `mep token create`

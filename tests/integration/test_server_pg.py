@@ -204,7 +204,7 @@ class SharedDatabase(PgTestCase):
         self.db = pgfixture.PgDb()
         self.servers = start_servers(self.dir, self.db, 3)
         version = db_query(self.db, "SELECT version FROM schema_version")
-        self.assertEqual(version, [(11,)])
+        self.assertEqual(version, [(12,)])
         indexes = {r[0] for r in db_query(self.db, "SELECT indexname FROM pg_indexes WHERE tablename = 'leases'")}
         self.assertTrue({"leases_owner_name", "leases_tenant_name"} <= indexes, indexes)
         self.assertNotIn("leases_owner", indexes)
@@ -461,7 +461,7 @@ class SweepSpacing(PgTestCase):
         rows = []
         for _ in range(50):  # a session's statistics reach the shared ones when it ends
             rows = db_query(self.db, "SELECT calls, total_time FROM pg_stat_user_functions "
-                                     "WHERE funcname = 'mep_sweep' AND calls > 0")
+                                     "WHERE funcname = 'mep_sweep_r' AND calls > 0")
             if rows:
                 break
             time.sleep(0.1)

@@ -74,9 +74,15 @@ public:
     then(server::Released{});
   }
   void verify(const server::Ctx&, server::Verify, server::Then<lease::Verified> then) override { gone(then); }
-  void revoke(const server::Ctx&, std::string, server::Then<server::Revoked> then) override {
+  void revoke(const server::Ctx&, server::Revoke, server::Then<server::Revoked> then) override {
     step();
     then(Problem(Code::lease_not_found, "no live lease under this name"));
+  }
+  void history(const server::Ctx&, server::HistoryQuery req, server::Then<lease::HistoryPage> then) override {
+    step();
+    lease::HistoryPage page;
+    page.canonical_name = req.canonical_name;
+    then(std::move(page));
   }
   void get_lease(const server::Ctx&, std::string, server::Then<lease::LeaseInfo> then) override {
     step();

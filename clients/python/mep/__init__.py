@@ -15,7 +15,7 @@ CLI finds it); make your own ``Client(socket_path=..., timeout=...)`` for anythi
 from __future__ import annotations
 
 import threading
-from typing import List, Optional
+from typing import List, Mapping, Optional
 
 from . import errors, types
 from ._config import find_mep_bin, find_socket
@@ -29,6 +29,7 @@ from .types import (
     Event,
     FetchResult,
     Health,
+    Holder,
     LeaseInfo,
     Lineage,
     MemoryIdentity,
@@ -60,18 +61,21 @@ def set_default_client(client: Optional[Client]) -> None:
 
 
 def lease(name: str, path: PathLike, ttl: Optional[int] = 30, wait: Optional[float] = None, *,
-          bind: str = "pid") -> LeaseContext:
+          bind: str = "pid", labels: Optional[Mapping[str, str]] = None,
+          max_hold: Optional[int] = None) -> LeaseContext:
     """``with mep.lease("My Agent", "memory.uai", ttl=30, wait=None) as lease:`` — claim the
     agent name and the memory file through mepd, bound to this process, for the block;
     released on exit, also when the block raises (whose exception is never masked). See
-    :meth:`Client.acquire` for the arguments and errors, :class:`Lease` for the lease."""
-    return default_client().lease(name, path, ttl, wait, bind=bind)
+    :meth:`Client.acquire` for the arguments (``labels``, ``max_hold``, ...) and errors,
+    :class:`Lease` for the lease."""
+    return default_client().lease(name, path, ttl, wait, bind=bind, labels=labels, max_hold=max_hold)
 
 
 def acquire(name: str, path: PathLike, ttl: Optional[int] = 30, wait: Optional[float] = None, *,
-            bind: str = "pid") -> Lease:
+            bind: str = "pid", labels: Optional[Mapping[str, str]] = None,
+            max_hold: Optional[int] = None) -> Lease:
     """Claim now and return the :class:`Lease`; give it up with ``lease.release()``."""
-    return default_client().acquire(name, path, ttl=ttl, wait=wait, bind=bind)
+    return default_client().acquire(name, path, ttl=ttl, wait=wait, bind=bind, labels=labels, max_hold=max_hold)
 
 
 def canonicalize(name: str) -> CanonicalName:
@@ -139,6 +143,7 @@ __all__ = [
     "SyncResult",
     "FetchResult",
     "Health",
+    "Holder",
     "PathLike",
     "lease",
     "acquire",

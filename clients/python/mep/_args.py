@@ -6,10 +6,20 @@ from __future__ import annotations
 import math
 import numbers
 import os
-from typing import Any, Optional
+import re
+from typing import Any, Dict, Mapping, Optional
 
 #: The largest ``wait`` the daemon takes (seconds; its ``wait_seconds`` is a 32-bit count).
 MAX_WAIT_S = 2147483647
+#: ``max_hold`` bounds (seconds): the shortest TTL, and 366 days.
+MIN_HOLD_S = 5
+MAX_HOLD_S = 366 * 24 * 3600
+#: Label bounds: how many, a key's characters, a value's UTF-8 bytes.
+MAX_LABELS = 16
+MAX_LABEL_KEY = 63
+MAX_LABEL_VALUE_BYTES = 255
+
+_LABEL_KEY_RE = re.compile(r"[A-Za-z0-9_.\-]{1,%d}" % MAX_LABEL_KEY)
 
 
 def _type_name(value: Any) -> str:
@@ -103,3 +113,55 @@ def bind(value: Any) -> str:
     if value not in ("pid", "none") or not isinstance(value, str):
         raise ValueError('bind must be "pid" or "none", not %r' % (value,))
     return value
+
+
+def max_hold(value: Any, arg: str = "max_hold") -> Optional[int]:
+    """None (no limit), or a whole number of seconds in MIN_HOLD_S..MAX_HOLD_S."""
+    if value is None:
+        return None
+    v = _real(value, arg, "a whole number of seconds or None")
+    if not math.isfinite(v) or not v.is_integer():
+        raise ValueError("%s must be a whole number of seconds, not %r" % (arg, value))
+    if not (MIN_HOLD_S <= v <= MAX_HOLD_S):
+        raise ValueError("%s must be between %d and %d seconds (366 days), not %r"
+                         % (arg, MIN_HOLD_S, MAX_HOLD_S, value))
+    return int(v)
+
+
+def _control(text: str) -> int:
+    """The index of the first control character (C0, DEL, C1) of ``text``, or -1."""
+    for i, ch in enumerate(text):
+        c = ord(ch)
+        if c < 0x20 or 0x7F <= c < 0xA0:
+            return i
+    return -1
+
+
+def labels(value: Any, arg: str = "labels") -> Optional[Dict[str, str]]:
+    """None, or a mapping of at most MAX_LABELS ``str`` keys of 1-63 characters of
+    ``A-Z a-z 0-9 _ . -`` to ``str`` values of at most 255 bytes of printable UTF-8 (no
+    control characters), as the daemon takes them; returned as a plain dict."""
+    if value is None:
+        return None
+    if isinstance(value, (str, bytes, bytearray)) or not isinstance(value, Mapping):
+        raise TypeError("%s must be a mapping of str to str (or None), not %s" % (arg, _type_name(value)))
+    if len(value) > MAX_LABELS:
+        raise ValueError("%s holds at most %d labels, not %d" % (arg, MAX_LABELS, len(value)))
+    out: Dict[str, str] = {}
+    for k, v in value.items():
+        if not isinstance(k, str):
+            raise TypeError("%s: a key must be a str, not %s" % (arg, _type_name(k)))
+        if not _LABEL_KEY_RE.fullmatch(k):
+            raise ValueError("%s: the key %r must be 1-%d characters of A-Z a-z 0-9 _ . -" % (arg, k, MAX_LABEL_KEY))
+        what = "%s[%r]" % (arg, k)
+        if not isinstance(v, str):
+            raise TypeError("%s must be a str, not %s" % (what, _type_name(v)))
+        _utf8(v, what, "is not valid Unicode text")
+        size = len(v.encode("utf-8"))
+        if size > MAX_LABEL_VALUE_BYTES:
+            raise ValueError("%s must be at most %d bytes of UTF-8, not %d" % (what, MAX_LABEL_VALUE_BYTES, size))
+        i = _control(v)
+        if i >= 0:
+            raise ValueError("%s contains the control character U+%04X at index %d" % (what, ord(v[i]), i))
+        out[k] = v
+    return out

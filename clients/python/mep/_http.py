@@ -295,6 +295,13 @@ def raise_for(resp: Response, target: str) -> None:
             "this mepd does not know wait_seconds (it predates waiting for a held name): upgrade mepd, or attach with wait=None",
             code=err.code, status=err.status, instance=err.instance, extensions=err.extensions,
         )
+    newer = [f for f in ("labels", "max_hold_seconds") if f in (err.unknown_fields or [])]
+    if err.code == "invalid-request" and newer:
+        raise NotSupported(
+            "this mepd does not know %s (it predates holder labels and max hold): upgrade mepd, or attach "
+            "without labels and max_hold" % " and ".join(newer),
+            code=err.code, status=err.status, instance=err.instance, extensions=err.extensions,
+        )
     raise err
 
 

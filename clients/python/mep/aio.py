@@ -25,7 +25,7 @@ import os
 import time
 import types
 import urllib.parse
-from typing import Any, Awaitable, Callable, Dict, List, Optional, Tuple, Type, Union
+from typing import Any, Awaitable, Callable, Dict, List, Mapping, Optional, Tuple, Type, Union
 
 from . import _args, _config, _http
 from ._tracker import LossTracker
@@ -625,14 +625,18 @@ class AsyncLeaseContext:
     (also when the block raises, without masking its exception)."""
 
     def __init__(self, client: "AsyncClient", name: str, path: PathLike, ttl: Optional[int],
-                 wait: Optional[float], bind: str) -> None:
+                 wait: Optional[float], bind: str, *, labels: Optional[Mapping[str, str]] = None,
+                 max_hold: Optional[int] = None) -> None:
         self._client = client
         self._args = (name, path, ttl, wait, bind)
+        self._labels = labels
+        self._max_hold = max_hold
         self._lease: Optional[AsyncLease] = None
 
     async def __aenter__(self) -> AsyncLease:
         name, path, ttl, wait, bind = self._args
-        self._lease = await self._client.acquire(name, path, ttl=ttl, wait=wait, bind=bind)
+        self._lease = await self._client.acquire(name, path, ttl=ttl, wait=wait, bind=bind, labels=self._labels,
+                                                 max_hold=self._max_hold)
         return await self._lease.__aenter__()
 
     async def __aexit__(self, exc_type: Optional[Type[BaseException]], exc: Optional[BaseException],
@@ -680,9 +684,11 @@ class AsyncClient:
         return doc
 
     async def acquire(self, name: str, path: PathLike, *, ttl: Optional[int] = 30, wait: Optional[float] = None,
-                      bind: str = "pid") -> AsyncLease:
-        """Attach and return the held :class:`AsyncLease` (see :meth:`mep.Client.acquire`)."""
-        body = _attach_body(name, path, ttl, wait, bind)
+                      bind: str = "pid", labels: Optional[Mapping[str, str]] = None,
+                      max_hold: Optional[int] = None) -> AsyncLease:
+        """Attach and return the held :class:`AsyncLease` (see :meth:`mep.Client.acquire`
+        for the arguments, ``labels`` and ``max_hold`` included, and the errors)."""
+        body = _attach_body(name, path, ttl, wait, bind, labels, max_hold)
         wait = body.get("wait_seconds")
         sock_path, origin = self.resolve_socket()
         conn = await _AsyncEventConnection.open(sock_path, origin, timeout=min(self.timeout, 10.0))
@@ -704,10 +710,20 @@ class AsyncClient:
         return lease
 
     def lease(self, name: str, path: PathLike, ttl: Optional[int] = 30, wait: Optional[float] = None, *,
-              bind: str = "pid") -> AsyncLeaseContext:
+              bind: str = "pid", labels: Optional[Mapping[str, str]] = None,
+              max_hold: Optional[int] = None) -> AsyncLeaseContext:
         """``async with client.lease(...) as lease:``."""
-        _attach_body(name, path, ttl, wait, bind)  # wrong arguments raise here, not on entry
-        return AsyncLeaseContext(self, name, path, ttl, wait, bind)
+        body = _attach_body(name, path, ttl, wait, bind, labels, max_hold)  # wrong arguments raise here, not on entry
+        return AsyncLeaseContext(self, name, path, ttl, wait, bind, labels=body.get("labels"), max_hold=max_hold)
+
+    async def attach(self, name: str, path: PathLike, *, ttl: Optional[int] = None, wait: Optional[float] = None,
+                     bind: str = "pid", labels: Optional[Mapping[str, str]] = None,
+                     max_hold: Optional[int] = None) -> LeaseInfo:
+        """The bare ``POST /v1/attach`` (no event stream, no loss tracking): prefer
+        :meth:`acquire`. See :meth:`mep.Client.attach`."""
+        body = _attach_body(name, path, ttl, wait, bind, labels, max_hold)
+        return LeaseInfo.from_json(await self._obj("POST", "/v1/attach", body,
+                                                   self.timeout + body.get("wait_seconds", 0)))
 
     async def detach(self, name: str, lease_id: Optional[str] = None) -> Optional[MepError]:
         """``POST /v1/detach`` (with ``lease_id``: only that lease); returns the control
@@ -809,15 +825,18 @@ def default_client() -> AsyncClient:
 
 
 def lease(name: str, path: PathLike, ttl: Optional[int] = 30, wait: Optional[float] = None, *,
-          bind: str = "pid") -> AsyncLeaseContext:
+          bind: str = "pid", labels: Optional[Mapping[str, str]] = None,
+          max_hold: Optional[int] = None) -> AsyncLeaseContext:
     """``async with mep.aio.lease("My Agent", "memory.uai") as lease:`` (see :func:`mep.lease`)."""
-    return default_client().lease(name, path, ttl, wait, bind=bind)
+    return default_client().lease(name, path, ttl, wait, bind=bind, labels=labels, max_hold=max_hold)
 
 
 async def acquire(name: str, path: PathLike, ttl: Optional[int] = 30, wait: Optional[float] = None, *,
-                  bind: str = "pid") -> AsyncLease:
+                  bind: str = "pid", labels: Optional[Mapping[str, str]] = None,
+                  max_hold: Optional[int] = None) -> AsyncLease:
     """Claim now; give it up with ``await lease.release()``."""
-    return await default_client().acquire(name, path, ttl=ttl, wait=wait, bind=bind)
+    return await default_client().acquire(name, path, ttl=ttl, wait=wait, bind=bind, labels=labels,
+                                          max_hold=max_hold)
 
 
 def events() -> AsyncEventStream:

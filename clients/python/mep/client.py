@@ -9,7 +9,7 @@ import re
 import subprocess
 import time
 import urllib.parse
-from typing import Any, Dict, Iterator, List, Optional, Tuple, Union
+from typing import Any, Dict, Iterator, List, Mapping, Optional, Tuple, Union
 
 from . import _args, _config, _http
 from .errors import InvalidName, MepError, ProtocolError
@@ -47,7 +47,8 @@ def _check_bind(bind: str) -> str:
     return _args.bind(bind)
 
 
-def _attach_body(name: str, path: PathLike, ttl: Optional[int], wait: Optional[float], bind: str) -> Dict[str, Any]:
+def _attach_body(name: str, path: PathLike, ttl: Optional[int], wait: Optional[float], bind: str,
+                 labels: Optional[Mapping[str, str]] = None, max_hold: Optional[int] = None) -> Dict[str, Any]:
     """The body of ``POST /v1/attach``, every argument checked (shared with :mod:`mep.aio`)."""
     body: Dict[str, Any] = {"name": _args.text(name, "name"), "path": _abs(path), "bind": _check_bind(bind)}
     t = _args.ttl(ttl)
@@ -56,6 +57,12 @@ def _attach_body(name: str, path: PathLike, ttl: Optional[int], wait: Optional[f
     w = _args.wait(wait)
     if w is not None:
         body["wait_seconds"] = w
+    lab = _args.labels(labels)
+    if lab:  # none or empty: not sent (a mepd that predates labels takes the attach)
+        body["labels"] = lab
+    h = _args.max_hold(max_hold)
+    if h is not None:
+        body["max_hold_seconds"] = h
     return body
 
 
@@ -233,7 +240,8 @@ class Client:
 
     # ---- leases ------------------------------------------------------------------------
     def acquire(self, name: str, path: PathLike, *, ttl: Optional[int] = 30, wait: Optional[float] = None,
-                bind: str = "pid") -> Lease:
+                bind: str = "pid", labels: Optional[Mapping[str, str]] = None,
+                max_hold: Optional[int] = None) -> Lease:
         """Attach ``name`` to the memory file ``path`` and return the held :class:`Lease`
         (release it with :meth:`Lease.release` or a ``with`` block).
 
@@ -241,13 +249,27 @@ class Client:
         lease's time to live (5..300 s); ``wait`` (seconds, or None) waits that long for a
         held name or memory, oldest waiter first; ``bind="pid"`` (default) binds the lease
         to this process: mepd releases it within about a second if the process exits,
-        even by SIGKILL. Raises :class:`~mep.NameHeld`, :class:`~mep.NameConfusable`,
-        :class:`~mep.MemoryAttached` (all :class:`~mep.Held`, with ``retry_after``),
+        even by SIGKILL.
+
+        ``labels`` (a mapping of ``str`` to ``str``, or None): up to 16 labels the control
+        plane keeps with the lease for the operators of its tenant (``mep lease ls``,
+        ``mep lease show``), beside the host name, this process's pid and executable name
+        that mepd sends as the lease's *holder* (none of it when mepd runs with
+        ``--anonymous-holder``); keys are 1-63 characters of ``A-Z a-z 0-9 _ . -``, values
+        at most 255 bytes of printable UTF-8. ``max_hold`` (whole seconds, 5..31622400, or
+        None: no limit): the lease is never renewed past its grant plus this; the renewal
+        that would carry it past is refused and the lease is lost with
+        ``lost_reason == "max-hold"`` (up to one TTL before grant + ``max_hold``).
+
+        Raises :class:`~mep.NameHeld`, :class:`~mep.NameConfusable`,
+        :class:`~mep.MemoryAttached` (all :class:`~mep.Held`, with ``retry_after`` and,
+        for a requester of the holder's tenant, ``holder``),
         :class:`~mep.InvalidName` (``reason``), :class:`~mep.InvalidTtl`,
         :class:`~mep.InvalidRequest` (no such file: make one with :meth:`init`),
-        :class:`~mep.Unavailable`, :class:`~mep.DaemonNotRunning`, ...
+        :class:`~mep.Unavailable`, :class:`~mep.DaemonNotRunning`, ...; ``TypeError`` or
+        ``ValueError`` for a wrong argument, before anything is sent.
         """
-        body = _attach_body(name, path, ttl, wait, bind)
+        body = _attach_body(name, path, ttl, wait, bind, labels, max_hold)
         wait = body.get("wait_seconds")
         sock_path, origin = self.resolve_socket()
         conn = _http.EventConnection.open(sock_path, origin, timeout=min(self.timeout, 10.0))
@@ -269,17 +291,21 @@ class Client:
         return lease
 
     def lease(self, name: str, path: PathLike, ttl: Optional[int] = 30, wait: Optional[float] = None, *,
-              bind: str = "pid") -> LeaseContext:
+              bind: str = "pid", labels: Optional[Mapping[str, str]] = None,
+              max_hold: Optional[int] = None) -> LeaseContext:
         """A context manager that acquires on entry (see :meth:`acquire`) and releases on
         exit: ``with client.lease("My Agent", "memory.uai") as lease: ...``."""
-        _attach_body(name, path, ttl, wait, bind)  # wrong arguments raise here, not on entry
-        return LeaseContext(self, name, path, ttl, wait, bind)
+        body = _attach_body(name, path, ttl, wait, bind, labels, max_hold)  # wrong arguments raise here, not on entry
+        # The labels as checked now: a mapping the caller changes before entry changes nothing.
+        return LeaseContext(self, name, path, ttl, wait, bind, labels=body.get("labels"), max_hold=max_hold)
 
     def attach(self, name: str, path: PathLike, *, ttl: Optional[int] = None, wait: Optional[float] = None,
-               bind: str = "pid") -> LeaseInfo:
+               bind: str = "pid", labels: Optional[Mapping[str, str]] = None,
+               max_hold: Optional[int] = None) -> LeaseInfo:
         """The bare ``POST /v1/attach`` (no event stream, no loss tracking): prefer
-        :meth:`acquire`. With ``bind="pid"`` the lease is bound to this process."""
-        body = _attach_body(name, path, ttl, wait, bind)
+        :meth:`acquire`, which takes the same arguments. With ``bind="pid"`` the lease is
+        bound to this process."""
+        body = _attach_body(name, path, ttl, wait, bind, labels, max_hold)
         return LeaseInfo.from_json(self._obj("POST", "/v1/attach", body, self.timeout + body.get("wait_seconds", 0)))
 
     def detach(self, name: str, lease_id: Optional[str] = None) -> Optional[MepError]:

@@ -11,7 +11,10 @@ too, and any other extension can be read as an attribute.
 from __future__ import annotations
 
 import json
-from typing import Any, Dict, List, Mapping, Optional, Tuple, Type
+from typing import TYPE_CHECKING, Any, Dict, List, Mapping, Optional, Tuple, Type
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .types import Holder
 
 __all__ = [
     "MepError",
@@ -199,9 +202,26 @@ class BadRequest(MepError):
 
 class Held(MepError):
     """Grouping base of the three 423 problems: the name, a confusable name or the memory is
-    held by a live lease. ``retry_after`` says how many seconds until that lease expires."""
+    held by a live lease. ``retry_after`` says how many seconds until that lease expires;
+    :attr:`holder` who holds it, when the control plane tells (to a requester of the
+    holder's tenant only)."""
 
     TITLE = "Held"
+
+    @property
+    def holder(self) -> "Optional[Holder]":
+        """The problem's ``holder`` member as a :class:`mep.Holder` (display name, host,
+        since, expires at), or None when the answer has none (another tenant's lease, an
+        older daemon) or it cannot be read."""
+        from .types import Holder as _Holder  # here: mep.types imports this module
+
+        v = self.extensions.get("holder")
+        if not isinstance(v, dict):
+            return None
+        try:
+            return _Holder.from_json(v)
+        except MepError:
+            return None
 
 
 class LeaseGone(MepError):
@@ -418,8 +438,9 @@ class DaemonTimeout(Unavailable):
 
 class LeaseLost(LeaseGone):
     """Raised by :meth:`mep.Lease.check` (and by the methods that call it) once the SDK
-    considers the lease lost; ``reason`` says why (``deadline``, ``released``,
-    ``stale-fence``, ...)."""
+    considers the lease lost; ``reason`` says why (``deadline``, ``local-deadline``,
+    ``released``, ``stale-fence``, ``max-hold``, ``revoked``, ...; ``closed`` once this
+    process released it)."""
 
     CODE, STATUS, TITLE = "lease-lost", None, "Lease lost"
 

@@ -16,7 +16,7 @@ import threading
 import time
 import types
 import urllib.parse
-from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Type
+from typing import TYPE_CHECKING, Any, Callable, Dict, List, Mapping, Optional, Type
 
 from . import _args, _http
 from ._tracker import LossTracker
@@ -119,8 +119,10 @@ class LeaseBase:
 
     @property
     def lost_reason(self) -> Optional[str]:
-        """Why the lease was lost (``local-deadline``, ``deadline``, ``released``,
-        ``stale-fence``, ...), or None while it is not."""
+        """Why the lease was lost, or None while it is not: from the daemon ``deadline``,
+        ``stale-fence``, ``lease-expired``, ``max-hold`` (a renewal would have carried the
+        lease past its ``max_hold``), ``revoked`` (an operator ran ``mep lease revoke``);
+        from the SDK ``local-deadline``, ``released``, ``superseded``, ``not-held``, ..."""
         return self._tracker.lost_reason
 
     @property
@@ -605,9 +607,11 @@ class LeaseContext:
     the block's exception — and sets :func:`current_lease` for the block."""
 
     def __init__(self, client: "Client", name: str, path: Any, ttl: Optional[int], wait: Optional[float],
-                 bind: str) -> None:
+                 bind: str, *, labels: Optional[Mapping[str, str]] = None, max_hold: Optional[int] = None) -> None:
         self._client = client
         self._args = (name, path, ttl, wait, bind)
+        self._labels = labels
+        self._max_hold = max_hold
         self._lease: Optional[Lease] = None
 
     @property
@@ -617,7 +621,8 @@ class LeaseContext:
 
     def __enter__(self) -> Lease:
         name, path, ttl, wait, bind = self._args
-        lease = self._client.acquire(name, path, ttl=ttl, wait=wait, bind=bind)
+        lease = self._client.acquire(name, path, ttl=ttl, wait=wait, bind=bind, labels=self._labels,
+                                     max_hold=self._max_hold)
         self._lease = lease
         return lease.__enter__()
 

@@ -19,6 +19,7 @@ __all__ = [
     "SyncResult",
     "FetchResult",
     "Health",
+    "Holder",
     "parse_time",
 ]
 
@@ -97,11 +98,43 @@ class LeaseInfo:
 
 
 @dataclass(frozen=True)
+class Holder:
+    """Who holds a name or memory, as a refused claim (423: :class:`~mep.NameHeld`,
+    :class:`~mep.NameConfusable`, :class:`~mep.MemoryAttached`) tells a requester of the
+    holder's tenant (see :attr:`mep.Held.holder`): the holder's display name, its host
+    (None when not known: a daemon run with ``--anonymous-holder``), since when it holds
+    the lease (its first grant) and when the lease expires unless renewed. Never the
+    lease's id, owner or token."""
+
+    display_name: str
+    host: Optional[str]
+    since: datetime.datetime
+    expires_at: datetime.datetime
+    raw: Dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
+
+    @classmethod
+    def from_json(cls, o: Mapping[str, Any]) -> "Holder":
+        """Build from the problem's ``holder`` member (:class:`~mep.ProtocolError` if it is not one)."""
+        since = parse_time(o.get("since"))
+        expires_at = parse_time(o.get("expires_at"))
+        if since is None or expires_at is None:
+            raise ProtocolError("the holder lacks since or expires_at: %r" % (dict(o),))
+        return cls(
+            display_name=_s(o, "display_name"),
+            host=_os(o, "host") or None,
+            since=since,
+            expires_at=expires_at,
+            raw=dict(o),
+        )
+
+
+@dataclass(frozen=True)
 class Event:
     """One line of ``GET /v1/events``: ``event`` is ``granted``, ``renewed``, ``degraded``,
     ``lost`` or ``released``. ``fencing_token`` and ``expires_at`` come with granted,
-    renewed and degraded; ``reason`` with degraded and lost; ``lease_id`` from daemons
-    that send it."""
+    renewed and degraded; ``reason`` with degraded and lost (``deadline``, ``stale-fence``,
+    ``lease-expired``, ``max-hold``: the lease reached its ``max_hold``, ``revoked``: an
+    operator ran ``mep lease revoke``, ...); ``lease_id`` from daemons that send it."""
 
     event: str
     canonical_name: str

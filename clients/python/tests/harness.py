@@ -210,9 +210,10 @@ class MepServer:
         self.proc: Optional[Proc] = None
         self.port = 0
 
-    def token_file(self, tenant: str = "t", name: str = "token") -> str:
-        """``mep token create`` for ``tenant``, written to a 0600 file; its path."""
-        p = subprocess.run([mep_bin(), "token", "create", "--db", self.db, "--tenant", tenant],
+    def token_file(self, tenant: str = "t", name: str = "token", scope: str = "lease") -> str:
+        """``mep token create`` for ``tenant`` (``scope`` lease or admin), written to a 0600 file; its path."""
+        scope_args = ["--scope", scope] if scope != "lease" else []  # the default (and all an older mep knows)
+        p = subprocess.run([mep_bin(), "token", "create", "--db", self.db, "--tenant", tenant] + scope_args,
                            stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                            env=self.env, timeout=REQUEST_TIMEOUT_S, check=False)
         if p.returncode != 0:
@@ -234,6 +235,20 @@ class MepServer:
     @property
     def url(self) -> str:
         return "http://127.0.0.1:%d" % self.port
+
+    def get_lease(self, name: str, token_file: str) -> Dict[str, object]:
+        """The server's ``GET /v1/leases/{name}`` (holder, hold_until, ...) with the token in
+        ``token_file``, as a dict."""
+        import json
+        import urllib.parse
+        import urllib.request
+
+        with open(token_file, "rb") as f:
+            token = f.read().decode().strip()
+        req = urllib.request.Request(self.url + "/v1/leases/" + urllib.parse.quote(name, safe=""),
+                                     headers={"Authorization": "Bearer " + token})
+        with urllib.request.urlopen(req, timeout=REQUEST_TIMEOUT_S) as r:
+            return json.loads(r.read().decode("utf-8"))
 
     def stop(self) -> None:
         if self.proc:
@@ -313,8 +328,9 @@ class Mepd:
 
     def __init__(self, workdir: str, env: Dict[str, str], tag: str = "mepd", control_plane: Optional[str] = None,
                  token_file: Optional[str] = None, store: Optional[str] = None,
-                 store_token_file: Optional[str] = None) -> None:
+                 store_token_file: Optional[str] = None, extra_args: Optional[List[str]] = None) -> None:
         self.workdir = workdir
+        self.extra_args = list(extra_args or [])
         self.env = dict(env)
         self.tag = tag
         self.control_plane = control_plane
@@ -334,6 +350,7 @@ class Mepd:
             argv += ["--store", self.store]
         if self.store_token_file:
             argv += ["--store-token-file", self.store_token_file]
+        argv += self.extra_args
         log = os.path.join(self.workdir, "%s-%d.log" % (self.tag, self.starts))
         self.starts += 1
         self.proc = Proc(self.tag, argv, self.env, log, cwd=self.workdir)
@@ -404,13 +421,15 @@ class DaemonTestCase(unittest.TestCase):
         return s.start()
 
     def start_remote(self, tag: str = "mepd", server: Optional[MepServer] = None,
-                     store: Optional[MepStore] = None):
-        """A ``mep server`` (new unless given) and a mepd using it (and ``store``); (server, mepd)."""
+                     store: Optional[MepStore] = None, extra_args: Optional[List[str]] = None):
+        """A ``mep server`` (new unless given) and a mepd using it (and ``store``); (server, mepd).
+        The mepd's token file is ``mepd.token_file``."""
         server = server or self.start_server()
         tok = server.token_file(name=tag + ".token")
         return server, self.start_mepd(tag=tag, control_plane=server.url, token_file=tok,
                                        store=store.url if store else None,
-                                       store_token_file=store.token_file if store else None)
+                                       store_token_file=store.token_file if store else None,
+                                       extra_args=extra_args)
 
     def new_memory(self, client: mep.Client, name: str = "memory.uai") -> str:
         path = os.path.join(self.work, name)

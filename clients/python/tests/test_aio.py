@@ -1,7 +1,9 @@
 """The asyncio SDK (:mod:`mep.aio`) against a real mepd."""
 import asyncio
+import datetime
 import os
 import signal
+import socket
 import unittest
 
 from .harness import DaemonTestCase, mep_bin
@@ -195,6 +197,61 @@ class AioTest(DaemonTestCase):
             results = await asyncio.gather(agent("task one", p1), agent("task two", p2))
             self.assertEqual(results, [(True, "taskone"), (True, "tasktwo")])
             self.assertIsNone(mep.current_lease())
+
+        self.run_async(main())
+
+    def test_labels_max_hold_and_the_holder_of_a_refused_claim(self):
+        async def main():
+            p1, p2 = os.path.join(self.work, "a.uai"), os.path.join(self.work, "b.uai")
+            await self.c.init(p1)
+            await self.c.init(p2)
+            before = datetime.datetime.now(datetime.timezone.utc)
+            async with self.c.lease("Async Builder", p1, ttl=10, labels={"job": "ci-7"}, max_hold=600) as lease:
+                self.assertEqual([l.lease_id for l in await self.c.leases()], [lease.lease_id])
+                other = mep.aio.AsyncClient(self.d.socket_path, timeout=10)
+                with self.assertRaises(mep.NameHeld) as cm:
+                    await other.acquire("async builder", p2, labels={"job": "ci-8"}, max_hold=60)
+                now = datetime.datetime.now(datetime.timezone.utc)
+                h = cm.exception.holder
+                self.assertIsInstance(h, mep.Holder)
+                self.assertEqual((h.display_name, h.host), ("Async Builder", socket.gethostname()))
+                self.assertLessEqual(h.since, now)
+                self.assertGreaterEqual(h.since, before - datetime.timedelta(seconds=1))
+                self.assertGreater(h.expires_at, h.since)
+                with self.assertRaises(mep.MemoryAttached) as cm:
+                    async with other.lease("another", p1, max_hold=60):
+                        self.fail("must not get here")
+                self.assertEqual(cm.exception.holder.display_name, "Async Builder")
+            info = await self.c.attach("async bare", p2, ttl=10, bind="none", labels={"k": "v"}, max_hold=30)
+            self.assertEqual((info.canonical_name, info.state), ("asyncbare", "held"))
+            self.assertIsNone(await self.c.detach("async bare", info.lease_id))
+            self.assertEqual(await self.c.leases(), [])
+
+        self.run_async(main())
+
+    def test_max_hold_reached_is_lost_with_reason_max_hold(self):
+        async def main():
+            path = os.path.join(self.work, "m.uai")
+            await self.c.init(path)
+            calls = []
+            loop = asyncio.get_running_loop()
+            t0 = loop.time()
+            async with self.c.lease("aio short hold", path, ttl=5, max_hold=6) as lease:
+                lease.on_lost(lambda l: calls.append(l.lost_reason))
+                await asyncio.wait_for(lease.lost.wait(), 15)
+                self.assertEqual(lease.lost_reason, "max-hold")
+                self.assertLess(loop.time() - t0, 7)
+                with self.assertRaises(mep.LeaseLost) as cm:
+                    lease.check()
+                self.assertEqual(cm.exception.reason, "max-hold")
+                for _ in range(100):
+                    if calls:
+                        break
+                    await asyncio.sleep(0.05)
+                self.assertEqual(calls, ["max-hold"])
+                info = await self.c.get_lease("aio short hold")
+                self.assertEqual((info.state, info.lost_reason), ("lost", "max-hold"))
+            self.assertEqual(await self.c.leases(), [])
 
         self.run_async(main())
 

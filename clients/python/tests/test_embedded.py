@@ -1,8 +1,10 @@
 """The threaded SDK against a real mepd in embedded mode (its control plane in-process)."""
 import contextvars
+import datetime
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -395,6 +397,76 @@ class LossTest(DaemonTestCase):
             self.assertTrue(lease.lost.wait(10))
             self.assertEqual(lease.lost_reason, "local-deadline")
         # Leaving the block does not raise: the lost lease has nothing left to release.
+
+
+class HolderAndMaxHoldTest(DaemonTestCase):
+    """Labels and max_hold sent with the attach; the holder in a refused claim; the loss of
+    a lease that reached its max hold."""
+
+    def setUp(self):
+        super().setUp()
+        self.d = self.start_mepd()
+        self.c = self.d.client()
+
+    def test_labels_and_max_hold_are_taken_and_a_refusal_names_the_holder(self):
+        p1, p2 = self.new_memory(self.c, "a.uai"), self.new_memory(self.c, "b.uai")
+        before = datetime.datetime.now(datetime.timezone.utc)
+        with self.c.lease("Builder 7", p1, ttl=10, labels={"job": "ci-42", "team": "infra"}, max_hold=600) as lease:
+            self.assertEqual([l.lease_id for l in self.c.leases()], [lease.lease_id])
+            other = self.d.client()  # a second client of the same tenant
+            with self.assertRaises(mep.NameHeld) as cm:
+                other.acquire("builder 7", p2, labels={"job": "ci-43"})
+            now = datetime.datetime.now(datetime.timezone.utc)
+            h = cm.exception.holder
+            self.assertIsInstance(h, mep.Holder)
+            self.assertEqual(h.display_name, "Builder 7")
+            self.assertEqual(h.host, socket.gethostname())
+            # The control plane's clock is this host's (embedded): a little slack for rounding.
+            slack = datetime.timedelta(seconds=1)
+            self.assertLessEqual(h.since, now)
+            self.assertGreaterEqual(h.since, before - slack)
+            self.assertGreater(h.expires_at, h.since)
+            self.assertGreater(h.expires_at, now - slack, "the live lease's expiry")
+            self.assertEqual(set(h.raw), {"display_name", "host", "since", "expires_at"}, "no lease id, owner or token")
+            # The memory, and a name that looks the same, say the same of their holder.
+            with self.assertRaises(mep.MemoryAttached) as cm:
+                other.acquire("someone else", p1)
+            self.assertEqual(cm.exception.holder.display_name, "Builder 7")
+            self.assertEqual(cm.exception.holder.since, h.since)
+        with self.c.lease("paypa", p1):
+            with self.assertRaises(mep.NameConfusable) as cm:
+                self.c.acquire("\u0440\u0430\u0443\u0440\u0430", p2, max_hold=60)
+            self.assertEqual(cm.exception.holder.display_name, "paypa")
+        # The bare attach takes them too.
+        info = self.c.attach("bare", p2, ttl=10, bind="none", labels={"k": "v"}, max_hold=30)
+        self.assertEqual((info.canonical_name, info.state), ("bare", "held"))
+        self.assertIsNone(self.c.detach("bare", info.lease_id))
+        self.assertEqual(self.c.leases(), [])
+
+    def test_max_hold_reached_is_lost_with_reason_max_hold(self):
+        path = self.new_memory(self.c)
+        calls = []
+        with self.c.events() as stream:
+            t0 = time.monotonic()
+            with self.c.lease("short hold", path, ttl=5, max_hold=6) as lease:
+                lease.on_lost(lambda l: calls.append(l.lost_reason))
+                self.assertTrue(lease.lost.wait(15), "lost once a renewal would pass the max hold")
+                # Told by the daemon (its first renewal is refused), not found by the SDK's
+                # local deadline (4 s after the attach): the daemon's reason is kept.
+                self.assertEqual(lease.lost_reason, "max-hold")
+                self.assertLess(time.monotonic() - t0, 7)
+                with self.assertRaises(mep.LeaseLost) as cm:
+                    lease.check()
+                self.assertEqual(cm.exception.reason, "max-hold")
+                self.assertTrue(wait_until(lambda: calls == ["max-hold"], 5), calls)
+                info = self.c.get_lease("short hold")
+                self.assertEqual((info.state, info.lost_reason), ("lost", "max-hold"))
+            ev = stream.next(5)
+            while ev is not None and ev.event != "lost":
+                ev = stream.next(5)
+            self.assertIsNotNone(ev)
+            self.assertEqual((ev.canonical_name, ev.reason, ev.lease_id), ("shorthold", "max-hold", lease.lease_id))
+        self.assertEqual(self.c.leases(), [], "leaving the block forgets the lost lease")
 
 
 class DaemonNotRunningTest(DaemonTestCase):

@@ -1,11 +1,15 @@
 """The SDK against a mepd that uses a remote control plane (a real ``mep server``)."""
 import asyncio
+import datetime
+import os
 import signal
+import socket
+import subprocess
 import threading
 import time
 import unittest
 
-from .harness import DaemonTestCase, wait_until
+from .harness import DaemonTestCase, mep_bin, wait_until
 
 import mep
 import mep.aio
@@ -145,6 +149,119 @@ class RemoteTest(DaemonTestCase):
             self.assertIsInstance(problem, mep.Unavailable)
             self.assertIs(lease.release_problem, problem)
             self.assertEqual(await c.leases(), [])
+
+        asyncio.run(asyncio.wait_for(main(), 60))
+
+
+class HolderRemoteTest(DaemonTestCase):
+    """Labels, max_hold and the holder, read back from a real ``mep server``."""
+
+    LABELS = {"job": "ci-42", "team": "infra", "note": "caf\u00e9 \u2615"}
+
+    def check_server_lease(self, server, d, name, labels, max_hold):
+        doc = server.get_lease(name, d.token_file)
+        holder = doc.get("holder")
+        self.assertIsInstance(holder, dict, doc)
+        self.assertEqual(holder.get("labels"), labels)
+        self.assertEqual(holder.get("pid"), os.getpid())
+        self.assertEqual(holder.get("host"), socket.gethostname())
+        self.assertEqual(holder.get("exe"), os.path.basename(os.readlink("/proc/self/exe")))
+        granted = mep.types.parse_time(doc["granted_at"])
+        self.assertEqual(mep.types.parse_time(doc["hold_until"]) - granted, datetime.timedelta(seconds=max_hold))
+        return doc
+
+    def test_labels_and_max_hold_reach_the_control_plane(self):
+        server, d = self.start_remote()
+        c = d.client(timeout=10)
+        path = self.new_memory(c)
+        with c.lease("Builder 7", path, ttl=10, labels=self.LABELS, max_hold=600) as lease:
+            doc = self.check_server_lease(server, d, "builder7", self.LABELS, 600)
+            self.assertEqual((doc["lease_id"], doc["fencing_token"]), (lease.lease_id, lease.token))
+            # Another daemon of the tenant (another host, as far as the server knows) is
+            # refused, and told who holds the name: never the lease id, owner or token.
+            _, d2 = self.start_remote(tag="mepd2", server=server)
+            c2 = d2.client(timeout=10)
+            with self.assertRaises(mep.NameHeld) as cm:
+                c2.acquire("builder 7", self.new_memory(c2, "other.uai"))
+            h = cm.exception.holder
+            self.assertEqual((h.display_name, h.host), ("Builder 7", socket.gethostname()))
+            self.assertEqual(h.since, mep.types.parse_time(doc["granted_at"]))
+            self.assertLessEqual(h.since, datetime.datetime.now(datetime.timezone.utc))
+            self.assertGreater(h.expires_at, h.since)
+            self.assertEqual(set(h.raw), {"display_name", "host", "since", "expires_at"})
+        # No labels and no max_hold: none sent, none kept.
+        info = c.attach("plain", path, ttl=10, bind="none")
+        doc = server.get_lease("plain", d.token_file)
+        self.assertNotIn("labels", doc["holder"] or {})
+        self.assertIsNone(doc["hold_until"])
+        self.assertIsNone(c.detach("plain", info.lease_id))
+
+    def test_an_anonymous_holder_sends_nothing_of_itself(self):
+        server, d = self.start_remote(extra_args=["--anonymous-holder"])
+        c = d.client(timeout=10)
+        path = self.new_memory(c)
+        with c.lease("Quiet Agent", path, ttl=10, labels=self.LABELS, max_hold=300):
+            doc = server.get_lease("quietagent", d.token_file)
+            self.assertFalse(doc.get("holder"), doc)  # no host, pid, executable or labels
+            self.assertIsNotNone(doc["hold_until"], "the max hold still applies")
+            _, d2 = self.start_remote(tag="mepd2", server=server)
+            c2 = d2.client(timeout=10)
+            with self.assertRaises(mep.NameHeld) as cm:
+                c2.acquire("quiet agent", self.new_memory(c2, "other.uai"))
+            self.assertEqual((cm.exception.holder.display_name, cm.exception.holder.host), ("Quiet Agent", None))
+
+    def test_max_hold_reached_is_lost_with_reason_max_hold(self):
+        server, d = self.start_remote()
+        c = d.client(timeout=10)
+        path = self.new_memory(c)
+        t0 = time.monotonic()
+        with c.lease("remote short hold", path, ttl=5, max_hold=6) as lease:
+            self.assertTrue(lease.lost.wait(15))
+            self.assertEqual(lease.lost_reason, "max-hold")
+            self.assertLess(time.monotonic() - t0, 7)
+            with self.assertRaises(mep.LeaseLost) as cm:
+                lease.check()
+            self.assertEqual(cm.exception.reason, "max-hold")
+
+    def test_revoked_by_an_operator_is_lost_with_reason_revoked(self):
+        server, d = self.start_remote()
+        admin = server.token_file(name="admin.token", scope="admin")
+        c = d.client(timeout=10)
+        path = self.new_memory(c)
+        with c.lease("Revoked Agent", path, ttl=6) as lease:
+            p = subprocess.run([mep_bin(), "lease", "revoke", "Revoked Agent", "--server", server.url,
+                                "--token-file", admin, "--reason", "test"],
+                               stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                               env=self.env, timeout=20, check=False)
+            self.assertEqual(p.returncode, 0, p.stderr.decode())
+            t0 = time.monotonic()
+            # Learnt at the next renewal (every ttl/3).
+            self.assertTrue(lease.lost.wait(10), "lost once the daemon's renewal is refused")
+            self.assertEqual(lease.lost_reason, "revoked")
+            self.assertLess(time.monotonic() - t0, 5)
+            with self.assertRaises(mep.LeaseLost) as cm:
+                lease.check()
+            self.assertEqual(cm.exception.reason, "revoked")
+        self.assertEqual(c.leases(), [])
+
+    def test_async_labels_and_max_hold_reach_the_control_plane(self):
+        server, d = self.start_remote()
+        path = self.new_memory(d.client())
+        _, d2 = self.start_remote(tag="mepd2", server=server)
+        other = self.new_memory(d2.client(), "other.uai")
+
+        async def main():
+            c = mep.aio.AsyncClient(d.socket_path, timeout=10)
+            async with c.lease("Async Builder", path, ttl=10, labels=self.LABELS, max_hold=900) as lease:
+                loop = asyncio.get_running_loop()
+                doc = await loop.run_in_executor(
+                    None, lambda: self.check_server_lease(server, d, "asyncbuilder", self.LABELS, 900))
+                self.assertEqual(doc["lease_id"], lease.lease_id)
+                c2 = mep.aio.AsyncClient(d2.socket_path, timeout=10)
+                with self.assertRaises(mep.NameHeld) as cm:
+                    await c2.acquire("async builder", other)
+                self.assertEqual(cm.exception.holder.display_name, "Async Builder")
+                self.assertEqual(cm.exception.holder.since, mep.types.parse_time(doc["granted_at"]))
 
         asyncio.run(asyncio.wait_for(main(), 60))
 

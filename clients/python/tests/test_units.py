@@ -1,5 +1,6 @@
 """Tests of the SDK's pure parts (no processes): the problem → exception table, the socket
 discovery order, the HTTP framing and the loss-decision state machine."""
+import dataclasses
 import datetime
 import json
 import os
@@ -83,6 +84,31 @@ class ProblemTableTest(unittest.TestCase):
         self.assertEqual(e.to_problem()["codepoint"], "U+0021")
         with self.assertRaises(AttributeError):
             e.no_such_extension  # noqa: B018
+
+    def test_held_errors_carry_the_holder(self):
+        view = {"display_name": "builder-7", "host": "host-a", "since": "2026-12-06T14:02:07.123Z",
+                "expires_at": "2026-12-06T14:03:07.5Z"}
+        for code, cls in (("name-held", mep.NameHeld), ("name-confusable", mep.NameConfusable),
+                          ("memory-attached", mep.MemoryAttached)):
+            e = mep.error_for_problem(423, json.dumps({"code": code, "status": 423, "holder": view}).encode())
+            self.assertIsInstance(e, cls)
+            h = e.holder
+            self.assertIsInstance(h, mep.Holder)
+            self.assertIs(mep.Holder, mep.types.Holder)
+            utc = datetime.timezone.utc
+            self.assertEqual(h, mep.Holder("builder-7", "host-a", datetime.datetime(2026, 12, 6, 14, 2, 7, 123000, utc),
+                                           datetime.datetime(2026, 12, 6, 14, 3, 7, 500000, utc)))
+            self.assertEqual(h.raw, view)
+            with self.assertRaises(dataclasses.FrozenInstanceError):
+                h.host = "x"  # type: ignore[misc]
+        # No host (a daemon that tells nothing of its holders), no holder (another tenant's
+        # lease, an older daemon), or one that cannot be read: None, never an exception.
+        no_host = {k: v for k, v in view.items() if k != "host"}
+        e = mep.error_for_problem(423, json.dumps({"code": "name-held", "holder": no_host}).encode())
+        self.assertEqual((e.holder.display_name, e.holder.host), ("builder-7", None))
+        self.assertIsNone(mep.error_for_problem(423, b'{"code":"name-held"}').holder)
+        for bad in ("x", {"display_name": "a"}, dict(view, since="yesterday"), dict(view, display_name=7)):
+            self.assertIsNone(mep.error_for_problem(423, json.dumps({"code": "name-held", "holder": bad}).encode()).holder)
 
     def test_unknown_code_and_non_problem_bodies(self):
         e = mep.error_for_problem(418, b'{"code":"teapot","status":418,"detail":"short"}')
@@ -250,6 +276,81 @@ class ArgumentsTest(unittest.TestCase):
         # Good arguments get as far as the (missing) daemon.
         with self.assertRaises(mep.DaemonNotRunning):
             c.acquire("agent", self.path, ttl=30.0, wait=1.5)
+
+
+    def test_labels_and_max_hold(self):
+        c, ac, path = self.c, self.ac, self.path
+        seventeen = {"k%d" % i: "v" for i in range(17)}
+        bad_labels = [
+            (ValueError, "at most 16 labels", seventeen),
+            (ValueError, "'a b' must be 1-63 characters", {"a b": "x"}),
+            (ValueError, "1-63 characters", {"": "x"}),
+            (ValueError, "1-63 characters", {"k" * 64: "x"}),
+            (ValueError, "1-63 characters", {"caf\u00e9": "x"}),
+            (TypeError, "labels['n'] must be a str, not int", {"n": 1}),
+            (TypeError, "labels['n'] must be a str, not NoneType", {"n": None}),
+            (TypeError, "a key must be a str, not int", {1: "x"}),
+            (ValueError, "labels['long'] must be at most 255 bytes of UTF-8, not 256", {"long": "x" * 256}),
+            (ValueError, "not 256", {"long": "\u00e9" * 128}),  # 128 characters, 256 bytes
+            (ValueError, "control character U+0007 at index 1", {"bell": "a\x07"}),
+            (ValueError, "control character U+0085", {"nel": "\x85"}),
+            (ValueError, "U+DC80", {"s": "a\udc80"}),
+            (TypeError, "labels must be a mapping", [("a", "b")]),
+            (TypeError, "labels must be a mapping", "a=b"),
+        ]
+        bad_holds = [(ValueError, "max_hold must be between 5 and 31622400", 4),
+                     (ValueError, "between 5 and", 31622401),
+                     (ValueError, "between 5 and", -10),
+                     (TypeError, "max_hold must be a whole number of seconds or None, not str", "10"),
+                     (TypeError, "not bool", True),
+                     (ValueError, "whole number", 10.5),
+                     (ValueError, "whole number", float("nan"))]
+        calls = [c.acquire, c.lease, c.attach, mep.acquire, mep.lease]
+        for exc, text, value in bad_labels:
+            for fn in calls:
+                self.check(exc, text, fn, "agent", path, labels=value)
+            self.check(exc, text, ac.lease, "agent", path, labels=value)
+            self.check(exc, text, mep.aio.lease, "agent", path, labels=value)
+            self.acheck(exc, text, ac.acquire, "agent", path, labels=value)
+            self.acheck(exc, text, ac.attach, "agent", path, labels=value)
+            self.acheck(exc, text, mep.aio.acquire, "agent", path, labels=value)
+        for exc, text, value in bad_holds:
+            for fn in calls:
+                self.check(exc, text, fn, "agent", path, max_hold=value)
+            self.check(exc, text, ac.lease, "agent", path, max_hold=value)
+            self.check(exc, text, mep.aio.lease, "agent", path, max_hold=value)
+            self.acheck(exc, text, ac.acquire, "agent", path, max_hold=value)
+            self.acheck(exc, text, ac.attach, "agent", path, max_hold=value)
+            self.acheck(exc, text, mep.aio.acquire, "agent", path, max_hold=value)
+        # The edges are good arguments, and get as far as the (missing) daemon.
+        edge = {("k%02d" % i) + "-._" + "K" * 57: "\u00e9" * 127 + "x" for i in range(16)}
+        self.assertEqual({len(k) for k in edge}, {63})
+        self.assertEqual({len(v.encode()) for v in edge.values()}, {255})
+        for hold in (5, 31622400, 60.0):
+            with self.assertRaises(mep.DaemonNotRunning):
+                c.acquire("agent", path, labels=edge, max_hold=hold)
+        with self.assertRaises(mep.DaemonNotRunning):
+            with c.lease("agent", path, labels={}, max_hold=None):
+                pass
+
+    def test_attach_body(self):
+        from mep.client import _attach_body
+
+        labels = {"team": "infra", "job": "ci-42"}
+        body = _attach_body("agent", "/m.uai", 30, None, "pid", labels, 600)
+        self.assertEqual(body, {"name": "agent", "path": "/m.uai", "bind": "pid", "ttl_seconds": 30,
+                                "labels": labels, "max_hold_seconds": 600})
+        self.assertIsNot(body["labels"], labels, "a copy: the caller's mapping is not kept")
+        self.assertEqual(type(_attach_body("a", "/m", None, None, "none", {"x": "y"}, 10.0)["max_hold_seconds"]), int)
+        # None and empty labels, and no max_hold, are not sent (a mepd that predates them takes the attach).
+        for empty in (None, {}):
+            self.assertEqual(_attach_body("agent", "/m.uai", None, None, "none", empty, None),
+                             {"name": "agent", "path": "/m.uai", "bind": "none"})
+        # A LeaseContext keeps the labels as they were checked.
+        labels = {"a": "1"}
+        ctx = self.c.lease("agent", self.path, labels=labels)
+        labels["a b"] = "changed after"
+        self.assertEqual(ctx._labels, {"a": "1"})
 
 
 class FramingTest(unittest.TestCase):

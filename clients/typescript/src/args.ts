@@ -5,6 +5,13 @@ import { isAbsolute } from "node:path";
 
 /** The largest `wait` the daemon takes (seconds; its `wait_seconds` is a 32-bit count). */
 export const MAX_WAIT_S = 2147483647;
+/** The least and the largest `maxHold` the daemon takes (seconds): the shortest TTL, and 366 days. */
+export const MIN_HOLD_S = 5;
+export const MAX_HOLD_S = 366 * 24 * 3600;
+/** At most this many labels; keys of 1-63 characters of `A-Z a-z 0-9 _ . -`; values of at most 255 bytes of UTF-8. */
+export const MAX_LABELS = 16;
+export const MAX_LABEL_VALUE_BYTES = 255;
+const LABEL_KEY = /^[A-Za-z0-9_.-]{1,63}$/;
 
 function describe(v: unknown): string {
   if (v === null) return "null";
@@ -99,4 +106,49 @@ export function checkTimeoutMs(v: unknown, arg = "timeoutMs"): number | undefine
   const n = checkNumber(v, arg, "a number of milliseconds");
   if (!(n >= 0)) throw new RangeError(`${arg} must be >= 0 ms (0 or Infinity: no limit), not ${n}`);
   return Number.isFinite(n) ? n : 0;
+}
+
+/** `maxHold`: a whole number of seconds in MIN_HOLD_S..MAX_HOLD_S, or undefined. @internal */
+export function checkMaxHold(v: unknown, arg = "maxHold"): number | undefined {
+  if (v === undefined) return undefined;
+  const n = checkNumber(v, arg, "a whole number of seconds");
+  if (!Number.isSafeInteger(n)) throw new RangeError(`${arg} must be a whole number of seconds, not ${n}`);
+  if (n < MIN_HOLD_S || n > MAX_HOLD_S) throw new RangeError(`${arg} must be between ${MIN_HOLD_S} and ${MAX_HOLD_S} seconds (366 days), not ${n}`);
+  return n;
+}
+
+/** The index of the first control character (C0, DEL, C1) of `s`, or -1. */
+function controlCharacter(s: string): number {
+  for (let i = 0; i < s.length; i++) {
+    const c = s.charCodeAt(i);
+    if (c < 0x20 || (c >= 0x7f && c < 0xa0)) return i;
+  }
+  return -1;
+}
+
+/**
+ * `labels`: a plain object of at most MAX_LABELS string values, keys of 1-63 characters of
+ * `A-Z a-z 0-9 _ . -`, values of at most 255 bytes of UTF-8 without control characters, or
+ * undefined; returned as a copy. @internal
+ */
+export function checkLabels(v: unknown, arg = "labels"): Record<string, string> | undefined {
+  if (v === undefined) return undefined;
+  if (v === null || typeof v !== "object" || Array.isArray(v) || v instanceof Map)
+    throw new TypeError(`${arg} must be an object of string values, not ${describe(v)}`);
+  const entries = Object.entries(v as Record<string, unknown>);
+  if (entries.length > MAX_LABELS) throw new RangeError(`${arg} holds at most ${MAX_LABELS} labels, not ${entries.length}`);
+  const out: Record<string, string> = {};
+  for (const [k, value] of entries) {
+    if (!LABEL_KEY.test(k)) throw new TypeError(`${arg}: the key ${JSON.stringify(k)} must be 1-63 characters of A-Z a-z 0-9 _ . -`);
+    const what = `${arg}[${JSON.stringify(k)}]`;
+    if (typeof value !== "string") throw new TypeError(`${what} must be a string, not ${describe(value)}`);
+    checkText(value, what);
+    const bytes = new TextEncoder().encode(value).length;
+    if (bytes > MAX_LABEL_VALUE_BYTES) throw new RangeError(`${what} must be at most ${MAX_LABEL_VALUE_BYTES} bytes of UTF-8, not ${bytes}`);
+    const c = controlCharacter(value);
+    if (c >= 0)
+      throw new TypeError(`${what} contains the control character U+${value.charCodeAt(c).toString(16).toUpperCase().padStart(4, "0")} at index ${c}`);
+    Object.defineProperty(out, k, { value, enumerable: true, writable: true, configurable: true });
+  }
+  return out;
 }

@@ -1,7 +1,7 @@
 // The Client: one mepd socket, typed calls for every endpoint of the socket API.
 import "./polyfill.js";
 import { existsSync } from "node:fs";
-import { checkBind, checkOptions, checkPath, checkText, checkTimeoutMs, checkTtl, checkWait } from "./args.js";
+import { checkBind, checkLabels, checkMaxHold, checkOptions, checkPath, checkText, checkTimeoutMs, checkTtl, checkWait } from "./args.js";
 import { errorFrom, expectJson, openNdjson, rawRequest, releaseProblem, type OpenStream } from "./http.js";
 import type { JsonValue } from "./json.js";
 import { Lease, currentLease, type LeaseOptions } from "./lease.js";
@@ -132,7 +132,8 @@ export class Client {
    *
    * @param name the agent's display name ("My Agent"; canonical "myagent")
    * @param path the `.uai` memory file (relative to the current directory); must exist — create it with {@link init}
-   * @throws NameHeld, NameConfusable, MemoryAttached (423, with `retryAfter`), InvalidName (422, `reason`), InvalidTtl, InvalidRequest, Unavailable, DaemonNotRunning
+   * @param options `ttl`, `wait`, `bind`, `labels` and `maxHold`: see {@link LeaseOptions}
+   * @throws NameHeld, NameConfusable, MemoryAttached (423, {@link Held}: with `retryAfter` and, for a requester of the holder's tenant, `holder`), InvalidName (422, `reason`), InvalidTtl, InvalidRequest, Unavailable, DaemonNotRunning; TypeError or RangeError for a wrong argument, before anything is sent
    */
   async lease(name: string, path: string, options: LeaseOptions = {}): Promise<Lease> {
     attachBody(name, path, options); // wrong arguments reject here, before the event stream opens
@@ -377,6 +378,11 @@ function attachBody(name: string, path: string, options: LeaseOptions): Record<s
   if (ttl !== undefined) body["ttl_seconds"] = ttl;
   const wait = checkWait(o.wait);
   if (wait !== undefined) body["wait_seconds"] = wait;
+  const labels = checkLabels(o.labels);
+  // None or empty: not sent (a mepd that predates labels takes the attach).
+  if (labels !== undefined && Object.keys(labels).length > 0) body["labels"] = labels;
+  const maxHold = checkMaxHold(o.maxHold);
+  if (maxHold !== undefined) body["max_hold_seconds"] = maxHold;
   return body;
 }
 

@@ -1,4 +1,4 @@
-// Errors: one class per RFC 9457 problem code of mepd, plus DaemonNotRunning, LeaseLost and ConfigError.
+// Errors: one class per RFC 9457 problem code of mepd (the three 423 ones under the base Held), plus DaemonNotRunning, LeaseLost and ConfigError.
 
 /** Every problem `code` mepd (and the control plane behind it) answers with, and its HTTP status. */
 export const PROBLEM_CODES = {
@@ -172,12 +172,60 @@ export class InvalidName extends MepError {
 export class InvalidTtl extends MepError {}
 /** 422 `idempotency-key-reused`. */
 export class IdempotencyKeyReused extends MepError {}
-/** 423 `name-held`: another owner holds the name. `retryAfter` says when to try again. */
-export class NameHeld extends MepError {}
-/** 423 `name-confusable`: a held name looks the same (same UTS #39 skeleton, e.g. "paypa1" vs "paypal"). */
-export class NameConfusable extends MepError {}
-/** 423 `memory-attached`: the memory file is attached to another lease. */
-export class MemoryAttached extends MepError {}
+/**
+ * Who holds a name or a memory, as a refused claim (423: {@link NameHeld},
+ * {@link NameConfusable}, {@link MemoryAttached}) tells a requester of the holder's tenant
+ * (the problem's `holder` member): never the lease's id, owner or token.
+ */
+export interface HolderView {
+  /** The holder's agent name as it was given ("Builder 7"). */
+  readonly displayName: string;
+  /** The holder's host, or null when not known (a mepd run with `--anonymous-holder`). */
+  readonly host: string | null;
+  /** Since when it holds the lease (its first grant). */
+  readonly since: Date;
+  /** When the lease expires unless renewed (the control plane's clock). */
+  readonly expiresAt: Date;
+}
+
+/** The problem's `holder` member as a {@link HolderView}, or null when absent or not one. */
+function parseHolderView(v: unknown): HolderView | null {
+  if (v === null || typeof v !== "object" || Array.isArray(v)) return null;
+  const o = v as Record<string, unknown>;
+  const time = (k: string): Date | undefined => {
+    const t = typeof o[k] === "string" ? Date.parse(o[k] as string) : Number.NaN;
+    return Number.isNaN(t) ? undefined : new Date(t);
+  };
+  const since = time("since");
+  const expiresAt = time("expires_at");
+  if (typeof o["display_name"] !== "string" || since === undefined || expiresAt === undefined) return null;
+  const host = typeof o["host"] === "string" && o["host"] !== "" ? (o["host"] as string) : null;
+  return Object.freeze({ displayName: o["display_name"] as string, host, since, expiresAt });
+}
+
+/**
+ * The base of the three 423 problems ({@link NameHeld}, {@link NameConfusable},
+ * {@link MemoryAttached}): the name, a name that looks the same or the memory is held by a
+ * live lease. `retryAfter` says in how many seconds that lease expires; {@link holder} who
+ * holds it, when the control plane tells.
+ */
+export class Held extends MepError {
+  /**
+   * Who holds it (display name, host, since, expiry): told to a requester of the holder's
+   * tenant only; null for another tenant's lease or from an older daemon.
+   */
+  readonly holder: HolderView | null;
+  constructor(init: MepErrorInit) {
+    super(init);
+    this.holder = parseHolderView(init.extensions?.["holder"]);
+  }
+}
+/** 423 `name-held`: another owner holds the name. `retryAfter` says when to try again; `holder` who holds it. */
+export class NameHeld extends Held {}
+/** 423 `name-confusable`: a held name looks the same (same UTS #39 skeleton, e.g. "paypa1" vs "paypal"); `holder` who holds it. */
+export class NameConfusable extends Held {}
+/** 423 `memory-attached`: the memory file is attached to another lease; `holder` who holds it. */
+export class MemoryAttached extends Held {}
 /** 429 `rate-limited`. */
 export class RateLimited extends MepError {}
 /** 500 `internal`. */
@@ -242,7 +290,11 @@ export type LeaseLostReason =
   | "not-found"
   /** The daemon reports another token for the name. */
   | "token-changed"
-  /** A daemon `lost` event's reason (e.g. `"deadline"`, `"stale-fence"`, `"lease-expired"`), or a refusal from verify/sync. */
+  /** The lease reached its `maxHold`: the control plane refused the renewal that would have carried it past (a daemon `lost` event). */
+  | "max-hold"
+  /** An operator revoked the lease (`mep lease revoke`); learnt at the daemon's next renewal (a daemon `lost` event). */
+  | "revoked"
+  /** Another daemon `lost` event's reason (e.g. `"deadline"`, `"stale-fence"`, `"lease-expired"`), or a refusal from verify/sync. */
   | (string & {});
 
 /** What {@link LeaseLost} is built from. */

@@ -23,6 +23,21 @@ export interface LeaseOptions {
    * (SIGKILL included). `"none"`: the lease outlives the process until released.
    */
   bind?: "pid" | "none";
+  /**
+   * Labels the control plane keeps with the lease for the operators of its tenant (`mep lease
+   * ls`, `mep lease show`), beside the host name, this process's pid and executable name that
+   * mepd sends as the lease's *holder* (none of it when mepd runs with `--anonymous-holder`).
+   * At most 16; keys of 1-63 characters of `A-Z a-z 0-9 _ . -`; string values of at most 255
+   * bytes of UTF-8 without control characters. Sent as `labels`, only when not empty.
+   */
+  labels?: Record<string, string>;
+  /**
+   * The longest hold, in whole seconds (5..31622400, i.e. up to 366 days; sent as
+   * `max_hold_seconds`): the lease is never renewed past its grant plus this. The renewal that
+   * would carry it past is refused and the lease is lost with reason `"max-hold"` — up to one
+   * TTL before grant + `maxHold`, since mepd renews every ttl/3. Omitted: no limit.
+   */
+  maxHold?: number;
 }
 
 /** This library's view of a lease. */

@@ -2,6 +2,7 @@
 // directories (HOME and XDG_* inside), stopped by PID (SIGCONT, SIGTERM, then SIGKILL).
 // Every wait is bounded. No mocks of the daemon.
 import { spawn, spawnSync, type ChildProcess } from "node:child_process";
+import { request } from "node:http";
 import { closeSync, existsSync, mkdirSync, mkdtempSync, openSync, readFileSync, rmSync, statSync, writeFileSync } from "node:fs";
 import { join, resolve } from "node:path";
 import { tmpdir } from "node:os";
@@ -247,9 +248,10 @@ export class Sandbox implements AsyncDisposable {
     return { proc, url: m[1]!, db };
   }
 
-  /** A bearer token for `tenant` on the server's database, written to a 0600 file; returns the file. */
-  tokenFile(server: Server, tenant: string): string {
-    const r = spawnSync(MEP_BIN, ["token", "create", "--db", server.db, "--tenant", tenant], { encoding: "utf8", env: this.env, timeout: 20000 });
+  /** A bearer token for `tenant` (of `scope` lease or admin) on the server's database, written to a 0600 file; returns the file. */
+  tokenFile(server: Server, tenant: string, scope: "lease" | "admin" = "lease"): string {
+    const scopeArgs = scope === "lease" ? [] : ["--scope", scope]; // the default (and all an older mep knows)
+    const r = spawnSync(MEP_BIN, ["token", "create", "--db", server.db, "--tenant", tenant, ...scopeArgs], { encoding: "utf8", env: this.env, timeout: 20000 });
     if (r.status !== 0) throw new Error(`mep token create failed (${r.status}): ${r.stderr}`);
     const token = r.stdout.trim();
     const file = this.path(`token-${tenant}-${this.#n++}`);
@@ -277,7 +279,7 @@ export class Sandbox implements AsyncDisposable {
   }
 
   async startMepd(
-    opts: { tag?: string; controlPlane?: string; tokenFile?: string; store?: Store } = {},
+    opts: { tag?: string; controlPlane?: string; tokenFile?: string; store?: Store; extraArgs?: string[] } = {},
   ): Promise<Daemon> {
     const tag = opts.tag ?? `mepd${this.#n++}`;
     const socket = this.path(`${tag}-run`, "mep", "mepd.sock");
@@ -285,6 +287,7 @@ export class Sandbox implements AsyncDisposable {
     const argv = [MEPD_BIN, "--socket", socket, "--state-dir", stateDir];
     if (opts.controlPlane) argv.push("--control-plane", opts.controlPlane, "--token-file", opts.tokenFile ?? "");
     if (opts.store) argv.push("--store", opts.store.url, "--store-token-file", opts.store.tokenFile);
+    argv.push(...(opts.extraArgs ?? []));
     const start = async (): Promise<Proc> => {
       const proc = this.spawn(tag, argv);
       await proc.waitForLog(new RegExp("listening on " + socket.replace(/[.*+?^${}()|[\]\\]/g, "\\$&")));
@@ -308,6 +311,29 @@ export class Sandbox implements AsyncDisposable {
     for (const p of [...this.procs].reverse()) await p.stop();
     if (!process.env["MEP_TEST_KEEP"]) rmSync(this.dir, { recursive: true, force: true });
   }
+}
+
+/** The server's `GET /v1/leases/{name}` (holder, granted_at, hold_until, …) with the token in `tokenFile`. */
+export function serverLease(server: Server, name: string, tokenFile: string): Promise<Record<string, unknown>> {
+  const u = new URL(server.url);
+  const token = readFileSync(tokenFile, "utf8").trim();
+  return new Promise((resolveAnswer, reject) => {
+    const req = request(
+      { host: u.hostname, port: Number(u.port), method: "GET", path: "/v1/leases/" + encodeURIComponent(name), headers: { Authorization: `Bearer ${token}` }, agent: false },
+      (res) => {
+        const chunks: Uint8Array[] = [];
+        res.on("data", (c: Uint8Array) => chunks.push(c));
+        res.on("end", () => {
+          const text = Buffer.concat(chunks).toString("utf8");
+          if (res.statusCode !== 200) reject(new Error(`GET /v1/leases/${name} answered ${res.statusCode}: ${text}`));
+          else resolveAnswer(JSON.parse(text) as Record<string, unknown>);
+        });
+      },
+    );
+    req.setTimeout(20000, () => req.destroy(new Error("the server did not answer")));
+    req.on("error", reject);
+    req.end();
+  });
 }
 
 /** Creates a new, empty memory file through `client` in the sandbox; returns its path. */

@@ -4,6 +4,8 @@
 #include "../../support/store_test_support.hpp"
 #include "mep/canonical.hpp"
 #include "mep/crypto.hpp"
+#include "mep/json.hpp"
+#include "mep/lease/wire.hpp"
 #include "mep/lease_service.hpp"
 #include "mep/store.hpp"
 #include "mep/uuid.hpp"
@@ -88,6 +90,21 @@ public:
                               const std::string& owner = "owner-a", std::int64_t ttl = 30) {
     return claim(ctx, display, memory_id, owner, ttl);
   }
+  /// A claim with a holder and a hold limit.
+  Outcome<lease::Grant> claim_held(const Ctx& c, const std::string& display, const std::string& memory_id,
+                                   const std::string& owner, std::optional<lease::Holder> holder,
+                                   std::optional<std::int64_t> max_hold_s = std::nullopt, std::int64_t ttl = 30) {
+    Claim req{display, canonicalize(display), memory_id, owner, ttl};
+    req.holder = std::move(holder);
+    req.max_hold_s = max_hold_s;
+    return wait<lease::Grant>(
+        [&](auto then) { store->claim(c, key(uuid_v7().to_string(), display + memory_id + owner), req, then); });
+  }
+  Outcome<lease::LeaseInfo> get(const std::string& name) {
+    return wait<lease::LeaseInfo>([&](auto then) { store->get_lease(ctx, name, then); });
+  }
+  /// Renewals a call of renew() makes (two on a serving store).
+  int renewals_per_call() const { return m_twice ? 2 : 1; }
 
   static LeaseRef ref(const lease::Grant& g, const std::string& owner = "owner-a", std::int64_t ttl = 30) {
     return LeaseRef{g.canonical_name, g.memory_id, g.fencing_token, owner, ttl};
@@ -369,12 +386,13 @@ const Case k_cases[] = {
        auto m = r.memory();
        auto g = r.claim(r.name("revoked"), m);
        REQUIRE(g.ok());
-       auto rv = r.wait<Revoked>([&](auto then) { r.store->revoke(r.ctx, g.value->canonical_name, then); });
+       auto rv = r.wait<Revoked>([&](auto then) { r.store->revoke(r.ctx, Revoke{g.value->canonical_name, {}}, then); });
        REQUIRE(rv.ok());
        CHECK(rv.value->canonical_name == g.value->canonical_name);
        CHECK(rv.value->memory_id == m); // what it freed: the claims waiting for the memory wake too
-       CHECK(code_of(r.wait<Revoked>([&](auto then) { r.store->revoke(r.ctx, g.value->canonical_name, then); })) ==
-             Code::lease_not_found);
+       CHECK(code_of(r.wait<Revoked>([&](auto then) {
+               r.store->revoke(r.ctx, Revoke{g.value->canonical_name, {}}, then);
+             })) == Code::lease_not_found);
        CHECK(code_of(r.renew(Rig::ref(*g.value))) == Code::lease_expired);
        auto next = r.claim(r.name("revoked"), m, "owner-b");
        REQUIRE(next.ok());
@@ -442,6 +460,146 @@ const Case k_cases[] = {
        CHECK(r.service().waiting(r.name("q-wanted"), m) == 0);
        REQUIRE(r.release(Rig::ref(*got.outcome.value, "waiter")).ok());
        REQUIRE(r.claim(r.name("q-wanted"), r.memory(), "jumper").ok());
+     }},
+
+    {"who holds a lease is stored and shown with since when; a re-claim keeps its start",
+     [](Rig& r) {
+       auto m = r.memory();
+       lease::Holder h{"host-a", 4242, "agent.sh", {{"role", "builder"}, {"team", "blue"}}};
+       auto g = r.claim_held(r.ctx, r.name("holder"), m, "owner-a", h);
+       REQUIRE(g.ok());
+       auto got = r.get(r.name("holder"));
+       REQUIRE(got.ok());
+       REQUIRE(got.value->holder);
+       CHECK(*got.value->holder == h);
+       CHECK(got.value->granted_at == g.value->server_time);
+       CHECK(got.value->renewals == 0);
+       CHECK_FALSE(got.value->renewed_at);
+       CHECK_FALSE(got.value->hold_until);
+       std::this_thread::sleep_for(std::chrono::milliseconds(20));
+       auto again = r.claim_held(r.ctx, r.name("holder"), m, "owner-a", h);
+       REQUIRE(again.ok());
+       REQUIRE(again.value->reclaimed);
+       auto after = r.get(r.name("holder"));
+       REQUIRE(after.ok());
+       CHECK(after.value->granted_at == got.value->granted_at); // since when this owner holds it
+       CHECK(after.value->grant.fencing_token == 2);
+       // A lease claimed without a holder shows none.
+       REQUIRE(r.claim(r.name("anonymous"), r.memory()).ok());
+       auto anon = r.get(r.name("anonymous"));
+       REQUIRE(anon.ok());
+       CHECK_FALSE(anon.value->holder);
+     }},
+    {"a refusal names the holder to its own tenant only: display name, host, since, expiry",
+     [](Rig& r) {
+       auto m = r.memory();
+       auto g = r.claim_held(r.ctx, r.name("Busy"), m, "owner-a", lease::Holder{"host-a", 7, "worker", {}});
+       REQUIRE(g.ok());
+       for (auto refused : {r.claim(r.name("busy"), r.memory(), "owner-b"), r.claim(r.name("other"), m, "owner-b")}) {
+         REQUIRE_FALSE(refused.ok());
+         const auto* view = refused.value.error().extensions.if_contains("holder");
+         REQUIRE(view);
+         auto v = lease::wire::decode_holder_view(view->as_object());
+         REQUIRE(v);
+         CHECK(v->display_name == r.name("Busy"));
+         CHECK(v->host == "host-a");
+         CHECK(v->since == g.value->server_time);
+         CHECK(v->expires_at == g.value->expires_at);
+         // Never the lease id, the owner or the token.
+         const std::string text = json::dump(refused.value.error().to_json());
+         CHECK(text.find(g.value->lease_id) == std::string::npos);
+         CHECK(text.find("owner-a") == std::string::npos);
+         CHECK(text.find("fencing_token") == std::string::npos);
+       }
+       // Another tenant is refused without learning who holds it.
+       Ctx other = r.context("other-" + r.tag);
+       auto theirs = r.claim(other, r.name("busy"), r.memory(other), "owner-c");
+       REQUIRE(code_of(theirs) == Code::name_held);
+       CHECK_FALSE(theirs.value.error().extensions.contains("holder"));
+     }},
+    {"renewals are counted and the last one's time is kept",
+     [](Rig& r) {
+       auto g = r.claim(r.name("counted"), r.memory());
+       REQUIRE(g.ok());
+       for (int i = 0; i < 3; ++i) REQUIRE(r.renew(Rig::ref(*g.value)).ok());
+       auto got = r.get(r.name("counted"));
+       REQUIRE(got.ok());
+       CHECK(got.value->renewals == 3 * r.renewals_per_call());
+       REQUIRE(got.value->renewed_at);
+       CHECK(*got.value->renewed_at >= g.value->server_time);
+       // Released, the count goes into the audit row that ends the lease (see history).
+       REQUIRE(r.release(Rig::ref(*g.value)).ok());
+       HistoryQuery q{r.name("counted"), std::nullopt, std::nullopt, 10};
+       auto h = r.wait<lease::HistoryPage>([&](auto then) { r.store->history(r.ctx, q, then); });
+       REQUIRE(h.ok());
+       REQUIRE(h.value->events.size() == 2);
+       CHECK(h.value->events[0].event_type == "LEASE_RELEASED");
+       CHECK(h.value->events[0].renewals == std::optional<std::int64_t>(3 * r.renewals_per_call()));
+       CHECK(h.value->events[1].event_type == "LEASE_ACQUIRED");
+       CHECK(h.value->events[1].fencing_token == std::optional<std::int64_t>(1));
+     }},
+    {"a lease is never renewed past its hold limit: 410 lease-expired, reason max-hold",
+     [](Rig& r) {
+       auto m = r.memory();
+       // A hold no longer than the TTL: the grant expires at the limit, and no renewal fits.
+       auto g = r.claim_held(r.ctx, r.name("capped"), m, "owner-a", std::nullopt, 5, 30);
+       REQUIRE(g.ok());
+       CHECK(g.value->expires_at == g.value->server_time + 5000);
+       auto got = r.get(r.name("capped"));
+       REQUIRE(got.ok());
+       CHECK(got.value->hold_until == std::optional<UnixMs>(g.value->server_time + 5000));
+       auto refused = r.wait<lease::Renewed>([&](auto then) { r.store->renew(r.ctx, Rig::ref(*g.value), then); });
+       REQUIRE(code_of(refused) == Code::lease_expired);
+       CHECK(refused.value.error().extensions.at("reason").as_string() == "max-hold");
+       // In a batch, the item says so too.
+       RenewBatch batch{"owner-a", {Rig::ref(*g.value)}};
+       auto b = r.wait<lease::RenewBatchResult>([&](auto then) { r.store->renew_batch(r.ctx, batch, then); });
+       REQUIRE(b.ok());
+       REQUIRE(b.value->results.size() == 1);
+       CHECK(b.value->results[0].status == 410);
+       CHECK(b.value->results[0].reason == "max-hold");
+       // A longer hold renews as usual until the limit.
+       auto long_hold = r.claim_held(r.ctx, r.name("roomy"), r.memory(), "owner-a", std::nullopt, 3600, 30);
+       REQUIRE(long_hold.ok());
+       REQUIRE(r.renew(Rig::ref(*long_hold.value)).ok());
+       // The lease is still its holder's until it expires: release works.
+       REQUIRE(r.release(Rig::ref(*g.value)).ok());
+     }},
+    {"a revoked lease's holder learns why at its next renewal: 410 reason revoked, the operator's words",
+     [](Rig& r) {
+       auto m = r.memory();
+       auto g = r.claim(r.name("fired"), m);
+       REQUIRE(g.ok());
+       auto rv = r.wait<Revoked>([&](auto then) {
+         r.store->revoke(r.ctx, Revoke{g.value->canonical_name, "stuck on deploy"}, then);
+       });
+       REQUIRE(rv.ok());
+       auto refused = r.wait<lease::Renewed>([&](auto then) { r.store->renew(r.ctx, Rig::ref(*g.value), then); });
+       REQUIRE(code_of(refused) == Code::lease_expired);
+       CHECK(refused.value.error().extensions.at("reason").as_string() == "revoked");
+       CHECK(refused.value.error().detail.find("stuck on deploy") != std::string::npos);
+       // Once the memory is granted again the old token is simply superseded.
+       REQUIRE(r.claim(r.name("fired"), m, "owner-b").ok());
+       CHECK(code_of(r.renew(Rig::ref(*g.value))) == Code::stale_fence);
+       HistoryQuery q{r.name("fired"), std::nullopt, std::nullopt, 1};
+       auto h = r.wait<lease::HistoryPage>([&](auto then) { r.store->history(r.ctx, q, then); });
+       REQUIRE(h.ok());
+       REQUIRE(h.value->events.size() == 1);
+       CHECK(h.value->events[0].event_type == "LEASE_ACQUIRED");
+       REQUIRE(h.value->next_cursor);
+       q.cursor = h.value->next_cursor;
+       q.limit = 10;
+       auto rest = r.wait<lease::HistoryPage>([&](auto then) { r.store->history(r.ctx, q, then); });
+       REQUIRE(rest.ok());
+       REQUIRE(rest.value->events.size() == 2);
+       CHECK(rest.value->events[0].event_type == "LEASE_REVOKED");
+       CHECK(rest.value->events[1].event_type == "LEASE_ACQUIRED");
+       CHECK_FALSE(rest.value->next_cursor);
+       // Another tenant's history of the name is its own (empty).
+       Ctx other = r.context("other-" + r.tag);
+       auto theirs = r.wait<lease::HistoryPage>([&](auto then) { r.store->history(other, q, then); });
+       REQUIRE(theirs.ok());
+       CHECK(theirs.value->events.empty());
      }},
 };
 

@@ -9,7 +9,18 @@
 
 #include <boost/json/object.hpp>
 
+#include <optional>
+
 namespace mep::lease::wire {
+
+boost::json::object to_json(const Holder& h);
+/// A holder as a request carries it, strictly: unknown members and values out of bounds
+/// (see Holder) are refused with invalid-request naming them.
+expected<Holder, Problem> decode_holder(const boost::json::object& o);
+/// What a 423 says of the holder (the problem's `holder` member), and its reading back
+/// (nullopt when the member is not a holder view).
+boost::json::object to_json(const HolderView& h);
+std::optional<HolderView> decode_holder_view(const boost::json::object& o);
 
 boost::json::object to_json(const RegisterRequest& r);
 boost::json::object to_json(const Registered& r);
@@ -31,9 +42,14 @@ boost::json::object to_json(const Lineage& l);
 boost::json::object to_json(const VerifyRequest& r);
 boost::json::object to_json(const Verified& v);
 boost::json::object to_json(const IdentityMapPage& p);
+boost::json::object to_json(const HistoryPage& p);
 
 expected<Registered, Problem> decode_registered(const boost::json::object& o);
 expected<ClaimRequest, Problem> decode_claim_request(const boost::json::object& o);
+/// POST /v1/leases as a server takes it, strictly: every member checked, unknown ones
+/// refused by name (invalid-request). A TTL outside ±`any_ttl` is refused here; one
+/// inside it but outside the bounds is the store's to refuse (422 invalid-ttl).
+expected<ClaimRequest, Problem> read_claim_request(const boost::json::object& o, std::int64_t any_ttl);
 expected<Grant, Problem> decode_grant(const boost::json::object& o);
 expected<LeaseInfo, Problem> decode_lease_info(const boost::json::object& o);
 expected<LeasePage, Problem> decode_lease_page(const boost::json::object& o);
@@ -44,5 +60,6 @@ expected<Memory, Problem> decode_memory(const boost::json::object& o);
 expected<Lineage, Problem> decode_lineage(const boost::json::object& o);
 expected<Verified, Problem> decode_verified(const boost::json::object& o);
 expected<IdentityMapPage, Problem> decode_identity_map_page(const boost::json::object& o);
+expected<HistoryPage, Problem> decode_history_page(const boost::json::object& o);
 
 } // namespace mep::lease::wire
