@@ -47,7 +47,8 @@ void register_server(CLI::App& app, GlobalOptions& g, Action& action) {
   auto* cmd = app.add_subcommand("server", "Run the control plane (the HTTP API of SPEC §6)");
   cmd->require_subcommand(0, 1);
   add_db_option(cmd, opt->db_url,
-                "Database URL: sqlite:PATH or postgresql://USER@HOST:PORT/DB (default "
+                "Database URL: sqlite:PATH, postgresql://USER@HOST:PORT/DB or "
+                "spanner:projects/P/instances/I/databases/D (default "
                 "sqlite:$XDG_STATE_HOME/mep/control.db)");
   auto isolation = std::make_shared<std::string>("read-committed");
   cmd->add_option("--isolation", *isolation,

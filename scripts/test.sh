@@ -10,9 +10,22 @@ bash scripts/build.sh -DMEP_WERROR=ON
 # loopback only), stopped and removed when the tests end.
 root="$(pwd)"
 pgdir="$(mktemp -d /tmp/mep-test-pg.XXXXXX)"
-trap 'bash "$root/scripts/pg-test-cluster.sh" stop "$pgdir"; rm -rf "$pgdir"' EXIT
+# The Cloud Spanner emulator for the *_spanner tests (one database per test class; the
+# store's unit rules run on one of their own), stopped by PID when the tests end. Without
+# the emulator (its package is the image's, not ours) those tests skip and say why.
+spdir="$(mktemp -d /tmp/mep-test-spanner.XXXXXX)"
+trap 'bash "$root/scripts/pg-test-cluster.sh" stop "$pgdir"; rm -rf "$pgdir";
+      bash "$root/scripts/spanner-test-emulator.sh" stop "$spdir"; rm -rf "$spdir"' EXIT
 MEP_TEST_PG_URL="$(bash "$root/scripts/pg-test-cluster.sh" start "$pgdir")"
 export MEP_TEST_PG_URL
+if MEP_TEST_SPANNER_EMULATOR="$(bash "$root/scripts/spanner-test-emulator.sh" start "$spdir")"; then
+  export MEP_TEST_SPANNER_EMULATOR
+  MEP_TEST_SPANNER_URL="$(python3 -c 'import sys; sys.path.insert(0, sys.argv[1]); import spannerfixture
+print(spannerfixture.SpannerDb(sys.argv[2]).url)' "$root/tests/integration" "$MEP_TEST_SPANNER_EMULATOR")"
+  export MEP_TEST_SPANNER_URL
+else
+  echo "test.sh: the Spanner emulator is not available; the Spanner tests will say they are skipped"
+fi
 
 status=0
 # The normal build: every test (fuzz_smoke runs each fuzz target for a few seconds).

@@ -1,6 +1,8 @@
 // The control plane's main loop: open the store, bind, serve, sweep, shut down cleanly.
 #include "mep/server.hpp"
 
+#include "mep/spanner/store.hpp"
+
 #include "mep/config.hpp"
 #include "mep/http/edge.hpp"
 #include "mep/router.hpp"
@@ -49,19 +51,25 @@ expected<std::string, std::string> check_db_url(const std::string& url) {
   for (char& ch : scheme) ch = static_cast<char>(std::tolower(static_cast<unsigned char>(ch)));
   const std::string rest = colon == std::string::npos ? std::string() : url.substr(colon);
   if ((scheme == "postgresql" || scheme == "postgres") && rest.rfind("://", 0) == 0) return scheme + rest;
+  if (scheme == "spanner") {
+    if (auto loc = spanner::parse_location(url); !loc) return make_unexpected(loc.error());
+    return scheme + rest;
+  }
   if (scheme == "sqlite") {
     if (rest.find_first_not_of(":/") == std::string::npos)
       return make_unexpected(std::string("--db sqlite: needs a path"));
     return scheme + rest;
   }
-  return make_unexpected(std::string("--db must be sqlite:PATH or postgresql://USER@HOST/DATABASE, and this one "
-                                     "begins with neither"));
+  return make_unexpected(
+      std::string("--db must be sqlite:PATH, postgresql://USER@HOST/DATABASE or "
+                  "spanner:projects/P/instances/I/databases/D, and this one begins with none of them"));
 }
 
 std::unique_ptr<Store> open_store(const std::string& given, const StoreOptions& options) {
   auto url = check_db_url(given);
   if (!url) throw std::runtime_error(url.error());
   if (pg::is_pg_url(*url)) return std::make_unique<PgStore>(*url, options);
+  if (url->rfind("spanner:", 0) == 0) return std::make_unique<spanner::SpannerStore>(*url, options);
   return std::make_unique<SqliteStore>(*url, options.create, options.writer_nice, options.serving);
 }
 

@@ -1,7 +1,7 @@
 // The lease rules of SPEC §4 and §6.1 as pure decisions: given what a transaction read
 // (the memory, the lease rows in conflict, the time), what to answer and what to write.
-// The SQLite store decides in C++ and calls these, so the rules exist once outside
-// PL/pgSQL; the store only reads, applies and commits.
+// The SQLite store and the Spanner store decide in C++ and both call these, so the rules
+// exist once outside PL/pgSQL; the stores only read, apply and commit.
 //
 // Design notes. Transitions, by function:
 // * claim, re-claim, takeover (decide_claim): expired rows that share the name, the

@@ -146,7 +146,12 @@ class MepServer:
         """`db`: another server's database URL, to serve it too (PostgreSQL); else a new one."""
         self.workdir = workdir
         self.env = env
-        self.pgdb = pgfixture.PgDb() if db is None and pgfixture.backend() == "postgresql" else None
+        self.pgdb = None  # a database of the backend under test (PostgreSQL or Spanner), when not SQLite
+        if db is None and pgfixture.backend() == "postgresql":
+            self.pgdb = pgfixture.PgDb()
+        elif db is None and pgfixture.backend() == "spanner":
+            import spannerfixture
+            self.pgdb = spannerfixture.SpannerDb()
         self.db = db or (self.pgdb.url if self.pgdb else "sqlite:" + os.path.join(workdir, "control.db"))
         self.log_level = log_level
         self.proc = None

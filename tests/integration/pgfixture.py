@@ -23,7 +23,7 @@ SCRIPT = os.path.join(os.environ.get("MEP_SOURCE_DIR", os.path.join(os.path.dirn
 
 
 def backend():
-    """'sqlite' or 'postgresql', from $MEP_TEST_BACKEND (ctest registers both)."""
+    """'sqlite', 'postgresql' or 'spanner', from $MEP_TEST_BACKEND (ctest registers each)."""
     return os.environ.get("MEP_TEST_BACKEND", "sqlite")
 
 

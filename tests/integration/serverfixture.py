@@ -100,10 +100,14 @@ def run_mep(args, timeout=COMMAND_TIMEOUT_S, check=True):
 
 
 def new_db(workdir, filename="c.db"):
-    """A fresh database for the backend under test: a SQLite path in `workdir`, or a new
-    PostgreSQL database (pgfixture.PgDb; drop() it when done)."""
+    """A fresh database for the backend under test: a SQLite path in `workdir`, a new
+    PostgreSQL database (pgfixture.PgDb), or a new database on the Spanner emulator
+    (spannerfixture.SpannerDb); drop() the last two when done."""
     if pgfixture.backend() == "postgresql":
         return pgfixture.PgDb()
+    if pgfixture.backend() == "spanner":
+        import spannerfixture
+        return spannerfixture.SpannerDb()
     return os.path.join(workdir, filename)
 
 
@@ -160,7 +164,7 @@ class MepServer:
 
     def start(self, timeout=READY_TIMEOUT_S):
         argv = [mep_bin(), "server", "--db", db_url(self.db_path), "--listen", HOST + ":0",
-                *self.extra_args]
+                *self.extra_args, *os.environ.get("MEP_TEST_SERVER_ARGS", "").split()]
         if self.wrap:
             argv = self.wrap(argv)
         with open(self.log_path, "wb") as err, open(self.out_path, "wb") as out:

@@ -1795,8 +1795,8 @@ SCHEMA_V2_SQL = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data",
 UPGRADED_TABLES = ("tenants", "tokens", "memories", "leases", "agent_names", "idempotency", "audit_events")
 
 
-@unittest.skipIf(pgfixture.backend() == "postgresql",
-                 "the SQLite schema upgrade; the PostgreSQL schema is versioned on its own")
+@unittest.skipIf(pgfixture.backend() != "sqlite",
+                 "the SQLite schema upgrade; the PostgreSQL and Spanner schemas are versioned on their own")
 class SqliteSchemaUpgrade(ServerTestCase):
     """A database written at schema version 2 (the frozen schema in data/, filled with the
     rows a real server wrote) is upgraded in place by a new server: nothing is lost, the
@@ -1934,7 +1934,7 @@ class SqliteSchemaUpgrade(ServerTestCase):
         with open(db, "rb") as f:
             self.assertEqual(f.read(), before)
 
-    @unittest.skipIf(pgfixture.backend() == "postgresql", "PostgreSQL serves many servers by design")
+    @unittest.skipIf(pgfixture.backend() != "sqlite", "PostgreSQL and Spanner serve many servers by design")
     def test_second_server_on_one_sqlite_file_is_refused(self):
         # SQLite serves one process: a second mep server on the same file is refused at start
         # with one line, while this one keeps serving; token commands still run beside it.
@@ -1964,8 +1964,8 @@ if __name__ == "__main__":
     unittest.main()
 
 
-@unittest.skipIf(pgfixture.backend() == "postgresql",
-                 "SQLite's group commit; PostgreSQL runs each request in its own transaction")
+@unittest.skipIf(pgfixture.backend() != "sqlite",
+                 "SQLite's group commit; PostgreSQL and Spanner run each request in its own transaction")
 class SqliteGroupCommit(ServerTestCase):
     """Concurrent requests share one transaction and run without savepoints until one of
     them fails after writing: then the batch runs again with a savepoint per request. The
@@ -2092,7 +2092,7 @@ class SqliteFiles(unittest.TestCase):
             self.assertIn("no active token with id", err)
 
 
-@unittest.skipUnless(pgfixture.backend() == "postgresql", "several servers share a database on PostgreSQL only")
+@unittest.skipIf(pgfixture.backend() == "sqlite", "several servers share a database on PostgreSQL and Spanner only")
 class TokenCacheTwoServers(unittest.TestCase):
     """PostgreSQL servers keep verified tokens for up to a second (no round trip per
     request); a revocation through any process reaches every server (LISTEN mep_tokens)

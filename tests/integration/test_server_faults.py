@@ -331,7 +331,7 @@ exec "$@"
 '''
 
 
-@unittest.skipIf(pgfixture.backend() == "postgresql", "the SQLite store's own files; PostgreSQL manages its disk")
+@unittest.skipIf(pgfixture.backend() != "sqlite", "the SQLite store's own files; PostgreSQL and Spanner manage their disks")
 class DiskFullTest(unittest.TestCase):
     def setUp(self):
         why = _mount_namespace_problem()

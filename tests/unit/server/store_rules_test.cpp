@@ -635,3 +635,12 @@ TEST_CASE("lease rules on PostgreSQL (MEP_TEST_PG_URL)", "[store][pg]") {
   }
   run_all([&] { return std::string(url); });
 }
+
+TEST_CASE("lease rules on Cloud Spanner (MEP_TEST_SPANNER_URL)", "[store][spanner]") {
+  const char* url = std::getenv("MEP_TEST_SPANNER_URL");
+  if (!url || !*url) {
+    WARN("skipped: MEP_TEST_SPANNER_URL is not set (scripts/test.sh starts the Spanner emulator and sets it)");
+    return;
+  }
+  run_all([&] { return std::string(url); });
+}
