@@ -5,6 +5,7 @@
 // that never reaches past the lease's expiry.
 #include "commands.hpp"
 #include "daemon_client.hpp"
+#include "lease_watch.hpp"
 #include "mep/utf8.hpp"
 
 #include "mep/json.hpp"
@@ -144,91 +145,16 @@ void stop_like(int sig) {
   ::sigaction(sig, &old, nullptr);
 }
 
-// What the event thread learned about our lease.
-struct LeaseWatch {
-  std::mutex mutex;
-  std::string canonical_name; // empty until the attach answered
-  std::string lease_id;
-  std::vector<std::string> early; // lines seen before the name was known
-  std::atomic<bool> lost{false};
-  std::string lost_reason;
-  Clock::time_point deadline; // local backup deadline
-  Clock::time_point expiry;   // local estimate of the server-side expiry
-  std::int64_t ttl_s = 30;
-};
-
-void on_event(LeaseWatch& w, const std::string& line) {
-  boost::system::error_code ec;
-  auto v = boost::json::parse(line, ec);
-  if (ec || !v.is_object()) return;
-  const auto& o = v.get_object();
-  auto s = [&](std::string_view k) {
-    auto* x = o.if_contains(k);
-    return x && x->is_string() ? std::string(x->get_string()) : std::string();
-  };
-  std::lock_guard lock(w.mutex);
-  if (w.canonical_name.empty()) {
-    w.early.push_back(line);
-    return;
-  }
-  if (s("canonical_name") != w.canonical_name) return;
-  // Another lease under the same name (the one this run waited for, released as this one
-  // was granted) is not this run's.
-  if (!w.lease_id.empty() && !s("lease_id").empty() && s("lease_id") != w.lease_id) return;
-  std::string ev = s("event");
-  auto now = Clock::now();
-  if (ev == "renewed") {
-    auto margin = std::chrono::milliseconds(std::max<std::int64_t>(1000, w.ttl_s * 100));
-    // Counted from when the daemon announced the renewal ("at", this host's clock), not
-    // from when it was heard: renewals queued while this process was stopped are old.
-    auto renewed = now;
-    if (auto at = parse_rfc3339(s("at"))) {
-      const std::int64_t age = std::clamp<std::int64_t>(now_unix_ms() - *at, 0, w.ttl_s * 1000);
-      renewed = now - std::chrono::milliseconds(age);
-    }
-    // The renew was sent before it was announced: keep twice the daemon's margin. Only
-    // ever forward: a renewal heard just after the grant must not shorten the deadline that
-    // the claim's own sending set (the grant's event, which came with it, leaves it too:
-    // it cut a tenth of the TTL off every run).
-    w.deadline = std::max(w.deadline, renewed + std::chrono::seconds(w.ttl_s) - 2 * margin);
-    w.expiry = std::max(w.expiry, renewed + std::chrono::seconds(w.ttl_s));
-  } else if (ev == "lost" || ev == "released") {
-    w.lost_reason = ev == "lost" ? s("reason") : "released by someone else";
-    w.lost = true;
-  }
-}
-
 int run(const RunOptions& o, const GlobalOptions& g) {
   std::string socket = resolve_socket(g.socket, g.config_file);
-  LeaseWatch watch;
-  watch.ttl_s = o.ttl;
+  LeaseWatch watch(o.ttl);
 
   // 1. Listen for events first, so no `lost` can slip between the grant and the watch.
   //    When the stream ends while the command runs (mepd restarted: it re-adopts the
   //    lease), it is opened again; until renewals are heard of again, the local deadline
   //    stands.
-  std::mutex events_mutex; // events_fd is shut down only while it is open
-  int events_fd = -1;
-  std::atomic<bool> connected{false}, stopping{false};
-  std::thread events([&] {
-    while (!stopping) {
-      bool ok = follow_events(
-          socket,
-          [&](const std::string& line) {
-            on_event(watch, line);
-            return !stopping.load();
-          },
-          [&](int fd) {
-            std::lock_guard lock(events_mutex);
-            events_fd = fd;
-            if (fd >= 0) connected = true;
-            if (fd >= 0 && stopping) ::shutdown(fd, SHUT_RDWR); // stop_events came first
-          });
-      if (!ok) connected = true;
-      for (int i = 0; i < 10 && !stopping; ++i) std::this_thread::sleep_for(std::chrono::milliseconds(20));
-    }
-  });
-  for (int i = 0; i < 200 && !connected; ++i) std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  EventFollower events(socket, [&watch](const std::string& line) { watch.on_event(line); });
+  events.wait_connected();
 
   // 2. Claim, bound to this process: if `mep run` dies, mepd releases the lease.
   std::string abs = path_argument(o.path);
@@ -242,35 +168,13 @@ int run(const RunOptions& o, const GlobalOptions& g) {
   }
   auto sent = Clock::now();
   DaemonReply r = attach(socket, std::move(body), o.wait_s);
-  // After a wait the grant is no earlier than the request plus the daemon's
-  // granted_after_ms: the local deadline counts from there.
-  auto stop_events = [&] {
-    {
-      std::lock_guard lock(events_mutex);
-      stopping = true;
-      if (events_fd >= 0) ::shutdown(events_fd, SHUT_RDWR);
-    }
-    events.join();
-  };
-  // Waits (a second at most) until what the daemon sent while this process was stopped has
-  // been read and handled by the event thread: nothing unread on the stream for 20 ms.
-  auto catch_up_events = [&] {
-    int quiet = 0;
-    for (int i = 0; i < 200 && quiet < 4; ++i) {
-      int pending = 0;
-      {
-        std::lock_guard lock(events_mutex);
-        if (events_fd < 0 || ::ioctl(events_fd, FIONREAD, &pending) != 0) pending = 0;
-      }
-      quiet = pending > 0 ? 0 : quiet + 1;
-      std::this_thread::sleep_for(std::chrono::milliseconds(5));
-    }
-  };
   if (r.status != 201) {
-    stop_events();
+    events.stop();
     return report_problem(r, socket, g.json);
   }
   auto lease = r.json();
+  // After a wait the grant is no earlier than the request plus the daemon's
+  // granted_after_ms: the local deadline counts from there.
   if (auto* after = lease.if_contains("granted_after_ms"); after && after->is_int64() && after->get_int64() > 0)
     sent += std::chrono::milliseconds(after->get_int64());
   auto field = [&](std::string_view k) {
@@ -280,22 +184,7 @@ int run(const RunOptions& o, const GlobalOptions& g) {
            : x->is_int64() ? std::to_string(x->get_int64())
                            : std::string();
   };
-  {
-    std::lock_guard lock(watch.mutex);
-    watch.canonical_name = field("canonical_name");
-    watch.lease_id = field("lease_id");
-    auto margin = std::chrono::milliseconds(std::max<std::int64_t>(1000, o.ttl * 100));
-    watch.deadline = sent + std::chrono::seconds(o.ttl) - margin;
-    watch.expiry = sent + std::chrono::seconds(o.ttl);
-  }
-  {
-    std::vector<std::string> early;
-    {
-      std::lock_guard lock(watch.mutex);
-      early.swap(watch.early);
-    }
-    for (auto& l : early) on_event(watch, l);
-  }
+  watch.attached(field("canonical_name"), field("lease_id"), sent);
 
   // 3. Start the command in its own process group with the lease in its environment.
   ::setenv("MEP_CANONICAL_NAME", field("canonical_name").c_str(), 1);
@@ -365,7 +254,7 @@ int run(const RunOptions& o, const GlobalOptions& g) {
     end_guard(guard, stand_down, true);
     daemon_request(socket, "POST", "/v1/detach", json::dump(boost::json::object{{"name", field("canonical_name")}}),
                    k_release_timeout_ms);
-    stop_events();
+    events.stop();
     return exit_code::other;
   }
   const pid_t group = guard > 0 ? guard : child;
@@ -395,7 +284,7 @@ int run(const RunOptions& o, const GlobalOptions& g) {
         // Continued. The renewals mepd made meanwhile wait on the event stream: they are
         // heard before the command goes on and the deadline is judged, or a stop longer
         // than the TTL would read as a loss.
-        catch_up_events();
+        events.catch_up();
         hand_terminal(tty, own_pgrp, group);
         ::kill(-group, SIGCONT);
       }
@@ -403,25 +292,18 @@ int run(const RunOptions& o, const GlobalOptions& g) {
     }
     if (w == child) break;
     auto now = Clock::now();
-    bool deadline_passed;
-    std::string reason;
-    {
-      std::lock_guard lock(watch.mutex);
-      deadline_passed = now >= watch.deadline;
-      reason = watch.lost ? watch.lost_reason : "local deadline passed";
-    }
-    if (!lost && (watch.lost || deadline_passed)) {
+    const LeaseWatch::State state = watch.state(now);
+    if (!lost && state.lost) {
       lost = true;
-      std::fprintf(stderr, "mep: lease on %s lost (%s)\n", field("canonical_name").c_str(), reason.c_str());
+      std::fprintf(stderr, "mep: lease on %s lost (%s)\n", field("canonical_name").c_str(), state.lost_reason.c_str());
       if (o.on_loss == "kill") {
         ::kill(-group, SIGKILL);
       } else if (o.on_loss == "term") {
         ::kill(-group, SIGTERM);
         ::kill(-group, SIGCONT); // a stopped process acts on SIGTERM only once it runs
-        std::lock_guard lock(watch.mutex);
         // Bounded before the cast (inf or 1e308 would overflow it): the expiry caps it anyway.
         auto grace = std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(std::min(o.grace, 1e6)));
-        kill_at = std::min(now + grace, std::max(now, watch.expiry - k_kill_margin));
+        kill_at = std::min(now + grace, std::max(now, state.expiry - k_kill_margin));
         kill_pending = true;
       }
     }
@@ -443,7 +325,7 @@ int run(const RunOptions& o, const GlobalOptions& g) {
   end_guard(guard, stand_down, leave_the_rest);
 
   // 5. With --sync-on-exit, upload the memory under the lease's token while it is still held.
-  const bool was_lost = lost || watch.lost; // before our own release emits `released`
+  const bool was_lost = lost || watch.state().lost; // before our own release emits `released`
   int sync_status = exit_code::ok;
   if (o.sync_on_exit && !was_lost) {
     DaemonReply synced =
@@ -464,7 +346,7 @@ int run(const RunOptions& o, const GlobalOptions& g) {
     // The command's status stands; the release that the control plane did not confirm is said.
     if (auto refused = unconfirmed_release(released)) warn_unconfirmed_release(field("canonical_name"), *refused);
   }
-  stop_events();
+  events.stop();
   if (was_lost) return exit_code::lost;
   if (WIFEXITED(status)) return WEXITSTATUS(status) == 0 ? sync_status : WEXITSTATUS(status);
   if (WIFSIGNALED(status)) return 128 + WTERMSIG(status);
@@ -483,7 +365,6 @@ void register_run(CLI::App& app, GlobalOptions& g, Action& action) {
                   "When the lease is lost: term (SIGTERM, then SIGKILL after --grace), kill, ignore")
       ->check(CLI::IsMember({"term", "kill", "ignore"}))
       ->capture_default_str();
-  add_holder_options(cmd, o->holder);
   cmd->add_option("--wait", o->wait,
                   "Seconds to wait for a held name or memory, first come first served (0: fail at once; inf: until "
                   "interrupted); exit 3 if it stays held")
@@ -493,6 +374,7 @@ void register_run(CLI::App& app, GlobalOptions& g, Action& action) {
           },
           "SECONDS|inf"))
       ->capture_default_str();
+  add_holder_options(cmd, o->holder);
   cmd->add_flag("--sync-on-exit", o->sync_on_exit,
                 "When the command exits, upload the memory to the data plane (mep sync) before the release");
   cmd->add_option("--grace", o->grace, "Seconds between SIGTERM and SIGKILL (never past the lease's expiry)")
