@@ -88,8 +88,10 @@ pid_t start_group_guard(int& stand_down) {
     ::setpgid(0, 0);
     struct sigaction ignore {};
     ignore.sa_handler = SIG_IGN;
-    // What reaches the group (^C, ^Z, a hang-up, mep run's forwarding) is for the command.
-    for (int s : {SIGINT, SIGTERM, SIGHUP, SIGQUIT, SIGUSR1, SIGUSR2, SIGALRM, SIGTSTP, SIGTTIN, SIGTTOU, SIGPIPE})
+    // What reaches the group (^C, a hang-up, mep run's forwarding) is for the command. ^Z
+    // stops the guard with it: mep run learns of it from the guard when the command itself
+    // cannot stop yet (a shell in vfork(2) whose child stopped before its exec).
+    for (int s : {SIGINT, SIGTERM, SIGHUP, SIGQUIT, SIGUSR1, SIGUSR2, SIGALRM, SIGTTIN, SIGTTOU, SIGPIPE})
       ::sigaction(s, &ignore, nullptr);
     // Nothing of mep run's stays open here (a pipeline's reader would wait for it): the
     // socket becomes descriptor 3 (main() keeps 0..2 open, so it is 3 or above), standard
@@ -143,6 +145,21 @@ void stop_like(int sig) {
   ::sigaction(sig, &dfl, &old);
   ::kill(::getpid(), sig); // returns once continued
   ::sigaction(sig, &old, nullptr);
+}
+
+// Whether `pid` is stopped at this moment (state T in /proc): a stop reported before the
+// group was continued is stale.
+bool stopped_now(pid_t pid) {
+  char path[32];
+  std::snprintf(path, sizeof path, "/proc/%d/stat", static_cast<int>(pid));
+  FILE* f = std::fopen(path, "r");
+  if (!f) return false;
+  char buf[512];
+  const std::size_t n = std::fread(buf, 1, sizeof buf - 1, f);
+  std::fclose(f);
+  buf[n] = '\0';
+  const char* close = std::strrchr(buf, ')'); // the name may hold spaces and parentheses
+  return close && close[1] == ' ' && close[2] == 'T';
 }
 
 int run(const RunOptions& o, const GlobalOptions& g) {
@@ -272,22 +289,31 @@ int run(const RunOptions& o, const GlobalOptions& g) {
   bool lost = false;
   bool kill_pending = false;
   Clock::time_point kill_at = Clock::now();
+  // ^Z (or a read from the terminal in the background): stop with the command, so the shell
+  // sees the job stopped, and carry on where the shell's fg or bg puts us.
+  auto stop_with_the_command = [&](int sig) {
+    hand_terminal(tty, group, own_pgrp);
+    stop_like(sig);
+    // Continued. The renewals mepd made meanwhile wait on the event stream: they are heard
+    // before the command goes on and the deadline is judged, or a stop longer than the TTL
+    // would read as a loss.
+    events.catch_up();
+    hand_terminal(tty, own_pgrp, group);
+    ::kill(-group, SIGCONT);
+  };
   for (;;) {
     pid_t w = ::waitpid(child, &status, WNOHANG | WUNTRACED);
     if (w == child && WIFSTOPPED(status)) {
-      // ^Z (or a read from the terminal in the background): stop with the command, so
-      // the shell sees the job stopped, and carry on where the shell's fg or bg puts us.
-      int sig = WSTOPSIG(status);
-      if (sig == SIGTSTP || sig == SIGTTIN || sig == SIGTTOU) {
-        hand_terminal(tty, group, own_pgrp);
-        stop_like(sig);
-        // Continued. The renewals mepd made meanwhile wait on the event stream: they are
-        // heard before the command goes on and the deadline is judged, or a stop longer
-        // than the TTL would read as a loss.
-        events.catch_up();
-        hand_terminal(tty, own_pgrp, group);
-        ::kill(-group, SIGCONT);
-      }
+      const int sig = WSTOPSIG(status);
+      if ((sig == SIGTSTP || sig == SIGTTIN || sig == SIGTTOU) && stopped_now(child)) stop_with_the_command(sig);
+      continue;
+    }
+    // The guard's stop: reported, never reaped here (WSTOPPED only), so its id keeps the
+    // group's from being reused until end_guard().
+    siginfo_t info{};
+    if (w != child && guard > 0 && ::waitid(P_PID, static_cast<id_t>(guard), &info, WSTOPPED | WNOHANG) == 0 &&
+        info.si_pid == guard && info.si_code == CLD_STOPPED && info.si_status == SIGTSTP && stopped_now(guard)) {
+      stop_with_the_command(SIGTSTP);
       continue;
     }
     if (w == child) break;
