@@ -65,5 +65,6 @@ void register_lease_commands(CLI::App& app, GlobalOptions& g, Action& action);
 void register_run(CLI::App& app, GlobalOptions& g, Action& action);
 void register_migrate(CLI::App& app, GlobalOptions& g, Action& action);
 void register_fleet(CLI::App& app, GlobalOptions& g, Action& action);
+void register_mcp(CLI::App& app, GlobalOptions& g, Action& action);
 
 } // namespace mep::cli

@@ -118,11 +118,34 @@ std::string request_text(const std::string& method, const std::string& target, c
 
 } // namespace
 
+void Cancel::cancel() {
+  std::lock_guard lock(m_mutex);
+  m_cancelled = true;
+  if (m_fd >= 0) ::shutdown(m_fd, SHUT_RDWR);
+}
+
+bool Cancel::cancelled() const {
+  std::lock_guard lock(m_mutex);
+  return m_cancelled;
+}
+
+bool Cancel::watch(int fd) {
+  std::lock_guard lock(m_mutex);
+  if (m_cancelled && fd >= 0) return false;
+  m_fd = fd;
+  return true;
+}
+
 DaemonReply daemon_request(const std::string& socket, const std::string& method, const std::string& target,
-                           const std::string& body, int timeout_ms) {
+                           const std::string& body, int timeout_ms, Cancel* cancel) {
   DaemonReply r;
   int fd = connect_unix(socket, r.error, &r.denied);
   if (fd < 0) return r;
+  if (cancel && !cancel->watch(fd)) {
+    r.error = "cancelled";
+    ::close(fd);
+    return r;
+  }
   std::string buf;
   // A daemon that refuses the peer (403) answers and closes without reading the request:
   // sending may then fail, and the answer is still there to read.
@@ -131,7 +154,10 @@ DaemonReply daemon_request(const std::string& socket, const std::string& method,
   bool ok = read_until(
       fd, buf, [&](const std::string& b) { return (head = b.find("\r\n\r\n")) != std::string::npos; }, timeout_ms);
   if (!ok) {
-    r.error = sent ? "no answer from the daemon" : "the daemon closed the connection";
+    r.error = cancel && cancel->cancelled() ? "cancelled"
+              : sent                        ? "no answer from the daemon"
+                                            : "the daemon closed the connection";
+    if (cancel) cancel->watch(-1); // before the descriptor's number can be reused
     ::close(fd);
     return r;
   }
@@ -142,6 +168,7 @@ DaemonReply daemon_request(const std::string& socket, const std::string& method,
     length = std::strtoul(lower.c_str() + cl + 15, nullptr, 10);
   read_until(
       fd, buf, [&](const std::string& b) { return b.size() >= head + 4 + length; }, 60000);
+  if (cancel) cancel->watch(-1);
   ::close(fd);
   r.status = std::atoi(buf.c_str() + 9);
   r.body = buf.substr(head + 4, length);

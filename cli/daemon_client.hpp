@@ -8,6 +8,7 @@
 
 #include <cstdint>
 #include <functional>
+#include <mutex>
 #include <optional>
 #include <string>
 #include <vector>
@@ -34,10 +35,27 @@ struct DaemonReply {
   Problem problem(const std::string& socket) const;
 };
 
+/// Lets one thread end a request another one is blocked in (a waiting attach): cancel()
+/// shuts its connection down, and the request returns as unreachable (status 0). Once
+/// cancelled, it stays so: later requests made with it return at once.
+class Cancel {
+public:
+  void cancel();
+  bool cancelled() const;
+  /// For daemon_request: the connection to shut down, -1 once it is closed; false (and not
+  /// kept) when already cancelled.
+  bool watch(int fd);
+
+private:
+  mutable std::mutex m_mutex;
+  int m_fd = -1;
+  bool m_cancelled = false;
+};
+
 /// One request; blocks until the whole response arrived (or `timeout_ms` passed between
-/// two reads; -1: no bound).
+/// two reads; -1: no bound), or `cancel` ended it.
 DaemonReply daemon_request(const std::string& socket, const std::string& method, const std::string& target,
-                           const std::string& body = {}, int timeout_ms = 60000);
+                           const std::string& body = {}, int timeout_ms = 60000, Cancel* cancel = nullptr);
 
 /// A --wait value: seconds (a non-negative number, rounded up), or "inf" (until
 /// interrupted: k_wait_forever). nullopt when it is neither.

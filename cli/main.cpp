@@ -41,6 +41,7 @@ int main(int argc, char** argv) {
   register_run(app, g, action);
   register_migrate(app, g, action);
   register_fleet(app, g, action);
+  register_mcp(app, g, action);
 
   // 2. Parse; usage errors exit 2 with one line on stderr. What follows `mep run`'s `--`
   //    is the command's, and is not parsed at all.

@@ -287,6 +287,16 @@ std::optional<std::string> ObjectReader::string(std::string_view key, Need need)
   return std::string(v->get_string());
 }
 
+std::optional<bool> ObjectReader::boolean(std::string_view key, Need need) {
+  const auto* v = find(key, need);
+  if (!v) return std::nullopt;
+  if (!v->is_bool()) {
+    m_errors.push_back("field \"" + std::string(key) + "\" must be true or false");
+    return std::nullopt;
+  }
+  return v->get_bool();
+}
+
 std::optional<std::int64_t> ObjectReader::seconds(std::string_view key, Need need, std::int64_t max) {
   const auto* v = find(key, need);
   if (!v) return std::nullopt;

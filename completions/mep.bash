@@ -7,7 +7,7 @@ _mep_valued=" --socket --config --ttl --wait --on-loss --grace --format --profil
  --tls-cert --tls-key --rate-limit --log-level --threads --tenant --limit --scope --input
  --from-table --report --batch --isolation --db-pool --writer-nice --dir --token-file
  --control-plane --max-object-size --ca-file --label --max-hold --name --host
- --expiring-within --server --since --reason "
+ --expiring-within --server --since --reason --memory --if-held "
 _mep_valued=${_mep_valued//$'\n'/ } # each name between spaces, also at the ends of lines
 
 # Completes the value of option $1 (the previous word), with $2 the current word.
@@ -19,6 +19,8 @@ _mep_option_value() {
         --state-dir | --dir)
             compgen -d -- "$2" ;;
         --on-loss)   compgen -W "term kill ignore" -- "$2" ;;
+        --if-held)   compgen -W "read-only fail" -- "$2" ;;
+        --memory)    compgen -f -- "$2" ;;
         --format)    compgen -W "tree dot json" -- "$2" ;;
         --profile)   compgen -W "agent usernamecasemapped" -- "$2" ;;
         --log-level) compgen -W "debug info warn error" -- "$2" ;;
@@ -56,7 +58,7 @@ _mep_complete_value() {
 _mep() {
     local cur=${COMP_WORDS[COMP_CWORD]}
     local globals="--help -h --version --json -v --verbose --socket --config"
-    local commands="canonicalize server store token claim release init branch status identify lineage sync fetch config run migrate lease"
+    local commands="canonicalize server store token claim release init branch status identify lineage sync fetch config run migrate lease mcp"
     COMPREPLY=()
 
     # Find the command, its subcommand and the number of positionals before the cursor.
@@ -110,6 +112,7 @@ _mep() {
         canonicalize/*) opts="--json --explain --profile" ;;
         claim/*)        opts="--ttl --wait --label --max-hold" ;;
         run/*)          opts="--ttl --wait --on-loss --grace --label --max-hold --sync-on-exit" ;;
+        mcp/*)          opts="--name --memory --ttl --if-held --label --max-hold" ;;
         lineage/*)      opts="--format" ;;
         server/)        opts="--db --listen --tls-cert --tls-key --insecure-plaintext --rate-limit --log-level --threads --writer-nice --isolation --db-pool --max-hold" ;;
         server/audit)   opts="--db --tenant --limit --json" ;;

@@ -5,7 +5,8 @@ function __mep_words
     set -l valued --socket --config --ttl --wait --on-loss --grace --format --profile --db --listen \
         --tls-cert --tls-key --rate-limit --log-level --threads --tenant --limit --scope --input \
         --from-table --report --batch --isolation --db-pool --writer-nice --dir --token-file --control-plane \
-        --max-object-size --ca-file --label --max-hold --name --host --expiring-within --server --since --reason
+        --max-object-size --ca-file --label --max-hold --name --host --expiring-within --server --since --reason \
+        --memory --if-held
     set -l skip 0
     for w in (commandline -opc)[2..-1]
         if test $skip -eq 1
@@ -76,6 +77,7 @@ complete -c mep -n __mep_no_command -a server -d 'Run the control plane'
 complete -c mep -n __mep_no_command -a store -d 'Run the data plane (a fenced object store)'
 complete -c mep -n __mep_no_command -a migrate -d 'Bring legacy names and memories under the rules'
 complete -c mep -n __mep_no_command -a lease -d "List, show and revoke the tenant's leases (control plane)"
+complete -c mep -n __mep_no_command -a mcp -d 'Serve a memory file over the Model Context Protocol (stdio), fenced'
 
 # claim, run: NAME (free-form), PATH (a file).
 complete -c mep -n '__mep_using claim' -l ttl -x -d 'Lease TTL in seconds (5-300)'
@@ -91,6 +93,14 @@ complete -c mep -n '__mep_using run' -l grace -x -d 'Seconds between SIGTERM and
 complete -c mep -n '__mep_using run' -l label -x -d 'KEY=VALUE shown to operators (repeat, at most 16)'
 complete -c mep -n '__mep_using run' -l max-hold -x -d 'Longest the lease may be held, in seconds'
 complete -c mep -n '__mep_using run' -F
+
+# mcp: options only (the MCP client talks on stdin and stdout).
+complete -c mep -n '__mep_using mcp' -l name -x -d "The agent's name"
+complete -c mep -n '__mep_using mcp' -l memory -r -F -d 'The .uai memory file (created empty when missing)'
+complete -c mep -n '__mep_using mcp' -l ttl -x -d 'Lease TTL in seconds (5-300)'
+complete -c mep -n '__mep_using mcp' -l if-held -x -a 'read-only fail' -d 'When another agent holds the memory'
+complete -c mep -n '__mep_using mcp' -l label -x -d 'KEY=VALUE shown to operators (repeat, at most 16)'
+complete -c mep -n '__mep_using mcp' -l max-hold -x -d 'Longest the lease may be held, in seconds'
 
 complete -c mep -n '__mep_using release' -x -a '(__mep_held_names)'
 complete -c mep -n '__mep_arg 1 sync' -x -a '(__mep_held_names)'

@@ -39,6 +39,7 @@ public:
   explicit ObjectReader(const boost::json::object& obj) : m_obj(obj) {}
 
   std::optional<std::string> string(std::string_view key, Need need);
+  std::optional<bool> boolean(std::string_view key, Need need);
   /// An integer in [min, max]; floats with a fraction, strings, or out-of-range values fail.
   std::optional<std::int64_t> integer(std::string_view key, Need need, std::int64_t min, std::int64_t max);
   /// A duration in seconds: a number in [0, max] (a fraction is rounded up).

@@ -22,7 +22,7 @@ LINTIAN_TIMEOUT_S = 240
 
 MAN1 = ["mep", "mep-claim", "mep-run", "mep-release", "mep-init", "mep-branch", "mep-status",
         "mep-identify", "mep-lineage", "mep-sync", "mep-fetch", "mep-canonicalize", "mep-config", "mep-token",
-        "mep-lease"]
+        "mep-lease", "mep-mcp"]
 MAN8 = ["mepd", "mep-server", "mep-store", "mep-migrate"]
 
 # Each command path of `mep` (as typed) and the page that documents it.
@@ -37,6 +37,7 @@ COMMAND_PAGES = {
     ("token", "revoke"): "mep-token.1", ("token", "new"): "mep-token.1", ("token", "hash"): "mep-token.1",
     ("lease", "ls"): "mep-lease.1", ("lease", "show"): "mep-lease.1", ("lease", "revoke"): "mep-lease.1",
     ("lease", "history"): "mep-lease.1",
+    ("mcp",): "mep-mcp.1",
     ("store",): "mep-store.8",
     ("server",): "mep-server.8", ("server", "audit"): "mep-server.8",
     ("migrate", "plan"): "mep-migrate.8", ("migrate", "run"): "mep-migrate.8",
