@@ -15,9 +15,14 @@
 
 #include <boost/json/parse.hpp>
 
+#include <atomic>
 #include <cctype>
+#include <condition_variable>
+#include <deque>
 #include <fstream>
 #include <future>
+#include <mutex>
+#include <vector>
 #include <fcntl.h>
 #include <sys/stat.h>
 #include <unistd.h>
@@ -62,8 +67,7 @@ public:
 
   expected<lease::Grant, Problem> claim(const lease::ClaimRequest& req, const std::string& key,
                                         const ClaimWait& wait) override {
-    if (wait.wait.count() <= 0)
-      return call<lease::Grant>("POST", "/v1/leases", wire::to_json(req), key, {}, wire::decode_grant);
+    if (wait.wait.count() <= 0) return claim_together(req, key);
     // The server answers within the wait; the exchange may take that long and then some.
     Extra extra{"wait=" + std::to_string(wait.wait.count()), wait.cancelled};
     std::int64_t waited = 0;
@@ -129,6 +133,106 @@ protected:
                        const std::string& idempotency_key, std::chrono::milliseconds timeout, const Extra& extra) = 0;
 
 private:
+  // Claims without a wait go together (a swarm of agents attaching at once through this
+  // daemon): the first caller sends its claim alone; those that come while a send is on
+  // its way queue, and when its answer is in, the first of them sends them all in one
+  // POST /v1/leases/claim-batch (up to k_max_claim_batch), each decided as if alone under
+  // its own key. Leader and followers, as the state database's commits (state_db.cpp).
+  struct Waiting {
+    const lease::ClaimRequest* req;
+    const std::string* key;
+    std::optional<expected<lease::Grant, Problem>> result;
+    bool lead = false;
+  };
+
+  expected<lease::Grant, Problem> claim_together(const lease::ClaimRequest& req, const std::string& key) {
+    Waiting me{&req, &key, std::nullopt, false};
+    std::unique_lock lock(m_claims_mutex);
+    m_claims.push_back(&me);
+    if (m_claims_sending) m_claims_cv.wait(lock, [&] { return me.result.has_value() || me.lead; });
+    if (me.result) return std::move(*me.result);
+    m_claims_sending = true;
+    std::vector<Waiting*> batch;
+    while (!m_claims.empty() && batch.size() < lease::k_max_claim_batch) {
+      batch.push_back(m_claims.front());
+      m_claims.pop_front();
+    }
+    lock.unlock();
+    std::vector<expected<lease::Grant, Problem>> results = send_claims(batch);
+    lock.lock();
+    for (std::size_t i = 0; i < batch.size(); ++i) batch[i]->result = std::move(results[i]);
+    if (m_claims.empty())
+      m_claims_sending = false;
+    else
+      m_claims.front()->lead = true; // it sends what queued during this send
+    m_claims_cv.notify_all();
+    return std::move(*me.result);
+  }
+
+  // One claim alone (POST /v1/leases), or several in one claim-batch; a control plane that
+  // does not know claim-batch (an older mep server: 404 or 405) gets them one by one.
+  std::vector<expected<lease::Grant, Problem>> send_claims(const std::vector<Waiting*>& batch) {
+    std::vector<expected<lease::Grant, Problem>> out;
+    auto one_by_one = [&] {
+      for (const Waiting* w : batch)
+        out.push_back(
+            call<lease::Grant>("POST", "/v1/leases", wire::to_json(*w->req), *w->key, {}, wire::decode_grant));
+      return out;
+    };
+    if (batch.size() == 1 || m_no_claim_batch) return one_by_one();
+    boost::json::array claims;
+    for (const Waiting* w : batch) {
+      boost::json::object c = wire::to_json(*w->req);
+      c["idempotency_key"] = *w->key;
+      claims.emplace_back(std::move(c));
+    }
+    Raw r = exchange("POST", "/v1/leases/claim-batch", json::dump(boost::json::object{{"claims", std::move(claims)}}),
+                     {}, {}, {});
+    if (r.status == 404 || r.status == 405) {
+      m_no_claim_batch = true;
+      log::info("the control plane has no claim-batch: claims go one by one");
+      return one_by_one();
+    }
+    const boost::json::array* results = nullptr;
+    std::optional<boost::json::object> doc;
+    if (r.status == 200) {
+      doc = json::parse_object(r.body).value_or(boost::json::object{});
+      if (auto* a = doc->if_contains("results"); a && a->is_array() && a->get_array().size() == batch.size())
+        results = &a->get_array();
+    }
+    if (!results) {
+      // No answer, or not one per claim: every claim's outcome is unknown (each is resent
+      // under its own key) or, for a refusal of the whole request, that refusal.
+      const Problem p = r.status == 200 ? answer_unreadable(r) : problem_of(r);
+      for (std::size_t i = 0; i < batch.size(); ++i) out.push_back(make_unexpected(p));
+      return out;
+    }
+    for (const auto& v : *results) {
+      const auto* item = v.if_object();
+      const auto* status = item ? item->if_contains("status") : nullptr;
+      const auto* lease = item ? item->if_contains("lease") : nullptr;
+      const auto* problem = item ? item->if_contains("problem") : nullptr;
+      if (status && status->is_int64() && status->get_int64() / 100 == 2 && lease && lease->is_object()) {
+        auto g = wire::decode_grant(lease->get_object());
+        out.push_back(g ? expected<lease::Grant, Problem>(std::move(*g))
+                        : expected<lease::Grant, Problem>(make_unexpected(answer_unreadable(r))));
+      } else if (problem && problem->is_object() && problem->get_object().contains("code")) {
+        Problem p = Problem::from_json(problem->get_object());
+        if (p.status() >= 500 && !p.retry_after_s) p.retry_after_s = 1;
+        out.push_back(make_unexpected(std::move(p)));
+      } else {
+        out.push_back(make_unexpected(answer_unreadable(r)));
+      }
+    }
+    return out;
+  }
+
+  std::mutex m_claims_mutex;
+  std::condition_variable m_claims_cv;
+  std::deque<Waiting*> m_claims;
+  bool m_claims_sending = false;
+  std::atomic<bool> m_no_claim_batch{false};
+
   template <class T, class Decode>
   expected<T, Problem> call(std::string_view method, const std::string& target,
                             const std::optional<boost::json::object>& body, const std::string& key,

@@ -22,6 +22,7 @@
 #include <charconv>
 #include <chrono>
 #include <memory>
+#include <mutex>
 
 namespace mep::server {
 namespace bhttp = boost::beast::http;
@@ -360,6 +361,88 @@ void on_claim(const CallPtr& c, LeaseService& svc) {
                                         : o.value.error().slug();
     finish(c, std::move(reply), label);
   });
+}
+
+// POST /v1/leases/claim-batch: {claims: [{idempotency_key, ...a claim's fields}]}, each
+// claim decided as if it had come alone to POST /v1/leases under its key (the same
+// fingerprint, so a retry either way replays it), none waiting. 200 with {results: [...]}
+// in the request's order, each {status, lease} or {status, problem}: a daemon that many
+// agents attach through at once (a swarm's start) sends their claims in one request.
+void on_claim_batch(const CallPtr& c, LeaseService& svc) {
+  auto body = body_object(c, false);
+  if (!body) return;
+  json::ObjectReader r(*body);
+  struct Item {
+    lease::ClaimRequest req;
+    Idempotency idem;
+  };
+  std::vector<Item> claims;
+  const auto* items = r.array("claims", Need::required);
+  if (items && (items->empty() || items->size() > lease::k_max_claim_batch)) {
+    r.fail("field \"claims\" holds 1 to " + std::to_string(lease::k_max_claim_batch) + " claims");
+  } else if (items) {
+    for (std::size_t i = 0; i < items->size(); ++i) {
+      const std::string at = "claims[" + std::to_string(i) + "]";
+      const auto& v = (*items)[i];
+      if (!v.is_object()) {
+        r.fail(at + " must be an object");
+        continue;
+      }
+      boost::json::object claim = v.get_object();
+      std::optional<std::string> key;
+      if (auto* k = claim.if_contains("idempotency_key"); k && k->is_string())
+        key = parse_idempotency_key(k->get_string());
+      if (!key) {
+        r.fail(at + ": field \"idempotency_key\" must be 1-255 printable ASCII characters");
+        continue;
+      }
+      claim.erase("idempotency_key");
+      auto decoded = wire::read_claim_request(claim, k_any_ttl);
+      if (!decoded) {
+        r.fail(at + ": " + decoded.error().detail);
+        continue;
+      }
+      claims.push_back(
+          Item{std::move(*decoded), Idempotency{*key, request_fingerprint("POST", "/v1/leases", "", claim)}});
+    }
+  }
+  if (!finish_reader(c, r)) return;
+  struct Gather {
+    std::mutex mutex;
+    boost::json::array results;
+    std::size_t left;
+  };
+  auto g = std::make_shared<Gather>();
+  g->results.resize(claims.size());
+  g->left = claims.size();
+  for (std::size_t i = 0; i < claims.size(); ++i) {
+    svc.claim(c->ctx, std::move(claims[i].idem), claims[i].req, WaitSpec{}, [c, g, i](ClaimAnswer a) {
+      const ClaimOutcome& o = a.outcome;
+      boost::json::object item;
+      if (o.ok()) {
+        item["status"] = o.replayed ? 200 : 201;
+        item["lease"] = wire::to_json(*o.value);
+      } else {
+        Problem p = o.value.error();
+        if (p.instance.empty()) p.instance = c->ctx.request_id;
+        item["status"] = p.status();
+        item["problem"] = p.to_json();
+      }
+      Metrics::global().inc("mep_claims_total",
+                            "outcome=\"" +
+                                std::string(o.replayed ? "replayed"
+                                            : o.ok()   ? (o.value->reclaimed ? "reclaimed" : "granted")
+                                                       : o.value.error().slug()) +
+                                "\"");
+      std::lock_guard lock(g->mutex);
+      g->results[i] = std::move(item);
+      if (--g->left > 0) return;
+      Reply reply;
+      reply.status = 200;
+      reply.body = json::dump(boost::json::object{{"results", std::move(g->results)}});
+      finish(c, std::move(reply));
+    });
+  }
 }
 
 std::optional<lease::LeaseRef> lease_ref(json::ObjectReader& r, bool with_owner, bool with_ttl) {
@@ -710,6 +793,7 @@ constexpr Route k_routes[] = {
     {GET,  "/v1/memories/{id}/lineage",        Auth::lease,   Idem::none,     Gate::open,      Priority::normal,       k_small, Metric::none,    on_lineage},
     {POST, "/v1/leases",                       Auth::lease,   Idem::required, Gate::migration, Priority::normal,       k_small, Metric::claims,  on_claim},
     {GET,  "/v1/leases",                       Auth::lease,   Idem::none,     Gate::open,      Priority::normal,       k_small, Metric::none,    on_list_leases},
+    {POST, "/v1/leases/claim-batch",           Auth::lease,   Idem::none,     Gate::migration, Priority::normal,       k_batch, Metric::none,    on_claim_batch},
     {POST, "/v1/leases/renew",                 Auth::lease,   Idem::none,     Gate::migration, Priority::keeps_leases, k_small, Metric::renewals, on_renew},
     {POST, "/v1/leases/renew-batch",           Auth::lease,   Idem::none,     Gate::migration, Priority::keeps_leases, k_batch, Metric::renewals, on_renew_batch},
     {POST, "/v1/leases/release",               Auth::lease,   Idem::none,     Gate::migration, Priority::keeps_leases, k_small, Metric::none,    on_release},

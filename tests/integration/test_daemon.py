@@ -18,12 +18,13 @@ import stat
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import unittest
 import uuid
 
-from daemonfixture import (EventStream, MepServer, Mepd, Proc, RecordingProxy, clean_env, mepd_bin,
-                           parse_time)
+from daemonfixture import (DaemonClient, EventStream, MepServer, Mepd, Proc, RecordingProxy, clean_env,
+                           mepd_bin, parse_time)
 from mephelpers import mep_bin, read_to_close, send_all_then_read, send_expecting_continue
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -1187,6 +1188,33 @@ class RemoteDaemonTests(DaemonTestCase):
         self.assertEqual(len(leases), 20)
         self.assertTrue(all(l["state"] == "held" for l in leases.values()), leases)
 
+
+    def test_a_swarm_attaching_at_once_is_claimed_in_batches(self):
+        # 64 agents attach through one daemon at the same instant: their claims go to the
+        # control plane together (claim-batch), each answered as if alone.
+        n = 64
+        paths = [self.new_file("swarm-%02d.uai" % i) for i in range(n)]
+        barrier = threading.Barrier(n)
+        results = [None] * n
+
+        def agent(i):
+            c = DaemonClient(self.mepd.socket_path)
+            barrier.wait(timeout=30)
+            results[i] = c.attach("swarm-%02d" % i, paths[i], ttl_seconds=30)
+
+        threads = [threading.Thread(target=agent, args=(i,)) for i in range(n)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=120)
+        self.assertEqual([r.status for r in results], [201] * n, [r for r in results if r.status != 201][:3])
+        leases = self.client.leases()
+        self.assertEqual(len([k for k in leases if k.startswith("swarm-")]), n)
+        metrics = self.server.request("GET", "/metrics", self.token).body.decode()
+        batched = [l for l in metrics.splitlines()
+                   if l.startswith("mep_http_request_duration_seconds_count") and "claim-batch" in l]
+        self.assertTrue(batched and all(float(l.rpartition(" ")[2]) > 0 for l in batched), metrics[-2000:])
+        self.assertIn('code="200"', " ".join(batched))
 
 class ReleaseOutcome(DaemonTestCase):
     """mep release ends the lease on this host whatever happens; when the control plane does

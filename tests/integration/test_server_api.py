@@ -1159,8 +1159,9 @@ class ServerApi(ServerTestCase):
         allowed = {"route", "code", "outcome", "result", "reason", "sync", "by", "le", "cause", "tenant"}
         routes = {"/healthz", "/readyz", "/metrics", "/v1/memories", "/v1/memories/branch",
                   "/v1/memories/{id}", "/v1/memories/{id}/lineage", "/v1/leases", "/v1/leases/renew",
-                  "/v1/leases/renew-batch", "/v1/leases/release", "/v1/leases/{canonical_name}",
-                  "/v1/fence/verify", "/v1/admin/leases/revoke", "unmatched"}
+                  "/v1/leases/renew-batch", "/v1/leases/claim-batch", "/v1/leases/release",
+                  "/v1/leases/{canonical_name}", "/v1/fence/verify", "/v1/admin/leases/revoke",
+                  "/v1/admin/leases/{canonical_name}/history", "/v1/admin/check", "unmatched"}
         for fam in families.values():
             for _, labels, _ in fam["samples"]:
                 self.assertTrue(set(labels) <= allowed, labels)
@@ -1233,6 +1234,73 @@ class ServerApi(ServerTestCase):
             self.assertStatus(one, 200)
             self.assertEqual(one.json["results"][0]["status"], want["status"], (item, one.json))
             self.assertEqual(one.json["results"][0].get("code"), want.get("code"), (item, one.json))
+
+    def test_claim_batch_decides_each_claim_as_if_alone(self):
+        c = self.client()
+        who = owner()
+        free_n, free_m = unique_name(), c.new_memory()
+        held_n, held_m, _, _ = self.lease(c)
+        replay_n, replay_m, replay_key = unique_name(), c.new_memory(), new_key()
+        first = c.claim(replay_n, replay_m, who, key=replay_key)
+        self.assertGrant(first)
+        reused_key = new_key()
+        self.assertGrant(c.claim(unique_name(), c.new_memory(), who, key=reused_key))
+        body = {"claims": [
+            {"idempotency_key": new_key(), "display_name": free_n, "memory_instance_id": free_m,
+             "owner_client_id": who, "ttl_seconds": 60},
+            {"idempotency_key": new_key(), "display_name": held_n, "memory_instance_id": c.new_memory(),
+             "owner_client_id": who},
+            {"idempotency_key": replay_key, "display_name": replay_n, "memory_instance_id": replay_m,
+             "owner_client_id": who},
+            {"idempotency_key": reused_key, "display_name": unique_name(), "memory_instance_id": c.new_memory(),
+             "owner_client_id": who},
+            {"idempotency_key": new_key(), "display_name": unique_name(), "memory_instance_id": held_m,
+             "owner_client_id": who, "ttl_seconds": 301},
+        ]}
+        r = c.post("/v1/leases/claim-batch", body)
+        self.assertStatus(r, 200)
+        res = r.json["results"]
+        self.assertEqual([x["status"] for x in res], [201, 423, 200, 422, 422])
+        self.assertEqual(set(res[0]["lease"]), GRANT_FIELDS)
+        self.assertEqual(res[0]["lease"]["ttl_seconds"], 60)
+        self.assertEqual(res[2]["lease"], first.json)  # the single claim's answer, replayed
+        self.assertEqual([x["problem"]["code"] for x in res[1:2] + res[3:]],
+                         ["name-held", "idempotency-key-reused", "invalid-ttl"])
+        self.assertTrue(all("problem" not in x for x in res[:1] + res[2:3]))
+        # The grant is a lease like any other, and a retry of the batch replays each claim.
+        self.assertEqual(c.get_lease(res[0]["lease"]["canonical_name"]).json["fencing_token"],
+                         res[0]["lease"]["fencing_token"])
+        again = c.post("/v1/leases/claim-batch", body)
+        self.assertEqual([x["status"] for x in again.json["results"]], [200, 423, 200, 422, 422])
+        self.assertEqual(again.json["results"][0]["lease"], res[0]["lease"])
+        # A single claim under the batch item's key replays it too.
+        item = body["claims"][0]
+        single = c.claim(free_n, free_m, who, ttl=60, key=item["idempotency_key"])
+        self.assertStatus(single, 200)
+        self.assertEqual(single.json, res[0]["lease"])
+
+    def test_claim_batch_refuses_a_malformed_request_whole(self):
+        c = self.client()
+        who = owner()
+        good = {"idempotency_key": new_key(), "display_name": unique_name(), "memory_instance_id": c.new_memory(),
+                "owner_client_id": who}
+        for bad, why in [
+            ({}, "claims"),
+            ({"claims": []}, "claims"),
+            ({"claims": [good, {"display_name": unique_name(), "memory_instance_id": c.new_memory(),
+                                "owner_client_id": who}]}, "idempotency_key"),
+            ({"claims": [good, {"idempotency_key": new_key(), "display_name": unique_name(),
+                                "memory_instance_id": c.new_memory(), "owner_client_id": who,
+                                "ttl_seconds": "60"}]}, "claims[1]"),
+            ({"claims": [good, 7]}, "claims[1]"),
+            ({"claims": [dict(good, idempotency_key=new_key()) for _ in range(101)]}, "100"),
+        ]:
+            r = c.post("/v1/leases/claim-batch", bad)
+            self.assertProblem(r, 400, "invalid-request")
+            self.assertIn(why, r.json["detail"])
+        # Nothing of a refused batch was claimed.
+        self.assertStatus(c.get_lease(good["display_name"]), 404)
+        self.assertProblem(c.post("/v1/leases/claim-batch", {"claims": [good]}, token=None), 401)
 
     def test_renew_batch_mixed_results(self):
         c = self.client()

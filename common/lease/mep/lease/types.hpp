@@ -19,6 +19,8 @@ inline constexpr std::int64_t k_max_ttl_s = 300;
 inline constexpr std::int64_t k_max_wait_s = 300;
 /// renew-batch carries at most this many leases.
 inline constexpr std::size_t k_max_batch = 1000;
+/// Claims one POST /v1/leases/claim-batch carries at most.
+inline constexpr std::size_t k_max_claim_batch = 100;
 /// The longest hold a claim may ask for (max_hold_seconds) and the least: a year, and the
 /// shortest TTL (a hold shorter than one TTL could never be renewed).
 inline constexpr std::int64_t k_max_hold_s = 366LL * 24 * 3600;
