@@ -134,10 +134,15 @@ protected:
 
 private:
   // Claims without a wait go together (a swarm of agents attaching at once through this
-  // daemon): the first caller sends its claim alone; those that come while a send is on
-  // its way queue, and when its answer is in, the first of them sends them all in one
-  // POST /v1/leases/claim-batch (up to k_max_claim_batch), each decided as if alone under
-  // its own key. Leader and followers, as the state database's commits (state_db.cpp).
+  // daemon): up to k_claim_senders sends are on their way at a time, each of one claim or
+  // of all that queued before it (up to k_max_claim_batch, in one POST
+  // /v1/leases/claim-batch, each decided as if alone under its own key). A claim that
+  // finds every sender busy queues; a sender whose answer is in hands its turn to the
+  // first in the queue, which sends everything queued by then. More than one sender, so
+  // that one slow exchange (a resend of an intent to a control plane that does not answer
+  // it, up to its timeout) does not hold every other agent's claim behind it.
+  static constexpr int k_claim_senders = 4;
+
   struct Waiting {
     const lease::ClaimRequest* req;
     const std::string* key;
@@ -148,11 +153,15 @@ private:
   expected<lease::Grant, Problem> claim_together(const lease::ClaimRequest& req, const std::string& key) {
     Waiting me{&req, &key, std::nullopt, false};
     std::unique_lock lock(m_claims_mutex);
-    m_claims.push_back(&me);
-    if (m_claims_sending) m_claims_cv.wait(lock, [&] { return me.result.has_value() || me.lead; });
-    if (me.result) return std::move(*me.result);
-    m_claims_sending = true;
-    std::vector<Waiting*> batch;
+    if (m_claim_senders < k_claim_senders) {
+      ++m_claim_senders;
+    } else {
+      m_claims.push_back(&me);
+      m_claims_cv.wait(lock, [&] { return me.result.has_value() || me.lead; });
+      if (me.result) return std::move(*me.result);
+    }
+    // This caller holds a sender's turn: it sends its claim and all that queued.
+    std::vector<Waiting*> batch{&me};
     while (!m_claims.empty() && batch.size() < lease::k_max_claim_batch) {
       batch.push_back(m_claims.front());
       m_claims.pop_front();
@@ -161,10 +170,12 @@ private:
     std::vector<expected<lease::Grant, Problem>> results = send_claims(batch);
     lock.lock();
     for (std::size_t i = 0; i < batch.size(); ++i) batch[i]->result = std::move(results[i]);
-    if (m_claims.empty())
-      m_claims_sending = false;
-    else
-      m_claims.front()->lead = true; // it sends what queued during this send
+    if (m_claims.empty()) {
+      --m_claim_senders;
+    } else {
+      m_claims.front()->lead = true; // the turn passes on: it sends what queued meanwhile
+      m_claims.pop_front();
+    }
     m_claims_cv.notify_all();
     return std::move(*me.result);
   }
@@ -230,7 +241,7 @@ private:
   std::mutex m_claims_mutex;
   std::condition_variable m_claims_cv;
   std::deque<Waiting*> m_claims;
-  bool m_claims_sending = false;
+  int m_claim_senders = 0;
   std::atomic<bool> m_no_claim_batch{false};
 
   template <class T, class Decode>
