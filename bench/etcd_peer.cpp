@@ -194,7 +194,7 @@ pid_t EtcdPeer::pid() const { return m->pid; }
 
 namespace {
 // A claim in etcd: put `key` under `lease` if it does not exist (compare create_revision = 0).
-etcdserverpb::TxnRequest put_if_absent(const std::string& key, std::int64_t lease) {
+etcdserverpb::TxnRequest put_if_absent(const std::string& key, std::int64_t lease, const std::string& value = "bench") {
   etcdserverpb::TxnRequest t;
   auto* cmp = t.add_compare();
   cmp->set_target(etcdserverpb::Compare::CREATE);
@@ -203,13 +203,13 @@ etcdserverpb::TxnRequest put_if_absent(const std::string& key, std::int64_t leas
   cmp->set_create_revision(0);
   auto* put = t.add_success()->mutable_request_put();
   put->set_key(key);
-  put->set_value("bench");
+  put->set_value(value);
   put->set_lease(lease);
   return t;
 }
 } // namespace
 
-EtcdResult EtcdPeer::run(int clients, double seconds, int mode) {
+EtcdResult EtcdPeer::run(int clients, double seconds, int mode, int conns) {
   const int run = m->runs++;
   std::vector<std::vector<double>> lat(static_cast<std::size_t>(clients));
   std::atomic<long> errors{0};
@@ -219,9 +219,11 @@ EtcdResult EtcdPeer::run(int clients, double seconds, int mode) {
   // Connections: the clients share one, as etcd's clientv3 multiplexes a process's calls
   // on one HTTP/2 connection (on this 2-core machine etcd did more with one than with one
   // per client: its clients then cost less CPU). MEP_BENCH_ETCD_CONNS=N uses N.
-  int conns = 1;
-  if (const char* e = std::getenv("MEP_BENCH_ETCD_CONNS"); e && std::atoi(e) > 0)
-    conns = std::min(clients, std::atoi(e));
+  if (conns <= 0) {
+    conns = 1;
+    if (const char* e = std::getenv("MEP_BENCH_ETCD_CONNS"); e && std::atoi(e) > 0) conns = std::atoi(e);
+  }
+  conns = std::clamp(conns, 1, clients);
   std::vector<std::shared_ptr<grpc::Channel>> channels;
   for (int i = 0; i < conns; ++i) channels.push_back(m->channel());
   std::vector<std::thread> threads;
@@ -302,6 +304,41 @@ EtcdResult EtcdPeer::run(int clients, double seconds, int mode) {
         if (spare != 0) (void)revoke(spare);
         return;
       }
+      if (mode == 4) {
+        // A same-owner re-claim: the client's key, put again under its held lease only while
+        // its value is still the client's own (a new mod_revision each time, one raft write).
+        const std::int64_t held = grant();
+        const std::string me = "owner-" + std::to_string(i);
+        {
+          grpc::ClientContext c0;
+          etcdserverpb::TxnResponse tr0;
+          if (held == 0 || !kv->Txn(&c0, put_if_absent(key, held, me), &tr0).ok() || !tr0.succeeded()) ++errors;
+        }
+        etcdserverpb::TxnRequest again;
+        auto* cmp = again.add_compare();
+        cmp->set_target(etcdserverpb::Compare::VALUE);
+        cmp->set_result(etcdserverpb::Compare::EQUAL);
+        cmp->set_key(key);
+        cmp->set_value(me);
+        auto* put = again.add_success()->mutable_request_put();
+        put->set_key(key);
+        put->set_value(me);
+        put->set_lease(held);
+        ++ready;
+        while (!go) std::this_thread::yield();
+        while (Clock::now() < end) {
+          auto t0 = Clock::now();
+          grpc::ClientContext c2;
+          etcdserverpb::TxnResponse tr;
+          if (!kv->Txn(&c2, again, &tr).ok() || !tr.succeeded()) {
+            ++errors;
+            continue;
+          }
+          lat[static_cast<std::size_t>(i)].push_back(ms_since(t0));
+        }
+        (void)revoke(held);
+        return;
+      }
       ++ready;
       while (!go) std::this_thread::yield();
       long k = 0;
@@ -348,6 +385,46 @@ EtcdResult EtcdPeer::run(int clients, double seconds, int mode) {
   return r;
 }
 
+double EtcdPeer::swarm(int clients, int conns) {
+  const int run = m->runs++;
+  conns = std::clamp(conns, 1, clients);
+  std::vector<std::shared_ptr<grpc::Channel>> channels;
+  for (int i = 0; i < conns; ++i) {
+    channels.push_back(m->channel());
+    channels.back()->WaitForConnected(std::chrono::system_clock::now() + std::chrono::seconds(10));
+  }
+  std::atomic<int> ready{0}, failed{0};
+  std::atomic<bool> go{false};
+  std::vector<std::thread> threads;
+  std::vector<Clock::time_point> done(static_cast<std::size_t>(clients));
+  for (int i = 0; i < clients; ++i) {
+    threads.emplace_back([&, i] {
+      auto ch = channels[static_cast<std::size_t>(i % conns)];
+      auto kv = etcdserverpb::KV::NewStub(ch);
+      auto lease = etcdserverpb::Lease::NewStub(ch);
+      ++ready;
+      while (!go) std::this_thread::yield();
+      grpc::ClientContext c1;
+      etcdserverpb::LeaseGrantRequest g;
+      g.set_ttl(60);
+      etcdserverpb::LeaseGrantResponse gr;
+      grpc::ClientContext c2;
+      etcdserverpb::TxnResponse tr;
+      if (!lease->LeaseGrant(&c1, g, &gr).ok() ||
+          !kv->Txn(&c2, put_if_absent("swarm/" + std::to_string(run) + "/" + std::to_string(i), gr.id()), &tr).ok() ||
+          !tr.succeeded())
+        ++failed;
+      done[static_cast<std::size_t>(i)] = Clock::now();
+    });
+  }
+  while (ready < clients) std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  const auto start = Clock::now();
+  go = true;
+  for (auto& t : threads) t.join();
+  if (failed > 0) return -1;
+  return std::chrono::duration<double>(*std::max_element(done.begin(), done.end()) - start).count();
+}
+
 #else // built without gRPC
 
 std::string etcd_unavailable() {
@@ -359,7 +436,8 @@ EtcdPeer::EtcdPeer(const fs::path&) { throw std::runtime_error(etcd_unavailable(
 EtcdPeer::~EtcdPeer() = default;
 std::string EtcdPeer::version() const { return {}; }
 pid_t EtcdPeer::pid() const { return -1; }
-EtcdResult EtcdPeer::run(int, double, int) { return {}; }
+EtcdResult EtcdPeer::run(int, double, int, int) { return {}; }
+double EtcdPeer::swarm(int, int) { return -1; }
 
 #endif
 

@@ -1,7 +1,7 @@
 // The peer users would pick instead of mep, measured in the same run: a private
 // single-node etcd 3.4 (Debian's etcd-server) on loopback with its own data directory,
 // driven over gRPC (C++, a thread per client, the clients multiplexed on one HTTP/2
-// connection as etcd's clientv3 does; MEP_BENCH_ETCD_CONNS=N for N). gRPC, not etcd's JSON gateway: the
+// connection as etcd's clientv3 does, or one connection each: run()'s conns). gRPC, not etcd's JSON gateway: the
 // gateway translates every call to gRPC inside etcd and would slow etcd down, flattering mep.
 #pragma once
 #include "stall_probe.hpp"
@@ -54,7 +54,17 @@ public:
   /// next to mep's durable re-claim): LeaseGrant and Txn put-if-absent of a fresh key.
   /// Mode 3 (contended): Txn put-if-absent of a key about 4 clients share, under a lease
   /// granted for it; the winner revokes the lease, a loser keeps it for its next attempt.
-  EtcdResult run(int clients, double seconds, int mode);
+  /// Mode 4 (next to mep's same-owner re-claim): one Txn that puts the client's own key
+  /// again under its held lease if the key is still its own (value compare): a new
+  /// mod_revision, etcd's fencing token, in one raft write.
+  /// `conns`: gRPC connections the clients share (1: multiplexed on one, as clientv3 does;
+  /// `clients`: one each); 0: $MEP_BENCH_ETCD_CONNS, else 1.
+  EtcdResult run(int clients, double seconds, int mode, int conns = 0);
+
+  /// `clients` threads that each, at the same instant, grant a lease and put a fresh key
+  /// if absent under it (an agent's first claim), over `conns` shared connections: the
+  /// seconds until the last is done; -1 when a call failed.
+  double swarm(int clients, int conns);
 
 private:
   struct Impl;

@@ -14,12 +14,13 @@ inline double median(std::vector<double> v) {
   return v[v.size() / 2];
 }
 
-/// "1207 (1175..1423)": the median of `v` and its range, as whole numbers; "-" when empty.
-inline std::string median_range(const std::vector<double>& v) {
+/// "1207 (1175..1423)": the median of `v` and its range, with `decimals` digits after the
+/// point (whole numbers by default); "-" when empty.
+inline std::string median_range(const std::vector<double>& v, int decimals = 0) {
   if (v.empty()) return "-";
-  char buf[64];
-  std::snprintf(buf, sizeof buf, "%.0f (%.0f..%.0f)", median(v), *std::min_element(v.begin(), v.end()),
-                *std::max_element(v.begin(), v.end()));
+  char buf[96];
+  std::snprintf(buf, sizeof buf, "%.*f (%.*f..%.*f)", decimals, median(v), decimals,
+                *std::min_element(v.begin(), v.end()), decimals, *std::max_element(v.begin(), v.end()));
   return buf;
 }
 
