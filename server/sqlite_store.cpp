@@ -64,11 +64,13 @@ using sqlite::Use;
 
 constexpr int k_schema_version = 10;
 constexpr std::size_t k_max_group = 1024;
-// The log's growth that wakes the checkpointer (SQLite's own default; see on_wal_commit),
-// and the size its file is cut back to when it starts again: above what synced commits
-// leave (about 1,000 frames), which are then written over in place, never cut and grown
+// The log's growth that wakes the checkpointer (SQLite's own default; see on_wal_commit);
+// the length at which the writer checkpoints the log itself after a synced commit; and the
+// size its file is cut back to when it starts again: above what synced commits leave
+// (about 4,000 frames of 4 KiB), which are then written over in place, never cut and grown
 // again (cycles at 8 and 64 clients ran 10 % slower with 4 MiB).
 constexpr int k_wal_checkpoint_frames = 1000;
+constexpr int k_wal_synced_frames = 4000;
 // How long renewals answered from memory wait before they are written, at most, when no
 // other request comes (see "Renewals from memory").
 constexpr auto k_flush_delay = std::chrono::milliseconds(50);
@@ -825,19 +827,22 @@ void SqliteStore::stop_serving() {
 
 // ---- checkpoints ----------------------------------------------------------------------------
 //
-// After a synced commit the writer checkpoints the log itself once it holds 1,000 frames,
-// as SQLite's own checkpoints do: the log starts again from its beginning at the next
-// transaction and its file is written over in place (claims at 8 clients ran 20 % slower
-// when the log was left to grow and another thread checkpointed it: a synced commit that
-// appends to a growing file costs the file system more, and the two threads' fsyncs meet).
-// After a commit that was not synced (renewals),
-// copying pages and two fsyncs (the log's, then the database file's) would be most of the
-// writer's time: a thread of its own checkpoints then, PASSIVE (it never blocks the writer
-// or a reader), each time the log has grown by k_wal_checkpoint_frames since it was last
-// woken. A passive checkpoint beside a busy writer never catches the end of the log, so
-// it does not start again; the writer checkpoints itself at the next synced commit, or
-// when the log reaches m_wal_writer_frames (32,000 frames, 128 MiB): the log stays
-// bounded. Should a reader keep it from starting again, the writer tries again
+// After a synced commit the writer checkpoints the log itself once it holds 4,000 frames:
+// the log starts again from its beginning at the next transaction and its file is written
+// over in place (claims at 8 clients ran 20 % slower when the log was left to grow and
+// another thread checkpointed it: a synced commit that appends to a growing file costs the
+// file system more, and the two threads' fsyncs meet). Meanwhile, each time the log has
+// grown by k_wal_checkpoint_frames, a thread of its own checkpoints PASSIVE (it never blocks
+// the writer or a reader): it copies most of the log's pages into the database while the
+// writer goes on, so the writer's own checkpoint finds little left to copy. (At 1,000
+// frames and done by the writer alone, checkpoints took 19 % of the writer's time in fresh
+// claims at 64 clients; see bench/README.md for the A/B.)
+// After a commit that was not synced (renewals), copying pages and two fsyncs (the log's,
+// then the database file's) would be most of the writer's time: only that thread
+// checkpoints then. A passive checkpoint beside a busy writer never catches the end of the
+// log, so it does not start again; the writer checkpoints itself at the next synced commit
+// past 4,000 frames, or when the log reaches m_wal_writer_frames (32,000 frames, 128 MiB):
+// the log stays bounded. Should a reader keep it from starting again, the writer tries again
 // k_wal_checkpoint_frames later. When it starts again the file is cut back to 16 MiB.
 
 int SqliteStore::on_wal_commit(void* self_, sqlite3* db, const char* schema, int frames) {
@@ -847,14 +852,14 @@ int SqliteStore::on_wal_commit(void* self_, sqlite3* db, const char* schema, int
     self->m_wal_retry_at = 0;
   }
   self->m_wal_frames = frames;
-  const int limit = self->m_lazy_commits ? self->m_wal_writer_frames : k_wal_checkpoint_frames;
+  const int limit = self->m_lazy_commits ? self->m_wal_writer_frames : k_wal_synced_frames;
   if (frames >= std::max(limit, self->m_wal_retry_at)) {
     int rc = ::sqlite3_wal_checkpoint_v2(db, schema, SQLITE_CHECKPOINT_PASSIVE, nullptr, nullptr);
     if (rc != SQLITE_OK && rc != SQLITE_BUSY) log::warn("checkpoint failed: {}", ::sqlite3_errstr(rc));
     Metrics::global().inc("mep_sqlite_checkpoints_total", "by=\"writer\"");
     self->m_wal_retry_at = frames + k_wal_checkpoint_frames;
     self->m_wal_asked = frames;
-  } else if (self->m_lazy_commits && frames - self->m_wal_asked >= k_wal_checkpoint_frames) {
+  } else if (frames - self->m_wal_asked >= k_wal_checkpoint_frames) {
     self->m_wal_asked = frames;
     {
       std::lock_guard lock(self->m_checkpoint_mutex);
