@@ -11,6 +11,7 @@
 // every name of the migration. The enforcement flag (settings.migration_state) is
 // `in-progress` from the first write until `mep migrate activate` sets it `active`.
 #include "mep/migrate.hpp"
+#include "mep/migrate_rows.hpp"
 
 #include "mep/canonical.hpp"
 #include "mep/json.hpp"
@@ -51,71 +52,7 @@ namespace {
 using sqlite::Db;
 using sqlite::Use;
 using Clock = std::chrono::steady_clock;
-
-// A legacy row's created_at: RFC 3339, with "T" or (as its section 5.6 allows) a space
-// between date and time. `zoneless_is_utc`: SQLite's own text form, "2021-03-04 05:06:07",
-// which its date functions write in UTC, read from a --from-table of a SQLite database.
-std::optional<UnixMs> parse_legacy_time(std::string_view text, bool zoneless_is_utc) {
-  if (text.size() < 19 || (text[10] != ' ' && text[10] != 'T' && text[10] != 't')) return std::nullopt;
-  std::string t(text);
-  t[10] = 'T';
-  if (zoneless_is_utc && t.find_first_of("Zz+-", 19) == std::string::npos) t += 'Z';
-  return parse_rfc3339(t);
-}
-
-// One legacy row, kept compact (a million of them are held at once): the memory id as
-// 16 bytes, created_at as milliseconds, the reason as a small code.
-struct Row {
-  Row() = default;
-  Row(std::string id, std::string name, const std::string& created, std::string ref, const std::string& memory,
-      bool zoneless_is_utc = false)
-      : legacy_id(std::move(id)), display_name(std::move(name)), legacy_memory_ref(std::move(ref)) {
-    auto ms = parse_legacy_time(created, zoneless_is_utc);
-    created_ms = ms.value_or(0);
-    bad_created = !ms;
-    no_created = created.empty();
-    if (auto u = Uuid::parse(memory)) {
-      memory_id = *u;
-      has_memory = true;
-      nil_memory = memory_id.is_nil();
-    }
-    bad_memory = !memory.empty() && !has_memory;
-  }
-  // Why the row cannot be migrated, or nothing. Every field but memory_instance_id is
-  // required: the oldest created_at decides who keeps a name, so a time that does not
-  // parse cannot be guessed at; an empty display_name is a name that cannot be
-  // canonicalized (it is given a generated one, as the report says).
-  std::optional<std::string> problem() const {
-    if (legacy_id.empty()) return "legacy_id is missing";
-    if (no_created) return "created_at is missing";
-    if (bad_created) return "created_at is not an RFC 3339 time such as 2021-03-04T05:06:07Z";
-    if (bad_memory) return "memory_instance_id is not a UUID";
-    if (nil_memory) return "memory_instance_id is the nil UUID";
-    return std::nullopt;
-  }
-  std::string created_at() const { return format_rfc3339_ms(created_ms); }
-  std::string reason() const {
-    return reason_code ? std::string(to_string(static_cast<NameReason>(reason_code - 1))) : std::string();
-  }
-
-  std::string legacy_id, display_name, legacy_memory_ref;
-  std::string canonical, skeleton;
-  Uuid memory_id;
-  bool has_memory = false;
-  bool bad_memory = false;
-  bool nil_memory = false;
-  bool bad_created = false;
-  bool no_created = false;
-  std::uint32_t line = 0;       ///< where a file gave it (0: a table)
-  std::uint8_t reason_code = 0; ///< NameReason + 1, or 0
-  std::int64_t created_ms = 0;
-  enum Action : std::uint8_t { kept, renamed, generated, done };
-  Action action = kept;
-  Action done_as = kept; ///< for rows an earlier run wrote: what it did
-};
-
-// Rows live in a deque: no reallocation copies while a million of them are read.
-using Rows = std::deque<Row>;
+using namespace migration;
 
 // An open-addressing set of 64-bit hashes (8 bytes a slot): the uniqueness checks of a
 // million names in a few MB. A false positive only makes a fresh suffix be drawn again;
@@ -369,6 +306,9 @@ private:
   Clock::time_point m_last{};
 };
 
+} // namespace
+
+namespace migration {
 const char* action_name(Row::Action a) {
   switch (a) {
   case Row::kept:
@@ -382,6 +322,9 @@ const char* action_name(Row::Action a) {
   }
   return "kept";
 }
+} // namespace migration
+
+namespace {
 
 bool table_exists(Db& db, const char* name) {
   Use s(db.prepare("SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = ?1"));
@@ -391,24 +334,11 @@ bool table_exists(Db& db, const char* name) {
 
 // ---- where the migration reads and writes: a SQLite file or a PostgreSQL database ----------
 
-// A row an earlier run wrote (resumption).
-struct Migrated {
-  std::string legacy_id, canonical, skeleton, action, reason, memory_id;
-};
-
-// What the migration needs of a control-plane database. Each write() is one transaction of
-// a batch; nothing else holds a lock while the servers answer 503 migration-in-progress.
-// The names a run must not hand out besides those of earlier runs (both backends).
+// The names a run must not hand out besides those of earlier runs (SQLite and PostgreSQL).
 constexpr const char* k_names_not_migrated =
     "SELECT canonical_name, skeleton FROM agent_names a "
     "WHERE NOT EXISTS (SELECT 1 FROM migration_rows m WHERE m.canonical_name = a.canonical_name)";
 
-// Thrown when another `mep migrate run` is writing to the same database: two runs would read
-// the same resume state, then collide on each other's rows. So open_target takes a lock that
-// a run holds until its process ends (a crash lets it go), before the schema is touched or
-// anything is read: PostgreSQL's advisory lock of this key ("mep-migr" in ASCII), or
-// DB_PATH-migrate.lock on SQLite.
-struct RunInProgress {};
 constexpr std::int64_t k_run_lock_key = 0x6d65702d6d696772;
 
 // A descriptor closed with its owner.
@@ -426,25 +356,7 @@ private:
   int m_fd;
 };
 
-class Target {
-public:
-  virtual ~Target() = default;
-  /// The migration's tables exist (a database the schema was created in).
-  virtual bool has_tables() = 0;
-  virtual expected<Rows, std::string> read_table(const std::string& table) = 0;
-  /// The tenant's id, or empty when there is no such tenant (yet).
-  virtual std::string tenant_id(const std::string& name) = 0;
-  virtual void each_migrated(const std::function<void(Migrated&&)>& f) = 0;
-  /// The names of agent_names (canonical, skeleton) that no migrated row has: those claimed
-  /// through a server (each_migrated gives the others).
-  virtual void each_name(const std::function<void(std::string, std::string)>& f) = 0;
-  virtual void each_identity(const std::string& tenant_id, const std::function<void(std::string, std::string)>& f) = 0;
-  virtual std::string ensure_tenant(const std::string& name) = 0;
-  /// settings.migration_state: in-progress (unless already active).
-  virtual void mark_in_progress() = 0;
-  virtual void write(const std::string& tenant_id, const std::vector<const Row*>& batch, const std::string& unicode,
-                     const std::string& icu) = 0;
-};
+bool is_spanner(const std::string& url) { return url.rfind("spanner:", 0) == 0; }
 
 bool is_postgres(const std::string& url) {
   return url.rfind("postgres://", 0) == 0 || url.rfind("postgresql://", 0) == 0;
@@ -742,6 +654,7 @@ private:
 // The database of `url`, its schema created first unless `dry_run` (a plan writes nothing);
 // null for a plan on a SQLite file that does not exist.
 std::unique_ptr<Target> open_target(const std::string& url, bool dry_run) {
+  if (is_spanner(url)) return open_spanner_target(url, !dry_run); // a run's lock taken there
   if (is_postgres(url)) {
     auto target = std::make_unique<PgTarget>(url);
     if (!dry_run) {
@@ -772,6 +685,11 @@ int migrate_run(const MigrateOptions& o) {
   }
   if (o.batch == 0) {
     std::fprintf(stderr, "mep migrate: --batch must be at least 1\n");
+    return exit_code::usage;
+  }
+  if (o.from_table && is_spanner(o.db_url)) { // refused before the database is touched
+    std::fprintf(stderr, "mep migrate: --from-table is not supported on Spanner: export the table as JSON Lines or "
+                         "CSV and give it with --input\n");
     return exit_code::usage;
   }
   try {
@@ -1082,6 +1000,19 @@ int migrate_run(const MigrateOptions& o) {
 
 int migrate_activate(const std::string& db_url, bool json) {
   try {
+    if (is_spanner(db_url)) {
+      auto db = open_spanner_target(db_url, false);
+      if (!db) {
+        std::fprintf(stderr, "mep migrate: the database has no mep schema: nothing was migrated into it\n");
+        return exit_code::other;
+      }
+      db->activate();
+      if (json)
+        std::printf("{\"migration_state\":\"active\"}\n");
+      else
+        std::printf("migration activated: lease endpoints are open (servers notice within a second)\n");
+      return exit_code::ok;
+    }
     if (is_postgres(db_url)) {
       PgTarget db(db_url);
       if (!db.exists("settings")) {
@@ -1125,7 +1056,13 @@ int migrate_status(const std::string& db_url, bool json) {
     auto count = [&](const std::string& a, std::int64_t n) {
       (a == "kept" ? kept : a == "renamed" ? renamed : generated) = n;
     };
-    if (is_postgres(db_url)) {
+    if (is_spanner(db_url)) {
+      if (auto db = open_spanner_target(db_url, false)) {
+        state = db->state();
+        for (const auto& [action, n] : db->action_counts()) count(action, n);
+        mapped = db->identity_entries();
+      }
+    } else if (is_postgres(db_url)) {
       PgTarget db(db_url);
       if (db.exists("settings")) {
         auto r = db.conn().exec("SELECT value FROM settings WHERE key = 'migration_state'");

@@ -251,6 +251,17 @@ std::string SpannerStore::borrow_session() {
   return new_session();
 }
 
+void SpannerStore::with_session(const std::function<void(std::string& session)>& f) {
+  std::string s = borrow_session();
+  try {
+    f(s);
+  } catch (...) {
+    return_session(std::move(s));
+    throw;
+  }
+  return_session(std::move(s));
+}
+
 void SpannerStore::return_session(std::string session) {
   std::lock_guard lock(m_mutex);
   if (m_spare.size() < 8)

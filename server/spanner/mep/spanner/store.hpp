@@ -118,6 +118,8 @@ public:
 
   /// The REST client (for mep migrate and tests).
   Rest& rest() { return *m_rest; }
+  /// Runs `f` on one of the store's sessions (mep migrate's reads and transactions).
+  void with_session(const std::function<void(std::string& session)>& f);
 
   // ---- the transaction machinery (transactions.cpp), used by the operations -------------------
 
