@@ -215,9 +215,11 @@ struct SwarmCell {
   double seconds = -1;
   double p50_ms = 0;
   long errors = 0;
+  double daemon_cpu = 0, server_cpu = 0; ///< CPU seconds from the attaches' start until all hold
 };
 
-SwarmCell swarm_cell(const std::string& sock, const fs::path& files, int agents, int round) {
+SwarmCell swarm_cell(const std::string& sock, const fs::path& files, int agents, int round, pid_t daemon,
+                     pid_t server) {
   std::vector<std::string> names, bodies;
   std::vector<mep::bench::HttpConn> conns;
   conns.reserve(static_cast<std::size_t>(agents));
@@ -241,6 +243,7 @@ SwarmCell swarm_cell(const std::string& sock, const fs::path& files, int agents,
   }
   SwarmCell c;
   std::vector<double> lat;
+  const double d0 = cpu_seconds(daemon), s0 = cpu_seconds(server);
   const auto t0 = Clock::now();
   for (int a = 0; a < agents; ++a) conns[static_cast<std::size_t>(a)].send_all(bodies[static_cast<std::size_t>(a)]);
   int left = agents;
@@ -269,6 +272,8 @@ SwarmCell swarm_cell(const std::string& sock, const fs::path& files, int agents,
     }
   }
   c.seconds = std::chrono::duration<double>(Clock::now() - t0).count();
+  c.daemon_cpu = cpu_seconds(daemon) - d0;
+  c.server_cpu = cpu_seconds(server) - s0;
   ::close(ep);
   c.p50_ms = lat.empty() ? 0 : pct(lat, 0.5);
   // Detached again, so the next round starts from the same state.
@@ -458,10 +463,9 @@ static int run(int argc, char** argv) {
       std::vector<double> m_s, m_p50, m_dcpu, m_scpu, e_s, e_other, ratio;
       long errors = 0;
       for (int r = 0; r < rounds; ++r) {
-        const double d0 = cpu_seconds(d), s0 = cpu_seconds(server);
-        SwarmCell m = swarm_cell(sock, dir / "files", swarm, r);
-        m_dcpu.push_back(cpu_seconds(d) - d0);
-        m_scpu.push_back(cpu_seconds(server) - s0);
+        SwarmCell m = swarm_cell(sock, dir / "files", swarm, r, d, server);
+        m_dcpu.push_back(m.daemon_cpu);
+        m_scpu.push_back(m.server_cpu);
         errors += m.errors;
         m_s.push_back(m.seconds);
         m_p50.push_back(m.p50_ms);
