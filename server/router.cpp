@@ -160,6 +160,8 @@ Reply problem_reply(Problem p, const std::string& request_id) {
   r.body = json::dump(p.to_json());
   r.problem = true;
   r.retry_after_s = p.retry_after_s;
+  // Every 503 says when to come back (a store that forgot to is answered for).
+  if (r.status == 503 && !r.retry_after_s) r.retry_after_s = 1;
   return r;
 }
 

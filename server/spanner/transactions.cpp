@@ -324,8 +324,11 @@ void SpannerStore::worker_loop() {
       last_used = std::chrono::steady_clock::now();
     } catch (const std::exception& e) {
       // A thread loop's body is one try: the job is answered, the worker goes on.
+      // (No session could be made: the database is unreachable.) 503 says when to retry.
       log::error("spanner: {}", e.what());
-      job.refuse(Problem(Code::unavailable, "the database is unavailable; retry later"));
+      Problem p(Code::unavailable, "the database is unavailable; retry later");
+      p.retry_after_s = 1;
+      job.refuse(p);
     }
   }
 }

@@ -260,6 +260,12 @@ TEST_CASE("router: typed outcomes become the API's statuses, bodies and headers"
   REQUIRE(refused.body.at("reason").as_string() == "test");
   REQUIRE(refused.body.at("detail").as_string() == "held by another owner");
 
+  // A 503 always says when to retry, even when the store's problem did not.
+  h.store.claim_problem = mep::Problem(mep::Code::unavailable, "the database is unavailable; retry later");
+  auto unavailable = h.call(bhttp::verb::post, "/v1/leases", body, FakeStore::k_token, "g3");
+  REQUIRE(unavailable.status == 503);
+  REQUIRE(unavailable.res[bhttp::field::retry_after] == "1");
+
   // 204 without a body; a batch is 200 with one result per lease.
   auto released =
       h.call(bhttp::verb::post, "/v1/leases/release",
