@@ -1,8 +1,8 @@
 // bench_server: control-plane throughput and latency over real HTTP (keep-alive), next
 // to the same claim transaction run directly on SQLite at the same durability, and to etcd.
 //
-//   build/bench/bench_server [--mep PATH] [--seconds S] [--repeat N] [--rss-leases N] [--pg auto|off|URL] [--etcd
-//   auto|off]
+//   build/bench/bench_server [--mep PATH] [--seconds S] [--repeat N] [--rounds N] [--rss-leases N] [--pg auto|off|URL]
+//   [--etcd auto|off]
 //                            [--keys ordered|random|counter] [--driver threads|epoll] [--only WORKLOAD:CLIENTS]
 //
 // Starts the real `mep server` on a fresh SQLite file (on disk, synchronous=FULL), runs
@@ -184,6 +184,8 @@ struct Result {
 };
 
 int g_repeat = 1;
+// Rounds of each mep/etcd pair (--rounds; 0: --repeat's count when above 1, else 3).
+int g_rounds = 0;
 
 std::string read_line(const std::string& path) {
   std::ifstream f(path);
@@ -921,7 +923,7 @@ void compare_with_etcd(Server& s, const std::string& token, const fs::path& dir,
                        const std::string& mode, bool postgresql, pid_t db_pid, const std::string& pg_url) {
   mep::bench::EtcdPeer* etcd = etcd_peer(dir, mode);
   if (!etcd) return;
-  const int rounds = g_repeat > 1 ? g_repeat : 3;
+  const int rounds = g_rounds > 0 ? g_rounds : g_repeat > 1 ? g_repeat : 3;
   std::printf("\nmep (%s, above) and %s, single node, fresh data dir, WAL fsync on; C++ gRPC clients, a\n"
               "thread each, measured both multiplexed on one connection (as clientv3 does) and with a connection\n"
               "each: the better of the two is etcd's figure (the other in brackets). Interleaved: %d rounds of a\n"
@@ -1093,6 +1095,8 @@ static int run(int argc, char** argv) {
       etcd_mode = argv[++i];
     else if (a == "--repeat" && i + 1 < argc)
       g_repeat = std::max(1, std::atoi(argv[++i]));
+    else if (a == "--rounds" && i + 1 < argc)
+      g_rounds = std::max(1, std::atoi(argv[++i]));
     else if (a == "--keys" && i + 1 < argc && parse_keys(argv[i + 1]))
       ++i;
     else if (a == "--driver" && i + 1 < argc && parse_driver(argv[i + 1]))
@@ -1102,7 +1106,7 @@ static int run(int argc, char** argv) {
     else {
       std::fprintf(
           stderr,
-          "usage: bench_server [--mep PATH] [--seconds S] [--repeat N] [--rss-leases N] "
+          "usage: bench_server [--mep PATH] [--seconds S] [--repeat N] [--rounds N] [--rss-leases N] "
           "[--pg auto|off|URL] [--etcd auto|off] [--keys ordered|random|counter] [--driver threads|epoll] "
           "[--only fresh|cycles|reclaim|renew|contend|batch:CLIENTS (with --pg URL: on a fresh database there)]\n");
       return 2;
