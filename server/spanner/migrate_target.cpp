@@ -173,15 +173,12 @@ public:
     return value;
   }
 
-  void activate() override {
-    transact("activate the migration", [&](SpannerStore::Tx& tx) -> Rpc<SpannerStore::Decision> {
-      SpannerStore::Decision d;
-      // A statement begins the transaction; activate runs beside no lock of its own.
-      auto r = tx.query("SELECT 1");
-      if (!r) return make_unexpected(std::move(r.error()));
-      d.mutations.write("insertOrUpdate", "settings", {"key", "value"}, json::array{"migration_state", "active"});
-      return d;
-    });
+  void activate() override { // a blind write: nothing to read first
+    Mutations m;
+    m.write("insertOrUpdate", "settings", {"key", "value"}, json::array{"migration_state", "active"});
+    Rpc<void> r = make_unexpected(spanner::RpcError{});
+    m_store->with_session([&](std::string& s) { r = m_store->write_once(s, m); });
+    if (!r) throw std::runtime_error("cannot activate the migration on Spanner: " + r.error().describe());
   }
 
   std::vector<std::pair<std::string, std::int64_t>> action_counts() override {

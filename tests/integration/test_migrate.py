@@ -68,6 +68,19 @@ def report_shape(report, given_ids=()):
     return shape
 
 
+def claim_once_open(server, token, body, within_s):
+    """Claims `body` until the migration gate has opened (servers notice within a second),
+    for at most `within_s`: the last (status, lease)."""
+    deadline = time.monotonic() + within_s
+    status, lease = None, None
+    while time.monotonic() < deadline:
+        status, _, lease = server.request("POST", "/v1/leases", token, body, {"Idempotency-Key": "k2"})
+        if status == 201:
+            break
+        time.sleep(0.2)
+    return status, lease
+
+
 class Server:
     """A real `mep server` on a database, stopped by PID."""
 
@@ -429,13 +442,7 @@ class MigrateTest(unittest.TestCase):
             self.assertIn("Retry-After", headers)
             self.assertEqual(server.request("GET", "/healthz", token)[0], 200)
             mep("migrate", "activate", "--db", self.url)
-            deadline = time.monotonic() + 5
-            status = None
-            while time.monotonic() < deadline:
-                status, _, lease = server.request("POST", "/v1/leases", token, body, {"Idempotency-Key": "k2"})
-                if status == 201:
-                    break
-                time.sleep(0.2)
+            status, lease = claim_once_open(server, token, body, 5)
             self.assertEqual(status, 201)
             self.assertEqual(lease["canonical_name"], "gated")
             st = json.loads(mep("--json", "migrate", "status", "--db", self.url).stdout)

@@ -15,7 +15,7 @@ import time
 import unittest
 
 import spannerfixture
-from test_migrate import MEP, Server, mep, read_report, report_shape, write_jsonl
+from test_migrate import MEP, Server, claim_once_open, mep, read_report, report_shape, write_jsonl
 
 ROWS = [
     # case and width variants of one name: the oldest keeps it
@@ -186,13 +186,7 @@ class MigrateOnSpanner(unittest.TestCase):
             self.assertEqual(status, 503)
             self.assertEqual(problem["code"], "migration-in-progress")
             mep("migrate", "activate", "--db", self.url)
-            deadline = time.monotonic() + 10
-            status = None
-            while time.monotonic() < deadline:
-                status, _, lease = server.request("POST", "/v1/leases", token, body, {"Idempotency-Key": "k2"})
-                if status == 201:
-                    break
-                time.sleep(0.2)
+            status, lease = claim_once_open(server, token, body, 10)
             self.assertEqual(status, 201)
             self.assertEqual(lease["canonical_name"], "gated")
             self.assertEqual(lease["fencing_token"], 1)
