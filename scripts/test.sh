@@ -1,9 +1,21 @@
 #!/usr/bin/env bash
-# Installs the dependencies, builds with warnings as errors, and runs every test on the
-# normal build (./build); with MEP_SANITIZERS=asan|tsan|"asan tsan" also under the
-# sanitizers (scripts/sanitize.sh). Exit status: nonzero when any run failed.
+# Installs the dependencies, builds with warnings as errors, and runs the product's tests on
+# the normal build (./build): unit, conformance, integration (SQLite, PostgreSQL, Spanner),
+# MCP, SDKs, bench smoke, lint.
+#   --hardening   also the hardening stages, in the same ctest run (CI: .ci/run): fuzz_smoke
+#                 (every fuzz target for a few seconds) and sanitize_asan / sanitize_tsan
+#                 (ASan+UBSan and TSan over the unit tests and the daemon/server suites).
+#                 Each builds a clang tree of its own: about 40 minutes more on a cold cache.
+# With MEP_SANITIZERS=asan|tsan|"asan tsan", also the whole suite under those sanitizers
+# (scripts/sanitize.sh). Exit status: nonzero when any run failed.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+select=(-LE '^(fuzz|sanitize)$')
+case "${1:-}" in
+  --hardening) select=() ;;
+  "") ;;
+  *) echo "usage: scripts/test.sh [--hardening]" >&2; exit 2 ;;
+esac
 bash packaging/install-deps.sh
 bash scripts/build.sh -DMEP_WERROR=ON
 # A throwaway PostgreSQL cluster for the *_pg tests (initdb as an unprivileged user,
@@ -28,8 +40,8 @@ else
 fi
 
 status=0
-# The normal build: every test (fuzz_smoke runs each fuzz target for a few seconds).
-(cd build && ctest -j2 --output-on-failure --timeout 600) || status=1
+# The normal build: the product's tests, and with --hardening the fuzz and sanitizer stages.
+(cd build && ctest -j2 --output-on-failure --timeout 600 ${select[@]+"${select[@]}"}) || status=1
 
 # Sanitizer runs (scripts/sanitize.sh), when asked: MEP_SANITIZERS=asan, tsan or "asan tsan".
 # They are not part of the default run: a cold sanitizer build alone takes about half an
