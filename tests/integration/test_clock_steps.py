@@ -132,11 +132,15 @@ class ClockStepsPostgres(unittest.TestCase):
         self.token = create_token(self.db, "tenant-a")
 
     def step(self, offset):
+        """Steps the clock; returns the monotonic time just before the step took effect, which
+        no reading of the stepped clock can precede (the sleep after it may overrun)."""
         with open(self.step_file + ".tmp", "w") as f:
             f.write(offset + "\n")
         os.chmod(self.step_file + ".tmp", 0o644)
+        before = time.monotonic()
         os.replace(self.step_file + ".tmp", self.step_file)
         time.sleep(0.1)
+        return before
 
     def start(self):
         server = MepServer(self.workdir, self.db, ("--rate-limit", "0")).start()
@@ -223,8 +227,7 @@ class ClockStepsPostgres(unittest.TestCase):
         memory, name = c.new_memory(), unique_name("hold")
         first = self.claim(c, name, memory, "owner-a", 5)
         self.assertEqual(first.status, 201, first)
-        self.step("+60")
-        stepped = time.monotonic()
+        stepped = self.step("+60")
         # Refused while the holder's own deadline (5 s after its grant) may not have passed.
         while time.monotonic() - stepped < 3.5:
             other = self.claim(c, name, memory, "owner-b", 5)

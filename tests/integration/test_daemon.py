@@ -837,7 +837,7 @@ class BasicCases:
         self.assertTrue(self.mepd.proc.alive())
         self.attach_ok("bad-agent", path)
 
-    def test_bound_agent_killed_releases_lease_within_1s(self):
+    def test_bound_agent_killed_releases_lease_at_once_not_at_expiry(self):
         path = self.new_file("agent.uai")
         agent = self.spawn_agent("killme", path)
         self.assertEqual(agent.report["status"], 201, agent.report)
@@ -855,10 +855,12 @@ class BasicCases:
                 return False
             return self.server is None or self.server_lease("killme").status == 404
 
-        ok = self.poll(released, timeout=1.5, interval=0.02)
+        # Released when the pid goes, not when the 30 s TTL runs out. The bound is far from
+        # both (no assertion on this machine's speed); the time taken is printed.
+        ok = self.poll(released, timeout=10, interval=0.02)
         elapsed = time.monotonic() - t0
         print("\nbound agent SIGKILLed: lease released after %.3f s (mode %s)" % (elapsed, self.MODE))
-        self.assertTrue(ok, "the lease of a SIGKILLed agent was not released within the 1.5 s poll")
+        self.assertTrue(ok, "the lease of a SIGKILLed agent was not released within 10 s (its TTL is 30 s)")
         if self.server:
             self.assertProblem(self.server_lease("killme"), 404)
         # The memory is free again.
@@ -978,10 +980,11 @@ class BasicCases:
         self.assertEqual(adopted["state"], "held")
         self.assertIsNone(adopted["bind_pid"])
         # The dead agent's lease is released, not re-adopted.
-        self.assertTrue(self.poll(lambda: "orphan" not in self.client.leases(), timeout=1.5),
+        # (Its TTL is 30 s: gone within 10 s is released, not expired.)
+        self.assertTrue(self.poll(lambda: "orphan" not in self.client.leases(), timeout=10),
                         "the lease of an agent that died while the daemon was down was kept")
         if self.server:
-            self.assertTrue(self.poll(lambda: self.server_lease("orphan").status == 404, timeout=1.5))
+            self.assertTrue(self.poll(lambda: self.server_lease("orphan").status == 404, timeout=10))
 
         # Renewed with the stored token: the (server-side) expiry moves forward, same token.
         def moved():

@@ -424,11 +424,18 @@ class FleetCli(unittest.TestCase):
         _, err = p.communicate(timeout=60)
         self.assertEqual(p.returncode, 4, err)
         self.assertIn(b"lost (max-hold)", err)
-        # Its renewal was refused, its lease not ended: the daemon releases it, so the name is
-        # free at once rather than when the last expiry runs out.
-        rc, out, _ = self.lease_cmd("ls", "--json")
-        self.assertEqual(rc, 0)
-        self.assertNotIn(name, [l["canonical_name"] for l in json.loads(out)["leases"]])
+        # Its renewal was refused, its lease not ended: the daemon releases it once it sees
+        # mep run gone, so the name is free well before the last expiry runs out (the last
+        # renewal was at about 5 s of the 6 s hold, the refused one at about 6.7 s: the
+        # expiry is about 3 s away when mep run exits; 2 s are allowed).
+        def listed():
+            rc, out, _ = self.lease_cmd("ls", "--json")
+            self.assertEqual(rc, 0)
+            return name in [l["canonical_name"] for l in json.loads(out)["leases"]]
+        deadline = time.monotonic() + 2
+        while listed() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        self.assertFalse(listed())
 
 
 class Dashboards(unittest.TestCase):

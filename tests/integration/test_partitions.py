@@ -122,8 +122,10 @@ class DaemonPartition(PartitionCase):
         self.assertEqual(r.status, 201, r)
         time.sleep(2.5)  # a renewal or two go through first
 
-        cut = time.monotonic()
         with Drop("tcp dport %d drop" % proxy.port, "tcp sport %d drop" % proxy.port):
+            # Taken once the rules are in: a renewal can still go through while nft installs
+            # them (four processes, slow on a loaded machine).
+            cut = time.monotonic()
             # The daemon's lease: degraded first, then lost on A's own clock.
             self.assertTrue(events.wait_for(lambda e: e["event"] == "degraded" and e["canonical_name"] == "watch-agent",
                                             TTL), "no degraded event")

@@ -166,6 +166,14 @@ class RenewalsFromMemoryKill9Test(unittest.TestCase):
         threads = [threading.Thread(target=storm, args=(lease,), daemon=True) for lease in leases]
         for t in threads:
             t.start()
+        # Every lease renewed at least once (an event, however slow this machine), then the
+        # storm goes on for `seconds`.
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and any(t.is_alive() for t in threads):
+            with lock:
+                if len(acked) == len(leases):
+                    break
+            time.sleep(0.01)
         time.sleep(seconds)
         return acked, stop, threads
 

@@ -27,14 +27,18 @@ from storefixture import MepStore, new_store_token
 GROUP = "mep"
 TIMEOUT_S = 30
 
+# Reads GET /v1/events on argv[1]: says "ready" on stderr once the stream's headers came,
+# and stops at the `released` event of the name argv[2] (or after argv[3] seconds); then
+# writes all it read to stdout.
 EVENTS_SCRIPT = r"""
 import json, socket, sys, time
 s = socket.socket(socket.AF_UNIX)
 s.connect(sys.argv[1])
 s.sendall(b"GET /v1/events HTTP/1.1\r\nHost: localhost\r\n\r\n")
 s.settimeout(0.2)
-end = time.monotonic() + float(sys.argv[2])
+end = time.monotonic() + float(sys.argv[3])
 data = b""
+ready = False
 while time.monotonic() < end:
     try:
         chunk = s.recv(65536)
@@ -43,6 +47,12 @@ while time.monotonic() < end:
     if not chunk:
         break
     data += chunk
+    if not ready and b"\r\n\r\n" in data:
+        ready = True
+        sys.stderr.write("ready\n")
+        sys.stderr.flush()
+    if any('"released"' in l and sys.argv[2] in l for l in data.decode("utf-8", "replace").splitlines()):
+        break
 sys.stdout.write(data.decode("utf-8", "replace"))
 """
 
@@ -421,11 +431,14 @@ class SystemDaemon(unittest.TestCase):
         self.ok(self.mep_as(a, "init", "a.uai"))
         self.ok(self.mep_as(b, "init", "b.uai"))
         reader = subprocess.Popen(
-            ["python3", "-c", EVENTS_SCRIPT, self.socket, "4"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+            ["python3", "-c", EVENTS_SCRIPT, self.socket, "bob-own-name", "30"], stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
             preexec_fn=lambda: (os.setgroups([self.gid_mep]), os.setgid(b.pw_gid), os.setuid(b.pw_uid)),
             env={"PATH": "/usr/bin:/bin"}, cwd="/")
         try:
-            time.sleep(0.5)
+            # Subscribed before the first claim (an event, not a guess at how long it takes);
+            # the reader stops at bob's last event, which comes after all of alice's.
+            self.assertEqual(reader.stderr.readline(), b"ready\n")
             self.ok(self.mep_as(a, "claim", "alice-secret-name", "a.uai"))
             self.ok(self.mep_as(b, "claim", "bob-own-name", "b.uai"))
             self.ok(self.mep_as(a, "release", "alice-secret-name"))

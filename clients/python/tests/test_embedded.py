@@ -228,9 +228,10 @@ class ProcessBindingTest(DaemonTestCase):
         self.assertEqual([(l.canonical_name, l.bind_pid) for l in listed], [("killedagent", child.pid)])
         child.kill9()
         t0 = time.monotonic()
-        self.assertTrue(wait_until(lambda: c.leases() == [], 3.0),
-                        "the daemon still lists %r after the agent died" % c.leases())
-        self.assertLess(time.monotonic() - t0, 3.0)
+        # Released when the pid goes, long before the 30 s TTL (no bound on this machine's speed).
+        self.assertTrue(wait_until(lambda: c.leases() == [], 10.0),
+                        "the daemon still lists %r 10 s after the agent died (TTL 30 s)" % c.leases())
+        self.assertLess(time.monotonic() - t0, 10.0)
 
 
 class ReleaseRetryTest(DaemonTestCase):

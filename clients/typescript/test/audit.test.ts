@@ -128,9 +128,11 @@ test("a lease granted after a queue wait is not lost to an earlier waiter's gran
     await sleep(300);
     await leaseC.release();
   })();
-  await sleep(500); // C queues first
+  // The socket API shows no queue position, so the order is set by time: generous steps
+  // (C's attach opens its event stream, then queues; a loaded machine took over 500 ms).
+  await sleep(1500); // C queues first
   const ours = d.client.lease("audit-queue", fA, { wait: 20 });
-  await sleep(500); // then we do
+  await sleep(1500); // then we do
   mepSync(sb, d.socket, "release", "audit-queue");
   await doneC;
   const lease = await ours;

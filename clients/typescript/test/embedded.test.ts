@@ -314,7 +314,7 @@ test("the current lease through AsyncLocalStorage", opts, async () => {
   assert.equal(mep.currentLease(), undefined);
 });
 
-test("a SIGKILLed agent's lease is released by the daemon within ~2 s", opts, async () => {
+test("a SIGKILLed agent's lease is released by the daemon at once, not at its expiry", opts, async () => {
   await using sb = Sandbox.create();
   const d = await sb.startMepd();
   const a = await newMemory(sb, d.client, "a");
@@ -342,9 +342,11 @@ test("a SIGKILLed agent's lease is released by the daemon within ~2 s", opts, as
     assert.equal(before.state, "held");
     const killedAt = performance.now();
     child.kill("SIGKILL");
-    await waitFor(async () => (await d.client.leases()).length === 0, 2500, "the daemon to release the killed agent's lease");
+    // Released when the pid goes, long before its TTL runs out; the bound is far from both
+    // (no assertion on this machine's speed).
+    await waitFor(async () => (await d.client.leases()).length === 0, 10000, "the daemon to release the killed agent's lease");
     const took = performance.now() - killedAt;
-    assert.ok(took < 2500, `released after ${took.toFixed(0)} ms`);
+    assert.ok(took < 10000, `released after ${took.toFixed(0)} ms`);
   } finally {
     if (child.exitCode === null && child.signalCode === null) child.kill("SIGKILL");
   }

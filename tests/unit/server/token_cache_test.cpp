@@ -84,10 +84,11 @@ TEST_CASE("a cached token is found until the epoch changes") {
 
 TEST_CASE("a cached token expires after its lifetime") {
   mep::test::TempDir dir("mep-token-cache");
-  TokenCache cache((dir.path / "db-token-epoch").string(), 50ms);
+  // A lifetime long enough that a descheduled test thread still finds the entry at once.
+  TokenCache cache((dir.path / "db-token-epoch").string(), 1s);
   cache.put("h1", info("t1"), cache.epoch());
   CHECK(cache.find("h1", cache.epoch()));
-  std::this_thread::sleep_for(80ms);
+  std::this_thread::sleep_for(1200ms);
   CHECK_FALSE(cache.find("h1", cache.epoch()));
 }
 

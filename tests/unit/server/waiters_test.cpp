@@ -53,6 +53,7 @@ struct World {
       {
         std::lock_guard lock(m);
         attempts.push_back(who);
+        cv.notify_all();
         if (who == "refused") {
           r = ClaimOutcome(Problem(Code::memory_not_found, "no such memory"));
         } else if (free) {
@@ -72,6 +73,10 @@ struct World {
     return w;
   }
 
+  bool wait_attempts(std::size_t n, std::chrono::milliseconds t = 5s) {
+    std::unique_lock lock(m);
+    return cv.wait_for(lock, t, [&] { return attempts.size() >= n; });
+  }
   bool wait_answers(std::size_t n, std::chrono::milliseconds t = 5s) {
     std::unique_lock lock(m);
     return cv.wait_for(lock, t, [&] { return answers.size() >= n; });
@@ -112,6 +117,9 @@ TEST_CASE("waiters are tried and granted in the order they came", "[waiters]") {
   WaitQueue q;
   for (auto who : {"a", "b", "c"}) REQUIRE(q.wait(w.waiter(who)) == WaitQueue::Joined::queued);
   // Only the head was tried (held), the others wait behind it without asking.
+  // The head's attempt runs on the queue's thread: wait for it (an event, not a sleep), then
+  // give the others time to (wrongly) be tried too.
+  REQUIRE(w.wait_attempts(1));
   for (int i = 0; i < 100 && q.waiting({name_key("x")}) != 3; ++i) std::this_thread::sleep_for(10ms);
   std::this_thread::sleep_for(50ms);
   {
