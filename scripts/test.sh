@@ -41,7 +41,9 @@ fi
 
 status=0
 # The normal build: the product's tests, and with --hardening the fuzz and sanitizer stages.
-(cd build && ctest -j2 --output-on-failure --timeout 600 ${select[@]+"${select[@]}"}) || status=1
+# Four at a time on two cores: the integration suites mostly wait on processes, sockets and
+# TTLs (two at a time left the CPU 76 % idle); MEP_TEST_JOBS sets another number.
+(cd build && ctest -j"${MEP_TEST_JOBS:-4}" --output-on-failure --timeout 600 ${select[@]+"${select[@]}"}) || status=1
 
 # Sanitizer runs (scripts/sanitize.sh), when asked: MEP_SANITIZERS=asan, tsan or "asan tsan".
 # They are not part of the default run: a cold sanitizer build alone takes about half an
