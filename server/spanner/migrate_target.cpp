@@ -18,6 +18,7 @@
 //   JSON document, and a migration may hold millions of rows.
 // * `--from-table` reads a table of the database itself; on Spanner it is refused (export
 //   the table as JSON Lines or CSV and give --input).
+#include "mep/log.hpp"
 #include "mep/migrate_rows.hpp"
 #include "mep/problem.hpp"
 #include "mep/random.hpp"
@@ -28,7 +29,9 @@
 #include <boost/json/array.hpp>
 
 #include <algorithm>
+#include <chrono>
 #include <stdexcept>
+#include <thread>
 #include <unordered_set>
 
 namespace mep::server::migration {
@@ -43,6 +46,9 @@ using spanner::SpannerStore;
 constexpr std::size_t k_spanner_batch = 1000;
 constexpr std::int64_t k_run_lock_ms = 30'000;
 constexpr std::int64_t k_page = 5000;
+// How long a transaction the store gave up on is run again before the run stops (a slow or
+// busy database; the run's lock is renewed by each attempt that gets through).
+constexpr std::chrono::seconds k_retry_budget{120};
 constexpr const char* k_run_lock_key = "migration_run";
 
 class SpannerTarget final : public StatusTarget {
@@ -288,12 +294,23 @@ private:
   }
 
   // One read-write transaction (retried when aborted); RunInProgress when the run's lock
-  // was found another's.
+  // was found another's. A transaction the store gave up on (no answer within its budget,
+  // or aborted again and again: a slow or busy database) runs again, for up to
+  // k_retry_budget: each writes only what is not there yet, so a commit whose outcome was
+  // unknown is not written twice.
   void transact(const char* what, const std::function<Rpc<SpannerStore::Decision>(SpannerStore::Tx&)>& body) {
-    std::optional<Problem> failed;
-    m_store->with_session([&](std::string& s) { failed = m_store->run_rw(s, SpannerStore::Repeat::safe, body); });
-    if (m_lost) throw RunInProgress{};
-    if (failed) throw std::runtime_error(std::string("cannot ") + what + " on Spanner: " + failed->detail);
+    const auto give_up = std::chrono::steady_clock::now() + k_retry_budget;
+    for (std::chrono::seconds pause{1};; pause = std::min(pause * 2, std::chrono::seconds(8))) {
+      std::optional<Problem> failed;
+      m_store->with_session([&](std::string& s) { failed = m_store->run_rw(s, SpannerStore::Repeat::safe, body); });
+      if (m_lost) throw RunInProgress{};
+      if (!failed) return;
+      const bool again = failed->code == Code::unavailable || failed->code == Code::transaction_conflict;
+      if (!again || std::chrono::steady_clock::now() + pause >= give_up)
+        throw std::runtime_error(std::string("cannot ") + what + " on Spanner: " + failed->detail);
+      log::warn("spanner: cannot {} yet ({}); trying again in {} s", what, failed->detail, pause.count());
+      std::this_thread::sleep_for(pause);
+    }
   }
 
   void read(const char* what, const std::string& sql, const Params& params,
