@@ -305,7 +305,9 @@ class ServerApi(ServerTestCase):
         sql = ("UPDATE idempotency SET expires_at = created_at - 1 WHERE created_at <= "
                "%d" % created)
         db_execute(self.db_path, sql)
-        deadline = time.monotonic() + 10
+        # Sweeps are spaced by their cost, at most 30 s apart (server/mep/sweeper.hpp): on a
+        # loaded machine the emulator's sweeps are slow, and so far apart.
+        deadline = time.monotonic() + 45
         while db_query(self.db_path, "SELECT 1 FROM idempotency WHERE idem_key = ?", (key,)) \
                 and time.monotonic() < deadline:
             time.sleep(0.2)
