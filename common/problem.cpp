@@ -57,6 +57,53 @@ static_assert(
 
 const CodeInfo& code_info(Code code) { return k_codes[static_cast<std::size_t>(code)]; }
 
+Kind kind_of(Code code) {
+  switch (code) {
+  case Code::name_held:
+  case Code::name_confusable:
+  case Code::memory_attached:
+    return Kind::held;
+  case Code::memory_not_found:
+  case Code::lease_not_found:
+  case Code::stale_fence:
+  case Code::lease_expired:
+    return Kind::gone;
+  case Code::idempotency_request_in_flight:
+  case Code::rate_limited:
+  case Code::transaction_conflict:
+  case Code::unavailable:
+  case Code::migration_in_progress:
+  case Code::insufficient_storage:
+    return Kind::retry;
+  case Code::store_unavailable:
+    return Kind::unreachable;
+  case Code::internal:
+    return Kind::internal;
+  case Code::invalid_request:
+  case Code::idempotency_key_missing:
+  case Code::idempotency_key_invalid:
+  case Code::unauthenticated:
+  case Code::forbidden:
+  case Code::not_found:
+  case Code::method_not_allowed:
+  case Code::memory_id_taken:
+  case Code::payload_too_large:
+  case Code::unsupported_media_type:
+  case Code::invalid_name:
+  case Code::invalid_ttl:
+  case Code::idempotency_key_reused:
+  case Code::precondition_failed:
+  case Code::store_not_configured:
+    return Kind::invalid;
+  }
+  return Kind::internal; // not reached: every code is listed above
+}
+
+bool outcome_may_be_unknown(Code code) {
+  const Kind k = kind_of(code);
+  return (k == Kind::retry && code != Code::rate_limited) || k == Kind::unreachable || k == Kind::internal;
+}
+
 std::optional<Code> code_from_slug(std::string_view slug) {
   for (const auto& info : k_codes)
     if (info.slug == slug) return info.code;

@@ -36,7 +36,7 @@ Problem unreachable(std::string why) {
   return p;
 }
 
-bool outcome_unknown(const Problem& p) { return p.status() >= 500 || p.code == Code::idempotency_request_in_flight; }
+bool outcome_unknown(const Problem& p) { return outcome_may_be_unknown(p.code); }
 
 namespace {
 

@@ -474,11 +474,12 @@ expected<Held, Problem> Keeper::attach(const AttachRequest& req) {
     const Problem& p = r.error();
     const auto now = Clock::now();
     const auto retry_in = std::chrono::seconds(std::max(1, p.retry_after_s.value_or(1)));
-    if (p.status() == 423) {
+    if (p.kind() == Kind::held) {
       if (now + std::chrono::seconds(1) < wait_until) continue; // a wait of more than 300 s goes on
       break;
     }
-    if (p.status() == 429 || (p.status() == 503 && req.wait.count() > 0)) {
+    if (p.code == Code::rate_limited ||
+        ((p.kind() == Kind::retry || p.kind() == Kind::unreachable) && req.wait.count() > 0)) {
       // The control plane asks to come back later: within the remaining wait, never as an
       // immediate failure.
       if (now + retry_in < (req.wait.count() > 0 ? wait_until : pace_until) && pause(retry_in)) continue;

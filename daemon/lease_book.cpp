@@ -15,8 +15,10 @@
 //   released(); until then the lease is still listed, so a lease gone from the list has a
 //   free name and memory on the control plane).
 #include "mep/lease_book.hpp"
+#include "mep/problem.hpp"
 
 #include <algorithm>
+#include <optional>
 #include <random>
 
 namespace mep::daemon {
@@ -272,7 +274,8 @@ void LeaseBook::apply(const std::vector<Due>& due, const std::vector<lease::Rene
       unindex(h);
       const lease::RenewItem* item = answered && i < results.size() ? &results[i] : nullptr;
       const int status = item ? item->status : 0;
-      if (status == 200) {
+      const std::optional<Code> code = item ? code_from_slug(item->code) : std::nullopt;
+      if (item && item->ok()) {
         if (item->expires_at) h.expires_at = *item->expires_at;
         h.local_deadline = sent + std::chrono::seconds(h.ttl_s) - margin(h.ttl_s);
         double factor = 0.9 + 0.2 * static_cast<double>(jitter_rng() % 1000) / 1000.0;
@@ -282,7 +285,7 @@ void LeaseBook::apply(const std::vector<Due>& due, const std::vector<lease::Rene
         h.failures = 0;
         renewed.emplace_back(h.canonical_name, h.expires_at);
         events.push_back(Event{"renewed", h, {}});
-      } else if (status == 409 || status == 410 || status == 404) {
+      } else if (code && kind_of(*code) == Kind::gone) {
         h.state = LeaseState::lost;
         // Why: an operator revoked it, or its hold limit came (the control plane's reason),
         // else the problem's code (stale-fence, lease-expired, lease-not-found).

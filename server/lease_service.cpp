@@ -31,7 +31,7 @@ std::vector<std::string> freed_keys(const std::string& canonical_name, const std
 // secret, the holder's identity is.
 // The store may have counted them already (PostgreSQL: on every server): the larger count.
 ClaimOutcome with_waiters(ClaimOutcome r, std::size_t waiters) {
-  if (r.ok() || r.value.error().status() != 423) return r;
+  if (r.ok() || r.value.error().kind() != Kind::held) return r;
   auto& ext = r.value.error().extensions;
   std::int64_t n = static_cast<std::int64_t>(waiters);
   if (auto* known = ext.if_contains("waiters"); known && known->is_int64()) n = std::max(n, known->as_int64());

@@ -24,9 +24,10 @@
 //   token (409) is told from an expired lease (410) even after the row is gone.
 // * Idempotency (run_idempotent): keyed by (tenant, key) (§12.3); the outcome is stored
 //   (stored_outcome.hpp: the API's status and body) in the same transaction as the
-//   operation; 4xx outcomes are stored (with nothing of the operation: it wrote nothing,
-//   or its savepoint was rolled back), 5xx never. A replay reads it back into the typed
-//   outcome.
+//   operation; definite refusals are stored (with nothing of the operation: it wrote
+//   nothing, or its savepoint was rolled back), failures whose outcome may be unknown
+//   (outcome_may_be_unknown: retry, unreachable, internal kinds) never. A replay reads it
+//   back into the typed outcome.
 #include "mep/sqlite_store.hpp"
 
 #include "mep/crypto.hpp"
@@ -1212,7 +1213,7 @@ Outcome<T> SqliteStore::run_idempotent(Db& db, UnixMs now, const Ctx& ctx, const
     if (!*result && db.total_changes() != before) throw NeedsCarefulRun{};
   }
   const Problem* refused = *result ? nullptr : &result->error();
-  if (!refused || (refused->status() < 500 && (record_refusal || refused->status() != 423))) {
+  if (!refused || (!outcome_may_be_unknown(refused->code) && (record_refusal || refused->kind() != Kind::held))) {
     if (expired_record) {
       Use s(db.prepare("DELETE FROM idempotency WHERE rowid = ?1"));
       s->bind(1, *expired_record).run();

@@ -317,7 +317,7 @@ void WaitQueue::on_attempt(const EntryPtr& e, ClaimOutcome r) {
     std::lock_guard lock(m_mutex);
     e->attempting = false;
     if (e->done) return; // ended meanwhile (shutdown)
-    if (!r.ok() && r.value.error().status() == 423 && !r.replayed) {
+    if (!r.ok() && r.value.error().kind() == Kind::held && !r.replayed) {
       // Still held: tried again when the holder's lease ends, or when it is released.
       int after = std::max(1, r.value.error().retry_after_s.value_or(1));
       e->retry_at = Clock::now() + std::chrono::seconds(after);

@@ -43,6 +43,25 @@ enum class Code {
   store_not_configured, // mepd has no data plane (--store) for sync and fetch
 };
 
+/// What a code means to whoever gets it. Below the edges (common/http, the server's
+/// router, mepd's socket handler, the store's server) code decides by kind and code, never
+/// by HTTP status.
+enum class Kind {
+  held,        ///< someone else holds the name or memory now: wait for it, or give up
+  gone,        ///< the lease or memory asked about is not (or no longer) the caller's
+  retry,       ///< not done, or not known to be done: come back later (busy, overloaded, migrating)
+  unreachable, ///< the other side could not be reached (the data plane)
+  invalid,     ///< the request as sent cannot succeed: malformed, refused, unknown, conflicting
+  internal,    ///< a fault of the answering side's own
+};
+
+/// The kind of `code` (a switch without a default: a new code without a kind does not compile).
+Kind kind_of(Code code);
+/// Whether a request answered with `code` may have taken effect all the same: the answering
+/// side failed or gave up midway (retry, unreachable and internal kinds, except rate-limited,
+/// which is refused before anything is done).
+bool outcome_may_be_unknown(Code code);
+
 /// CLI exit codes (SPEC §7).
 namespace exit_code {
 inline constexpr int ok = 0;
@@ -85,6 +104,7 @@ struct Problem {
   std::string_view slug() const { return code_info(code).slug; }
   std::string_view title() const { return code_info(code).title; }
   int exit_code() const { return code_info(code).exit_code; }
+  Kind kind() const { return kind_of(code); }
 
   /// The JSON body: type, title, status, detail, instance, code, then the extensions.
   boost::json::object to_json() const;

@@ -119,12 +119,13 @@ std::optional<Outcome<T>> barrier(const std::optional<IdemRecord>& rec, UnixMs n
   return replay_outcome<T>(rec->stored);
 }
 
-// Whether an operation's outcome is kept under its key: everything but a 5xx, and but a
-// waiting claim's 423 (Claim::record_refusal).
+// Whether an operation's outcome is kept under its key: every definite one (not a failure
+// midway, whose outcome may be unknown), but a waiting claim's refusal as held
+// (Claim::record_refusal).
 template <class T>
 bool keep_outcome(const expected<T, Problem>& v, bool record_refusal) {
   if (v) return true;
-  return v.error().status() < 500 && (record_refusal || v.error().status() != 423);
+  return !outcome_may_be_unknown(v.error().code) && (record_refusal || v.error().kind() != Kind::held);
 }
 
 void count_lookup(const char* lookup) {
@@ -310,7 +311,7 @@ void SpannerStore::claim(const Ctx& ctx, Idempotency idem, Claim req, Then<lease
               ctx, req, view, [&] { return static_cast<std::size_t>(ahead); }, uuid_v7().to_string());
           // A refusal says how many claims wait for the resource, on every server (as
           // PostgreSQL's mep_wait_ext does): the position is not a secret, the holder is.
-          if (!decision.outcome && decision.outcome.error().status() == 423 && ahead > 0 &&
+          if (!decision.outcome && decision.outcome.error().kind() == Kind::held && ahead > 0 &&
               !decision.outcome.error().extensions.contains("waiters"))
             decision.outcome.error().extensions["waiters"] = ahead;
           std::vector<std::string> tenants;

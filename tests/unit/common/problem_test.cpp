@@ -79,3 +79,39 @@ TEST_CASE("problem_extensions_cannot_override_standard_members", "[problem]") {
   p.extensions["status"] = 200;
   REQUIRE(p.to_json().at("status").as_int64() == 423);
 }
+
+TEST_CASE("every code has the kind code below the edges decides by", "[problem]") {
+  using mep::Kind;
+  // Held is exactly the 423 family, gone the codes that say a lease is no longer the
+  // caller's; the decisions that read kinds (mepd's renewals and attaches, the wait queue,
+  // the stores' refusal records) relied on these statuses before.
+  for (int i = 0; i <= static_cast<int>(Code::store_not_configured); ++i) {
+    const auto code = static_cast<Code>(i);
+    const auto& info = mep::code_info(code);
+    INFO(info.slug);
+    CHECK((mep::kind_of(code) == Kind::held) == (info.http_status == 423));
+    if (info.http_status == 410) CHECK(mep::kind_of(code) == Kind::gone);
+    if (info.http_status == 429 || info.http_status == 503)
+      CHECK((mep::kind_of(code) == Kind::retry || mep::kind_of(code) == Kind::unreachable));
+    if (info.http_status >= 400 && info.http_status < 500 && info.http_status != 409 && info.http_status != 404 &&
+        info.http_status != 410 && info.http_status != 423 && info.http_status != 429)
+      CHECK(mep::kind_of(code) == Kind::invalid);
+  }
+  CHECK(mep::kind_of(Code::stale_fence) == Kind::gone);
+  CHECK(mep::kind_of(Code::lease_not_found) == Kind::gone);
+  CHECK(mep::kind_of(Code::memory_not_found) == Kind::gone);
+  CHECK(mep::kind_of(Code::memory_id_taken) == Kind::invalid);
+  CHECK(mep::kind_of(Code::idempotency_request_in_flight) == Kind::retry);
+  CHECK(mep::kind_of(Code::store_unavailable) == Kind::unreachable);
+  CHECK(mep::kind_of(Code::internal) == Kind::internal);
+  CHECK(mep::Problem(Code::name_held, "x").kind() == Kind::held);
+  // A refusal before any work is a known outcome; a failure midway is not.
+  CHECK_FALSE(mep::outcome_may_be_unknown(Code::rate_limited));
+  CHECK_FALSE(mep::outcome_may_be_unknown(Code::name_held));
+  CHECK_FALSE(mep::outcome_may_be_unknown(Code::invalid_request));
+  CHECK(mep::outcome_may_be_unknown(Code::unavailable));
+  CHECK(mep::outcome_may_be_unknown(Code::transaction_conflict));
+  CHECK(mep::outcome_may_be_unknown(Code::idempotency_request_in_flight));
+  CHECK(mep::outcome_may_be_unknown(Code::store_unavailable));
+  CHECK(mep::outcome_may_be_unknown(Code::internal));
+}

@@ -140,10 +140,11 @@ struct RenewBatchRequest {
 /// for a lease that ended early the reason (`revoked`, `max-hold`).
 struct RenewItem {
   std::string canonical_name;
-  int status = 0;
+  int status = 0; ///< 200 when renewed, else the problem's status (`code` says what it was)
   std::optional<UnixMs> expires_at;
   std::string code;
   std::string reason = {};
+  bool ok() const { return status == 200; }
 };
 struct RenewBatchResult {
   std::vector<RenewItem> results; ///< in the order of the request's leases
