@@ -191,7 +191,7 @@ class ClockStepsPostgres(unittest.TestCase):
         # whose renewal ran after the step was found says nothing; then another step.
         server, c = self.start()
         before_found = 0
-        for attempt in range(1, 4):
+        for attempt in range(1, 9):  # each try may lose the race on a loaded machine
             memory, name = c.new_memory(), unique_name("renew")
             first = self.claim(c, name, memory, "owner-a", 30)
             self.assertEqual(first.status, 201, first)
@@ -220,7 +220,7 @@ class ClockStepsPostgres(unittest.TestCase):
             deadline = time.monotonic() + 10  # found: wait for its record, then step again
             while metric(server.port, "mep_clock_steps_total") < steps + 1 and time.monotonic() < deadline:
                 time.sleep(0.1)
-        self.assertGreater(before_found, 0, "in three tries the server found the step before the renewal ran")
+        self.assertGreater(before_found, 0, "in eight tries the server found the step before the renewal ran")
 
     def test_a_lease_that_expired_in_the_step_is_taken_one_ttl_after_it(self):
         server, c = self.start()
