@@ -227,7 +227,7 @@ TEST_CASE("a file's record is rewritten when what it says changes, and only then
   CHECK(db.memory_by_inode(reborn, me + 1) == std::optional<std::string>("mem-b"));
 }
 
-TEST_CASE("a lease's save and delete are written without an fsync; an intent with one") {
+TEST_CASE("a lease's save and delete are written without an fsync, an intent with one") {
   TempDir dir;
   const auto path = dir.path / "mepd.db";
   {

@@ -139,7 +139,7 @@ TEST_CASE("Spanner timestamps with 0 to 9 fractional digits read to the microsec
   CHECK_FALSE(timestamp_micros("yesterday"));
 }
 
-TEST_CASE("a spanner: URL names the database; the endpoint comes from it, the environment or Google", "[spanner]") {
+TEST_CASE("a spanner: URL names the database, the endpoint comes from it, the environment or Google", "[spanner]") {
   ::unsetenv("MEP_SPANNER_ENDPOINT");
   auto a = parse_location("spanner:projects/p-1/instances/i_2/databases/d3");
   REQUIRE(a);
@@ -248,7 +248,7 @@ TEST_CASE("tokens are exchanged once, kept, and fetched again before they expire
   CHECK(none.error().message.find("invalid_grant") != std::string::npos);
 }
 
-TEST_CASE("the metadata server is asked with Metadata-Flavor: Google; the emulator needs no token", "[spanner][auth]") {
+TEST_CASE("the metadata server is asked with Metadata-Flavor: Google, the emulator needs no token", "[spanner][auth]") {
   FakeTransport t;
   std::int64_t clock = 100;
   MetadataTokens tokens(t, "metadata.google.internal", [&] { return clock; });

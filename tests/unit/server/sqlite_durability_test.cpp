@@ -188,7 +188,7 @@ std::string query(const std::filesystem::path& db, const std::string& sql) {
 
 } // namespace
 
-TEST_CASE("renewals commit without a sync; claims and a longer TTL with one", "[store][durability]") {
+TEST_CASE("renewals commit without a sync, claims and a longer TTL with one", "[store][durability]") {
   CountingVfs vfs;
   test::TempDir dir("mep-durability");
   Fixture f(dir.path / "d.db");

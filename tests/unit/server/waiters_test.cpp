@@ -189,7 +189,7 @@ TEST_CASE("a wait that ends while its attempt is in flight is answered what the 
   }
 }
 
-TEST_CASE("a waiter whose connection closes leaves the queue; a retry takes its place back", "[waiters]") {
+TEST_CASE("a waiter whose connection closes leaves the queue, and a retry takes its place back", "[waiters]") {
   World w;
   WaitQueue q;
   int p1[2];
