@@ -28,8 +28,10 @@ end
 function __mep_using
     set -l words (__mep_words)
     test (count $words) -ge (count $argv); or return 1
-    for i in (seq (count $argv))
-        test "$words[$i]" = "$argv[$i]"; or return 1
+    set -l i 0
+    for a in $argv
+        set i (math $i + 1)
+        test "$words[$i]" = "$a"; or return 1
     end
 end
 
