@@ -1,9 +1,9 @@
 // The PostgreSQL store (SPEC §9).
 //
 // Design notes.
-// * Every lease operation is one call of a server-side function (pg_schema.cpp): one round
-//   trip, one transaction, committed before the reply (PostgreSQL's own group commit
-//   batches the WAL flushes of concurrent commits). The database clock is the only clock.
+// * Every lease operation is one call of a server-side function (server/pg/schema/vNN.sql,
+//   the statements in mep/pg_calls.hpp): one round trip, one transaction, committed before the reply (PostgreSQL's own
+//   group commit batches the WAL flushes of concurrent commits). The database clock is the only clock.
 // * Threads: `pool` workers, each owning one connection, take jobs from one queue, the most
 //   recently idle worker first (warm connection and backend); reads, authentication and
 //   administration borrow spare connections in the calling thread.
@@ -28,6 +28,8 @@
 #include "mep/lease_rules.hpp"
 #include "mep/log.hpp"
 #include "mep/metrics.hpp"
+#include "mep/pg_calls.hpp"
+#include "mep/pg_schemas.hpp"
 #include "mep/random.hpp"
 #include "mep/rows.hpp"
 #include "mep/sweeper.hpp"
@@ -51,28 +53,13 @@
 
 namespace mep::server {
 
-extern const std::string_view k_pg_schema_v1;
-extern const std::string_view k_pg_schema_v2;
-extern const std::string_view k_pg_schema_v3;
-extern const std::string_view k_pg_schema_v4;
-extern const std::string_view k_pg_schema_v5;
-extern const std::string_view k_pg_schema_v6;
-extern const std::string_view k_pg_schema_v7;
-extern const std::string_view k_pg_schema_v8;
-extern const std::string_view k_pg_schema_v9;
-extern const std::string_view k_pg_schema_v10;
-extern const std::string_view k_pg_schema_v11;
-extern const std::string_view k_pg_schema_v12;
-
 namespace {
 
 namespace json = boost::json;
+using namespace pg_calls;
 using Clock = std::chrono::steady_clock;
 
-// Each version's schema, applied in turn from the database's version up.
-const std::string_view k_pg_schemas[] = {k_pg_schema_v1, k_pg_schema_v2,  k_pg_schema_v3,  k_pg_schema_v4,
-                                         k_pg_schema_v5, k_pg_schema_v6,  k_pg_schema_v7,  k_pg_schema_v8,
-                                         k_pg_schema_v9, k_pg_schema_v10, k_pg_schema_v11, k_pg_schema_v12};
+// Each version's schema (server/pg/schema/vNN.sql), applied in turn from the database's version up.
 constexpr int k_schema_version = static_cast<int>(std::size(k_pg_schemas));
 constexpr int k_max_attempts = 10;
 constexpr auto k_reconnect_gap = std::chrono::milliseconds(500);
@@ -195,55 +182,6 @@ Outcome<T> finish_idempotent(const pg::Result& res, T (*success)(const json::obj
   return finish_envelope(parse_result(res.text(0, 0)), success);
 }
 
-// SQL text of the hot statements, prepared once per connection.
-constexpr const char* k_sql_claim =
-    "SELECT mep_claim_h($1, $2, $3, $4, $5::jsonb, $6, $7, $8, $9, $10, $11::bigint, $12, $13, $14, $15::bigint, "
-    "$16::bigint, $17, $18, $19, $20, $21::bigint, true)";
-// A waiting claim's attempt: a 423 is not kept under the key (Claim::record_refusal).
-constexpr const char* k_sql_claim_attempt =
-    "SELECT mep_claim_h($1, $2, $3, $4, $5::jsonb, $6, $7, $8, $9, $10, $11::bigint, $12, $13, $14, $15::bigint, "
-    "$16::bigint, $17, $18, $19, $20, $21::bigint, false)";
-// Claims in one call (schema v12): each parameter an array, but the versions and the bound.
-constexpr const char* k_sql_claim_batch =
-    "SELECT mep_claim_batch_h($1::text[], $2::text[], $3::text[], $4::text[], $5::text[], $6::text[], $7::text[], "
-    "$8::text[], $9::text[], $10::text[], $11::bigint[], $12::text[], $13, $14, $15::bigint[], $16::bigint, "
-    "$17::text[], $18::text[], $19::text[], $20::text[], $21::bigint[], $22::boolean[])";
-// The queue of waiting claims (schema v5). A ticket lives while its server renews it
-// (k_sql_wait_beat); leaving, or being left by its clients, wakes the waiters for the same
-// things on every server.
-constexpr const char* k_sql_wait_enter =
-    "INSERT INTO mep_waiters(tenant_id, canonical_name, skeleton, memory_id, alive_until) "
-    "VALUES ($1, $2, $3, $4, mep_now_ms() + $5::bigint) RETURNING waiter_id";
-constexpr const char* k_sql_wait_leave =
-    "WITH d AS (DELETE FROM mep_waiters WHERE waiter_id = ANY($1::bigint[]) RETURNING canonical_name, memory_id) "
-    "SELECT pg_notify('mep_lease_freed', canonical_name || chr(9) || memory_id) FROM d";
-constexpr const char* k_sql_wait_mark =
-    "WITH u AS (UPDATE mep_waiters SET abandoned = $2::boolean WHERE waiter_id = $1::bigint "
-    "RETURNING canonical_name, memory_id) "
-    "SELECT pg_notify('mep_lease_freed', canonical_name || chr(9) || memory_id) FROM u WHERE $2::boolean";
-// Renews this server's tickets, and removes the ones nobody renewed for a minute (of
-// servers that died, or whose insert's answer was lost).
-constexpr const char* k_sql_wait_beat =
-    "WITH r AS (UPDATE mep_waiters SET alive_until = mep_now_ms() + $2::bigint WHERE waiter_id = ANY($1::bigint[])) "
-    "DELETE FROM mep_waiters WHERE alive_until < mep_now_ms() - 60000 AND waiter_id <> ALL($1::bigint[])";
-constexpr const char* k_sql_register = "SELECT mep_register($1, $2, $3, $4, $5)::text";
-constexpr const char* k_sql_branch = "SELECT mep_branch($1, $2, $3, $4, $5, $6::bigint, $7)::text";
-constexpr const char* k_sql_renew = "SELECT mep_renew($1, $2, $3, $4::bigint, $5, $6::bigint, $7, $8::bigint)::text";
-constexpr const char* k_sql_renew_many = "SELECT mep_renew_many($1::text[], $2::text[], $3::text[], "
-                                         "$4::bigint[], $5::text[], $6::bigint[], $7::text[], $8::bigint)::text";
-constexpr const char* k_sql_release_many = "SELECT mep_release_many($1::text[], $2::text[], $3::text[], "
-                                           "$4::bigint[], $5::text[], $6::text[])::text, "
-                                           "(SELECT count(pg_notify('mep_lease_freed', n || chr(9) || m)) "
-                                           "FROM unnest($2::text[], $3::text[]) AS f(n, m))";
-constexpr const char* k_sql_renew_batch =
-    "SELECT mep_renew_batch($1, $2::text[], $3::text[], $4::bigint[], $5::text[], $6::bigint[], $7, $8::bigint)::text";
-// A release or revocation also tells every server LISTENing (waiting claims, Prefer: wait):
-// the notification is sent when the statement commits, in the same round trip.
-constexpr const char* k_sql_release =
-    "SELECT mep_release($1, $2, $3, $4::bigint, $5, $6)::text, pg_notify('mep_lease_freed', $2 || chr(9) || $3)";
-constexpr const char* k_sql_verify = "SELECT mep_verify($1, $2, $3::bigint, $4, $5::bigint)::text";
-// mep_revoke_r (schema v12) notifies mep_lease_freed itself, with the memory it freed.
-constexpr const char* k_sql_revoke = "SELECT mep_revoke_r($1, $2, $3, $4)::text";
 constexpr const char* k_lease_cols =
     "lease_id, tenant_id, canonical_name, display_name, skeleton, memory_id, fencing_token, "
     "owner_client_id, ttl_seconds, expires_at, acquired_at, holder, granted_at, renewed_at, renewals, hold_until";

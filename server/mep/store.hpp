@@ -71,7 +71,7 @@ using lease::k_default_ttl_s;
 using lease::k_max_ttl_s;
 using lease::k_min_ttl_s;
 inline constexpr std::int64_t k_idempotency_retention_ms = 24LL * 3600 * 1000;
-/// Leases one Store::sweep removes at most (pg_schema.cpp's mep_sweep says 1000 too); a
+/// Leases one Store::sweep removes at most (the PostgreSQL mep_sweep_r says 1000 too); a
 /// sweep that removed this many rows is followed by the next one after 10 ms, not 1 s.
 inline constexpr std::int64_t k_sweep_batch = 1000;
 using lease::k_max_batch;

@@ -16,7 +16,7 @@ namespace mep::server {
 
 /// A sweep may cost at most this share of the time (PostgreSQL: 1/50 of the database's time
 /// per server): its lease part scans the whole `leases` table there, which has no index on
-/// `expires_at` so that renewals are HOT updates (pg_schema.cpp, v7). About 20 ms a sweep
+/// `expires_at` so that renewals are HOT updates (server/pg/schema/v07.sql). About 20 ms a sweep
 /// at 100,000 leases and 130 ms at 1,000,000: every second would cost a million-lease
 /// database an eighth of a core per server for nothing.
 inline constexpr int k_sweep_cost_ratio = 50;
