@@ -1,4 +1,4 @@
-// Renewals answered from memory: see renewal_table.hpp and sqlite_store.cpp.
+// Renewals answered from memory: see renewal_table.hpp and server/sqlite/store.cpp.
 #include "mep/renewal_table.hpp"
 
 #include "mep/crypto.hpp"

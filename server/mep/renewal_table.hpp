@@ -1,5 +1,5 @@
 // Renewals answered from memory, for the SQLite store (see "Renewals from memory" in
-// sqlite_store.cpp): the leases the writer has handed over, the expiries renewals gave
+// server/sqlite/store.cpp): the leases the writer has handed over, the expiries renewals gave
 // them since, and which of those the database has yet to be told.
 //
 // The rule that keeps it safe: a lease is either here or the writer's. A renewal is

@@ -129,7 +129,7 @@ private:
   template <class T>
   void read(const std::function<Outcome<T>(sqlite::Db&, UnixMs)>& op, const Then<T>& then);
   void writer_loop();
-  /// The WAL checkpoints (see the notes in sqlite_store.cpp): on_wal_commit runs on the
+  /// The WAL checkpoints (see the notes in server/sqlite/store.cpp): on_wal_commit runs on the
   /// writer after each commit; checkpoint_loop is the checkpointer thread.
   static int on_wal_commit(void* self, sqlite3* db, const char* schema, int frames);
   void checkpoint_loop();
@@ -179,7 +179,7 @@ private:
   void audit(const rules::AuditNote& note) {
     audit(note.tenant_id, note.type, note.name, note.memory_id, note.token, note.renewals);
   }
-  /// Sets m_clock from the saved checkpoint (see the lease clock's notes in sqlite_store.cpp).
+  /// Sets m_clock from the saved checkpoint (see the lease clock's notes in server/sqlite/store.cpp).
   void anchor_clock();
   /// Saves `at` (a lease-clock reading and CLOCK_BOOTTIME then) as the clock's checkpoint.
   void save_clock_checkpoint(sqlite::Db& db, std::pair<UnixMs, std::int64_t> at);

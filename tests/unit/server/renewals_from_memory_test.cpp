@@ -1,5 +1,5 @@
 // Renewals answered from memory by a serving SQLite store ("Renewals from memory" in
-// sqlite_store.cpp), on real files: what it answers, what it tells the database, and what
+// server/sqlite/store.cpp), on real files: what it answers, what it tells the database, and what
 // a restart after a crash makes of the renewals it had not written.
 #include "../../support/store_test_support.hpp"
 #include "mep/canonical.hpp"

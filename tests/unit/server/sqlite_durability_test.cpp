@@ -1,4 +1,4 @@
-// What the SQLite store puts on disk, and when (sqlite_store.cpp, "Renewals" and
+// What the SQLite store puts on disk, and when (server/sqlite/store.cpp, "Renewals" and
 // "checkpoints"), seen through a VFS that counts every sync SQLite asks for:
 // - a batch of renewals commits without a sync; a claim, and a renewal that raises its
 //   lease's TTL, are synced before they are answered;
