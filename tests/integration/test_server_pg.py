@@ -1013,13 +1013,19 @@ class ReleaseBatches(PgTestCase):
             for i, (kind, args) in enumerate(plan):
                 self.assertEqual(results[i] + (outcome(args),), alone[kind], (kind, i))
 
-        # Every kind but the NUL, 8 of each at once: batches of more than one release.
-        at_once([(kind, setup(kind)) for kind in self.CASES if kind != "nul" for _ in range(8)])
-        got = pg_counters(server, token)
+        # Every kind but the NUL, 8 of each at once: batches of more than one release. Every
+        # round's answers are checked; on a loaded machine the 40 clients may come too far
+        # apart to be batched, so up to five rounds are sent until some were.
+        for rounds in range(1, 6):
+            at_once([(kind, setup(kind)) for kind in self.CASES if kind != "nul" for _ in range(8)])
+            got = pg_counters(server, token)
+            if got["mep_pg_batched_releases_total"] > got["mep_pg_release_batches_total"] > 0:
+                break
         self.assertGreater(got["mep_pg_release_batches_total"], 0, got)
         self.assertGreater(got["mep_pg_batched_releases_total"], got["mep_pg_release_batches_total"], got)
         released = db_query(self.db, "SELECT count(*) FROM audit_events WHERE event_type = 'LEASE_RELEASED'")
-        self.assertEqual(released, [(2 * (1 + 8),)])  # "gone" set-ups and "live" releases, alone and at once
+        # "gone" set-ups and "live" releases, alone and at once
+        self.assertEqual(released, [(2 * (1 + 8 * rounds),)])
         # A NUL among live releases fails its batch, sent again one by one: the same answers.
         for _ in range(5):
             at_once([(kind, setup(kind)) for kind in ("nul", "live") for _ in range(4)])

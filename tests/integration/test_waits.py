@@ -319,7 +319,9 @@ class ServerWaits(ServerTestCase):
             self.skipTest("needs 1200 open files, the hard limit is %d" % hard)
         resource.setrlimit(resource.RLIMIT_NOFILE, (hard if hard != resource.RLIM_INFINITY else 4096, hard))
         self.addCleanup(resource.setrlimit, resource.RLIMIT_NOFILE, (soft, hard))
-        held = [self.hold() for _ in range(5)]
+        # Held for 300 s (the longest TTL): on a loaded Spanner emulator queueing 1024 claims
+        # took longer than the default TTL, and a holder's expiry handed its name over.
+        held = [self.hold(ttl=300) for _ in range(5)]
         socks = []
 
         def send(port, token, name, mem, owner):
@@ -346,7 +348,8 @@ class ServerWaits(ServerTestCase):
         def answered():
             # A waiting claim is not answered. One that was told to come back (503: the store
             # was busy, e.g. the Spanner emulator aborting one transaction too many) is sent
-            # again, as a client would; any other answer fails the test, saying what it was.
+            # again, as a client would; any other answer fails the test, saying what it was
+            # (a 201 here once showed the names' holders expiring under a slow emulator).
             poll = select.poll()  # not select(): the descriptors go past 1024
             by_fd = {s.fileno(): s for s in waiting}
             for fd in by_fd:

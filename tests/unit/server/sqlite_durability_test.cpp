@@ -283,10 +283,14 @@ TEST_CASE("after renewals checkpoints run on the checkpointer and the log stays 
     largest = std::max(largest, std::filesystem::file_size(f.path.string() + "-wal", ec));
   }
   CHECK(metrics.value("mep_sqlite_checkpoints_total", "by=\"checkpointer\"") > by_thread);
-  // 4,000 frames where the writer checkpoints itself, one more batch's, and the headers.
+  // 4,000 frames where the writer checkpoints itself; when that finds the checkpointer at
+  // work (busy) it tries again 1,000 frames later (on_wal_commit), and the log restarts
+  // after the batch that crossed that mark (5,008 frames seen on a loaded machine). Allowed
+  // for: two such retries, a batch's frames and the headers. Without the checkpoints the
+  // log would pass 20,000 frames.
   const std::uintmax_t frame = 4096 + 24;
   INFO("the log's largest size: " << largest << " bytes");
-  CHECK(largest <= (4000 + 1000) * frame + 32);
+  CHECK(largest <= (4000 + 2 * 1000 + 64) * frame + 32);
 }
 
 TEST_CASE("after synced commits the writer checkpoints the log itself", "[store][durability]") {
