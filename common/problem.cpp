@@ -43,6 +43,8 @@ constexpr std::array k_codes = {
     CodeInfo{Code::store_unavailable, "store-unavailable", 503, "Data plane unavailable", ec::unavailable},
     CodeInfo{Code::insufficient_storage, "insufficient-storage", 507, "Insufficient storage", ec::unavailable},
     CodeInfo{Code::store_not_configured, "store-not-configured", 501, "No data plane configured", ec::other},
+    CodeInfo{Code::control_plane_unreachable, "control-plane-unreachable", 503, "Control plane unreachable",
+             ec::unavailable},
 };
 
 static_assert(
@@ -76,6 +78,7 @@ Kind kind_of(Code code) {
   case Code::insufficient_storage:
     return Kind::retry;
   case Code::store_unavailable:
+  case Code::control_plane_unreachable:
     return Kind::unreachable;
   case Code::internal:
     return Kind::internal;

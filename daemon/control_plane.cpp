@@ -31,7 +31,7 @@ namespace mep::daemon {
 namespace wire = lease::wire;
 
 Problem unreachable(std::string why) {
-  Problem p(Code::unavailable, "the control plane is unreachable: " + why);
+  Problem p(Code::control_plane_unreachable, "the control plane is unreachable: " + why);
   p.retry_after_s = 1;
   return p;
 }

@@ -204,7 +204,8 @@ void Keeper::pull_identity_map() {
   for (int page = 0; page < 10000; ++page) {
     auto r = m_cp->identity_map(cursor, 1000);
     if (!r) {
-      if (r.error().code == Code::unavailable) log::warn("identity map not pulled: {}", r.error().detail);
+      if (const Kind k = r.error().kind(); k == Kind::retry || k == Kind::unreachable)
+        log::warn("identity map not pulled: {}", r.error().detail);
       return;
     }
     for (const auto& e : r->entries) {
@@ -1006,10 +1007,10 @@ void Keeper::renew_due() {
   std::vector<std::pair<std::string, UnixMs>> renewed;
   std::vector<Ended> lost;
   static const std::vector<lease::RenewItem> none;
-  std::string why = r ? std::string()
-                      : (r.error().status() == 503 && r.error().detail.find("unreachable") != std::string::npos
-                             ? std::string("unreachable")
-                             : std::to_string(r.error().status()));
+  // The degraded event's reason: "unreachable", or the status of the batch's answer.
+  std::string why = r                                                   ? std::string()
+                    : r.error().code == Code::control_plane_unreachable ? std::string("unreachable")
+                                                                        : std::to_string(r.error().status());
   // A refused token fails every renewal until the operator fixes it: say so once, plainly
   // (the leases are otherwise lost at their deadlines with no word of why).
   const bool refused = !r && (r.error().code == Code::unauthenticated || r.error().code == Code::forbidden);

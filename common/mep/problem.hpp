@@ -37,10 +37,11 @@ enum class Code {
   transaction_conflict,
   unavailable,
   migration_in_progress,
-  precondition_failed,  // data plane: If-Match / If-None-Match did not hold
-  store_unavailable,    // the data plane could not be reached (to advance the fence, sync, fetch)
-  insufficient_storage, // the data plane's disk is full
-  store_not_configured, // mepd has no data plane (--store) for sync and fetch
+  precondition_failed,       // data plane: If-Match / If-None-Match did not hold
+  store_unavailable,         // the data plane could not be reached (to advance the fence, sync, fetch)
+  insufficient_storage,      // the data plane's disk is full
+  store_not_configured,      // mepd has no data plane (--store) for sync and fetch
+  control_plane_unreachable, // mepd could not reach its control plane (or the embedded one did not answer)
 };
 
 /// What a code means to whoever gets it. Below the edges (common/http, the server's
@@ -50,7 +51,7 @@ enum class Kind {
   held,        ///< someone else holds the name or memory now: wait for it, or give up
   gone,        ///< the lease or memory asked about is not (or no longer) the caller's
   retry,       ///< not done, or not known to be done: come back later (busy, overloaded, migrating)
-  unreachable, ///< the other side could not be reached (the data plane)
+  unreachable, ///< the other side could not be reached (the control plane, the data plane)
   invalid,     ///< the request as sent cannot succeed: malformed, refused, unknown, conflicting
   internal,    ///< a fault of the answering side's own
 };

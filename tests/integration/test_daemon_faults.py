@@ -198,6 +198,7 @@ class StateWriteRefused(StateDbCase):
         proxy.refuse(True)
         r = self.client.attach("unknown-agent", path, ttl_seconds=30)
         self.assertEqual(r.status, 503, r)
+        self.assertEqual(r.json["code"], "control-plane-unreachable", r.json)
         self.assertEqual(db.execute("SELECT count(*) FROM intents").fetchone()[0], 1)
         proxy.refuse(False)
         released = lambda: "releasing lease unknown-agent" in self.mepd.log_text()

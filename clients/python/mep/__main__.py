@@ -33,7 +33,7 @@ EXIT_BY_CODE = {
     "rate-limited": EXIT_UNAVAILABLE, "internal": EXIT_OTHER, "transaction-conflict": EXIT_UNAVAILABLE,
     "unavailable": EXIT_UNAVAILABLE, "migration-in-progress": EXIT_UNAVAILABLE, "precondition-failed": EXIT_OTHER,
     "store-unavailable": EXIT_UNAVAILABLE, "insufficient-storage": EXIT_UNAVAILABLE,
-    "store-not-configured": EXIT_OTHER,
+    "store-not-configured": EXIT_OTHER, "control-plane-unreachable": EXIT_UNAVAILABLE,
 }
 
 

@@ -52,6 +52,7 @@ __all__ = [
     "Unavailable",
     "MigrationInProgress",
     "StoreUnavailable",
+    "ControlPlaneUnreachable",
     "InsufficientStorage",
     # the SDK's own
     "DaemonNotRunning",
@@ -400,6 +401,14 @@ class Unavailable(TemporarilyUnavailable):
     cannot be reached."""
 
     CODE, STATUS, TITLE = "unavailable", 503, "Unavailable"
+
+
+class ControlPlaneUnreachable(Unavailable):
+    """503 ``control-plane-unreachable``: mepd could not reach its control plane (``mep
+    server``), or its embedded one did not answer in time. A kind of :class:`Unavailable`
+    (which it was before it had a code of its own); what was asked may have been done."""
+
+    CODE, STATUS, TITLE = "control-plane-unreachable", 503, "Control plane unreachable"
 
 
 class MigrationInProgress(TemporarilyUnavailable):

@@ -25,6 +25,7 @@ ALL_CODES = {
     "name-held": 423, "name-confusable": 423, "memory-attached": 423, "rate-limited": 429, "internal": 500,
     "store-not-configured": 501, "transaction-conflict": 503, "unavailable": 503,
     "migration-in-progress": 503, "store-unavailable": 503, "insufficient-storage": 507,
+    "control-plane-unreachable": 503,
 }
 
 
@@ -67,6 +68,8 @@ class ProblemTableTest(unittest.TestCase):
         for cls in (mep.Unavailable, mep.StoreUnavailable, mep.TransactionConflict, mep.MigrationInProgress):
             self.assertTrue(issubclass(cls, mep.TemporarilyUnavailable))
         self.assertTrue(issubclass(mep.DaemonNotRunning, mep.Unavailable))
+        # It was "unavailable" before it had a code of its own: catching Unavailable still does.
+        self.assertTrue(issubclass(mep.ControlPlaneUnreachable, mep.Unavailable))
         self.assertTrue(issubclass(mep.LeaseNotFound, mep.NotFound))
 
     def test_problem_fields_and_extensions(self):

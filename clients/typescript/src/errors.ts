@@ -31,6 +31,7 @@ export const PROBLEM_CODES = {
   "migration-in-progress": 503,
   "store-unavailable": 503,
   "insufficient-storage": 507,
+  "control-plane-unreachable": 503,
 } as const;
 
 /** A problem code mepd documents (see {@link PROBLEM_CODES}). */
@@ -236,6 +237,12 @@ export class StoreNotConfigured extends MepError {}
 export class TransactionConflict extends MepError {}
 /** 503 `unavailable`: the daemon or the control plane cannot serve now. */
 export class Unavailable extends MepError {}
+/**
+ * 503 `control-plane-unreachable`: mepd could not reach its control plane (`mep server`), or
+ * its embedded one did not answer in time; what was asked may have been done. A kind of
+ * {@link Unavailable}, as it was before it had a code of its own.
+ */
+export class ControlPlaneUnreachable extends Unavailable {}
 /** 503 `migration-in-progress`. */
 export class MigrationInProgress extends MepError {}
 /** 503 `store-unavailable`: the data plane (`mep store`) cannot be reached. */
@@ -380,6 +387,7 @@ export const ERROR_CLASSES: Readonly<Record<ProblemCode, ErrorClass>> = Object.f
   "migration-in-progress": MigrationInProgress,
   "store-unavailable": StoreUnavailable,
   "insufficient-storage": InsufficientStorage,
+  "control-plane-unreachable": ControlPlaneUnreachable,
 });
 
 const STANDARD_MEMBERS = new Set(["type", "title", "status", "detail", "instance", "code"]);

@@ -39,8 +39,11 @@ test("every problem code maps to its own class, with its status", () => {
     "store-not-configured": mep.StoreNotConfigured,
     "insufficient-storage": mep.InsufficientStorage,
     "rate-limited": mep.RateLimited,
+    "control-plane-unreachable": mep.ControlPlaneUnreachable,
   };
   for (const [code, cls] of Object.entries(names)) assert.equal(mep.ERROR_CLASSES[code as mep.ProblemCode], cls);
+  // It was "unavailable" before it had a code of its own: code catching Unavailable still does.
+  assert.ok(mep.problemToError(503, { code: "control-plane-unreachable", status: 503 }) instanceof mep.Unavailable);
 });
 
 test("extensions, Retry-After, InvalidName and StaleFence fields", () => {

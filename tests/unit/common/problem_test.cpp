@@ -41,6 +41,7 @@ TEST_CASE("problem_codes_map_to_spec_status_and_exit", "[problem]") {
       {Code::store_unavailable, "store-unavailable", 503, 5},
       {Code::insufficient_storage, "insufficient-storage", 507, 5},
       {Code::store_not_configured, "store-not-configured", 501, 1},
+      {Code::control_plane_unreachable, "control-plane-unreachable", 503, 5},
   };
   for (const auto& r : rows) {
     INFO(r.slug);
@@ -85,7 +86,7 @@ TEST_CASE("every code has the kind code below the edges decides by", "[problem]"
   // Held is exactly the 423 family, gone the codes that say a lease is no longer the
   // caller's; the decisions that read kinds (mepd's renewals and attaches, the wait queue,
   // the stores' refusal records) relied on these statuses before.
-  for (int i = 0; i <= static_cast<int>(Code::store_not_configured); ++i) {
+  for (int i = 0; i <= static_cast<int>(Code::control_plane_unreachable); ++i) { // the last code
     const auto code = static_cast<Code>(i);
     const auto& info = mep::code_info(code);
     INFO(info.slug);
@@ -103,6 +104,7 @@ TEST_CASE("every code has the kind code below the edges decides by", "[problem]"
   CHECK(mep::kind_of(Code::memory_id_taken) == Kind::invalid);
   CHECK(mep::kind_of(Code::idempotency_request_in_flight) == Kind::retry);
   CHECK(mep::kind_of(Code::store_unavailable) == Kind::unreachable);
+  CHECK(mep::kind_of(Code::control_plane_unreachable) == Kind::unreachable);
   CHECK(mep::kind_of(Code::internal) == Kind::internal);
   CHECK(mep::Problem(Code::name_held, "x").kind() == Kind::held);
   // A refusal before any work is a known outcome; a failure midway is not.
@@ -113,5 +115,6 @@ TEST_CASE("every code has the kind code below the edges decides by", "[problem]"
   CHECK(mep::outcome_may_be_unknown(Code::transaction_conflict));
   CHECK(mep::outcome_may_be_unknown(Code::idempotency_request_in_flight));
   CHECK(mep::outcome_may_be_unknown(Code::store_unavailable));
+  CHECK(mep::outcome_may_be_unknown(Code::control_plane_unreachable));
   CHECK(mep::outcome_may_be_unknown(Code::internal));
 }
