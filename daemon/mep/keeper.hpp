@@ -83,7 +83,7 @@ private:
   /// False when the outcome is unknown (the control plane was not reached, or did not answer).
   /// `refused`, when given, gets the control plane's answer unless it confirmed the release.
   bool release_on_server(const Held& h, std::optional<Problem>* refused = nullptr);
-  /// Ends a lease taken from the book (a detach, its agent's exit): see keeper.cpp. Returns
+  /// Ends a lease taken from the book (a detach, its agent's exit): see keeper_attach.cpp. Returns
   /// why the control plane did not confirm the release, when it did not.
   std::optional<Problem> end_taken(const Held& h);
   /// Deletes the records of leases that ended (lazily: see StateDb::forget_lease).
