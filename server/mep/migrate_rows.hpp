@@ -1,6 +1,6 @@
 // What mep migrate's phases share with the databases it writes to: the legacy rows, what
 // an earlier run wrote, and the Target interface each backend implements (SQLite and
-// PostgreSQL in migrate.cpp, Cloud Spanner in spanner/migrate_target.cpp).
+// PostgreSQL in migrate_targets.cpp, Cloud Spanner in spanner/migrate_target.cpp).
 #pragma once
 #include "mep/canonical.hpp"
 #include "mep/expected.hpp"
@@ -8,6 +8,7 @@
 #include "mep/uuid.hpp"
 
 #include <cstdint>
+#include <iosfwd>
 #include <deque>
 #include <functional>
 #include <memory>
@@ -16,6 +17,10 @@
 #include <string_view>
 #include <utility>
 #include <vector>
+
+namespace mep::sqlite {
+class Db;
+}
 
 namespace mep::server::migration {
 
@@ -139,5 +144,24 @@ public:
 std::unique_ptr<StatusTarget> open_spanner_target(const std::string& url, bool create);
 
 const char* action_name(Row::Action a);
+
+// ---- migrate_input.cpp: the legacy rows, from a CSV file or a table -------------------------
+
+/// The rows of a CSV export (`path` names it in messages).
+expected<Rows, std::string> read_rows(std::istream& in, const std::string& path);
+expected<Rows, std::string> read_file(const std::string& path);
+/// The rows of a table of legacy rows in a SQLite database (--from-table).
+expected<Rows, std::string> read_table(sqlite::Db& db, const std::string& table);
+
+// ---- migrate_targets.cpp: the databases a migration writes to ---------------------------------
+
+bool is_spanner(const std::string& url);
+bool is_postgres(const std::string& url);
+/// The file of a sqlite: URL (or a plain path).
+std::string db_path(const std::string& url);
+bool table_exists(sqlite::Db& db, const char* name);
+/// The database of `url`, its schema created first unless `dry_run` (a plan writes nothing);
+/// null for a plan on a SQLite file that does not exist. Throws RunInProgress (see above).
+std::unique_ptr<Target> open_target(const std::string& url, bool dry_run);
 
 } // namespace mep::server::migration

@@ -1,4 +1,4 @@
-// libFuzzer target for `mep migrate`'s input readers (server/migrate.cpp): JSON Lines or
+// libFuzzer target for `mep migrate`'s input readers (server/migrate_input.cpp): JSON Lines or
 // CSV with a header, quoted fields spanning lines included. Any input is read into rows or
 // refused with a message naming the input; no crash, no report, no hang.
 #include "fuzz_support.hpp"
