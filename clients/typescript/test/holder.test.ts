@@ -169,15 +169,13 @@ test("embedded: a lease that reaches its maxHold is lost with reason max-hold", 
   await using sb = Sandbox.create();
   const d = await sb.startMepd();
   const a = await newMemory(sb, d.client, "a");
-  const t0 = performance.now();
   await using lease = await d.client.lease("short hold", a, { ttl: 5, maxHold: 6 });
   const heard: mep.LeaseLost[] = [];
   lease.on("lost", (e) => heard.push(e));
   await waitFor(() => lease.signal.aborted, 15000, "the lease to be lost");
-  const took = performance.now() - t0;
-  // Told by the daemon (its first renewal is refused), not found by the local deadline (4 s).
+  // Told by the daemon (its first renewal is refused), not found by the local deadline: the
+  // reason says which (no stopwatch: a loaded machine hears it late, never early).
   assert.equal(lease.lostReason, "max-hold");
-  assert.ok(took < 7000, `lost after ${took.toFixed(0)} ms`);
   assert.ok(lease.signal.reason instanceof mep.LeaseLost);
   assert.equal(lease.signal.reason.reason, "max-hold");
   assert.deepEqual(heard.map((e) => e.reason), ["max-hold"]);
@@ -250,10 +248,8 @@ test("remote: an operator's revocation makes the lease lost with reason revoked"
     timeout: 20000,
   });
   assert.equal(r.status, 0, `mep lease revoke exited ${r.status}: ${r.stdout}${r.stderr}`);
-  const t0 = performance.now();
-  // Learnt at the daemon's next renewal (every ttl/3).
+  // Learnt at the daemon's next renewal (every ttl/3): the reason says so.
   await waitFor(() => lease.signal.aborted, 10000, "the lease to be lost");
-  assert.ok(performance.now() - t0 < 5000);
   assert.equal(lease.lostReason, "revoked");
   assert.throws(() => lease.check(), (e: unknown) => e instanceof mep.LeaseLost && e.reason === "revoked");
   await lease.release();
