@@ -299,7 +299,12 @@ class FailoverCase(unittest.TestCase):
         phase_box = ["before"]
         storm = Storm(self.servers, self.token, self.memories, self.names)
         storm.start(lambda: phase_box[0])
+        # Phases end on what happened, not on a clock alone (a loaded machine is slower): the
+        # storm runs at least STORM_BEFORE_S and until 60 grants were acknowledged.
+        started = time.monotonic()
         time.sleep(STORM_BEFORE_S)
+        while len(self.acked_grants(storm)) < 60 and time.monotonic() - started < 60:
+            time.sleep(0.2)
         if before_kill:
             before_kill(storm)
         self.killed_at = time.monotonic()
@@ -312,7 +317,11 @@ class FailoverCase(unittest.TestCase):
         self.pg.promote()
         self.promoted_at = time.monotonic()
         phase_box[0] = "after"
+        # At least STORM_AFTER_S, and until each server has had a grant since the promotion.
         time.sleep(STORM_AFTER_S)
+        while (not all(self.granted_through(storm, s) for s in self.servers)
+               and time.monotonic() - self.promoted_at < 60):
+            time.sleep(0.2)
         storm.finish()
         for s in self.servers:
             self.assertTrue(s.running(), "a server died:\n" + s.stderr_text()[-2000:])
@@ -328,7 +337,12 @@ class FailoverCase(unittest.TestCase):
         time.sleep(1.5)
 
     def acked_grants(self, storm):
-        return [o for o in storm.history.ops if o["kind"] == "claim" and o["status"] == 201]
+        return [o for o in list(storm.history.ops) if o["kind"] == "claim" and o["status"] == 201]
+
+    def granted_through(self, storm, server):
+        """Whether a claim through `server` was granted after the promotion."""
+        return any(g["start"] > self.promoted_at and storm.servers[int(g["owner"].split("-")[1]) % 2] is server
+                   for g in self.acked_grants(storm))
 
     def counters(self):
         rows = self.pg.psql("standby", "SELECT memory_id::text || ' ' || fence_counter FROM memories").split()
@@ -349,8 +363,8 @@ class SynchronousStandby(FailoverCase):
         self.assertGreater(len(before), 50, "the storm did not run before the kill")
         # Both servers found the new primary by themselves.
         for s in self.servers:
-            self.assertTrue(any(g["start"] > self.promoted_at and storm.servers[int(g["owner"].split("-")[1]) % 2] is s
-                                for g in grants), "no grant through the server on port %d after the promotion" % s.port)
+            self.assertTrue(self.granted_through(storm, s),
+                            "no grant through the server on port %d after the promotion" % s.port)
         # The gap was answered, with 503 + Retry-After, never a 500 or silence.
         self.assertEqual(storm.bad, [])
         self.assertTrue(any(k[0] == "gap" and k[1] == 503 for k in storm.statuses), storm.statuses)
