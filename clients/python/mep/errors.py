@@ -250,19 +250,19 @@ class InvalidRequest(BadRequest):
 class IdempotencyKeyMissing(BadRequest):
     """400 ``idempotency-key-missing`` (control plane): a creating POST without ``Idempotency-Key``."""
 
-    CODE, STATUS, TITLE = "idempotency-key-missing", 400, "Idempotency-Key missing"
+    CODE, STATUS, TITLE = "idempotency-key-missing", 400, "Idempotency-Key header missing"
 
 
 class IdempotencyKeyInvalid(BadRequest):
     """400 ``idempotency-key-invalid`` (control plane): the ``Idempotency-Key`` is malformed."""
 
-    CODE, STATUS, TITLE = "idempotency-key-invalid", 400, "Idempotency-Key invalid"
+    CODE, STATUS, TITLE = "idempotency-key-invalid", 400, "Idempotency-Key header invalid"
 
 
 class Unauthenticated(MepError):
     """401 ``unauthenticated``: the daemon's bearer token for the control plane was refused."""
 
-    CODE, STATUS, TITLE = "unauthenticated", 401, "Unauthenticated"
+    CODE, STATUS, TITLE = "unauthenticated", 401, "Authentication required"
 
 
 class Forbidden(MepError):
@@ -305,13 +305,13 @@ class StaleFence(LeaseGone):
     """409 ``stale-fence``: the token was superseded (a newer lease on the memory exists).
     From a data plane, ``presented_token`` and ``current_token`` say which tokens."""
 
-    CODE, STATUS, TITLE = "stale-fence", 409, "Stale fencing token"
+    CODE, STATUS, TITLE = "stale-fence", 409, "Fencing token superseded"
 
 
 class IdempotencyRequestInFlight(MepError):
     """409 ``idempotency-request-in-flight``: the same request is still being answered."""
 
-    CODE, STATUS, TITLE = "idempotency-request-in-flight", 409, "Request in flight"
+    CODE, STATUS, TITLE = "idempotency-request-in-flight", 409, "Request with this Idempotency-Key still in flight"
 
 
 class LeaseExpired(LeaseGone):
@@ -350,7 +350,7 @@ class InvalidTtl(MepError):
 class IdempotencyKeyReused(MepError):
     """422 ``idempotency-key-reused``: the same key with another request body."""
 
-    CODE, STATUS, TITLE = "idempotency-key-reused", 422, "Idempotency-Key reused"
+    CODE, STATUS, TITLE = "idempotency-key-reused", 422, "Idempotency-Key reused with another request"
 
 
 class NameHeld(Held):
@@ -387,7 +387,7 @@ class Internal(MepError):
 class StoreNotConfigured(MepError):
     """501 ``store-not-configured``: mepd runs without ``--store``, so sync and fetch are off."""
 
-    CODE, STATUS, TITLE = "store-not-configured", 501, "Store not configured"
+    CODE, STATUS, TITLE = "store-not-configured", 501, "No data plane configured"
 
 
 class TransactionConflict(TemporarilyUnavailable):
@@ -400,7 +400,7 @@ class Unavailable(TemporarilyUnavailable):
     """503 ``unavailable``: the control plane (or, as :class:`DaemonNotRunning`, the daemon)
     cannot be reached."""
 
-    CODE, STATUS, TITLE = "unavailable", 503, "Unavailable"
+    CODE, STATUS, TITLE = "unavailable", 503, "Service unavailable"
 
 
 class ControlPlaneUnreachable(Unavailable):
@@ -420,7 +420,7 @@ class MigrationInProgress(TemporarilyUnavailable):
 class StoreUnavailable(TemporarilyUnavailable):
     """503 ``store-unavailable``: the data plane (``mep store``) could not be reached."""
 
-    CODE, STATUS, TITLE = "store-unavailable", 503, "Store unavailable"
+    CODE, STATUS, TITLE = "store-unavailable", 503, "Data plane unavailable"
 
 
 class InsufficientStorage(MepError):

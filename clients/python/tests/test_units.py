@@ -49,6 +49,24 @@ class ExitStatusTest(unittest.TestCase):
 
 
 class ProblemTableTest(unittest.TestCase):
+    def test_statuses_and_titles_are_the_cli_table(self):
+        """Every code's status and title are those of common/problem.cpp (they had drifted:
+        nine titles differed), and every code there that mepd can answer has a class."""
+        table = os.path.join(SOURCE_ROOT, "..", "..", "common", "problem.cpp")
+        if not os.path.exists(table):
+            self.skipTest("the CLI's table (common/problem.cpp) is not beside this SDK: not a source checkout")
+        with open(table, encoding="utf-8") as f:
+            rows = re.findall(r'CodeInfo\{Code::\w+,\s*"([a-z-]+)",\s*(\d+),\s*"([^"]*)"', f.read())
+        self.assertGreaterEqual(len(rows), len(ALL_CODES))
+        # The data plane's own answer to a conditional write (If-Match): mepd sends none.
+        data_plane_only = {"precondition-failed"}
+        self.assertEqual(set(mep.PROBLEM_CODES), {slug for slug, _, _ in rows} - data_plane_only)
+        for slug, status, title in rows:
+            if slug in data_plane_only:
+                continue
+            cls = mep.PROBLEM_CODES[slug]
+            self.assertEqual((cls.STATUS, cls.TITLE), (int(status), title), slug)
+
     def test_every_code_has_its_own_class(self):
         self.assertEqual(set(mep.PROBLEM_CODES), set(ALL_CODES))
         classes = set()

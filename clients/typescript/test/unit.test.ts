@@ -2,7 +2,7 @@
 // need no processes.
 import { test } from "node:test";
 import assert from "node:assert/strict";
-import { mkdtempSync, mkdirSync, rmSync, writeFileSync } from "node:fs";
+import { existsSync, mkdtempSync, mkdirSync, readFileSync, rmSync, writeFileSync } from "node:fs";
 import { join } from "node:path";
 import { tmpdir } from "node:os";
 import * as mep from "@mep/client";
@@ -44,6 +44,21 @@ test("every problem code maps to its own class, with its status", () => {
   for (const [code, cls] of Object.entries(names)) assert.equal(mep.ERROR_CLASSES[code as mep.ProblemCode], cls);
   // It was "unavailable" before it had a code of its own: code catching Unavailable still does.
   assert.ok(mep.problemToError(503, { code: "control-plane-unreachable", status: 503 }) instanceof mep.Unavailable);
+});
+
+test("the code table is the CLI's (common/problem.cpp)", (t) => {
+  const root = process.env.MEP_SOURCE_DIR;
+  if (!root) {
+    t.skip("MEP_SOURCE_DIR is not set (ctest sets it to the checkout holding common/problem.cpp)");
+    return;
+  }
+  const table = join(root, "common", "problem.cpp");
+  assert.ok(existsSync(table), `${table} is missing`);
+  const rows = [...readFileSync(table, "utf8").matchAll(/CodeInfo\{Code::\w+,\s*"([a-z-]+)",\s*(\d+),/g)].map((m) => [m[1], Number(m[2])] as const);
+  assert.ok(rows.length >= Object.keys(mep.PROBLEM_CODES).length, `${rows.length} rows read`);
+  // The data plane's own answer to a conditional write (If-Match): mepd sends none.
+  const expected = Object.fromEntries(rows.filter(([code]) => code !== "precondition-failed"));
+  assert.deepEqual({ ...mep.PROBLEM_CODES }, expected);
 });
 
 test("extensions, Retry-After, InvalidName and StaleFence fields", () => {
