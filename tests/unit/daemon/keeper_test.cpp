@@ -199,13 +199,13 @@ TEST_CASE("renewals the control plane does not answer degrade the lease, saying 
   // The reason is decided by the problem's code (control-plane-unreachable), not by
   // reading its text (it was a substring match on "unreachable" in the detail).
   TempDir dir;
+  std::mutex mutex; // declared before the keeper: its threads may call the sink until it stops
+  std::vector<boost::json::object> events;
   auto owned = std::make_unique<ScriptedControlPlane>();
   auto& cp = *owned;
   Keeper keeper(dir.path / "state", std::move(owned));
   keeper.start();
   cp.on_claim([](const lease::ClaimRequest& req) -> expected<lease::Grant, Problem> { return grant_for(req); });
-  std::mutex mutex;
-  std::vector<boost::json::object> events;
   const int sink = keeper.subscribe(
       [&](const std::string& line) {
         if (auto o = json::parse_object(line)) {
