@@ -187,7 +187,7 @@ TEST_CASE("an attach whose claim went unanswered is refused, and the grant its r
   REQUIRE(eventually([&] { return !cp.releases().empty(); }, 15)); // the renewer resends every 2 s
   const auto keys = cp.claim_keys();
   REQUIRE(keys.size() >= 2);
-  CHECK(keys[1] == keys[0]); // a resend, not a new claim
+  for (const auto& key : keys) CHECK(key == keys.front()); // the attach's tries and the resend: one claim
   const auto released = cp.releases();
   REQUIRE(released.size() == 1);
   CHECK(released[0].canonical_name == canonicalize("Unanswered Agent")->canonical_name);
@@ -235,4 +235,32 @@ TEST_CASE("renewals the control plane does not answer degrade the lease, saying 
   degraded(&reason);
   CHECK(reason == "unreachable");
   keeper.unsubscribe(sink);
+}
+
+TEST_CASE("a claim the control plane rate-limits is sent again after its Retry-After, under the same key", "[keeper]") {
+  // 429 says nothing was done: the attach comes back after Retry-After instead of failing
+  // the agent, with the same Idempotency-Key (so a grant is never made twice).
+  TempDir dir;
+  auto owned = std::make_unique<ScriptedControlPlane>();
+  auto& cp = *owned;
+  Keeper keeper(dir.path / "state", std::move(owned));
+  keeper.start();
+  int calls = 0;
+  cp.on_claim([&calls](const lease::ClaimRequest& req) -> expected<lease::Grant, Problem> {
+    if (++calls == 1) {
+      Problem p(Code::rate_limited, "scripted");
+      p.retry_after_s = 1;
+      return make_unexpected(p);
+    }
+    return grant_for(req);
+  });
+  const auto started = std::chrono::steady_clock::now();
+  auto held = keeper.attach(attach_request(memory_file(dir, "c.uai"), "Busy Agent"));
+  REQUIRE(held);
+  CHECK(held->fencing_token == 1);
+  CHECK(std::chrono::steady_clock::now() - started >= std::chrono::milliseconds(900)); // it waited
+  const auto keys = cp.claim_keys();
+  REQUIRE(keys.size() == 2);
+  CHECK(keys[1] == keys[0]);
+  REQUIRE(keeper.list(::getuid()).size() == 1);
 }
