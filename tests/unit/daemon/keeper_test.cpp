@@ -7,6 +7,7 @@
 #include "mep/canonical.hpp"
 #include "mep/control_plane.hpp"
 #include "mep/json.hpp"
+#include "mep/sqlite.hpp"
 #include "mep/time.hpp"
 
 #include <catch2/catch.hpp>
@@ -263,4 +264,26 @@ TEST_CASE("a claim the control plane rate-limits is sent again after its Retry-A
   REQUIRE(keys.size() == 2);
   CHECK(keys[1] == keys[0]);
   REQUIRE(keeper.list(::getuid()).size() == 1);
+}
+
+TEST_CASE("an attach whose claim intent cannot be written is refused before anything is sent", "[keeper]") {
+  // The intent is what lets a daemon that crashes mid-claim resend the same key instead of
+  // claiming twice: a claim is never sent without it (a full disk answers 503 at once).
+  TempDir dir;
+  auto owned = std::make_unique<ScriptedControlPlane>();
+  auto& cp = *owned;
+  Keeper keeper(dir.path / "state", std::move(owned));
+  keeper.start();
+  cp.on_claim([](const lease::ClaimRequest& req) -> expected<lease::Grant, Problem> { return grant_for(req); });
+  {
+    sqlite::Db db((dir.path / "state" / "mepd.db").string(), sqlite::Mode::read_write_create);
+    db.exec("CREATE TRIGGER refuse_intents BEFORE INSERT ON intents "
+            "BEGIN SELECT RAISE(ABORT, 'injected: intents refused'); END");
+  }
+  auto refused = keeper.attach(attach_request(memory_file(dir, "d.uai"), "Unwritten Agent"));
+  REQUIRE_FALSE(refused);
+  CHECK(refused.error().code == Code::unavailable);
+  CHECK(refused.error().detail.find("state directory") != std::string::npos);
+  CHECK(cp.claim_keys().empty());
+  CHECK(keeper.list(::getuid()).empty());
 }
