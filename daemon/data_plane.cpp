@@ -20,17 +20,38 @@ std::string unquote(std::string s) {
   return s;
 }
 
+// The data plane over HTTP: `mep store`'s API (SPEC §8).
+class RemoteDataPlane final : public DataPlane {
+public:
+  RemoteDataPlane(const std::string& url, std::string token, const std::string& ca_file)
+      : m_url(http::checked_base_url(url, "data-plane URL")), m_token(std::move(token)), m_client(ca_file) {
+    if (m_token.empty()) throw std::runtime_error("a data plane needs a token (--store-token-file)");
+  }
+  expected<std::int64_t, Problem> advance(const std::string& memory_id, std::int64_t token,
+                                          std::chrono::milliseconds timeout) override;
+  expected<StoredObject, Problem> put(const std::string& memory_id, std::int64_t token, int fd,
+                                      std::uint64_t size) override;
+  expected<StoredObject, Problem> get(const std::string& memory_id, int fd) override;
+  const std::string& url() const override { return m_url; }
+
+private:
+  Problem problem_of(const http::ClientResponse& r) const;
+  std::string m_url;
+  std::string m_token;
+  http::Client m_client;
+};
+
 } // namespace
 
-DataPlane::DataPlane(const std::string& url, std::string token, const std::string& ca_file)
-    : m_url(http::checked_base_url(url, "data-plane URL")), m_token(std::move(token)), m_client(ca_file) {
-  if (m_token.empty()) throw std::runtime_error("a data plane needs a token (--store-token-file)");
+std::unique_ptr<DataPlane> make_remote_data_plane(const std::string& url, std::string token,
+                                                  const std::string& ca_file) {
+  return std::make_unique<RemoteDataPlane>(url, std::move(token), ca_file);
 }
 
 // The store's refusal as the agent should see it: its fence and object problems pass
 // through; a store that cannot be reached, fails, or does not accept this daemon's token
 // is `store-unavailable` (the agent cannot fix that; the operator can).
-Problem DataPlane::problem_of(const http::ClientResponse& r) const {
+Problem RemoteDataPlane::problem_of(const http::ClientResponse& r) const {
   if (r.status == 0) return store_unavailable("the data plane at " + m_url + " is unreachable: " + r.error);
   auto o = json::parse_object(r.body);
   Problem p = o && o->contains("code")
@@ -44,8 +65,8 @@ Problem DataPlane::problem_of(const http::ClientResponse& r) const {
   return p;
 }
 
-expected<std::int64_t, Problem> DataPlane::advance(const std::string& memory_id, std::int64_t token,
-                                                   std::chrono::milliseconds timeout) {
+expected<std::int64_t, Problem> RemoteDataPlane::advance(const std::string& memory_id, std::int64_t token,
+                                                         std::chrono::milliseconds timeout) {
   http::ClientRequest req;
   req.method = "POST";
   req.url = m_url + "/v1/fence/advance";
@@ -60,8 +81,8 @@ expected<std::int64_t, Problem> DataPlane::advance(const std::string& memory_id,
   return o->at("fencing_token").get_int64();
 }
 
-expected<StoredObject, Problem> DataPlane::put(const std::string& memory_id, std::int64_t token, int fd,
-                                               std::uint64_t size) {
+expected<StoredObject, Problem> RemoteDataPlane::put(const std::string& memory_id, std::int64_t token, int fd,
+                                                     std::uint64_t size) {
   http::ClientRequest req;
   req.method = "PUT";
   req.url = m_url + "/v1/objects/" + memory_id;
@@ -81,7 +102,7 @@ expected<StoredObject, Problem> DataPlane::put(const std::string& memory_id, std
   return obj;
 }
 
-expected<StoredObject, Problem> DataPlane::get(const std::string& memory_id, int fd) {
+expected<StoredObject, Problem> RemoteDataPlane::get(const std::string& memory_id, int fd) {
   http::ClientRequest req;
   req.url = m_url + "/v1/objects/" + memory_id;
   req.headers = {{"Authorization", "Bearer " + m_token}};

@@ -208,7 +208,7 @@ int main(int argc, char** argv) {
       if (store_token.empty())
         throw std::runtime_error(
             "--store needs --store-token-file (the embedded control plane has no token a store accepts)");
-      dp = std::make_unique<mep::daemon::DataPlane>(store_url, store_token, ca);
+      dp = mep::daemon::make_remote_data_plane(store_url, store_token, ca);
     }
   } catch (const std::exception& e) {
     mep::log::error("{}", e.what());

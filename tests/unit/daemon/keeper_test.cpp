@@ -1,17 +1,19 @@
 // mepd's keeper (daemon/keeper*.cpp) against a scripted control plane: the hard cases the
 // integration suites reach only through proxies and signals, decided here by what the
 // keeper sends and keeps. A real state database and real files in a temporary directory;
-// no data plane.
+// a scripted data plane where the case needs one.
 #include "mep/keeper.hpp"
 
 #include "mep/canonical.hpp"
 #include "mep/control_plane.hpp"
+#include "mep/data_plane.hpp"
 #include "mep/json.hpp"
 #include "mep/sqlite.hpp"
 #include "mep/time.hpp"
 
 #include <catch2/catch.hpp>
 
+#include <atomic>
 #include <chrono>
 #include <filesystem>
 #include <fstream>
@@ -119,6 +121,46 @@ private:
   RenewFn m_renew;
   std::vector<std::string> m_claim_keys;
   std::vector<lease::LeaseRef> m_releases;
+};
+
+// A data plane whose fence advances answer what the test says, and which records the
+// (memory, token) of each. No object is stored: put and get are not scripted.
+class ScriptedDataPlane final : public DataPlane {
+public:
+  using AdvanceFn = std::function<expected<std::int64_t, Problem>(const std::string&, std::int64_t)>;
+
+  void on_advance(AdvanceFn f) {
+    std::lock_guard lock(m_mutex);
+    m_advance = std::move(f);
+  }
+  std::vector<std::pair<std::string, std::int64_t>> advances() const {
+    std::lock_guard lock(m_mutex);
+    return m_advances;
+  }
+
+  expected<std::int64_t, Problem> advance(const std::string& memory_id, std::int64_t token,
+                                          std::chrono::milliseconds) override {
+    AdvanceFn f;
+    {
+      std::lock_guard lock(m_mutex);
+      m_advances.emplace_back(memory_id, token);
+      f = m_advance;
+    }
+    return f ? f(memory_id, token) : expected<std::int64_t, Problem>(token);
+  }
+  expected<StoredObject, Problem> put(const std::string&, std::int64_t, int, std::uint64_t) override {
+    return make_unexpected(Problem(Code::internal, "not scripted"));
+  }
+  expected<StoredObject, Problem> get(const std::string&, int) override {
+    return make_unexpected(Problem(Code::internal, "not scripted"));
+  }
+  const std::string& url() const override { return m_url; }
+
+private:
+  mutable std::mutex m_mutex;
+  AdvanceFn m_advance;
+  std::vector<std::pair<std::string, std::int64_t>> m_advances;
+  std::string m_url = "scripted";
 };
 
 // What a server grants for `req`: token 1, the TTL asked for.
@@ -286,4 +328,110 @@ TEST_CASE("an attach whose claim intent cannot be written is refused before anyt
   CHECK(refused.error().detail.find("state directory") != std::string::npos);
   CHECK(cp.claim_keys().empty());
   CHECK(keeper.list(::getuid()).empty());
+}
+
+TEST_CASE("a grant the data plane has already seen a higher token for is given back, and the attach says why",
+          "[keeper]") {
+  // stale-fence at the first advance: a later holder fenced this memory first (this grant
+  // expired before it could be fenced, or the control plane lost grants in a failover).
+  // The token would only have its holder's writes refused: the lease goes back at once.
+  TempDir dir;
+  auto owned = std::make_unique<ScriptedControlPlane>();
+  auto& cp = *owned;
+  auto owned_dp = std::make_unique<ScriptedDataPlane>();
+  auto& dp = *owned_dp;
+  Keeper keeper(dir.path / "state", std::move(owned), std::move(owned_dp));
+  keeper.start();
+  cp.on_claim([](const lease::ClaimRequest& req) -> expected<lease::Grant, Problem> { return grant_for(req); });
+  dp.on_advance([](const std::string&, std::int64_t) -> expected<std::int64_t, Problem> {
+    return make_unexpected(Problem(Code::stale_fence, "scripted: the mark is 7"));
+  });
+  auto refused = keeper.attach(attach_request(memory_file(dir, "e.uai"), "Late Agent"));
+  REQUIRE_FALSE(refused);
+  CHECK(refused.error().code == Code::stale_fence);
+  CHECK(refused.error().detail.find("given back") != std::string::npos);
+  REQUIRE(dp.advances().size() == 1); // stale is final: not retried
+  const auto released = cp.releases();
+  REQUIRE(released.size() == 1);
+  CHECK(released[0].canonical_name == canonicalize("Late Agent")->canonical_name);
+  CHECK(released[0].fencing_token == 1);
+  CHECK(released[0].memory_id == dp.advances()[0].first);
+  CHECK(keeper.list(::getuid()).empty());
+}
+
+TEST_CASE("a data plane that is restarting during an attach is asked again, and the lease is held once fenced",
+          "[keeper]") {
+  // store-unavailable says nothing was decided: the attach retries the advance with the
+  // same token (for up to 5 s) rather than failing the agent or handing out an unfenced
+  // token.
+  TempDir dir;
+  auto owned = std::make_unique<ScriptedControlPlane>();
+  auto& cp = *owned;
+  auto owned_dp = std::make_unique<ScriptedDataPlane>();
+  auto& dp = *owned_dp;
+  Keeper keeper(dir.path / "state", std::move(owned), std::move(owned_dp));
+  keeper.start();
+  cp.on_claim([](const lease::ClaimRequest& req) -> expected<lease::Grant, Problem> { return grant_for(req); });
+  std::atomic<int> calls{0};
+  dp.on_advance([&calls](const std::string&, std::int64_t token) -> expected<std::int64_t, Problem> {
+    if (++calls <= 2) return make_unexpected(Problem(Code::store_unavailable, "scripted: restarting"));
+    return token;
+  });
+  auto held = keeper.attach(attach_request(memory_file(dir, "f.uai"), "Patient Agent"));
+  REQUIRE(held);
+  CHECK(held->fencing_token == 1);
+  const auto advances = dp.advances();
+  REQUIRE(advances.size() == 3);
+  for (const auto& a : advances) {
+    CHECK(a.first == held->memory_id);
+    CHECK(a.second == 1);
+  }
+  CHECK(cp.releases().empty());
+  const auto listed = keeper.list(::getuid());
+  REQUIRE(listed.size() == 1);
+  CHECK(listed[0].fenced);
+}
+
+TEST_CASE("renewals answered by a server whose clock jumped keep the lease on this host's monotonic clock",
+          "[keeper]") {
+  // The server's expiry is its wall clock's reading; a step of that clock (an hour ahead,
+  // then an hour behind) must neither stretch the local deadline past one TTL from the
+  // renewal's sending nor end a lease the server just renewed.
+  TempDir dir;
+  auto owned = std::make_unique<ScriptedControlPlane>();
+  auto& cp = *owned;
+  Keeper keeper(dir.path / "state", std::move(owned));
+  keeper.start();
+  cp.on_claim([](const lease::ClaimRequest& req) -> expected<lease::Grant, Problem> { return grant_for(req); });
+  std::atomic<long> jump_ms{3'600'000};
+  std::atomic<int> renewals{0};
+  cp.on_renew([&](const lease::RenewBatchRequest& req) -> expected<lease::RenewBatchResult, Problem> {
+    lease::RenewBatchResult out;
+    for (const auto& l : req.leases)
+      out.results.push_back(lease::RenewItem{l.canonical_name, 200, now_unix_ms() + jump_ms + l.ttl_s * 1000, "", ""});
+    ++renewals;
+    return out;
+  });
+  auto held = keeper.attach(attach_request(memory_file(dir, "g.uai"), "Steady Agent"));
+  REQUIRE(held);
+  const auto ttl = std::chrono::seconds(held->ttl_s);
+
+  // An hour ahead: renewed, and the deadline is still within one TTL of now.
+  REQUIRE(eventually([&] { return renewals >= 1; }, 10)); // due at a third of the 5 s TTL
+  REQUIRE(eventually([&] { return renewals >= 2; }, 10)); // the first one's answer is applied by now
+  auto listed = keeper.list(::getuid());
+  REQUIRE(listed.size() == 1);
+  CHECK(listed[0].state == LeaseState::held);
+  CHECK(listed[0].local_deadline <= SteadyClock::now() + ttl);
+  CHECK(listed[0].local_deadline > SteadyClock::now());
+
+  // An hour behind: the server's expiry is in this host's past, but the server renewed it.
+  jump_ms = -3'600'000;
+  const int before = renewals;
+  REQUIRE(eventually([&] { return renewals >= before + 2; }, 10));
+  listed = keeper.list(::getuid());
+  REQUIRE(listed.size() == 1);
+  CHECK(listed[0].state == LeaseState::held);
+  CHECK(listed[0].local_deadline > SteadyClock::now());
+  CHECK(listed[0].local_deadline <= SteadyClock::now() + ttl);
 }
