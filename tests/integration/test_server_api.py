@@ -30,6 +30,10 @@ from serverfixture import (HEX64_RE, PROBLEM_BASE, RFC3339_MS_RE, UUID_RE, ApiCl
 
 SHORT_TTL = 5
 EXPIRY_SLACK_S = 0.4      # past expires_at before we rely on expiry (same host clock)
+# How long a test waits for the sweeper. Sweeps are spaced by their cost (50 times as long as
+# the last one took), at most 30 s apart (server/mep/sweeper.hpp): a sweep of a loaded Spanner
+# emulator takes over 0.6 s, so the next comes 30 s later, and takes seconds itself.
+SWEEP_WAIT_S = 45
 GRANT_FIELDS = {"lease_id", "canonical_name", "display_name", "memory_instance_id",
                 "fencing_token", "expires_at", "ttl_seconds", "server_time"}
 # A lease as the reads show it: the grant, its owner, who holds it and since when.
@@ -305,9 +309,7 @@ class ServerApi(ServerTestCase):
         sql = ("UPDATE idempotency SET expires_at = created_at - 1 WHERE created_at <= "
                "%d" % created)
         db_execute(self.db_path, sql)
-        # Sweeps are spaced by their cost, at most 30 s apart (server/mep/sweeper.hpp): on a
-        # loaded machine the emulator's sweeps are slow, and so far apart.
-        deadline = time.monotonic() + 45
+        deadline = time.monotonic() + SWEEP_WAIT_S
         while db_query(self.db_path, "SELECT 1 FROM idempotency WHERE idem_key = ?", (key,)) \
                 and time.monotonic() < deadline:
             time.sleep(0.2)
@@ -540,9 +542,7 @@ class ServerApi(ServerTestCase):
         self.assertProblem(c.verify(mem, 1), 410, "lease-expired")
         self.assertProblem(c.get_lease(name), 404, "lease-not-found")
         # After the sweeper removed the row it is still "expired", not "stale" or "unknown".
-        # Sweeps are spaced by their cost, at most 30 s apart (sweeper.hpp): on a loaded
-        # Spanner emulator one sweep can take long enough to space the next by 10 s or more.
-        deadline = time.monotonic() + 40
+        deadline = time.monotonic() + SWEEP_WAIT_S
         while lease_rows(self.db_path, "memory_id = ?", (mem,)) and time.monotonic() < deadline:
             time.sleep(0.2)
         self.assertEqual(lease_rows(self.db_path, "memory_id = ?", (mem,)), [], "expired row not swept")
@@ -652,7 +652,7 @@ class ServerApi(ServerTestCase):
         sleep_until_expired(g_exp)
         self.assertStatus(c.release(g_exp["canonical_name"], m_exp, 1, o_exp), 204)
         # The sweeper removes what is left of both; the counters stay.
-        deadline = time.monotonic() + 10
+        deadline = time.monotonic() + SWEEP_WAIT_S
         while (lease_rows(self.db_path, "memory_id IN (?, ?)", (mem, m_exp))
                and time.monotonic() < deadline):
             time.sleep(0.2)
@@ -913,8 +913,8 @@ class ServerApi(ServerTestCase):
             time.sleep(0.25)
         self.assertEqual(self.assertGrant(r)["fencing_token"], 2)
         self.assertGreaterEqual(time.time(), parse_rfc3339_ms(grants[0]["expires_at"]) / 1000 - 0.5)
-        # The other lease nobody claims is swept (L5) within a few seconds of expiring.
-        deadline = time.monotonic() + 10
+        # The other lease nobody claims is swept (L5) by the next sweep after it expired.
+        deadline = time.monotonic() + SWEEP_WAIT_S
         while lease_rows(self.db_path, "memory_id = ?", (m2,)) and time.monotonic() < deadline:
             time.sleep(0.2)
         self.assertEqual(lease_rows(self.db_path, "memory_id = ?", (m2,)), [])
