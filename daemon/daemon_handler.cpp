@@ -513,4 +513,10 @@ const std::vector<DaemonHandler::Row> DaemonHandler::k_routes = {
     {bhttp::verb::post, "/v1/fetch", &DaemonHandler::on_fetch},
 };
 
+std::vector<std::string> DaemonHandler::route_names() {
+  std::vector<std::string> out;
+  for (const auto& r : k_routes) out.push_back(std::string(bhttp::to_string(r.method)) + " " + std::string(r.pattern));
+  return out;
+}
+
 } // namespace mep::daemon

@@ -51,6 +51,10 @@ public:
   /// taken; the next is refused 429, never put on the pool, whose threads everyone needs.
   void limit_waiting_per_member(int n) { m_waiting_per_member = n; }
 
+  /// The routes served, as "METHOD /pattern" ("GET /v1/leases/{name}"), in table order:
+  /// what the API contract test (tests/contract/daemon_api.json) holds to its exchanges.
+  static std::vector<std::string> route_names();
+
   /// Waiting attaches end (their agent counts as gone); the pool takes no more work.
   void stop();
   /// Waits for the pool and the waiting attaches to finish.

@@ -160,6 +160,9 @@ declare module "node:http" {
     destroy(error?: Error): this;
     resume(): this;
     [Symbol.asyncIterator](): AsyncIterableIterator<Buffer>;
+    /** Server side: the request's method and target. */
+    method?: string;
+    url?: string;
   }
   export class ClientRequest extends EventEmitter {
     setTimeout(ms: number, cb?: () => void): this;
@@ -170,6 +173,16 @@ declare module "node:http" {
   }
   export function request(options: RequestOptions, callback?: (res: IncomingMessage) => void): ClientRequest;
   export function get(options: RequestOptions, callback?: (res: IncomingMessage) => void): ClientRequest;
+  // Server side, for tests that stand in for mepd (test/contract.test.ts).
+  export class ServerResponse extends EventEmitter {
+    writeHead(status: number, headers?: OutgoingHttpHeaders): this;
+    end(data?: string | Uint8Array, cb?: () => void): this;
+  }
+  export class Server extends EventEmitter {
+    listen(path: string, cb?: () => void): this;
+    close(cb?: (err?: Error) => void): this;
+  }
+  export function createServer(handler: (req: IncomingMessage, res: ServerResponse) => void): Server;
 }
 
 declare module "node:async_hooks" {
