@@ -5,6 +5,8 @@
 #include "daemon_client.hpp"
 
 #include "mep/config.hpp"
+#include "mep/daemon_api/types.hpp"
+#include "mep/lease/wire.hpp"
 #include "mep/json.hpp"
 #include "mep/problem.hpp"
 #include "mep/time.hpp"
@@ -64,71 +66,80 @@ std::string padded(std::string s, int columns) {
   return s;
 }
 
-std::string str(const boost::json::object& o, std::string_view k) {
-  if (auto* v = o.if_contains(k); v && v->is_string()) return std::string(v->get_string());
-  if (auto* v = o.if_contains(k); v && v->is_int64()) return std::to_string(v->get_int64());
-  return {};
-}
-
-std::string expires_in(const boost::json::object& o) {
-  auto at = parse_rfc3339(str(o, "expires_at"));
-  if (!at) return "-";
-  long s = static_cast<long>((*at - now_unix_ms()) / 1000);
+std::string expires_in(UnixMs at) {
+  long s = static_cast<long>((at - now_unix_ms()) / 1000);
   return s > 0 ? std::to_string(s) + " s" : "expired";
 }
 
-// Sends one request; on success prints with `human` (or the JSON document with --json).
+std::string or_dash(const std::optional<std::int64_t>& v) { return v ? std::to_string(*v) : "-"; }
+
+// An answer of mepd that this mep cannot read (another version's API): one line, exit as
+// for an internal error; nothing was printed as if it had succeeded.
+int unreadable_answer(const std::string& method, const std::string& target, const Problem& why) {
+  Problem p(Code::internal, "mepd's answer to " + method + " " + target.substr(0, target.find('?')) +
+                                " is not the API this mep reads (" + why.detail +
+                                "); are mep and mepd the same version?");
+  std::fprintf(stderr, "mep: %s\n", p.detail.c_str());
+  return p.exit_code();
+}
+
+// Sends one request; on success prints the answer, decoded by `decode` (mep::daemon_api),
+// with `human` (or the JSON document as mepd sent it, with --json).
+template <class Decode, class Human>
 int call(const GlobalOptions& g, const std::string& method, const std::string& target, const std::string& body,
-         const std::function<void(const boost::json::object&)>& human) {
+         Decode decode, Human human) {
   std::string socket = resolve_socket(g.socket, g.config_file);
   DaemonReply r = daemon_request(socket, method, target, body);
   if (r.status < 200 || r.status >= 300) return report_problem(r, socket, g.json);
-  if (g.json)
+  if (g.json) {
     std::printf("%s\n", r.body.empty() ? "{}" : r.body.c_str());
-  else
-    human(r.json());
+    return exit_code::ok;
+  }
+  auto answer = decode(r.json());
+  if (!answer) return unreadable_answer(method, target, answer.error());
+  human(*answer);
   return exit_code::ok;
 }
 
-void print_tree(const boost::json::object& o, bool unicode) {
+// A token as the lineage shows it: empty when the memory has none (a root).
+std::string token_text(const std::optional<std::int64_t>& v) { return v ? std::to_string(*v) : std::string(); }
+
+void print_tree(const lease::Lineage& l, bool unicode) {
   const char* tee = unicode ? "├─ " : "+- ";
   const char* last = unicode ? "└─ " : "\\- ";
-  std::vector<boost::json::object> chain;
-  if (auto* a = o.if_contains("ancestors"); a && a->is_array())
-    for (auto it = a->get_array().rbegin(); it != a->get_array().rend(); ++it) chain.push_back(it->get_object());
-  chain.push_back(o.at("memory").get_object());
+  std::vector<const lease::Memory*> chain;
+  for (auto it = l.ancestors.rbegin(); it != l.ancestors.rend(); ++it) chain.push_back(&*it);
+  chain.push_back(&l.memory);
   std::string indent;
   for (std::size_t i = 0; i < chain.size(); ++i) {
-    const auto& m = chain[i];
-    std::string label = str(m, "memory_instance_id");
-    if (auto bt = str(m, "branched_at_token"); !bt.empty()) label += "  (branched at token " + bt + ")";
+    const lease::Memory& m = *chain[i];
+    std::string label = m.memory_id;
+    if (m.branched_at_token) label += "  (branched at token " + std::to_string(*m.branched_at_token) + ")";
     if (i + 1 == chain.size()) label += unicode ? "  ◀ this memory" : "  <- this memory";
     std::printf("%s%s%s\n", indent.c_str(), i ? last : "", label.c_str());
     if (i) indent += "   ";
   }
-  const auto& children = o.at("children").get_array();
-  for (std::size_t i = 0; i < children.size(); ++i) {
-    const auto& c = children[i].get_object();
-    std::printf("%s%s%s  (branched at token %s)\n", indent.c_str(), i + 1 == children.size() ? last : tee,
-                str(c, "memory_instance_id").c_str(), str(c, "branched_at_token").c_str());
+  for (std::size_t i = 0; i < l.children.size(); ++i) {
+    const lease::Memory& c = l.children[i];
+    std::printf("%s%s%s  (branched at token %s)\n", indent.c_str(), i + 1 == l.children.size() ? last : tee,
+                c.memory_id.c_str(), token_text(c.branched_at_token).c_str());
   }
 }
 
-void print_dot(const boost::json::object& o) {
+void print_dot(const lease::Lineage& l) {
   std::printf("digraph lineage {\n  rankdir=TB;\n  node [shape=box, fontname=\"monospace\"];\n");
-  std::string self = str(o.at("memory").get_object(), "memory_instance_id");
+  const std::string& self = l.memory.memory_id;
   std::printf("  \"%s\" [style=bold];\n", self.c_str());
   std::string child = self;
-  std::string token = str(o.at("memory").get_object(), "branched_at_token");
-  for (const auto& a : o.at("ancestors").get_array()) {
-    std::string id = str(a.get_object(), "memory_instance_id");
-    std::printf("  \"%s\" -> \"%s\" [label=\"token %s\"];\n", id.c_str(), child.c_str(), token.c_str());
-    child = id;
-    token = str(a.get_object(), "branched_at_token");
+  std::string token = token_text(l.memory.branched_at_token);
+  for (const auto& a : l.ancestors) {
+    std::printf("  \"%s\" -> \"%s\" [label=\"token %s\"];\n", a.memory_id.c_str(), child.c_str(), token.c_str());
+    child = a.memory_id;
+    token = token_text(a.branched_at_token);
   }
-  for (const auto& c : o.at("children").get_array())
-    std::printf("  \"%s\" -> \"%s\" [label=\"token %s\"];\n", self.c_str(),
-                str(c.get_object(), "memory_instance_id").c_str(), str(c.get_object(), "branched_at_token").c_str());
+  for (const auto& c : l.children)
+    std::printf("  \"%s\" -> \"%s\" [label=\"token %s\"];\n", self.c_str(), c.memory_id.c_str(),
+                token_text(c.branched_at_token).c_str());
   std::printf("}\n");
 }
 
@@ -167,10 +178,12 @@ void register_lease_commands(CLI::App& app, GlobalOptions& g, Action& action) {
       auto o = r.json();
       if (g.json) {
         std::printf("%s\n", json::dump(o).c_str());
-      } else {
-        std::printf("claimed %s  memory=%s  token=%s  expires in %s\n", str(o, "canonical_name").c_str(),
-                    str(o, "memory_instance_id").c_str(), str(o, "fencing_token").c_str(), expires_in(o).c_str());
+        return exit_code::ok;
       }
+      auto l = daemon_api::decode_lease(o);
+      if (!l) return unreadable_answer("POST", "/v1/attach", l.error());
+      std::printf("claimed %s  memory=%s  token=%s  expires in %s\n", l->canonical_name.c_str(), l->memory_id.c_str(),
+                  or_dash(l->fencing_token).c_str(), expires_in(l->expires_at).c_str());
       return exit_code::ok;
     };
   });
@@ -205,9 +218,8 @@ void register_lease_commands(CLI::App& app, GlobalOptions& g, Action& action) {
   init->callback([init_path, &g, &action] {
     action = [init_path, &g] {
       return call(g, "POST", "/v1/init", json::dump(boost::json::object{{"path", path_argument(*init_path)}}),
-                  [](const boost::json::object& o) {
-                    std::printf("created %s  memory=%s\n", str(o, "path").c_str(),
-                                str(o, "memory_instance_id").c_str());
+                  daemon_api::decode_initialized, [](const daemon_api::Initialized& i) {
+                    std::printf("created %s  memory=%s\n", i.path.c_str(), i.memory_id.c_str());
                   });
     };
   });
@@ -221,11 +233,12 @@ void register_lease_commands(CLI::App& app, GlobalOptions& g, Action& action) {
     action = [br, &g] {
       std::string body =
           json::dump(boost::json::object{{"path", path_argument(br->first)}, {"new_path", path_argument(br->second)}});
-      return call(g, "POST", "/v1/branch", body, [](const boost::json::object& o) {
-        std::printf("branched %s  memory=%s  parent=%s  at token %s\n", str(o, "path").c_str(),
-                    str(o, "memory_instance_id").c_str(), str(o, "parent_memory_instance_id").c_str(),
-                    str(o, "branched_at_token").c_str());
-      });
+      return call(g, "POST", "/v1/branch", body, daemon_api::decode_branched_file,
+                  [](const daemon_api::BranchedFile& b) {
+                    std::printf("branched %s  memory=%s  parent=%s  at token %lld\n", b.path.c_str(),
+                                b.branched.memory_id.c_str(), b.branched.parent_memory_id.c_str(),
+                                static_cast<long long>(b.branched.branched_at_token));
+                  });
     };
   });
 
@@ -237,10 +250,10 @@ void register_lease_commands(CLI::App& app, GlobalOptions& g, Action& action) {
   sync->callback([sync_name, &g, &action] {
     action = [sync_name, &g] {
       return call(g, "POST", "/v1/sync", json::dump(boost::json::object{{"name", *sync_name}}),
-                  [](const boost::json::object& o) {
-                    std::printf("synced %s  memory=%s  token=%s  size=%s  etag=%s\n", str(o, "canonical_name").c_str(),
-                                str(o, "memory_instance_id").c_str(), str(o, "fencing_token").c_str(),
-                                str(o, "size").c_str(), str(o, "etag").c_str());
+                  daemon_api::decode_synced, [](const daemon_api::ObjectResult& o) {
+                    std::printf("synced %s  memory=%s  token=%lld  size=%llu  etag=%s\n", o.canonical_name.c_str(),
+                                o.memory_id.c_str(), static_cast<long long>(o.fencing_token),
+                                static_cast<unsigned long long>(o.size), o.etag.c_str());
                   });
     };
   });
@@ -256,9 +269,9 @@ void register_lease_commands(CLI::App& app, GlobalOptions& g, Action& action) {
     action = [fe, &g] {
       std::string body =
           json::dump(boost::json::object{{"memory_instance_id", fe->first}, {"path", path_argument(fe->second)}});
-      return call(g, "POST", "/v1/fetch", body, [](const boost::json::object& o) {
-        std::printf("fetched %s  memory=%s  token=%s  size=%s\n", str(o, "path").c_str(),
-                    str(o, "memory_instance_id").c_str(), str(o, "fencing_token").c_str(), str(o, "size").c_str());
+      return call(g, "POST", "/v1/fetch", body, daemon_api::decode_fetched, [](const daemon_api::ObjectResult& o) {
+        std::printf("fetched %s  memory=%s  token=%lld  size=%llu\n", o.path.c_str(), o.memory_id.c_str(),
+                    static_cast<long long>(o.fencing_token), static_cast<unsigned long long>(o.size));
       });
     };
   });
@@ -267,21 +280,19 @@ void register_lease_commands(CLI::App& app, GlobalOptions& g, Action& action) {
   auto* status = app.add_subcommand("status", "List the leases mepd keeps");
   status->callback([&g, &action] {
     action = [&g] {
-      return call(g, "GET", "/v1/leases", "", [](const boost::json::object& o) {
-        const auto& leases = o.at("leases").get_array();
-        if (leases.empty()) {
-          std::printf("no leases\n");
-          return;
-        }
-        std::printf("%-24s  %-36s  %6s  %-10s  %-8s  %s\n", "NAME", "MEMORY", "TOKEN", "EXPIRES IN", "STATE", "PATH");
-        for (const auto& v : leases) {
-          const auto& l = v.get_object();
-          std::string tok = str(l, "fencing_token");
-          std::printf("%s  %-36s  %6s  %-10s  %-8s  %s\n", padded(str(l, "canonical_name"), 24).c_str(),
-                      str(l, "memory_instance_id").c_str(), tok.empty() ? "-" : tok.c_str(), expires_in(l).c_str(),
-                      str(l, "state").c_str(), str(l, "path").c_str());
-        }
-      });
+      return call(g, "GET", "/v1/leases", "", daemon_api::decode_lease_list,
+                  [](const std::vector<daemon_api::Lease>& leases) {
+                    if (leases.empty()) {
+                      std::printf("no leases\n");
+                      return;
+                    }
+                    std::printf("%-24s  %-36s  %6s  %-10s  %-8s  %s\n", "NAME", "MEMORY", "TOKEN", "EXPIRES IN",
+                                "STATE", "PATH");
+                    for (const auto& l : leases)
+                      std::printf("%s  %-36s  %6s  %-10s  %-8s  %s\n", padded(l.canonical_name, 24).c_str(),
+                                  l.memory_id.c_str(), or_dash(l.fencing_token).c_str(),
+                                  expires_in(l.expires_at).c_str(), l.state.c_str(), l.path.c_str());
+                  });
     };
   });
 
@@ -292,10 +303,9 @@ void register_lease_commands(CLI::App& app, GlobalOptions& g, Action& action) {
   identify->callback([id_path, &g, &action] {
     action = [id_path, &g] {
       return call(g, "GET", "/v1/identify?path=" + url_encode(path_argument(*id_path)), "",
-                  [](const boost::json::object& o) {
-                    std::string parent = str(o, "parent_memory_instance_id");
-                    std::printf("%s  memory=%s  parent=%s\n", str(o, "path").c_str(),
-                                str(o, "memory_instance_id").c_str(), parent.empty() ? "-" : parent.c_str());
+                  daemon_api::decode_identified, [](const daemon_api::Identified& i) {
+                    std::printf("%s  memory=%s  parent=%s\n", i.path.c_str(), i.memory_id.c_str(),
+                                i.parent_memory_id ? i.parent_memory_id->c_str() : "-");
                   });
     };
   });
@@ -317,11 +327,11 @@ void register_lease_commands(CLI::App& app, GlobalOptions& g, Action& action) {
           is_id ? "/v1/lineage?id=" + ln->what : "/v1/lineage?path=" + url_encode(path_argument(ln->what));
       GlobalOptions local = g;
       if (ln->format == "json") local.json = true;
-      return call(local, "GET", target, "", [ln](const boost::json::object& o) {
+      return call(local, "GET", target, "", lease::wire::decode_lineage, [ln](const lease::Lineage& l) {
         if (ln->format == "dot")
-          print_dot(o);
+          print_dot(l);
         else
-          print_tree(o, ::isatty(1));
+          print_tree(l, ::isatty(1));
       });
     };
   });

@@ -374,11 +374,11 @@ DaemonHandler::Out DaemonHandler::on_attach(const Call& c) {
   a.uid = c.peer.uid;
   a.gid = c.peer.gid;
   return encode(m_service.attach(a), 201, [](const Held& h) {
-    auto held = api::to_json(h);
+    auto view = api::view_of(h);
     // How long after the attach began the grant was made at the earliest (after a wait):
     // an agent counts its local deadline from its request plus this.
-    held["granted_after_ms"] = static_cast<std::int64_t>(h.granted_after.count());
-    return held;
+    view.granted_after_ms = static_cast<std::int64_t>(h.granted_after.count());
+    return api::to_json(view);
   });
 }
 

@@ -15,9 +15,11 @@ import re
 import select
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import unittest
 import uuid
@@ -1062,3 +1064,64 @@ class RunLeaseLoss(CliTestCase):
 
 if __name__ == "__main__":
     unittest.main()
+
+
+class AnswersOfAnotherVersion(unittest.TestCase):
+    """mep reads mepd's answers with the daemon API's decoders (common/daemon_api): an answer
+    whose members are not what it reads (another version of mepd, a bug) is one line on
+    stderr and exit 1, never a table of blanks printed as if it had succeeded; --json still
+    prints the answer as it came."""
+
+    ANSWER = {"leases": [{"lease_id": "l1", "canonical_name": 7, "display_name": "x",
+                          "memory_instance_id": "m", "expires_at": "2026-01-01T00:00:00.000Z",
+                          "ttl_seconds": 30, "path": "/p", "state": "held", "bind_pid": None}]}
+
+    def setUp(self):
+        self.dir = tempfile.mkdtemp(prefix="mep-cli-odd-")
+        self.addCleanup(shutil.rmtree, self.dir, True)
+        self.socket_path = os.path.join(self.dir, "mepd.sock")
+        srv = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        srv.bind(self.socket_path)
+        srv.listen(8)
+        srv.settimeout(0.2)
+        self.stop = threading.Event()
+        body = json.dumps(self.ANSWER).encode()
+
+        def serve():
+            while not self.stop.is_set():
+                try:
+                    conn, _ = srv.accept()
+                except OSError:
+                    continue
+                with conn:
+                    conn.settimeout(5)
+                    data = b""
+                    while b"\r\n\r\n" not in data:
+                        part = conn.recv(65536)
+                        if not part:
+                            break
+                        data += part
+                    conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nConnection: close\r\n"
+                                 b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+            srv.close()
+
+        t = threading.Thread(target=serve, daemon=True)
+        t.start()
+        self.addCleanup(t.join, 5)
+        self.addCleanup(self.stop.set)
+
+    def mep(self, *args):
+        p = subprocess.run([mep_bin(), "--socket", self.socket_path, *args], stdin=subprocess.DEVNULL,
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=clean_env(self.dir), cwd=self.dir,
+                           timeout=COMMAND_TIMEOUT_S, check=False)
+        return p.returncode, p.stdout.decode("utf-8"), p.stderr.decode("utf-8")
+
+    def test_an_answer_it_cannot_read_is_one_line_and_exit_1(self):
+        rc, out, err = self.mep("status")
+        self.assertEqual((rc, out), (EXIT_OTHER, ""))
+        self.assertEqual(err.count("\n"), 1, err)
+        self.assertIn("GET /v1/leases", err)
+        self.assertIn("canonical_name", err)
+        rc, out, err = self.mep("--json", "status")
+        self.assertEqual((rc, err), (EXIT_OK, ""))
+        self.assertEqual(json.loads(out), self.ANSWER)

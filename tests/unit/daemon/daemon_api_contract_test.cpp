@@ -8,8 +8,10 @@
 //   MEP_RECORD_CONTRACT=1 build/tests/unit/unit_daemon "[contract]"
 #include "../../support/fake_daemon_service.hpp"
 #include "mep/daemon_api.hpp"
+#include "mep/daemon_api/types.hpp"
 #include "mep/daemon_handler.hpp"
 #include "mep/json.hpp"
+#include "mep/lease/wire.hpp"
 
 #include <boost/json/serialize.hpp>
 #include <catch2/catch.hpp>
@@ -153,6 +155,74 @@ TEST_CASE("daemon API contract: every route has a recorded exchange", "[contract
     INFO(route);
     CHECK(std::find(served.begin(), served.end(), route) != served.end());
   }
+}
+
+TEST_CASE("daemon API contract: the handler serves the API's route table, in its order", "[contract]") {
+  std::vector<std::string> table;
+  for (const auto& r : mep::daemon_api::k_routes) table.push_back(std::string(r.method) + " " + std::string(r.pattern));
+  CHECK(DaemonHandler::route_names() == table);
+}
+
+TEST_CASE("daemon API contract: the API's decoders read every recorded answer back to the same JSON", "[contract]") {
+  // What the CLI reads is what mepd writes: decode, encode again, compare.
+  namespace api = mep::daemon_api;
+  std::ifstream in(k_contract);
+  REQUIRE(in);
+  std::stringstream text;
+  text << in.rdbuf();
+  auto recorded = mep::json::parse_object(text.str());
+  REQUIRE(recorded);
+  auto again = [](const json::object& answer, auto decode, auto encode) {
+    auto v = decode(answer);
+    if (!v) FAIL(v.error().detail);
+    return json::serialize(encode(*v)) == json::serialize(answer);
+  };
+  for (const auto& ex : recorded->at("exchanges").as_array()) {
+    const std::string name(ex.at("name").as_string());
+    INFO(name);
+    if (name == "detach") continue; // 204: no body
+    const auto& a = ex.at("response").as_object();
+    auto lease = [](const api::Lease& l) { return api::to_json(l); };
+    auto plain = [](const auto& v) { return api::to_json(v); };
+    if (name == "attach" || name == "lease")
+      CHECK(again(a, api::decode_lease, lease));
+    else if (name == "leases")
+      CHECK(again(a, api::decode_lease_list, [](const std::vector<api::Lease>& ls) {
+        json::array arr;
+        for (const auto& l : ls) arr.push_back(api::to_json(l));
+        return json::object{{"leases", arr}};
+      }));
+    else if (name == "branch")
+      CHECK(again(a, api::decode_branched_file, plain));
+    else if (name == "init")
+      CHECK(again(a, api::decode_initialized, plain));
+    else if (name == "identify")
+      CHECK(again(a, api::decode_identified, plain));
+    else if (name == "verify")
+      CHECK(again(a, api::decode_verified_lease, plain));
+    else if (name == "sync")
+      CHECK(again(a, api::decode_synced, api::to_json_sync));
+    else if (name == "fetch")
+      CHECK(again(a, api::decode_fetched, api::to_json_fetch));
+    else if (name == "lineage")
+      CHECK(again(a, mep::lease::wire::decode_lineage,
+                  [](const mep::lease::Lineage& l) { return mep::lease::wire::to_json(l); }));
+    else
+      FAIL("a recorded exchange with no decoder here: " << name);
+  }
+  for (const auto& line : recorded->at("events").as_array())
+    CHECK(again(line.as_object(), api::decode_event_line, [](const api::EventLine& e) { return api::to_json(e); }));
+  // And a wrong member is a problem naming it, not a default.
+  json::object bad = recorded->at("exchanges").as_array()[0].at("response").as_object();
+  bad["fencing_token"] = "3";
+  auto refused = api::decode_lease(bad);
+  REQUIRE_FALSE(refused);
+  CHECK(refused.error().detail.find("fencing_token") != std::string::npos);
+  bad.erase("fencing_token");
+  bad.erase("canonical_name");
+  refused = api::decode_lease(bad);
+  REQUIRE_FALSE(refused);
+  CHECK(refused.error().detail.find("canonical_name") != std::string::npos);
 }
 
 TEST_CASE("daemon API contract: the handler answers as recorded", "[contract]") {

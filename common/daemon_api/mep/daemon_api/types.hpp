@@ -1,0 +1,140 @@
+// mepd's socket API (SPEC §7, §8) as data and types: the routes, what each answers, and
+// their one JSON form, both directions. mepd encodes with it (daemon_handler.cpp, the
+// keeper's event lines); the CLI decodes with it. The only place that knows these field
+// names; tests/contract/daemon_api.json records them, and both SDKs are held to that file.
+#pragma once
+#include "mep/expected.hpp"
+#include "mep/lease/types.hpp"
+#include "mep/problem.hpp"
+#include "mep/time.hpp"
+
+#include <boost/json/object.hpp>
+
+#include <array>
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <string_view>
+#include <vector>
+
+namespace mep::daemon_api {
+
+/// One route of the socket API: its method and path pattern ({name}: one path segment).
+struct Route {
+  std::string_view method;
+  std::string_view pattern;
+};
+
+/// Every route mepd serves, in the order its handler's table lists them (the handler's
+/// contract test holds the two equal).
+inline constexpr std::array<Route, 14> k_routes = {{
+    {"GET", "/healthz"},
+    {"GET", "/metrics"},
+    {"GET", "/v1/events"},
+    {"POST", "/v1/attach"},
+    {"POST", "/v1/detach"},
+    {"GET", "/v1/leases"},
+    {"GET", "/v1/leases/{name}"},
+    {"POST", "/v1/branch"},
+    {"POST", "/v1/init"},
+    {"GET", "/v1/lineage"},
+    {"GET", "/v1/identify"},
+    {"POST", "/v1/verify"},
+    {"POST", "/v1/sync"},
+    {"POST", "/v1/fetch"},
+}};
+
+/// A lease as mepd shows it (POST /v1/attach, GET /v1/leases[/{name}]): no fencing token
+/// once lost (a lost token is not handed out), the reason instead.
+struct Lease {
+  std::string lease_id;
+  std::string canonical_name;
+  std::string display_name;
+  std::string memory_id;
+  std::optional<std::int64_t> fencing_token;
+  UnixMs expires_at = 0;
+  std::int64_t ttl_s = 0;
+  std::string path;
+  std::string state; ///< held | degraded | lost
+  std::optional<std::int64_t> bind_pid;
+  std::optional<std::string> lost_reason;
+  /// POST /v1/attach only: how long after the request the grant was made at the earliest (a
+  /// wait); the agent counts its own deadline from its request plus this.
+  std::optional<std::int64_t> granted_after_ms;
+};
+
+/// One line of GET /v1/events. `fencing_token` and `expires_at` are absent once the lease is
+/// lost or released.
+struct EventLine {
+  std::string event; ///< granted | renewed | degraded | lost | released
+  std::string canonical_name;
+  std::string memory_id;
+  std::string lease_id;
+  std::string state;
+  UnixMs at = 0;
+  std::optional<std::int64_t> fencing_token;
+  std::optional<UnixMs> expires_at;
+  std::optional<std::string> reason;
+};
+
+/// POST /v1/branch.
+struct BranchedFile {
+  lease::Branched branched;
+  std::string path;
+};
+
+/// GET /v1/identify.
+struct Identified {
+  std::string memory_id;
+  std::string path;
+  std::optional<std::string> parent_memory_id;
+  std::optional<std::int64_t> branched_at_token;
+};
+
+/// POST /v1/init.
+struct Initialized {
+  std::string memory_id;
+  std::string path;
+};
+
+/// POST /v1/verify: the control plane confirmed the lease's token is current.
+struct VerifiedLease {
+  std::string canonical_name;
+  std::string memory_id;
+  std::int64_t fencing_token = 0;
+  UnixMs expires_at = 0;
+};
+
+/// POST /v1/sync and POST /v1/fetch: an object the data plane keeps.
+struct ObjectResult {
+  std::string canonical_name; ///< sync only
+  std::string memory_id;
+  std::string path; ///< fetch only
+  std::int64_t fencing_token = 0;
+  std::string etag;
+  std::uint64_t size = 0;
+};
+
+boost::json::object to_json(const Lease& l);
+boost::json::object to_json(const EventLine& e);
+boost::json::object to_json(const BranchedFile& b);
+boost::json::object to_json(const Identified& i);
+boost::json::object to_json(const Initialized& i);
+boost::json::object to_json(const VerifiedLease& v);
+boost::json::object to_json_sync(const ObjectResult& o);
+boost::json::object to_json_fetch(const ObjectResult& o);
+
+// Decoders of mepd's answers (the CLI's). Members a type does not know are ignored (a newer
+// mepd may add some); a member it needs, missing or of another type, is a Problem naming it.
+expected<Lease, Problem> decode_lease(const boost::json::object& o);
+/// GET /v1/leases: {"leases": [...]}.
+expected<std::vector<Lease>, Problem> decode_lease_list(const boost::json::object& o);
+expected<EventLine, Problem> decode_event_line(const boost::json::object& o);
+expected<BranchedFile, Problem> decode_branched_file(const boost::json::object& o);
+expected<Identified, Problem> decode_identified(const boost::json::object& o);
+expected<Initialized, Problem> decode_initialized(const boost::json::object& o);
+expected<VerifiedLease, Problem> decode_verified_lease(const boost::json::object& o);
+expected<ObjectResult, Problem> decode_synced(const boost::json::object& o);
+expected<ObjectResult, Problem> decode_fetched(const boost::json::object& o);
+
+} // namespace mep::daemon_api
