@@ -169,8 +169,11 @@ void register_lease_commands(CLI::App& app, GlobalOptions& g, Action& action) {
     auto wait = parse_wait(c->wait);
     if (!wait) throw CLI::ValidationError("--wait", "must be a number of seconds or inf (got \"" + c->wait + "\")");
     action = [c, &g, wait = *wait] {
-      boost::json::object body{
-          {"name", c->name}, {"path", path_argument(c->path)}, {"ttl_seconds", c->ttl}, {"bind", "none"}};
+      daemon_api::AttachBody body;
+      body.name = c->name;
+      body.path = path_argument(c->path);
+      body.ttl_s = c->ttl;
+      body.bind_pid = false;
       c->holder.add_to(body);
       std::string socket = resolve_socket(g.socket, g.config_file);
       DaemonReply r = attach(socket, std::move(body), wait);

@@ -21,15 +21,18 @@
 namespace mep::cli {
 namespace mcp_session {
 
-js::object Session::attach_body() const {
-  js::object body{{"name", m_options.name}, {"path", m_path}, {"ttl_seconds", m_options.ttl}, {"bind", "pid"}};
+daemon_api::AttachBody Session::attach_body() const {
+  daemon_api::AttachBody body;
+  body.name = m_options.name;
+  body.path = m_path;
+  body.ttl_s = m_options.ttl;
   m_options.holder.add_to(body);
   return body;
 }
 
 DaemonReply Session::attach_once(std::int64_t wait_s) {
   auto watch = std::make_shared<LeaseWatch>(m_options.ttl);
-  js::object body;
+  daemon_api::AttachBody body;
   std::uint64_t generation;
   {
     std::lock_guard lock(m_mutex);
@@ -37,10 +40,10 @@ DaemonReply Session::attach_once(std::int64_t wait_s) {
     m_watch = watch;
     generation = ++m_generation;
   }
-  if (wait_s > 0) body["wait_seconds"] = wait_s;
+  body.wait_s = std::max<std::int64_t>(wait_s, 0);
   const auto sent = Clock::now();
-  DaemonReply r =
-      daemon_request(m_socket, "POST", "/v1/attach", json::dump(body), static_cast<int>(wait_s * 1000 + 30000));
+  DaemonReply r = daemon_request(m_socket, "POST", "/v1/attach", json::dump(daemon_api::to_json(body)),
+                                 static_cast<int>(wait_s * 1000 + 30000));
   if (r.status == 201 && !granted(r.json(), sent, watch, generation)) {
     give_back(r.json());
     r.status = 0;
@@ -140,14 +143,15 @@ void Session::wait_for_lease(std::uint64_t generation, std::shared_ptr<Cancel> c
                              std::shared_ptr<LeaseWatch> watch) {
   try {
     for (;;) {
-      js::object body;
+      daemon_api::AttachBody body;
       {
         std::lock_guard lock(m_mutex);
         body = attach_body();
       }
-      body["wait_seconds"] = k_wait_forever;
+      body.wait_s = k_wait_forever;
       const auto sent = Clock::now();
-      DaemonReply r = daemon_request(m_socket, "POST", "/v1/attach", json::dump(body), -1, cancel.get());
+      DaemonReply r =
+          daemon_request(m_socket, "POST", "/v1/attach", json::dump(daemon_api::to_json(body)), -1, cancel.get());
       if (r.status == 201) {
         const auto lease = r.json();
         // Granted as the wait was given up (a branch switch, the session's end): not wanted.
@@ -343,7 +347,7 @@ int mcp_main(const McpOptions& o, const GlobalOptions& g) {
     return exit_code::invalid_name;
   }
   {
-    js::object probe;
+    daemon_api::AttachBody probe;
     o.holder.add_to(probe); // UsageError for a malformed --label
   }
   // 2. The memory file: created empty (with an identity of its own) on the first run.

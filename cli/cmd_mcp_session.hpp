@@ -114,7 +114,7 @@ public:
   expected<void, mcp::RpcError> unsubscribe(const std::string& uri) override;
 
 private:
-  js::object attach_body() const;
+  daemon_api::AttachBody attach_body() const;
   // One attach, waiting up to `wait_s`; a grant (201) is taken. Returns the daemon's answer.
   DaemonReply attach_once(std::int64_t wait_s);
   // attach_once(), and on 423 the wait begins in the background; else the problem.

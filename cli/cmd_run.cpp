@@ -175,13 +175,16 @@ int run(const RunOptions& o, const GlobalOptions& g) {
 
   // 2. Claim, bound to this process: if `mep run` dies, mepd releases the lease.
   std::string abs = path_argument(o.path);
-  boost::json::object body{{"name", o.name}, {"path", abs}, {"ttl_seconds", o.ttl}, {"bind", "pid"}};
+  daemon_api::AttachBody body;
+  body.name = o.name;
+  body.path = abs;
+  body.ttl_s = o.ttl;
   o.holder.add_to(body);
   // The holder's executable is the command's, not mep's (mepd would read this process's).
   if (const std::string& cmd0 = o.command.front(); !cmd0.empty()) {
     const auto slash = cmd0.rfind('/');
     std::string exe = slash == std::string::npos ? cmd0 : cmd0.substr(slash + 1);
-    if (!exe.empty() && exe.size() <= lease::k_max_holder_text && utf8::decode(exe)) body["exe"] = std::move(exe);
+    if (!exe.empty() && exe.size() <= lease::k_max_holder_text && utf8::decode(exe)) body.exe = std::move(exe);
   }
   auto sent = Clock::now();
   DaemonReply r = attach(socket, std::move(body), o.wait_s);

@@ -187,15 +187,14 @@ std::optional<std::int64_t> parse_wait(const std::string& text) {
   return static_cast<std::int64_t>(std::ceil(v));
 }
 
-DaemonReply attach(const std::string& socket, boost::json::object body, std::int64_t wait_s) {
-  if (wait_s <= 0) return daemon_request(socket, "POST", "/v1/attach", json::dump(body));
+DaemonReply attach(const std::string& socket, daemon_api::AttachBody attach, std::int64_t wait_s) {
+  attach.wait_s = 0;
+  if (wait_s <= 0) return daemon_request(socket, "POST", "/v1/attach", json::dump(daemon_api::to_json(attach)));
   if (::isatty(STDERR_FILENO)) {
     // Ask once without waiting, to say what is waited for; then wait.
-    DaemonReply first = daemon_request(socket, "POST", "/v1/attach", json::dump(body));
+    DaemonReply first = daemon_request(socket, "POST", "/v1/attach", json::dump(daemon_api::to_json(attach)));
     if (first.status != 423) return first;
-    std::string code, name = body.contains("name") && body.at("name").is_string()
-                                 ? std::string(body.at("name").get_string())
-                                 : std::string();
+    std::string code, name = attach.name;
     std::int64_t ahead = 0;
     if (auto o = json::parse_object(first.body)) {
       if (auto* c = o->if_contains("code"); c && c->is_string()) code = c->get_string();
@@ -209,10 +208,10 @@ DaemonReply attach(const std::string& socket, boost::json::object body, std::int
     std::fprintf(stderr, "waiting for %s, %s, %lld waiting ahead\n", name.c_str(), why.c_str(),
                  static_cast<long long>(ahead));
   }
-  body["wait_seconds"] = wait_s;
+  attach.wait_s = wait_s;
   // The daemon answers within the wait; the socket may stay silent that long.
   const int timeout_ms = wait_s > 2'000'000 ? -1 : static_cast<int>(wait_s * 1000 + 30000);
-  return daemon_request(socket, "POST", "/v1/attach", json::dump(body), timeout_ms);
+  return daemon_request(socket, "POST", "/v1/attach", json::dump(daemon_api::to_json(attach)), timeout_ms);
 }
 
 bool follow_events(const std::string& socket, const std::function<bool(const std::string&)>& on_line,
@@ -304,19 +303,21 @@ bool label_key_ok(std::string_view k) {
 }
 } // namespace
 
-void HolderOptions::add_to(boost::json::object& body) const {
-  boost::json::object labels_json;
+void HolderOptions::add_to(daemon_api::AttachBody& attach) const {
+  std::vector<std::pair<std::string, std::string>> pairs;
   for (const auto& l : labels) {
     const auto eq = l.find('=');
     if (eq == std::string::npos || !label_key_ok(std::string_view(l).substr(0, eq)))
       throw UsageError("--label must be KEY=VALUE, the key 1-63 characters of A-Z a-z 0-9 _ . - (got \"" + l + "\")");
-    const std::string key = l.substr(0, eq);
-    if (labels_json.contains(key)) throw UsageError("--label " + key + " is given twice");
-    labels_json[key] = l.substr(eq + 1);
+    std::string key = l.substr(0, eq);
+    if (std::any_of(pairs.begin(), pairs.end(), [&](const auto& p) { return p.first == key; }))
+      throw UsageError("--label " + key + " is given twice");
+    pairs.emplace_back(std::move(key), l.substr(eq + 1));
   }
-  if (labels_json.size() > lease::k_max_labels) throw UsageError("at most 16 --label options");
-  if (!labels_json.empty()) body["labels"] = std::move(labels_json);
-  if (max_hold_s) body["max_hold_seconds"] = *max_hold_s;
+  if (pairs.size() > lease::k_max_labels) throw UsageError("at most 16 --label options");
+  std::sort(pairs.begin(), pairs.end());
+  attach.labels = std::move(pairs);
+  attach.max_hold_s = max_hold_s;
 }
 
 void add_holder_options(CLI::App* cmd, HolderOptions& o) {

@@ -1,6 +1,7 @@
 // The CLI's client for mepd's socket: one HTTP/1.1 request per call, and the NDJSON
 // event stream for `mep run`.
 #pragma once
+#include "mep/daemon_api/types.hpp"
 #include "mep/problem.hpp"
 
 #include <CLI/App.hpp>
@@ -65,7 +66,7 @@ std::optional<std::int64_t> parse_wait(const std::string& text);
 /// POST /v1/attach with `body`, waiting up to `wait_s` for a held name or memory (the
 /// wait_seconds field). On a terminal it first asks without waiting and, when the name is
 /// held, says so on stderr with the number of claims waiting ahead.
-DaemonReply attach(const std::string& socket, boost::json::object body, std::int64_t wait_s);
+DaemonReply attach(const std::string& socket, daemon_api::AttachBody body, std::int64_t wait_s);
 
 /// Opens GET /v1/events and calls `on_line` for each event line until it returns false
 /// or the stream ends. Returns false when the daemon could not be reached. `on_connected`
@@ -78,8 +79,8 @@ bool follow_events(const std::string& socket, const std::function<bool(const std
 struct HolderOptions {
   std::vector<std::string> labels;
   std::optional<std::int64_t> max_hold_s;
-  /// Checks the labels (UsageError) and adds `labels` and `max_hold_seconds` to an attach body.
-  void add_to(boost::json::object& attach_body) const;
+  /// Checks the labels (UsageError) and sets an attach's labels (sorted) and max_hold_s.
+  void add_to(daemon_api::AttachBody& attach) const;
 };
 void add_holder_options(CLI::App* cmd, HolderOptions& o);
 

@@ -26,7 +26,6 @@ namespace mep::daemon {
 namespace net = boost::asio;
 namespace bhttp = boost::beast::http;
 namespace fs = std::filesystem;
-using json::Need;
 
 namespace {
 
@@ -333,43 +332,20 @@ DaemonHandler::Out DaemonHandler::on_metrics(const Call& c) {
 DaemonHandler::Out DaemonHandler::on_attach(const Call& c) {
   auto o = body(c.req);
   if (!o) return make_unexpected(std::move(o.error()));
-  json::ObjectReader rd(*o);
+  auto d = daemon_api::decode_attach_body(*o);
+  if (!d) return make_unexpected(std::move(d.error()));
   AttachRequest a;
-  auto name = rd.string("name", Need::required);
-  auto p = rd.string("path", Need::required);
-  auto ttl = rd.integer("ttl_seconds", Need::optional, -(1LL << 40), 1LL << 40);
-  auto bind = rd.string("bind", Need::optional);
-  if (bind && *bind != "pid" && *bind != "none") rd.fail("field \"bind\" must be \"pid\" or \"none\"");
-  // Seconds to wait for a held name or memory; 0 (the default) fails fast.
-  auto wait = rd.seconds("wait_seconds", Need::optional, std::numeric_limits<std::int32_t>::max());
-  // What the holder shows operators (labels, the executable's name when the peer is a
-  // launcher such as mep run), and the longest hold.
-  const boost::json::object* labels = rd.object("labels", Need::optional);
-  auto exe = rd.string("exe", Need::optional);
-  a.max_hold_s = rd.integer("max_hold_seconds", Need::optional, lease::k_min_hold_s, lease::k_max_hold_s);
-  if (labels || exe) {
-    boost::json::object h;
-    if (labels) h["labels"] = *labels;
-    if (exe) h["exe"] = *exe;
-    if (auto holder = lease::wire::decode_holder(h); !holder) {
-      // Its members are this request's own (labels, exe): said without the holder's prefix.
-      std::string why = holder.error().detail;
-      if (why.rfind("holder: ", 0) == 0) why.erase(0, 8);
-      rd.fail(why);
-    } else {
-      a.labels = std::move(holder->labels);
-      a.exe = std::move(holder->exe);
-    }
-  }
-  if (auto ok = rd.finish(); !ok) return make_unexpected(std::move(ok.error()));
-  a.name = *name;
-  a.wait = std::chrono::seconds(wait.value_or(0));
+  a.name = std::move(d->name);
+  a.wait = std::chrono::seconds(d->wait_s);
   a.cancelled = [this, fd = c.fd] { return agent_gone(fd); };
-  auto path = client_path(*p, c.peer.pid);
+  auto path = client_path(d->path, c.peer.pid);
   if (!path) return make_unexpected(std::move(path.error()));
   a.path = std::move(*path);
-  a.ttl_s = ttl.value_or(lease::k_default_ttl_s);
-  a.bind_pid = !bind || *bind == "pid";
+  a.ttl_s = d->ttl_s.value_or(lease::k_default_ttl_s);
+  a.bind_pid = d->bind_pid;
+  a.labels = std::move(d->labels);
+  a.exe = std::move(d->exe);
+  a.max_hold_s = d->max_hold_s;
   a.pid = c.peer.pid;
   a.uid = c.peer.uid;
   a.gid = c.peer.gid;
@@ -418,17 +394,14 @@ DaemonHandler::Out DaemonHandler::on_get(const Call& c) {
 DaemonHandler::Out DaemonHandler::on_branch_or_init(const Call& c, bool branch) {
   auto o = body(c.req);
   if (!o) return make_unexpected(std::move(o.error()));
-  json::ObjectReader rd(*o);
-  auto p = rd.string("path", Need::required);
-  std::optional<std::string> np;
-  if (branch) np = rd.string("new_path", Need::required);
-  if (auto ok = rd.finish(); !ok) return make_unexpected(std::move(ok.error()));
-  auto path = client_path(*p, c.peer.pid);
+  auto d = daemon_api::decode_path_body(*o, branch);
+  if (!d) return make_unexpected(std::move(d.error()));
+  auto path = client_path(d->path, c.peer.pid);
   if (!path) return make_unexpected(std::move(path.error()));
   if (!branch)
     return encode(m_service.init(*path, client_file_mode(c.peer.pid, c.peer.uid)), 201,
                   [](const Initialized& i) { return api::to_json(i); });
-  auto new_path = client_path(*np, c.peer.pid);
+  auto new_path = client_path(d->new_path, c.peer.pid);
   if (!new_path) return make_unexpected(std::move(new_path.error()));
   return encode(m_service.branch(*path, *new_path, c.peer.uid, client_file_mode(c.peer.pid, c.peer.uid)), 201,
                 [](const BranchedFile& b) { return api::to_json(b); });
@@ -462,11 +435,9 @@ DaemonHandler::Out DaemonHandler::on_identify(const Call& c) {
 expected<DaemonHandler::LeaseOf, Problem> DaemonHandler::lease_of(const Call& c) {
   auto o = body(c.req);
   if (!o) return make_unexpected(std::move(o.error()));
-  json::ObjectReader rd(*o);
-  auto name = rd.string("name", Need::required);
-  auto lease_id = rd.string("lease_id", Need::optional);
-  if (auto ok = rd.finish(); !ok) return make_unexpected(std::move(ok.error()));
-  return LeaseOf{*name, lease_id};
+  auto d = daemon_api::decode_lease_named(*o);
+  if (!d) return make_unexpected(std::move(d.error()));
+  return LeaseOf{std::move(d->name), std::move(d->lease_id)};
 }
 
 DaemonHandler::Out DaemonHandler::on_verify(const Call& c) {
@@ -486,13 +457,11 @@ DaemonHandler::Out DaemonHandler::on_sync(const Call& c) {
 DaemonHandler::Out DaemonHandler::on_fetch(const Call& c) {
   auto o = body(c.req);
   if (!o) return make_unexpected(std::move(o.error()));
-  json::ObjectReader rd(*o);
-  auto id = rd.uuid("memory_instance_id", Need::required);
-  auto p = rd.string("path", Need::required);
-  if (auto ok = rd.finish(); !ok) return make_unexpected(std::move(ok.error()));
-  auto path = client_path(*p, c.peer.pid);
+  auto d = daemon_api::decode_fetch_body(*o);
+  if (!d) return make_unexpected(std::move(d.error()));
+  auto path = client_path(d->path, c.peer.pid);
   if (!path) return make_unexpected(std::move(path.error()));
-  return encode(m_service.fetch(*id, *path, client_file_mode(c.peer.pid, c.peer.uid)), 201,
+  return encode(m_service.fetch(d->memory_id, *path, client_file_mode(c.peer.pid, c.peer.uid)), 201,
                 [](const ObjectResult& r) { return api::to_json_fetch(r); });
 }
 

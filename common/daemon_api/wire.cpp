@@ -1,10 +1,14 @@
 // The JSON of mepd's socket API, both directions (see types.hpp).
 #include "mep/daemon_api/types.hpp"
 
+#include "mep/json.hpp"
 #include "mep/lease/fields.hpp"
 #include "mep/lease/wire.hpp"
 
 #include <boost/json/array.hpp>
+
+#include <algorithm>
+#include <limits>
 
 namespace mep::daemon_api {
 namespace json = boost::json;
@@ -50,6 +54,97 @@ ObjectResult read_object(Fields& f, bool sync) {
 }
 
 } // namespace
+
+// ---- requests ---------------------------------------------------------------------------------
+
+json::object to_json(const AttachBody& a) {
+  json::object o{{"name", a.name}, {"path", a.path}};
+  if (a.ttl_s) o["ttl_seconds"] = *a.ttl_s;
+  o["bind"] = a.bind_pid ? "pid" : "none";
+  if (a.wait_s > 0) o["wait_seconds"] = a.wait_s;
+  if (!a.labels.empty()) {
+    json::object labels;
+    for (const auto& [k, v] : a.labels) labels[k] = v;
+    o["labels"] = std::move(labels);
+  }
+  if (!a.exe.empty()) o["exe"] = a.exe;
+  if (a.max_hold_s) o["max_hold_seconds"] = *a.max_hold_s;
+  return o;
+}
+
+json::object to_json(const LeaseNamed& l) {
+  json::object o{{"name", l.name}};
+  if (l.lease_id) o["lease_id"] = *l.lease_id;
+  return o;
+}
+
+json::object to_json(const FetchBody& f) { return json::object{{"memory_instance_id", f.memory_id}, {"path", f.path}}; }
+
+expected<AttachBody, Problem> decode_attach_body(const json::object& o) {
+  using mep::json::Need;
+  mep::json::ObjectReader rd(o);
+  AttachBody a;
+  auto name = rd.string("name", Need::required);
+  auto path = rd.string("path", Need::required);
+  // Any integer here: the TTL's bounds are the lease rules' (invalid-ttl, 422), not the JSON's.
+  a.ttl_s = rd.integer("ttl_seconds", Need::optional, -(1LL << 40), 1LL << 40);
+  auto bind = rd.string("bind", Need::optional);
+  if (bind && *bind != "pid" && *bind != "none") rd.fail("field \"bind\" must be \"pid\" or \"none\"");
+  auto wait = rd.seconds("wait_seconds", Need::optional, std::numeric_limits<std::int32_t>::max());
+  const json::object* labels = rd.object("labels", Need::optional);
+  auto exe = rd.string("exe", Need::optional);
+  a.max_hold_s = rd.integer("max_hold_seconds", Need::optional, lease::k_min_hold_s, lease::k_max_hold_s);
+  if (labels || exe) {
+    json::object h;
+    if (labels) h["labels"] = *labels;
+    if (exe) h["exe"] = *exe;
+    if (auto holder = lease::wire::decode_holder(h); !holder) {
+      // Its members are this request's own (labels, exe): said without the holder's prefix.
+      std::string why = holder.error().detail;
+      if (why.rfind("holder: ", 0) == 0) why.erase(0, 8);
+      rd.fail(why);
+    } else {
+      a.labels = std::move(holder->labels);
+      a.exe = std::move(holder->exe);
+    }
+  }
+  if (auto ok = rd.finish(); !ok) return make_unexpected(std::move(ok.error()));
+  a.name = std::move(*name);
+  a.path = std::move(*path);
+  a.bind_pid = !bind || *bind == "pid";
+  a.wait_s = wait.value_or(0);
+  return a;
+}
+
+expected<LeaseNamed, Problem> decode_lease_named(const json::object& o) {
+  using mep::json::Need;
+  mep::json::ObjectReader rd(o);
+  auto name = rd.string("name", Need::required);
+  auto lease_id = rd.string("lease_id", Need::optional);
+  if (auto ok = rd.finish(); !ok) return make_unexpected(std::move(ok.error()));
+  return LeaseNamed{std::move(*name), std::move(lease_id)};
+}
+
+expected<PathBody, Problem> decode_path_body(const json::object& o, bool with_new_path) {
+  using mep::json::Need;
+  mep::json::ObjectReader rd(o);
+  auto path = rd.string("path", Need::required);
+  std::optional<std::string> new_path;
+  if (with_new_path) new_path = rd.string("new_path", Need::required);
+  if (auto ok = rd.finish(); !ok) return make_unexpected(std::move(ok.error()));
+  return PathBody{std::move(*path), new_path.value_or("")};
+}
+
+expected<FetchBody, Problem> decode_fetch_body(const json::object& o) {
+  using mep::json::Need;
+  mep::json::ObjectReader rd(o);
+  auto id = rd.uuid("memory_instance_id", Need::required);
+  auto path = rd.string("path", Need::required);
+  if (auto ok = rd.finish(); !ok) return make_unexpected(std::move(ok.error()));
+  return FetchBody{std::move(*id), std::move(*path)};
+}
+
+// ---- answers ----------------------------------------------------------------------------------
 
 json::object to_json(const Lease& l) {
   json::object o{{"lease_id", l.lease_id},

@@ -225,6 +225,59 @@ TEST_CASE("daemon API contract: the API's decoders read every recorded answer ba
   CHECK(refused.error().detail.find("canonical_name") != std::string::npos);
 }
 
+TEST_CASE("daemon API contract: every recorded request passes the API's strict decoders, and they refuse strays",
+          "[contract]") {
+  namespace api = mep::daemon_api;
+  for (const auto& e : exchanges()) {
+    INFO(e.name);
+    if (e.request.is_null()) continue;
+    const auto& o = e.request.as_object();
+    bool ok = false;
+    if (e.name == "attach")
+      ok = api::decode_attach_body(o).has_value();
+    else if (e.name == "detach" || e.name == "verify" || e.name == "sync")
+      ok = api::decode_lease_named(o).has_value();
+    else if (e.name == "branch" || e.name == "init")
+      ok = api::decode_path_body(o, e.name == "branch").has_value();
+    else if (e.name == "fetch")
+      ok = api::decode_fetch_body(o).has_value();
+    else
+      FAIL("a recorded request with no decoder here: " << e.name);
+    CHECK(ok);
+  }
+  // What the CLI encodes, mepd decodes to the same request.
+  api::AttachBody a;
+  a.name = "Contract Agent";
+  a.path = "/srv/agents/agent.uai";
+  a.ttl_s = 60;
+  a.bind_pid = false;
+  a.wait_s = 12;
+  a.labels = {{"role", "builder"}, {"team", "a"}};
+  a.exe = "python3";
+  a.max_hold_s = 3600;
+  auto back = api::decode_attach_body(api::to_json(a));
+  REQUIRE(back);
+  CHECK(back->name == a.name);
+  CHECK(back->path == a.path);
+  CHECK(back->ttl_s == a.ttl_s);
+  CHECK(back->bind_pid == a.bind_pid);
+  CHECK(back->wait_s == a.wait_s);
+  CHECK(back->labels == a.labels);
+  CHECK(back->exe == a.exe);
+  CHECK(back->max_hold_s == a.max_hold_s);
+  // Strict: an unknown member, a wrong type, a bad bind, each named.
+  auto stray = api::decode_lease_named(json::object{{"name", "a"}, {"leaseid", "x"}});
+  REQUIRE_FALSE(stray);
+  CHECK(stray.error().code == mep::Code::invalid_request);
+  CHECK(stray.error().detail.find("leaseid") != std::string::npos);
+  auto bind = api::decode_attach_body(json::object{{"name", "a"}, {"path", "/p"}, {"bind", "process"}});
+  REQUIRE_FALSE(bind);
+  CHECK(bind.error().detail.find("bind") != std::string::npos);
+  auto id = api::decode_fetch_body(json::object{{"memory_instance_id", "not-a-uuid"}, {"path", "/p"}});
+  REQUIRE_FALSE(id);
+  CHECK(id.error().detail.find("memory_instance_id") != std::string::npos);
+}
+
 TEST_CASE("daemon API contract: the handler answers as recorded", "[contract]") {
   const json::object now = record();
   if (std::getenv("MEP_RECORD_CONTRACT")) {

@@ -15,6 +15,7 @@
 #include <optional>
 #include <string>
 #include <string_view>
+#include <utility>
 #include <vector>
 
 namespace mep::daemon_api {
@@ -114,6 +115,55 @@ struct ObjectResult {
   std::string etag;
   std::uint64_t size = 0;
 };
+
+// ---- requests ---------------------------------------------------------------------------------
+
+/// POST /v1/attach. The path is the client's text: mepd resolves a relative one against the
+/// peer's working directory, never this module.
+struct AttachBody {
+  std::string name; ///< display name
+  std::string path;
+  std::optional<std::int64_t> ttl_s; ///< absent: the default TTL; bounds are the lease rules'
+  bool bind_pid = true;              ///< "bind": "pid" (the default) or "none"
+  std::int64_t wait_s = 0;           ///< wait_seconds: for a held name or memory; 0 fails fast
+  /// The holder the agent shows operators: labels (sorted, unique keys) and the executable's
+  /// file name when the peer only launches it (mep run). Checked as lease::wire::decode_holder.
+  std::vector<std::pair<std::string, std::string>> labels;
+  std::string exe;
+  std::optional<std::int64_t> max_hold_s; ///< max_hold_seconds
+};
+
+/// {name, lease_id?}: POST /v1/detach, /v1/verify and /v1/sync.
+struct LeaseNamed {
+  std::string name;
+  std::optional<std::string> lease_id;
+};
+
+/// POST /v1/branch ({path, new_path}) and POST /v1/init ({path}: new_path empty).
+struct PathBody {
+  std::string path;
+  std::string new_path;
+};
+
+/// POST /v1/fetch.
+struct FetchBody {
+  std::string memory_id;
+  std::string path;
+};
+
+boost::json::object to_json(const AttachBody& a);
+boost::json::object to_json(const LeaseNamed& l);
+boost::json::object to_json(const FetchBody& f);
+
+// Strict decoders of requests (mepd's): an unknown member, a missing one or one of another
+// type is a 400 problem naming each.
+expected<AttachBody, Problem> decode_attach_body(const boost::json::object& o);
+expected<LeaseNamed, Problem> decode_lease_named(const boost::json::object& o);
+/// `with_new_path`: branch's body; else init's.
+expected<PathBody, Problem> decode_path_body(const boost::json::object& o, bool with_new_path);
+expected<FetchBody, Problem> decode_fetch_body(const boost::json::object& o);
+
+// ---- answers ----------------------------------------------------------------------------------
 
 boost::json::object to_json(const Lease& l);
 boost::json::object to_json(const EventLine& e);
