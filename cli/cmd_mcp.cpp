@@ -44,10 +44,17 @@ DaemonReply Session::attach_once(std::int64_t wait_s) {
   const auto sent = Clock::now();
   DaemonReply r = daemon_request(m_socket, "POST", "/v1/attach", json::dump(daemon_api::to_json(body)),
                                  static_cast<int>(wait_s * 1000 + 30000));
-  if (r.status == 201 && !granted(r.json(), sent, watch, generation)) {
-    give_back(r.json());
-    r.status = 0;
-    r.error = "the session ended";
+  if (r.status == 201) {
+    auto lease = daemon_api::decode_lease(r.json());
+    if (!lease) {
+      // Bound to this process: mepd releases it when the session's process ends.
+      r.status = 0;
+      r.error = "mepd's answer to the attach is not the API this mep reads (" + lease.error().detail + ")";
+    } else if (!granted(*lease, sent, watch, generation)) {
+      give_back(*lease);
+      r.status = 0;
+      r.error = "the session ended";
+    }
   }
   return r;
 }
@@ -71,27 +78,26 @@ int Session::start() {
   return exit_code::ok;
 }
 
-bool Session::granted(const js::object& lease, Clock::time_point sent, const std::shared_ptr<LeaseWatch>& watch,
+bool Session::granted(const daemon_api::Lease& lease, Clock::time_point sent, const std::shared_ptr<LeaseWatch>& watch,
                       std::uint64_t generation) {
   auto granted_at = sent;
-  if (auto* after = lease.if_contains("granted_after_ms"); after && after->is_int64() && after->get_int64() > 0)
-    granted_at += std::chrono::milliseconds(after->get_int64());
-  watch->attached(str(lease, "canonical_name"), str(lease, "lease_id"), granted_at);
+  if (lease.granted_after_ms && *lease.granted_after_ms > 0)
+    granted_at += std::chrono::milliseconds(*lease.granted_after_ms);
+  watch->attached(lease.canonical_name, lease.lease_id, granted_at);
   std::lock_guard lock(m_mutex);
   if (generation != m_generation || m_stopping) return false;
   m_lease = lease;
-  m_lease.erase("path"); // a local path is not for the model: it named the file itself
-  m_lease.erase("granted_after_ms");
-  m_memory_id = str(lease, "memory_instance_id");
+  m_lease->path.clear(); // a local path is not for the model: it named the file itself
+  m_memory_id = lease.memory_id;
   m_phase = Phase::held;
   m_reason.clear();
   m_holder.reset();
   return true;
 }
 
-void Session::give_back(const js::object& lease) {
+void Session::give_back(const daemon_api::Lease& lease) {
   daemon_request(m_socket, "POST", "/v1/detach",
-                 json::dump(js::object{{"name", str(lease, "canonical_name")}, {"lease_id", str(lease, "lease_id")}}),
+                 json::dump(daemon_api::to_json(daemon_api::LeaseNamed{lease.canonical_name, lease.lease_id})),
                  k_release_timeout_ms);
 }
 
@@ -118,7 +124,8 @@ void Session::begin_wait(const Problem& refusal) {
       }
     }
     DaemonReply ident = daemon_request(m_socket, "GET", target);
-    if (ident.status == 200) id = str(ident.json(), "memory_instance_id");
+    if (ident.status == 200)
+      if (auto i = daemon_api::decode_identified(ident.json())) id = i->memory_id;
   }
   auto watch = std::make_shared<LeaseWatch>(m_options.ttl);
   auto cancel = std::make_shared<Cancel>();
@@ -153,17 +160,20 @@ void Session::wait_for_lease(std::uint64_t generation, std::shared_ptr<Cancel> c
       DaemonReply r =
           daemon_request(m_socket, "POST", "/v1/attach", json::dump(daemon_api::to_json(body)), -1, cancel.get());
       if (r.status == 201) {
-        const auto lease = r.json();
-        // Granted as the wait was given up (a branch switch, the session's end): not wanted.
-        if (cancel->cancelled() || !granted(lease, sent, watch, generation)) {
-          give_back(lease);
+        auto lease = daemon_api::decode_lease(r.json());
+        if (!lease) {
+          // Bound to this process: mepd releases it when the session's process ends.
+          log("error", "mepd's answer to the attach is not the API this mep reads (" + lease.error().detail +
+                           "); are mep and mepd the same version?");
           return;
         }
-        log("notice", "granted: " + str(lease, "display_name") + " now holds its memory (fencing token " +
-                          std::to_string(lease.contains("fencing_token") && lease.at("fencing_token").is_int64()
-                                             ? lease.at("fencing_token").get_int64()
-                                             : 0) +
-                          "); writes are accepted");
+        // Granted as the wait was given up (a branch switch, the session's end): not wanted.
+        if (cancel->cancelled() || !granted(*lease, sent, watch, generation)) {
+          give_back(*lease);
+          return;
+        }
+        log("notice", "granted: " + lease->display_name + " now holds its memory (fencing token " +
+                          std::to_string(lease->fencing_token.value_or(0)) + "); writes are accepted");
         return;
       }
       if (cancel->cancelled()) return;
@@ -200,7 +210,7 @@ void Session::end_wait() {
 }
 
 void Session::release() {
-  js::object lease;
+  std::optional<daemon_api::Lease> lease;
   {
     std::lock_guard lock(m_mutex);
     if (m_phase != Phase::held) return;
@@ -208,7 +218,7 @@ void Session::release() {
     m_phase = Phase::none;
     m_reason = "released";
   }
-  give_back(lease);
+  if (lease) give_back(*lease);
 }
 
 void Session::stop() {
@@ -251,7 +261,7 @@ void Session::monitor() {
     u = uri();
     phase = m_phase;
     subscribed = !u.empty() && m_subscribed.count(u) > 0;
-    name = str(m_lease, "display_name");
+    name = m_lease ? m_lease->display_name : std::string();
   }
   if (phase == Phase::held && watch) {
     const auto s = watch->state();

@@ -69,11 +69,6 @@ inline std::string_view to_string(Phase p) {
   return "not-held";
 }
 
-inline std::string str(const js::object& o, std::string_view k) {
-  auto* v = o.if_contains(k);
-  return v && v->is_string() ? std::string(v->get_string()) : std::string();
-}
-
 // "Name held: held by builder-7 on host-a since 14:02, expires in 21 s" for a problem.
 inline std::string explain(const Problem& p) {
   if (auto holder = held_by(p); !holder.empty()) return std::string(p.title()) + ": " + holder;
@@ -121,9 +116,9 @@ private:
   expected<void, Problem> attach_now(std::int64_t wait_s = 0);
   // Takes a grant made for attach number `generation`; false (and nothing changes) when
   // another attach or the session's end has come since: the caller gives the lease back.
-  bool granted(const js::object& lease, Clock::time_point sent, const std::shared_ptr<LeaseWatch>& watch,
+  bool granted(const daemon_api::Lease& lease, Clock::time_point sent, const std::shared_ptr<LeaseWatch>& watch,
                std::uint64_t generation);
-  void give_back(const js::object& lease); // detaches a lease no longer wanted
+  void give_back(const daemon_api::Lease& lease); // detaches a lease no longer wanted
   void begin_wait(const Problem& refusal);
   void wait_for_lease(std::uint64_t generation, std::shared_ptr<Cancel> cancel, std::shared_ptr<LeaseWatch> watch);
   void end_wait();
@@ -151,7 +146,7 @@ private:
   std::string m_memory_id;
   Phase m_phase = Phase::none;
   std::string m_reason;                      // lost, none: why; waiting: who holds it
-  js::object m_lease;                        // held, lost: the attach's answer
+  std::optional<daemon_api::Lease> m_lease;  // held, lost: the attach's answer
   std::optional<lease::HolderView> m_holder; // waiting: who holds it, when the control plane says
   std::shared_ptr<LeaseWatch> m_watch;       // the lease being attached or held
   std::shared_ptr<Cancel> m_cancel;          // the wait's

@@ -9,7 +9,7 @@ namespace mep::cli::mcp_session {
 js::object Session::status() {
   std::lock_guard lock(m_mutex);
   js::object o{{"name", m_options.name}};
-  if (auto c = str(m_lease, "canonical_name"); !c.empty()) o["canonical_name"] = c;
+  if (m_lease) o["canonical_name"] = m_lease->canonical_name;
   if (!m_memory_id.empty()) o["memory_instance_id"] = m_memory_id;
   Phase phase = m_phase;
   std::string reason = m_reason;
@@ -23,8 +23,11 @@ js::object Session::status() {
   o["state"] = to_string(phase);
   o["writable"] = phase == Phase::held;
   if (phase == Phase::held) {
-    for (auto k : {"fencing_token", "lease_id", "expires_at"})
-      if (auto* v = m_lease.if_contains(k)) o[k] = *v;
+    if (m_lease) {
+      if (m_lease->fencing_token) o["fencing_token"] = *m_lease->fencing_token;
+      o["lease_id"] = m_lease->lease_id;
+      o["expires_at"] = format_rfc3339_ms(m_lease->expires_at);
+    }
     if (m_watch)
       if (auto e = m_watch->state().expires_at; !e.empty()) o["expires_at"] = e;
   }
@@ -95,7 +98,7 @@ mcp::ToolResult Session::write_tool(const js::object& args, mcp::WriteMode mode)
                                   std::to_string(k_max_write) + " per call (append the rest)");
   const char* verb = mode == mcp::WriteMode::append ? "appended" : "written";
   if (auto why = not_writable()) return mcp::ToolResult::error(std::string("nothing was ") + verb + ": " + *why);
-  js::object lease;
+  std::optional<daemon_api::Lease> lease;
   std::shared_ptr<LeaseWatch> watch;
   std::string path, id;
   {
@@ -107,10 +110,11 @@ mcp::ToolResult Session::write_tool(const js::object& args, mcp::WriteMode mode)
   }
   // 1. The control plane confirms the token is current (a revoked or superseded lease is
   //    refused here at once). When it cannot be asked, the local deadline stands alone.
-  DaemonReply v = daemon_request(
-      m_socket, "POST", "/v1/verify",
-      json::dump(js::object{{"name", str(lease, "canonical_name")}, {"lease_id", str(lease, "lease_id")}}),
-      k_verify_timeout_ms);
+  if (!lease) return mcp::ToolResult::error(std::string("nothing was ") + verb + ": no lease is held");
+  DaemonReply v =
+      daemon_request(m_socket, "POST", "/v1/verify",
+                     json::dump(daemon_api::to_json(daemon_api::LeaseNamed{lease->canonical_name, lease->lease_id})),
+                     k_verify_timeout_ms);
   const bool verified = v.status == 200;
   if (v.status >= 400 && v.status < 500) {
     const Problem p = v.problem(m_socket);
@@ -134,7 +138,7 @@ mcp::ToolResult Session::write_tool(const js::object& args, mcp::WriteMode mode)
   if (!written) return mcp::ToolResult::error(std::string("nothing was ") + verb + ": " + written.error());
   js::object o;
   if (!id.empty()) o["memory_instance_id"] = id;
-  o["fencing_token"] = lease.contains("fencing_token") ? lease.at("fencing_token") : js::value(0);
+  o["fencing_token"] = lease->fencing_token.value_or(0);
   o["size"] = *written;
   o["bytes_written"] = text->size();
   o["verified"] = verified;
@@ -145,16 +149,17 @@ mcp::ToolResult Session::sync_tool(const js::object& args) {
   json::ObjectReader rd(args);
   if (auto ok = rd.finish(); !ok) return mcp::ToolResult::error(ok.error().detail);
   if (auto why = not_writable()) return mcp::ToolResult::error("nothing was synced: " + *why);
-  js::object lease;
+  std::optional<daemon_api::Lease> lease;
   {
     std::lock_guard lock(m_mutex);
     lease = m_lease;
   }
+  if (!lease) return mcp::ToolResult::error("nothing was synced: no lease is held");
   // The daemon uploads the file under the lease's token; the data plane refuses a token
   // older than its mark (a takeover elsewhere), and the daemon then takes the lease as lost.
-  DaemonReply r = daemon_request(
-      m_socket, "POST", "/v1/sync",
-      json::dump(js::object{{"name", str(lease, "canonical_name")}, {"lease_id", str(lease, "lease_id")}}));
+  DaemonReply r =
+      daemon_request(m_socket, "POST", "/v1/sync",
+                     json::dump(daemon_api::to_json(daemon_api::LeaseNamed{lease->canonical_name, lease->lease_id})));
   if (r.status != 200) {
     const Problem p = r.problem(m_socket);
     return mcp::ToolResult::error("nothing was synced: " + explain(p) + " (" + std::string(p.slug()) + ")");
@@ -184,6 +189,8 @@ mcp::ToolResult Session::branch_tool(const js::object& args) {
       daemon_request(m_socket, "POST", "/v1/branch", json::dump(js::object{{"path", path}, {"new_path", abs}}));
   if (r.status != 201) return mcp::ToolResult::error("no branch was made: " + explain(r.problem(m_socket)));
   js::object o = r.json();
+  auto made = daemon_api::decode_branched_file(o);
+  if (!made) return mcp::ToolResult::error("the branch's answer is not the API this mep reads: " + made.error().detail);
   if (switch_to) {
     // The session moves to the branch: no more wait for the old memory, no lease on it.
     end_wait();
@@ -191,8 +198,8 @@ mcp::ToolResult Session::branch_tool(const js::object& args) {
     {
       std::lock_guard lock(m_mutex);
       m_path = abs;
-      m_memory_id = str(o, "memory_instance_id");
-      m_lease = js::object{};
+      m_memory_id = made->branched.memory_id;
+      m_lease.reset();
       m_seen.reset();
       m_subscribed.clear();
     }
