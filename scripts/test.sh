@@ -26,12 +26,16 @@ pgdir="$(mktemp -d /tmp/mep-test-pg.XXXXXX)"
 # store's unit rules run on one of their own), stopped by PID when the tests end. Without
 # the emulator (its package is the image's, not ours) those tests skip and say why.
 spdir="$(mktemp -d /tmp/mep-test-spanner.XXXXXX)"
+# The emulator's log outlives it, beside ctest's own (a failure of a *_spanner test can then
+# be read against what the emulator said).
 trap 'bash "$root/scripts/pg-test-cluster.sh" stop "$pgdir"; rm -rf "$pgdir";
-      bash "$root/scripts/spanner-test-emulator.sh" stop "$spdir"; rm -rf "$spdir"' EXIT
+      bash "$root/scripts/spanner-test-emulator.sh" stop "$spdir";
+      cp "$spdir/emulator.log" "$root/build/Testing/Temporary/spanner-emulator.log" 2>/dev/null; rm -rf "$spdir"' EXIT
 MEP_TEST_PG_URL="$(bash "$root/scripts/pg-test-cluster.sh" start "$pgdir")"
 export MEP_TEST_PG_URL
 if MEP_TEST_SPANNER_EMULATOR="$(bash "$root/scripts/spanner-test-emulator.sh" start "$spdir")"; then
   export MEP_TEST_SPANNER_EMULATOR
+  export MEP_TEST_SPANNER_LOG="$spdir/emulator.log"
   MEP_TEST_SPANNER_URL="$(python3 -c 'import sys; sys.path.insert(0, sys.argv[1]); import spannerfixture
 print(spannerfixture.SpannerDb(sys.argv[2]).url)' "$root/tests/integration" "$MEP_TEST_SPANNER_EMULATOR")"
   export MEP_TEST_SPANNER_URL
