@@ -12,6 +12,7 @@
 #include <boost/json/parse.hpp>
 
 #include <algorithm>
+#include <atomic>
 #include <cctype>
 #include <cmath>
 #include <cstdio>
@@ -136,7 +137,27 @@ bool Cancel::watch(int fd) {
   return true;
 }
 
+namespace {
+std::atomic<DaemonClient*> g_client{nullptr}; // a test's fake; null: the socket
+DaemonReply socket_request(const std::string& socket, const std::string& method, const std::string& target,
+                           const std::string& body, int timeout_ms, Cancel* cancel);
+} // namespace
+
+ScopedDaemonClient::ScopedDaemonClient(DaemonClient& client) {
+  DaemonClient* none = nullptr;
+  if (!g_client.compare_exchange_strong(none, &client))
+    throw std::logic_error("a fake daemon client is in place already");
+}
+ScopedDaemonClient::~ScopedDaemonClient() { g_client.store(nullptr); }
+
 DaemonReply daemon_request(const std::string& socket, const std::string& method, const std::string& target,
+                           const std::string& body, int timeout_ms, Cancel* cancel) {
+  if (DaemonClient* fake = g_client.load()) return fake->request(socket, method, target, body, timeout_ms, cancel);
+  return socket_request(socket, method, target, body, timeout_ms, cancel);
+}
+
+namespace {
+DaemonReply socket_request(const std::string& socket, const std::string& method, const std::string& target,
                            const std::string& body, int timeout_ms, Cancel* cancel) {
   DaemonReply r;
   int fd = connect_unix(socket, r.error, &r.denied);
@@ -174,6 +195,7 @@ DaemonReply daemon_request(const std::string& socket, const std::string& method,
   r.body = buf.substr(head + 4, length);
   return r;
 }
+} // namespace
 
 std::optional<std::int64_t> parse_wait(const std::string& text) {
   if (text == "inf" || text == "infinity") return k_wait_forever;

@@ -54,9 +54,29 @@ private:
 };
 
 /// One request; blocks until the whole response arrived (or `timeout_ms` passed between
-/// two reads; -1: no bound), or `cancel` ended it.
+/// two reads; -1: no bound), or `cancel` ended it. Goes to the daemon client in use: mepd's
+/// socket, or a test's fake (ScopedDaemonClient).
 DaemonReply daemon_request(const std::string& socket, const std::string& method, const std::string& target,
                            const std::string& body = {}, int timeout_ms = 60000, Cancel* cancel = nullptr);
+
+/// How the commands reach mepd, one request at a time. The default speaks HTTP/1.1 on the
+/// Unix socket; the commands' unit tests put a fake in its place.
+class DaemonClient {
+public:
+  virtual ~DaemonClient() = default;
+  virtual DaemonReply request(const std::string& socket, const std::string& method, const std::string& target,
+                              const std::string& body, int timeout_ms, Cancel* cancel) = 0;
+};
+
+/// Puts `client` in the place of mepd's socket for daemon_request() until it goes out of
+/// scope (one at a time; not for the event stream of mep run, which reads the socket).
+class ScopedDaemonClient {
+public:
+  explicit ScopedDaemonClient(DaemonClient& client);
+  ~ScopedDaemonClient();
+  ScopedDaemonClient(const ScopedDaemonClient&) = delete;
+  ScopedDaemonClient& operator=(const ScopedDaemonClient&) = delete;
+};
 
 /// A --wait value: seconds (a non-negative number, rounded up), or "inf" (until
 /// interrupted: k_wait_forever). nullopt when it is neither.
