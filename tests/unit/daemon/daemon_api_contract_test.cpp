@@ -19,6 +19,7 @@
 #include <algorithm>
 #include <cstdlib>
 #include <fstream>
+#include <optional>
 #include <set>
 #include <sstream>
 #include <string>
@@ -126,6 +127,17 @@ json::object record() {
                       {"events", events}};
 }
 
+// The recorded file, parsed (the test fails when it is missing or not a JSON object).
+std::optional<json::object> read_contract() {
+  std::ifstream in(k_contract);
+  REQUIRE(in);
+  std::stringstream text;
+  text << in.rdbuf();
+  auto recorded = mep::json::parse_object(text.str());
+  REQUIRE(recorded);
+  return std::optional<json::object>(std::move(*recorded));
+}
+
 // Pretty enough to review as a diff: one member per line at the top two levels.
 std::string pretty(const json::object& doc) {
   std::ostringstream s;
@@ -166,12 +178,7 @@ TEST_CASE("daemon API contract: the handler serves the API's route table, in its
 TEST_CASE("daemon API contract: the API's decoders read every recorded answer back to the same JSON", "[contract]") {
   // What the CLI reads is what mepd writes: decode, encode again, compare.
   namespace api = mep::daemon_api;
-  std::ifstream in(k_contract);
-  REQUIRE(in);
-  std::stringstream text;
-  text << in.rdbuf();
-  auto recorded = mep::json::parse_object(text.str());
-  REQUIRE(recorded);
+  const auto recorded = read_contract();
   auto again = [](const json::object& answer, auto decode, auto encode) {
     auto v = decode(answer);
     if (!v) FAIL(v.error().detail);
@@ -285,12 +292,7 @@ TEST_CASE("daemon API contract: the handler answers as recorded", "[contract]") 
     WARN("recorded " << k_contract);
     return;
   }
-  std::ifstream in(k_contract);
-  REQUIRE(in);
-  std::stringstream text;
-  text << in.rdbuf();
-  auto recorded = mep::json::parse_object(text.str());
-  REQUIRE(recorded);
+  const auto recorded = read_contract();
   const auto& want = recorded->at("exchanges").as_array();
   const auto& got = now.at("exchanges").as_array();
   REQUIRE(want.size() == got.size());
