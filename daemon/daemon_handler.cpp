@@ -119,6 +119,15 @@ http::BodyPlan DaemonHandler::plan(const http::RequestHeader&, const http::Peer&
   return plan;
 }
 
+// An attach that asks to wait for a held name (wait_seconds above 0), read with the API's own
+// decoder; a body it refuses goes to the pool, where respond() answers it 400.
+bool DaemonHandler::attach_waits(const std::string& body) {
+  auto o = json::parse_object(body);
+  if (!o) return false;
+  auto a = daemon_api::decode_attach_body(*o);
+  return a && a->wait_s > 0;
+}
+
 void DaemonHandler::handle(http::Request&& req, const http::Peer& peer, std::shared_ptr<http::BodySink>,
                            http::Responder responder) {
   if (req.method() == bhttp::verb::get && req.target() == "/v1/events") return start_events(responder, peer.uid);
@@ -129,8 +138,7 @@ void DaemonHandler::handle(http::Request&& req, const http::Peer& peer, std::sha
   const int fd = responder.native_handle();
   // Decided before the request moves into `work` (it was read after the move, always
   // false, so waiting attaches took the pool's threads).
-  const bool may_wait = req.method() == bhttp::verb::post && req.target() == "/v1/attach" &&
-                        req.body().find("\"wait_seconds\"") != std::string::npos;
+  const bool may_wait = req.method() == bhttp::verb::post && req.target() == "/v1/attach" && attach_waits(req.body());
   const unsigned version = req.version();
   const bool keep_alive = req.keep_alive();
   auto work = [this, req = std::move(req), peer, responder, fd]() mutable { responder.send(respond(req, peer, fd)); };

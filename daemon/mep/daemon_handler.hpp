@@ -92,6 +92,7 @@ private:
   static http::Response response(const Out& out, const std::string& allow, unsigned version, bool keep_alive,
                                  const std::string& rid);
   static expected<boost::json::object, Problem> body(const http::Request& req);
+  static bool attach_waits(const std::string& body);
   static std::optional<std::string> query(const Call& c, std::string_view key);
 
   void start_events(const http::Responder& responder, uid_t viewer);
