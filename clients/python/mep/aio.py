@@ -27,9 +27,9 @@ import types
 import urllib.parse
 from typing import Any, Awaitable, Callable, Dict, List, Mapping, Optional, Tuple, Type, Union
 
-from . import _args, _config, _http
+from . import _args, _calls, _config, _http
 from ._tracker import LossTracker
-from .client import (CLI_TIMEOUT_S, DEFAULT_TIMEOUT_S, PathLike, _abs, _attach_body, _detach_body, _lineage_query,
+from .client import (CLI_TIMEOUT_S, DEFAULT_TIMEOUT_S, PathLike, _attach_body, _detach_body,
                      parse_canonicalize_output)
 from .errors import (
     DaemonTimeout,
@@ -683,6 +683,10 @@ class AsyncClient:
             raise ProtocolError("mepd answered %s %s without a JSON object" % (method, target))
         return doc
 
+    async def _run(self, call: _calls.Call) -> Any:
+        """Sends ``call`` and reads its answer (see :mod:`mep._calls`)."""
+        return call.decode(await self._obj(call.method, call.target, call.body, call.timeout_for(self.timeout)))
+
     async def acquire(self, name: str, path: PathLike, *, ttl: Optional[int] = 30, wait: Optional[float] = None,
                       bind: str = "pid", labels: Optional[Mapping[str, str]] = None,
                       max_hold: Optional[int] = None) -> AsyncLease:
@@ -721,9 +725,7 @@ class AsyncClient:
                      max_hold: Optional[int] = None) -> LeaseInfo:
         """The bare ``POST /v1/attach`` (no event stream, no loss tracking): prefer
         :meth:`acquire`. See :meth:`mep.Client.attach`."""
-        body = _attach_body(name, path, ttl, wait, bind, labels, max_hold)
-        return LeaseInfo.from_json(await self._obj("POST", "/v1/attach", body,
-                                                   self.timeout + body.get("wait_seconds", 0)))
+        return await self._run(_calls.attach(_attach_body(name, path, ttl, wait, bind, labels, max_hold)))
 
     async def detach(self, name: str, lease_id: Optional[str] = None) -> Optional[MepError]:
         """``POST /v1/detach`` (with ``lease_id``: only that lease); returns the control
@@ -734,11 +736,7 @@ class AsyncClient:
 
     async def leases(self) -> List[LeaseInfo]:
         """``GET /v1/leases``."""
-        doc = await self._obj("GET", "/v1/leases")
-        items = doc.get("leases")
-        if not isinstance(items, list):
-            raise ProtocolError("GET /v1/leases answered without a leases array")
-        return [LeaseInfo.from_json(o) for o in items if isinstance(o, dict)]
+        return await self._run(_calls.leases())
 
     async def status(self) -> List[LeaseInfo]:
         """Same as :meth:`leases`."""
@@ -746,22 +744,19 @@ class AsyncClient:
 
     async def get_lease(self, name: str) -> LeaseInfo:
         """``GET /v1/leases/{name}``."""
-        return LeaseInfo.from_json(await self._obj("GET", "/v1/leases/" +
-                                                   urllib.parse.quote(_args.text(name, "name"), safe="")))
+        return await self._run(_calls.get_lease(name))
 
     async def verify(self, name: str) -> VerifyResult:
         """``POST /v1/verify``."""
-        return VerifyResult.from_json(await self._obj("POST", "/v1/verify", {"name": _args.text(name, "name")}))
+        return await self._run(_calls.verify(name))
 
     async def sync(self, name: str, *, timeout: Optional[float] = None) -> SyncResult:
         """``POST /v1/sync``; ``timeout`` as :meth:`mep.Client.sync` (None: no limit)."""
-        body = {"name": _args.text(name, "name")}
-        return SyncResult.from_json(await self._obj("POST", "/v1/sync", body, _transfer_timeout(timeout)))
+        return await self._run(_calls.sync(name, _transfer_timeout(timeout)))
 
     async def fetch(self, memory_instance_id: str, path: PathLike, *, timeout: Optional[float] = None) -> FetchResult:
         """``POST /v1/fetch``; ``timeout`` as :meth:`mep.Client.fetch` (None: no limit)."""
-        body = {"memory_instance_id": _args.text(memory_instance_id, "memory_instance_id"), "path": _abs(path)}
-        return FetchResult.from_json(await self._obj("POST", "/v1/fetch", body, _transfer_timeout(timeout)))
+        return await self._run(_calls.fetch(memory_instance_id, path, _transfer_timeout(timeout)))
 
     def events(self) -> AsyncEventStream:
         """The daemon's event stream (``async for`` / ``async with``)."""
@@ -769,25 +764,23 @@ class AsyncClient:
 
     async def init(self, path: PathLike) -> MemoryIdentity:
         """``POST /v1/init``."""
-        return MemoryIdentity.from_json(await self._obj("POST", "/v1/init", {"path": _abs(path)}))
+        return await self._run(_calls.init(path))
 
     async def branch(self, path: PathLike, new_path: PathLike) -> BranchResult:
         """``POST /v1/branch``."""
-        return BranchResult.from_json(await self._obj("POST", "/v1/branch",
-                                                      {"path": _abs(path), "new_path": _abs(new_path, "new_path")}))
+        return await self._run(_calls.branch(path, new_path))
 
     async def identify(self, path: PathLike) -> MemoryIdentity:
         """``GET /v1/identify``."""
-        return MemoryIdentity.from_json(await self._obj("GET", "/v1/identify?path=" +
-                                                        urllib.parse.quote(_abs(path), safe="")))
+        return await self._run(_calls.identify(path))
 
     async def lineage(self, path_or_id: PathLike) -> Lineage:
         """``GET /v1/lineage`` by path or memory id."""
-        return Lineage.from_json(await self._obj("GET", "/v1/lineage?" + _lineage_query(path_or_id)))
+        return await self._run(_calls.lineage(path_or_id))
 
     async def health(self) -> Health:
         """``GET /healthz``."""
-        return Health.from_json(await self._obj("GET", "/healthz"))
+        return await self._run(_calls.health())
 
     async def canonicalize(self, name: str) -> CanonicalName:
         """Like :meth:`mep.Client.canonicalize`, running the CLI as an asyncio subprocess."""

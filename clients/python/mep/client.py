@@ -5,13 +5,11 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import subprocess
 import time
-import urllib.parse
 from typing import Any, Dict, Iterator, List, Mapping, Optional, Tuple, Union
 
-from . import _args, _config, _http
+from . import _args, _calls, _config, _http
 from .errors import InvalidName, MepError, ProtocolError
 from .lease import Lease, LeaseContext, _transfer_timeout
 from .types import (
@@ -31,7 +29,6 @@ __all__ = ["Client", "EventStream", "PathLike"]
 
 PathLike = Union[str, "os.PathLike[str]"]
 
-_UUID_RE = re.compile(r"^[0-9a-fA-F]{8}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{12}$")
 
 #: Default seconds for one request/response with the daemon (it may wait on the control plane).
 DEFAULT_TIMEOUT_S = 30.0
@@ -39,47 +36,9 @@ DEFAULT_TIMEOUT_S = 30.0
 CLI_TIMEOUT_S = 20.0
 
 
-def _abs(path: PathLike, arg: str = "path") -> str:
-    return _args.path(path, arg)
-
-
-def _check_bind(bind: str) -> str:
-    return _args.bind(bind)
-
-
-def _attach_body(name: str, path: PathLike, ttl: Optional[int], wait: Optional[float], bind: str,
-                 labels: Optional[Mapping[str, str]] = None, max_hold: Optional[int] = None) -> Dict[str, Any]:
-    """The body of ``POST /v1/attach``, every argument checked (shared with :mod:`mep.aio`)."""
-    body: Dict[str, Any] = {"name": _args.text(name, "name"), "path": _abs(path), "bind": _check_bind(bind)}
-    t = _args.ttl(ttl)
-    if t is not None:
-        body["ttl_seconds"] = t
-    w = _args.wait(wait)
-    if w is not None:
-        body["wait_seconds"] = w
-    lab = _args.labels(labels)
-    if lab:  # none or empty: not sent (a mepd that predates labels takes the attach)
-        body["labels"] = lab
-    h = _args.max_hold(max_hold)
-    if h is not None:
-        body["max_hold_seconds"] = h
-    return body
-
-
-def _lineage_query(path_or_id: PathLike) -> str:
-    """The query of ``GET /v1/lineage`` for a path or a memory id (shared with :mod:`mep.aio`)."""
-    s = _args.path_text(path_or_id, "path_or_id")
-    if _UUID_RE.match(s) and not os.path.exists(s):
-        return "id=" + urllib.parse.quote(s, safe="")
-    return "path=" + urllib.parse.quote(_abs(s, "path_or_id"), safe="")
-
-
-def _detach_body(name: str, lease_id: Optional[str]) -> Dict[str, Any]:
-    """The body of ``POST /v1/detach`` (shared with :mod:`mep.aio`)."""
-    body: Dict[str, Any] = {"name": _args.text(name, "name")}
-    if lease_id is not None:
-        body["lease_id"] = _args.text(lease_id, "lease_id")
-    return body
+# The request bodies, shared with :mod:`mep.aio` (defined once, in _calls).
+_attach_body = _calls.attach_body
+_detach_body = _calls.detach_body
 
 
 def canonicalize_with_cli(mep_bin: str, name: str, timeout: float = CLI_TIMEOUT_S) -> CanonicalName:
@@ -238,6 +197,10 @@ class Client:
             raise ProtocolError("mepd answered %s %s without a JSON object" % (method, target))
         return doc
 
+    def _run(self, call: _calls.Call) -> Any:
+        """Sends ``call`` and reads its answer (see :mod:`mep._calls`)."""
+        return call.decode(self._obj(call.method, call.target, call.body, call.timeout_for(self.timeout)))
+
     # ---- leases ------------------------------------------------------------------------
     def acquire(self, name: str, path: PathLike, *, ttl: Optional[int] = 30, wait: Optional[float] = None,
                 bind: str = "pid", labels: Optional[Mapping[str, str]] = None,
@@ -305,8 +268,7 @@ class Client:
         """The bare ``POST /v1/attach`` (no event stream, no loss tracking): prefer
         :meth:`acquire`, which takes the same arguments. With ``bind="pid"`` the lease is
         bound to this process."""
-        body = _attach_body(name, path, ttl, wait, bind, labels, max_hold)
-        return LeaseInfo.from_json(self._obj("POST", "/v1/attach", body, self.timeout + body.get("wait_seconds", 0)))
+        return self._run(_calls.attach(_attach_body(name, path, ttl, wait, bind, labels, max_hold)))
 
     def detach(self, name: str, lease_id: Optional[str] = None) -> Optional[MepError]:
         """``POST /v1/detach``: release the daemon's lease on ``name`` (display or canonical
@@ -323,11 +285,7 @@ class Client:
 
     def leases(self) -> List[LeaseInfo]:
         """Every lease the daemon keeps (``GET /v1/leases``), lost ones included."""
-        doc = self._obj("GET", "/v1/leases")
-        items = doc.get("leases")
-        if not isinstance(items, list):
-            raise ProtocolError("GET /v1/leases answered without a leases array")
-        return [LeaseInfo.from_json(o) for o in items if isinstance(o, dict)]
+        return self._run(_calls.leases())
 
     def status(self) -> List[LeaseInfo]:
         """Same as :meth:`leases` (what ``mep status`` shows)."""
@@ -335,21 +293,20 @@ class Client:
 
     def get_lease(self, name: str) -> LeaseInfo:
         """``GET /v1/leases/{name}``; :class:`~mep.LeaseNotFound` if the daemon holds none."""
-        return LeaseInfo.from_json(self._obj("GET", "/v1/leases/" + urllib.parse.quote(_args.text(name, "name"), safe="")))
+        return self._run(_calls.get_lease(name))
 
     def verify(self, name: str) -> VerifyResult:
         """``POST /v1/verify``: the control plane confirms the daemon's lease on ``name`` is
         current; :class:`~mep.StaleFence`, :class:`~mep.LeaseExpired`,
         :class:`~mep.LeaseNotFound`, :class:`~mep.Unavailable` otherwise.
         :meth:`Lease.verify` also marks a lease lost on 409/410."""
-        return VerifyResult.from_json(self._obj("POST", "/v1/verify", {"name": _args.text(name, "name")}))
+        return self._run(_calls.verify(name))
 
     def sync(self, name: str, *, timeout: Optional[float] = None) -> SyncResult:
         """``POST /v1/sync``: upload the memory file of the lease on ``name`` to the data
         plane under its token (see :meth:`Lease.sync`). ``timeout``: seconds to wait for
         the daemon's answer; None (default) waits as long as the upload takes."""
-        body = {"name": _args.text(name, "name")}
-        return SyncResult.from_json(self._obj("POST", "/v1/sync", body, _transfer_timeout(timeout)))
+        return self._run(_calls.sync(name, _transfer_timeout(timeout)))
 
     def fetch(self, memory_instance_id: str, path: PathLike, *, timeout: Optional[float] = None) -> FetchResult:
         """``POST /v1/fetch``: download the memory's latest stored object into the new file
@@ -360,8 +317,7 @@ class Client:
         ``timeout``: seconds to wait for the daemon's answer (:class:`~mep.DaemonTimeout`
         after that); None (default) sets no limit — the daemon answers only once the
         download is done, and gives up itself on a transfer that stalls (no progress for 30 s)."""
-        body = {"memory_instance_id": _args.text(memory_instance_id, "memory_instance_id"), "path": _abs(path)}
-        return FetchResult.from_json(self._obj("POST", "/v1/fetch", body, _transfer_timeout(timeout)))
+        return self._run(_calls.fetch(memory_instance_id, path, _transfer_timeout(timeout)))
 
     def events(self) -> EventStream:
         """Follow the daemon's event stream (every lease of the daemon: filter on
@@ -373,27 +329,26 @@ class Client:
     def init(self, path: PathLike) -> MemoryIdentity:
         """``POST /v1/init``: create the new, empty memory file ``path`` with a fresh
         identity (:class:`~mep.InvalidRequest` if it exists)."""
-        return MemoryIdentity.from_json(self._obj("POST", "/v1/init", {"path": _abs(path)}))
+        return self._run(_calls.init(path))
 
     def branch(self, path: PathLike, new_path: PathLike) -> BranchResult:
         """``POST /v1/branch``: copy the held memory at ``path`` to ``new_path`` as a new
         identity whose lineage records the parent and its token. Needs a live lease on
         ``path``'s memory (:class:`~mep.LeaseNotFound` / :class:`~mep.LeaseExpired`)."""
-        return BranchResult.from_json(self._obj("POST", "/v1/branch", {"path": _abs(path),
-                                                                       "new_path": _abs(new_path, "new_path")}))
+        return self._run(_calls.branch(path, new_path))
 
     def identify(self, path: PathLike) -> MemoryIdentity:
         """``GET /v1/identify``: the identity of the memory file ``path``."""
-        return MemoryIdentity.from_json(self._obj("GET", "/v1/identify?path=" + urllib.parse.quote(_abs(path), safe="")))
+        return self._run(_calls.identify(path))
 
     def lineage(self, path_or_id: PathLike) -> Lineage:
         """``GET /v1/lineage``: ancestors and children of a memory, given as a file path or
         as a memory id (a UUID that is not the name of an existing file)."""
-        return Lineage.from_json(self._obj("GET", "/v1/lineage?" + _lineage_query(path_or_id)))
+        return self._run(_calls.lineage(path_or_id))
 
     def health(self) -> Health:
         """``GET /healthz``."""
-        return Health.from_json(self._obj("GET", "/healthz"))
+        return self._run(_calls.health())
 
     # ---- names -------------------------------------------------------------------------
     def canonicalize(self, name: str) -> CanonicalName:

@@ -96,18 +96,44 @@ class ContractTest(unittest.TestCase):
         self.assertEqual(kinds, {"granted", "renewed", "degraded", "lost", "released"})
 
     def test_the_sdk_calls_the_routes_mepd_serves(self):
+        """The routes are written once, in mep/_calls.py (the sans-I/O core); the attach of
+        acquire() and the detach go out from the faces themselves. Each face (client.py,
+        aio.py) must reach every recorded route, and nothing mepd does not serve."""
         recorded = {ex["route"] for ex in self.contract["exchanges"]}
-        for module in ("client.py", "aio.py"):
-            with open(os.path.join(SOURCE_ROOT, "mep", module), encoding="utf-8") as f:
-                text = f.read()
-            called = set()
-            for method, path in re.findall(r'"(GET|POST)",\s*"(/[a-z0-9/]*)', text):
-                called.add("%s %s" % (method, "/v1/leases/{name}" if path == "/v1/leases/" else path))
-            if "/v1/events" in text:
-                called.add("GET /v1/events")
-            with self.subTest(module=module):
+
+        def routes(*modules):
+            found = set()
+            for module in modules:
+                with open(os.path.join(SOURCE_ROOT, "mep", module), encoding="utf-8") as f:
+                    text = f.read()
+                for method, path in re.findall(r'"(GET|POST)",\s*"(/[a-z0-9/]*)', text):
+                    found.add("%s %s" % (method, "/v1/leases/{name}" if path == "/v1/leases/" else path))
+                if "/v1/events" in text:
+                    found.add("GET /v1/events")
+            return found
+
+        core = routes("_calls.py")
+        self.assertTrue(core, "no route found in mep/_calls.py")
+        for face in ("client.py", "aio.py"):
+            called = core | routes(face, "lease.py")
+            with self.subTest(face=face):
                 self.assertEqual(called - recorded - UNRECORDED, set(), "calls to routes mepd does not serve")
-                self.assertEqual(recorded - called, set(), "recorded routes this module does not call")
+                self.assertEqual(recorded - called, set(), "recorded routes this face does not call")
+
+    def test_both_faces_build_their_calls_in_the_core(self):
+        """Client and AsyncClient send the same calls, built by the same functions of
+        mep/_calls.py: a call added to one face only fails here."""
+        import inspect
+        from mep import _calls
+        builders = {name for name, fn in vars(_calls).items()
+                    if inspect.isfunction(fn) and not name.startswith("_")
+                    and inspect.signature(fn).return_annotation in ("Call", _calls.Call)}
+        self.assertTrue(builders)
+        for face in ("client.py", "aio.py"):
+            with open(os.path.join(SOURCE_ROOT, "mep", face), encoding="utf-8") as f:
+                used = set(re.findall(r"_calls\.(\w+)\(", f.read()))
+            with self.subTest(face=face):
+                self.assertEqual(builders - used, set(), "calls of the core this face does not offer")
 
 
 if __name__ == "__main__":
