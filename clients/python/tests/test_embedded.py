@@ -227,11 +227,9 @@ class ProcessBindingTest(DaemonTestCase):
         listed = c.leases()
         self.assertEqual([(l.canonical_name, l.bind_pid) for l in listed], [("killedagent", child.pid)])
         child.kill9()
-        t0 = time.monotonic()
         # Released when the pid goes, long before the 30 s TTL (no bound on this machine's speed).
         self.assertTrue(wait_until(lambda: c.leases() == [], 10.0),
                         "the daemon still lists %r 10 s after the agent died (TTL 30 s)" % c.leases())
-        self.assertLess(time.monotonic() - t0, 10.0)
 
 
 class ReleaseRetryTest(DaemonTestCase):
@@ -359,12 +357,19 @@ class LossTest(DaemonTestCase):
         c = d.client(timeout=5)
         path = self.new_memory(c)
         with c.lease("silent daemon", path, ttl=5) as lease:
-            t0 = time.monotonic()
+            seen = []
+            lease.on_lost(lambda l: seen.append(time.monotonic()))
             d.proc.signal(signal.SIGSTOP)
             try:
                 self.assertTrue(lease.lost.wait(10))
-                self.assertLess(time.monotonic() - t0, 5.0, "lost before the ttl could run out")
                 self.assertEqual(lease.lost_reason, "local-deadline")
+                # Decided by the deadline (the last sending heard of + ttl - margin, the
+                # tracker's unit tests check the arithmetic), not early. How soon after it
+                # depends on this machine's load: not asserted.
+                deadline = lease._tracker.deadline
+                self.assertIsNotNone(deadline)
+                self.assertTrue(wait_until(lambda: seen, 5.0))
+                self.assertGreaterEqual(seen[0], deadline)
                 self.assertTrue(lease.at_risk.is_set())
                 with self.assertRaises(mep.LeaseLost):
                     lease.verify()  # refused locally, without asking the stopped daemon
@@ -448,14 +453,12 @@ class HolderAndMaxHoldTest(DaemonTestCase):
         path = self.new_memory(self.c)
         calls = []
         with self.c.events() as stream:
-            t0 = time.monotonic()
             with self.c.lease("short hold", path, ttl=5, max_hold=6) as lease:
                 lease.on_lost(lambda l: calls.append(l.lost_reason))
                 self.assertTrue(lease.lost.wait(15), "lost once a renewal would pass the max hold")
                 # Told by the daemon (its first renewal is refused), not found by the SDK's
                 # local deadline (4 s after the attach): the daemon's reason is kept.
                 self.assertEqual(lease.lost_reason, "max-hold")
-                self.assertLess(time.monotonic() - t0, 7)
                 with self.assertRaises(mep.LeaseLost) as cm:
                     lease.check()
                 self.assertEqual(cm.exception.reason, "max-hold")
