@@ -75,10 +75,9 @@ std::string or_dash(const std::optional<std::int64_t>& v) { return v ? std::to_s
 
 // An answer of mepd that this mep cannot read (another version's API): one line, exit as
 // for an internal error; nothing was printed as if it had succeeded.
-int unreadable_answer(const std::string& method, const std::string& target, const Problem& why) {
-  Problem p(Code::internal, "mepd's answer to " + method + " " + target.substr(0, target.find('?')) +
-                                " is not the API this mep reads (" + why.detail +
-                                "); are mep and mepd the same version?");
+int report_unreadable(const std::string& method, const std::string& target, const Problem& why) {
+  Problem p(Code::internal, unreadable_answer(method + " " + target.substr(0, target.find('?')), why) +
+                                "; are mep and mepd the same version?");
   std::fprintf(stderr, "mep: %s\n", p.detail.c_str());
   return p.exit_code();
 }
@@ -96,7 +95,7 @@ int call(const GlobalOptions& g, const std::string& method, const std::string& t
     return exit_code::ok;
   }
   auto answer = decode(r.json());
-  if (!answer) return unreadable_answer(method, target, answer.error());
+  if (!answer) return report_unreadable(method, target, answer.error());
   human(*answer);
   return exit_code::ok;
 }
@@ -184,7 +183,7 @@ void register_lease_commands(CLI::App& app, GlobalOptions& g, Action& action) {
         return exit_code::ok;
       }
       auto l = daemon_api::decode_lease(o);
-      if (!l) return unreadable_answer("POST", "/v1/attach", l.error());
+      if (!l) return report_unreadable("POST", "/v1/attach", l.error());
       std::printf("claimed %s  memory=%s  token=%s  expires in %s\n", l->canonical_name.c_str(), l->memory_id.c_str(),
                   or_dash(l->fencing_token).c_str(), expires_in(l->expires_at).c_str());
       return exit_code::ok;

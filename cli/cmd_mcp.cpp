@@ -49,7 +49,7 @@ DaemonReply Session::attach_once(std::int64_t wait_s) {
     if (!lease) {
       // Bound to this process: mepd releases it when the session's process ends.
       r.status = 0;
-      r.error = "mepd's answer to the attach is not the API this mep reads (" + lease.error().detail + ")";
+      r.error = unreadable_answer("the attach", lease.error());
     } else if (!granted(*lease, sent, watch, generation)) {
       give_back(*lease);
       r.status = 0;
@@ -163,8 +163,7 @@ void Session::wait_for_lease(std::uint64_t generation, std::shared_ptr<Cancel> c
         auto lease = daemon_api::decode_lease(r.json());
         if (!lease) {
           // Bound to this process: mepd releases it when the session's process ends.
-          log("error", "mepd's answer to the attach is not the API this mep reads (" + lease.error().detail +
-                           "); are mep and mepd the same version?");
+          log("error", unreadable_answer("the attach", lease.error()) + "; are mep and mepd the same version?");
           return;
         }
         // Granted as the wait was given up (a branch switch, the session's end): not wanted.

@@ -190,7 +190,7 @@ mcp::ToolResult Session::branch_tool(const js::object& args) {
   if (r.status != 201) return mcp::ToolResult::error("no branch was made: " + explain(r.problem(m_socket)));
   js::object o = r.json();
   auto made = daemon_api::decode_branched_file(o);
-  if (!made) return mcp::ToolResult::error("the branch's answer is not the API this mep reads: " + made.error().detail);
+  if (!made) return mcp::ToolResult::error(unreadable_answer("the branch", made.error()));
   if (switch_to) {
     // The session moves to the branch: no more wait for the old memory, no lease on it.
     end_wait();

@@ -275,6 +275,10 @@ bool follow_events(const std::string& socket, const std::function<bool(const std
   return true;
 }
 
+std::string unreadable_answer(std::string_view what, const Problem& why) {
+  return "mepd's answer to " + std::string(what) + " is not the API this mep reads (" + why.detail + ")";
+}
+
 int report_problem(const DaemonReply& r, const std::string& socket, bool json) {
   Problem p = r.problem(socket);
   if (json) {

@@ -108,6 +108,10 @@ void add_holder_options(CLI::App* cmd, HolderOptions& o);
 /// holder (the holder member of a 423); empty when it names none.
 std::string held_by(const Problem& p);
 
+/// "mepd's answer to WHAT is not the API this mep reads (WHY)": an answer the daemon_api
+/// decoders refused (another mepd version, a bug), for one line on stderr or a tool's error.
+std::string unreadable_answer(std::string_view what, const Problem& why);
+
 /// Prints a reply the way every command does: the JSON document with --json, else the
 /// problem's title and detail on stderr. Returns the exit code of the problem's code.
 int report_problem(const DaemonReply& r, const std::string& socket, bool json);

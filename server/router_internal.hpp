@@ -200,19 +200,11 @@ Then<T> answer_created(CallPtr c) {
   return [c = std::move(c)](Outcome<T> o) { finish(c, encode(c, o, o.ok() && o.value->created ? 201 : 200)); };
 }
 
-inline std::optional<std::string> header_once(const bhttp::fields& req, bhttp::field f, bool& doubled) {
-  auto range = req.equal_range(f);
-  std::optional<std::string> value;
-  doubled = false;
-  for (auto it = range.first; it != range.second; ++it) {
-    if (value) doubled = true;
-    value = std::string(it->value());
-  }
-  return value;
-}
-
-inline std::optional<std::string> header_once(const bhttp::fields& req, std::string_view name, bool& doubled) {
-  auto range = req.equal_range(name);
+// The header's value (the last one), and whether it came more than once. `Key`: a
+// bhttp::field or a header name.
+template <class Key>
+std::optional<std::string> header_once(const bhttp::fields& req, Key key, bool& doubled) {
+  auto range = req.equal_range(key);
   std::optional<std::string> value;
   doubled = false;
   for (auto it = range.first; it != range.second; ++it) {
