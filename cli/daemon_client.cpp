@@ -1,4 +1,4 @@
-// A small blocking HTTP/1.1 client over a Unix socket.
+// The CLI's calls to mepd: libcurl (mep::http::Client) over the Unix socket.
 #include "daemon_client.hpp"
 
 #include "commands.hpp"
@@ -6,6 +6,7 @@
 #include "mep/time.hpp"
 
 #include "mep/config.hpp"
+#include "mep/http/client.hpp"
 #include "mep/json.hpp"
 #include "mep/utf8.hpp"
 
@@ -21,9 +22,7 @@
 #include <cerrno>
 #include <cstring>
 #include <filesystem>
-#include <poll.h>
 #include <sys/socket.h>
-#include <sys/un.h>
 #include <unistd.h>
 
 namespace mep::cli {
@@ -66,55 +65,27 @@ Problem DaemonReply::problem(const std::string& socket) const {
 
 namespace {
 
-// `denied`: set when the socket exists and is not this user's to use (EACCES).
-int connect_unix(const std::string& path, std::string& error, bool* denied = nullptr) {
-  int fd = ::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
-  sockaddr_un addr{};
-  addr.sun_family = AF_UNIX;
-  if (path.size() >= sizeof addr.sun_path) {
-    error = "socket path too long";
-    ::close(fd);
-    return -1;
-  }
-  std::memcpy(addr.sun_path, path.c_str(), path.size() + 1);
-  if (::connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof addr) != 0) {
-    // Refused or missing: no daemon. Denied: a daemon that is not this user's to use.
-    if (denied) *denied = errno == EACCES;
-    error = errno == EACCES ? std::string("permission denied: the socket belongs to another user; use your own "
-                                          "mepd, or the system one (/run/mep/mepd.sock) as a member of the group mep")
-                            : std::strerror(errno);
-    ::close(fd);
-    return -1;
-  }
-  return fd;
+// The CLI's connections to mepd: libcurl over the Unix socket, a new connection per request.
+http::Client& curl_client() {
+  static http::Client client;
+  return client;
 }
 
-bool send_all(int fd, const std::string& data) {
-  for (std::size_t off = 0; off < data.size();) {
-    ssize_t n = ::send(fd, data.data() + off, data.size() - off, MSG_NOSIGNAL);
-    if (n <= 0) return false;
-    off += static_cast<std::size_t>(n);
+// Why a request got no answer, in the words the commands print after "cannot reach mepd at …".
+void explain_failure(const http::ClientResponse& res, bool cancelled, DaemonReply& r) {
+  if (cancelled) {
+    r.error = "cancelled";
+  } else if (res.os_errno == EACCES) { // a daemon that is not this user's to use
+    r.denied = true;
+    r.error = "permission denied: the socket belongs to another user; use your own mepd, or the system one "
+              "(/run/mep/mepd.sock) as a member of the group mep";
+  } else if (res.timed_out) {
+    r.error = "no answer from the daemon";
+  } else if (res.os_errno != 0) {
+    r.error = std::strerror(res.os_errno); // refused, missing: no daemon
+  } else {
+    r.error = "the daemon closed the connection (" + res.error + ")";
   }
-  return true;
-}
-
-// Reads until `pred(buffer)` or EOF, waiting at most `timeout_ms` per read.
-bool read_until(int fd, std::string& buf, const std::function<bool(const std::string&)>& pred, int timeout_ms) {
-  char tmp[8192];
-  while (!pred(buf)) {
-    pollfd p{fd, POLLIN, 0};
-    if (::poll(&p, 1, timeout_ms) <= 0) return false;
-    ssize_t n = ::recv(fd, tmp, sizeof tmp, 0);
-    if (n <= 0) return false;
-    buf.append(tmp, static_cast<std::size_t>(n));
-  }
-  return true;
-}
-
-std::string request_text(const std::string& method, const std::string& target, const std::string& body) {
-  std::string req = method + " " + target + " HTTP/1.1\r\nHost: mepd\r\nConnection: close\r\n";
-  if (!body.empty()) req += "Content-Type: application/json\r\nContent-Length: " + std::to_string(body.size()) + "\r\n";
-  return req + "\r\n" + body;
 }
 
 } // namespace
@@ -160,39 +131,29 @@ namespace {
 DaemonReply socket_request(const std::string& socket, const std::string& method, const std::string& target,
                            const std::string& body, int timeout_ms, Cancel* cancel) {
   DaemonReply r;
-  int fd = connect_unix(socket, r.error, &r.denied);
-  if (fd < 0) return r;
-  if (cancel && !cancel->watch(fd)) {
+  if (cancel && cancel->cancelled()) {
     r.error = "cancelled";
-    ::close(fd);
     return r;
   }
-  std::string buf;
-  // A daemon that refuses the peer (403) answers and closes without reading the request:
-  // sending may then fail, and the answer is still there to read.
-  const bool sent = send_all(fd, request_text(method, target, body));
-  std::size_t head = std::string::npos;
-  bool ok = read_until(
-      fd, buf, [&](const std::string& b) { return (head = b.find("\r\n\r\n")) != std::string::npos; }, timeout_ms);
-  if (!ok) {
-    r.error = cancel && cancel->cancelled() ? "cancelled"
-              : sent                        ? "no answer from the daemon"
-                                            : "the daemon closed the connection";
-    if (cancel) cancel->watch(-1); // before the descriptor's number can be reused
-    ::close(fd);
+  http::ClientRequest req;
+  req.method = method;
+  req.url = "http://mepd" + target;
+  req.unix_socket = socket;
+  req.body = body;
+  if (!body.empty()) req.headers.emplace_back("Content-Type", "application/json");
+  req.timeout = std::chrono::milliseconds(0);
+  if (timeout_ms >= 0) req.stall = std::chrono::seconds((timeout_ms + 999) / 1000);
+  if (cancel)
+    req.on_socket = [cancel](int fd) {
+      if (!cancel->watch(fd)) ::shutdown(fd, SHUT_RDWR); // cancelled meanwhile: ends at once
+    };
+  auto res = curl_client().perform(req);
+  if (res.status == 0) {
+    explain_failure(res, cancel && cancel->cancelled(), r);
     return r;
   }
-  std::size_t length = 0;
-  std::string lower = buf.substr(0, head);
-  for (auto& ch : lower) ch = static_cast<char>(std::tolower(static_cast<unsigned char>(ch)));
-  if (auto cl = lower.find("content-length:"); cl != std::string::npos)
-    length = std::strtoul(lower.c_str() + cl + 15, nullptr, 10);
-  read_until(
-      fd, buf, [&](const std::string& b) { return b.size() >= head + 4 + length; }, 60000);
-  if (cancel) cancel->watch(-1);
-  ::close(fd);
-  r.status = std::atoi(buf.c_str() + 9);
-  r.body = buf.substr(head + 4, length);
+  r.status = res.status;
+  r.body = std::move(res.body);
   return r;
 }
 } // namespace
@@ -238,41 +199,33 @@ DaemonReply attach(const std::string& socket, daemon_api::AttachBody attach, std
 
 bool follow_events(const std::string& socket, const std::function<bool(const std::string&)>& on_line,
                    const std::function<void(int fd)>& on_connected) {
-  std::string error;
-  int fd = connect_unix(socket, error);
-  if (fd < 0) return false;
-  if (!send_all(fd, request_text("GET", "/v1/events", ""))) {
-    ::close(fd);
-    return false;
-  }
-  on_connected(fd);
+  http::ClientRequest req;
+  req.url = "http://mepd/v1/events";
+  req.unix_socket = socket;
+  req.timeout = std::chrono::milliseconds(0); // a stream: as long as mepd keeps it open
+  int fd = -1;
+  req.on_socket = [&](int s) {
+    if (s < 0 && fd >= 0) on_connected(-1);
+    fd = s;
+  };
+  bool headed = false;
+  req.on_head = [&](int) { // mepd follows for this stream from here
+    headed = true;
+    on_connected(fd);
+  };
   std::string buf;
-  bool in_body = false;
-  char tmp[8192];
-  for (;;) {
-    ssize_t n = ::recv(fd, tmp, sizeof tmp, 0);
-    if (n <= 0) break;
-    buf.append(tmp, static_cast<std::size_t>(n));
-    if (!in_body) {
-      auto head = buf.find("\r\n\r\n");
-      if (head == std::string::npos) continue;
-      buf.erase(0, head + 4);
-      in_body = true;
-    }
+  req.on_data = [&](std::string_view piece) {
+    buf.append(piece);
     std::size_t nl;
     while ((nl = buf.find('\n')) != std::string::npos) {
       std::string line = buf.substr(0, nl);
       buf.erase(0, nl + 1);
-      if (!on_line(line)) {
-        on_connected(-1);
-        ::close(fd);
-        return true;
-      }
+      if (!on_line(line)) return false;
     }
-  }
-  on_connected(-1);
-  ::close(fd);
-  return true;
+    return true;
+  };
+  auto res = curl_client().perform(req);
+  return headed || res.status != 0; // a stream cut (stop()) ends in a transport error
 }
 
 std::string unreadable_answer(std::string_view what, const Problem& why) {

@@ -1,5 +1,5 @@
-// The CLI's client for mepd's socket: one HTTP/1.1 request per call, and the NDJSON
-// event stream for `mep run`.
+// The CLI's client for mepd's socket (libcurl): one HTTP/1.1 request per call, and the
+// NDJSON event stream for `mep run`.
 #pragma once
 #include "mep/daemon_api/types.hpp"
 #include "mep/problem.hpp"
@@ -59,8 +59,8 @@ private:
 DaemonReply daemon_request(const std::string& socket, const std::string& method, const std::string& target,
                            const std::string& body = {}, int timeout_ms = 60000, Cancel* cancel = nullptr);
 
-/// How the commands reach mepd, one request at a time. The default speaks HTTP/1.1 on the
-/// Unix socket; the commands' unit tests put a fake in its place.
+/// How the commands reach mepd, one request at a time. The default is libcurl over the Unix
+/// socket (mep::http::Client); the commands' unit tests put a fake in its place.
 class DaemonClient {
 public:
   virtual ~DaemonClient() = default;

@@ -8,6 +8,7 @@
 #include <cctype>
 #include <cerrno>
 #include <cstring>
+#include <exception>
 #include <fstream>
 #include <stdexcept>
 #include <unistd.h>
@@ -27,6 +28,8 @@ struct Exchange {
   bool cancelled = false;
   std::uint64_t uploaded = 0; // of req->upload_size
   bool upload_short = false;  // the file ended before upload_size
+  bool stopped = false;       // on_data said so
+  std::exception_ptr thrown;  // by a callback of the caller's, rethrown once libcurl is out
 };
 
 size_t on_body(char* p, size_t size, size_t n, void* user) {
@@ -34,6 +37,15 @@ size_t on_body(char* p, size_t size, size_t n, void* user) {
   const size_t len = size * n;
   long code = 0;
   curl_easy_getinfo(x->curl, CURLINFO_RESPONSE_CODE, &code);
+  if (x->req->on_data) {
+    try {
+      if (x->req->on_data(std::string_view(p, len))) return len;
+      x->stopped = true;
+    } catch (...) {
+      x->thrown = std::current_exception();
+    }
+    return 0; // aborts the transfer: CURLE_WRITE_ERROR
+  }
   if (x->req->download_fd >= 0 && code >= 200 && code < 300) {
     size_t done = 0;
     while (done < len) {
@@ -72,6 +84,19 @@ size_t on_header(char* p, size_t size, size_t n, void* user) {
     x->res->headers.clear(); // a 100 Continue's head, or a new answer: only the last counts
     return size * n;
   }
+  if (line == "\r\n" || line == "\n") { // the end of a head
+    long code = 0;
+    curl_easy_getinfo(x->curl, CURLINFO_RESPONSE_CODE, &code);
+    if (code >= 200 && x->req->on_head) {
+      try {
+        x->req->on_head(static_cast<int>(code));
+      } catch (...) {
+        x->thrown = std::current_exception();
+        return 0; // aborts the transfer
+      }
+    }
+    return size * n;
+  }
   auto colon = line.find(':');
   if (colon == std::string_view::npos) return size * n;
   std::string name(line.substr(0, colon));
@@ -104,6 +129,27 @@ size_t on_upload(char* p, size_t size, size_t n, void* user) {
     }
     if (errno != EINTR) return CURL_READFUNC_ABORT;
   }
+}
+
+int on_socket_open(void* user, curl_socket_t fd, curlsocktype) {
+  auto* x = static_cast<Exchange*>(user);
+  try {
+    x->req->on_socket(static_cast<int>(fd));
+  } catch (...) {
+    x->thrown = std::current_exception();
+    return CURL_SOCKOPT_ERROR;
+  }
+  return CURL_SOCKOPT_OK;
+}
+
+int on_socket_close(void* user, curl_socket_t fd) {
+  auto* x = static_cast<Exchange*>(user);
+  try {
+    x->req->on_socket(-1); // before the number can be reused
+  } catch (...) {
+    if (!x->thrown) x->thrown = std::current_exception();
+  }
+  return ::close(static_cast<int>(fd));
 }
 
 bool loopback_host(const std::string& host) {
@@ -165,7 +211,10 @@ ClientResponse Client::perform(const ClientRequest& req) {
     res.error = "cannot create an HTTP client handle";
     return res;
   }
-  Exchange x{c, &req, &res};
+  Exchange x;
+  x.curl = c;
+  x.req = &req;
+  x.res = &res;
   curl_slist* headers = nullptr;
   std::vector<std::string> lines;
   lines.reserve(req.headers.size());
@@ -196,6 +245,17 @@ ClientResponse Client::perform(const ClientRequest& req) {
   curl_easy_setopt(c, CURLOPT_HEADERFUNCTION, on_header);
   curl_easy_setopt(c, CURLOPT_HEADERDATA, &x);
   curl_easy_setopt(c, CURLOPT_NOSIGNAL, 1L);
+  if (!req.unix_socket.empty()) curl_easy_setopt(c, CURLOPT_UNIX_SOCKET_PATH, req.unix_socket.c_str());
+  if (!req.unix_socket.empty() || req.on_socket) {
+    curl_easy_setopt(c, CURLOPT_FRESH_CONNECT, 1L);
+    curl_easy_setopt(c, CURLOPT_FORBID_REUSE, 1L);
+  }
+  if (req.on_socket) {
+    curl_easy_setopt(c, CURLOPT_SOCKOPTFUNCTION, on_socket_open);
+    curl_easy_setopt(c, CURLOPT_SOCKOPTDATA, &x);
+    curl_easy_setopt(c, CURLOPT_CLOSESOCKETFUNCTION, on_socket_close);
+    curl_easy_setopt(c, CURLOPT_CLOSESOCKETDATA, &x);
+  }
   if (req.cancelled) {
     curl_easy_setopt(c, CURLOPT_XFERINFOFUNCTION, on_progress);
     curl_easy_setopt(c, CURLOPT_XFERINFODATA, &x);
@@ -219,11 +279,14 @@ ClientResponse Client::perform(const ClientRequest& req) {
   curl_easy_setopt(c, CURLOPT_ERRORBUFFER, detail);
   CURLcode rc = curl_easy_perform(c);
   curl_easy_setopt(c, CURLOPT_ERRORBUFFER, nullptr); // the handle outlives `detail`
-  if (rc == CURLE_OK) {
+  if (rc == CURLE_OK || x.stopped) {
     long code = 0;
     curl_easy_getinfo(c, CURLINFO_RESPONSE_CODE, &code);
     res.status = static_cast<int>(code);
   } else {
+    res.timed_out = rc == CURLE_OPERATION_TIMEDOUT;
+    long os_errno = 0;
+    if (curl_easy_getinfo(c, CURLINFO_OS_ERRNO, &os_errno) == CURLE_OK) res.os_errno = static_cast<int>(os_errno);
     res.status = 0;
     res.error = x.write_failed   ? std::string("cannot write the downloaded bytes: ") + std::strerror(errno)
                 : x.cancelled    ? std::string("cancelled")
@@ -232,7 +295,9 @@ ClientResponse Client::perform(const ClientRequest& req) {
                                  : curl_easy_strerror(rc);
   }
   curl_slist_free_all(headers);
+  if (req.on_socket) curl_easy_reset(c); // no callback of this exchange's is left behind
   release(c);
+  if (x.thrown) std::rethrow_exception(x.thrown);
   return res;
 }
 

@@ -30,6 +30,18 @@ struct ClientRequest {
   /// Given, asked about once a second while the exchange runs (more often while bytes
   /// move); true abandons it (status 0, "cancelled"), closing its connection.
   std::function<bool()> cancelled;
+  /// Given, the connection goes to this Unix socket instead of the URL's host (which then
+  /// only names the server, as in http://mepd/v1/status); a new connection, closed after.
+  std::string unix_socket;
+  /// Given, called with the connection's descriptor once it exists (before it connects) and
+  /// with -1 just before it is closed: another thread may shutdown(2) it to end the exchange
+  /// at once (a cancelled wait, a stopped stream). Implies a new connection, closed after.
+  std::function<void(int fd)> on_socket;
+  /// Given, called once the answer's head has arrived, with its status.
+  std::function<void(int status)> on_head;
+  /// Given, the body is handed here piece by piece as it arrives instead of kept in `body`
+  /// (a stream); returning false ends the exchange, and the status stays the answer's.
+  std::function<bool(std::string_view piece)> on_data;
 };
 
 struct ClientResponse {
@@ -38,6 +50,8 @@ struct ClientResponse {
   std::string body;                                         ///< the body, unless it went to download_fd
   std::vector<std::pair<std::string, std::string>> headers; ///< names in lower case
   std::uint64_t downloaded = 0;                             ///< bytes written to download_fd
+  bool timed_out = false;                                   ///< with status 0: a timeout or stall ended it
+  int os_errno = 0; ///< with status 0: the system's error of the failed connect, if any (EACCES, ENOENT…)
 
   bool ok() const { return status >= 200 && status < 300; }
   /// The first header called `name` (lower case), if any.
@@ -57,7 +71,8 @@ public:
   Client(const Client&) = delete;
   Client& operator=(const Client&) = delete;
 
-  /// Never throws for transport failures (status 0); throws std::bad_alloc only.
+  /// Never throws for transport failures (status 0); throws std::bad_alloc, and what the
+  /// request's own callbacks threw (the exchange is ended first).
   ClientResponse perform(const ClientRequest& req);
 
 private:
