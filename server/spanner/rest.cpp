@@ -184,6 +184,10 @@ Rpc<json::object> Rest::execute_sql(const std::string& session, const json::obje
   return call("POST", session + ":executeSql", &body, timeout);
 }
 
+Rpc<json::object> Rest::read(const std::string& session, const json::object& body, std::chrono::milliseconds timeout) {
+  return call("POST", session + ":read", &body, timeout);
+}
+
 Rpc<json::object> Rest::commit(const std::string& session, const json::object& body,
                                std::chrono::milliseconds timeout) {
   return call("POST", session + ":commit", &body, timeout);

@@ -98,14 +98,12 @@ std::string spread_key(std::string_view id) { return sha256_hex(id).substr(0, 8)
 
 // ---- transactions ------------------------------------------------------------------------------
 
-Rpc<json::object> SpannerStore::Tx::query(std::string_view sql, const Params& params) {
-  json::object body{{"sql", sql}, {"seqno", std::to_string(++m_seqno)}};
-  if (m_id.empty())
-    body["transaction"] = json::object{{"begin", json::object{{"readWrite", json::object{}}}}};
-  else
-    body["transaction"] = json::object{{"id", m_id}};
-  params.add_to(body);
-  auto r = m_rest.execute_sql(m_session, body, k_call_timeout);
+json::object SpannerStore::Tx::selector() const {
+  if (m_id.empty()) return json::object{{"begin", json::object{{"readWrite", json::object{}}}}};
+  return json::object{{"id", m_id}};
+}
+
+Rpc<json::object> SpannerStore::Tx::begun(Rpc<json::object> r) {
   if (r && m_id.empty()) {
     // The transaction begun inline: its id is in the result's metadata.
     if (auto* md = r->if_contains("metadata"); md && md->is_object())
@@ -118,6 +116,23 @@ Rpc<json::object> SpannerStore::Tx::query(std::string_view sql, const Params& pa
     }
   }
   return r;
+}
+
+Rpc<json::object> SpannerStore::Tx::query(std::string_view sql, const Params& params) {
+  json::object body{{"sql", sql}, {"seqno", std::to_string(++m_seqno)}, {"transaction", selector()}};
+  params.add_to(body);
+  return begun(m_rest.execute_sql(m_session, body, k_call_timeout));
+}
+
+Rpc<json::object> SpannerStore::Tx::read(std::string_view table, const std::vector<std::string>& columns,
+                                         json::array keys) {
+  json::array cols;
+  for (const auto& c : columns) cols.emplace_back(c);
+  json::object body{{"table", table},
+                    {"columns", std::move(cols)},
+                    {"keySet", json::object{{"keys", std::move(keys)}}},
+                    {"transaction", selector()}};
+  return begun(m_rest.read(m_session, body, k_call_timeout));
 }
 
 std::optional<Problem> SpannerStore::run_rw(std::string& session, Repeat repeat,

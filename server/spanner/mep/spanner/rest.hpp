@@ -93,6 +93,10 @@ public:
   /// executeSql: `body` holds sql, params, paramTypes and the transaction selector.
   Rpc<boost::json::object> execute_sql(const std::string& session, const boost::json::object& body,
                                        std::chrono::milliseconds timeout);
+  /// read: `body` holds table, columns, keySet and the transaction selector (rows by key:
+  /// the emulator looks listed keys up, where a query scans the whole table).
+  Rpc<boost::json::object> read(const std::string& session, const boost::json::object& body,
+                                std::chrono::milliseconds timeout);
   /// commit: `body` holds transactionId (or singleUseTransaction) and mutations.
   Rpc<boost::json::object> commit(const std::string& session, const boost::json::object& body,
                                   std::chrono::milliseconds timeout);

@@ -129,9 +129,16 @@ public:
     Tx(Rest& rest, std::string& session) : m_rest(rest), m_session(session) {}
     /// Runs a statement in the transaction (the first one begins it inline).
     Rpc<boost::json::object> query(std::string_view sql, const Params& params = {});
+    /// Reads `columns` of the rows of `table` whose primary keys are `keys` (each key a
+    /// JSON array of its parts), in the transaction (the first call begins it inline).
+    Rpc<boost::json::object> read(std::string_view table, const std::vector<std::string>& columns,
+                                  boost::json::array keys);
     const std::string& id() const { return m_id; }
 
   private:
+    // The transaction selector for the next call; the id from its answer when it begins one.
+    boost::json::object selector() const;
+    Rpc<boost::json::object> begun(Rpc<boost::json::object> r);
     Rest& m_rest;
     std::string& m_session;
     std::string m_id;
