@@ -45,6 +45,7 @@ struct Reply {
   int status = 0;
   std::string body;
   Problem problem;
+  bool ok() const { return status >= 200 && status < 300; }
 };
 
 // One admin client: the URL, the bearer token and the TLS settings, checked once.
@@ -208,7 +209,7 @@ int list_leases(AdminClient& client, const ListFilter& filter, bool json) {
     std::string target = "/v1/leases?limit=" + std::to_string(k_page);
     if (cursor) target += "&cursor=" + query_value(*cursor);
     Reply r = client.call("GET", target);
-    if (r.status < 200 || r.status >= 300) return fail(r.problem, json);
+    if (!r.ok()) return fail(r.problem, json);
     auto o = mep::json::parse_object(r.body, "the control plane's answer");
     if (!o) return bad_answer(o.error().detail, json);
     auto page = wire::decode_lease_page(*o);
@@ -250,13 +251,13 @@ int list_leases(AdminClient& client, const ListFilter& filter, bool json) {
 
 int show_lease(AdminClient& client, const std::string& name, bool json) {
   Reply r = client.call("GET", "/v1/leases/" + path_segment(name));
-  if (r.status < 200 || r.status >= 300) return fail(r.problem, json);
+  if (!r.ok()) return fail(r.problem, json);
   auto o = mep::json::parse_object(r.body, "the control plane's answer");
   if (!o) return bad_answer(o.error().detail, json);
   auto l = wire::decode_lease_info(*o);
   if (!l) return bad_answer(l.error().detail, json);
   Reply lin = client.call("GET", "/v1/memories/" + path_segment(l->grant.memory_id) + "/lineage");
-  if (lin.status < 200 || lin.status >= 300) return fail(lin.problem, json);
+  if (!lin.ok()) return fail(lin.problem, json);
   auto lo = mep::json::parse_object(lin.body, "the control plane's answer");
   if (!lo) return bad_answer(lo.error().detail, json);
   auto lineage = wire::decode_lineage(*lo);
@@ -304,7 +305,7 @@ int revoke_lease(AdminClient& client, const std::string& name, const std::string
   boost::json::object body{{"canonical_name", name}};
   if (!reason.empty()) body["reason"] = reason;
   Reply r = client.call("POST", "/v1/admin/leases/revoke", mep::json::dump(body));
-  if (r.status < 200 || r.status >= 300) return fail(r.problem, json);
+  if (!r.ok()) return fail(r.problem, json);
   if (json)
     std::printf("%s\n", mep::json::dump(boost::json::object{{"revoked", name}}).c_str());
   else
@@ -330,7 +331,7 @@ int history(AdminClient& client, const std::string& name, const std::string& sin
     if (from) target += "&since=" + query_value(format_rfc3339_ms(*from));
     if (cursor) target += "&cursor=" + query_value(*cursor);
     Reply r = client.call("GET", target);
-    if (r.status < 200 || r.status >= 300) return fail(r.problem, json);
+    if (!r.ok()) return fail(r.problem, json);
     auto o = mep::json::parse_object(r.body, "the control plane's answer");
     if (!o) return bad_answer(o.error().detail, json);
     auto page = wire::decode_history_page(*o);

@@ -89,7 +89,7 @@ int call(const GlobalOptions& g, const std::string& method, const std::string& t
          Decode decode, Human human) {
   std::string socket = resolve_socket(g.socket, g.config_file);
   DaemonReply r = daemon_request(socket, method, target, body);
-  if (r.status < 200 || r.status >= 300) return report_problem(r, socket, g.json);
+  if (!r.ok()) return report_problem(r, socket, g.json);
   if (g.json) {
     std::printf("%s\n", r.body.empty() ? "{}" : r.body.c_str());
     return exit_code::ok;
@@ -176,7 +176,7 @@ void register_lease_commands(CLI::App& app, GlobalOptions& g, Action& action) {
       c->holder.add_to(body);
       std::string socket = resolve_socket(g.socket, g.config_file);
       DaemonReply r = attach(socket, std::move(body), wait);
-      if (r.status < 200 || r.status >= 300) return report_problem(r, socket, g.json);
+      if (!r.ok()) return report_problem(r, socket, g.json);
       auto o = r.json();
       if (g.json) {
         std::printf("%s\n", json::dump(o).c_str());
@@ -199,7 +199,7 @@ void register_lease_commands(CLI::App& app, GlobalOptions& g, Action& action) {
       std::string socket = resolve_socket(g.socket, g.config_file);
       DaemonReply r =
           daemon_request(socket, "POST", "/v1/detach", json::dump(boost::json::object{{"name", *rel_name}}));
-      if (r.status < 200 || r.status >= 300) return report_problem(r, socket, g.json);
+      if (!r.ok()) return report_problem(r, socket, g.json);
       // Ended on this host; when the control plane did not confirm it, its problem decides
       // the exit status.
       const auto refused = unconfirmed_release(r);

@@ -44,7 +44,7 @@ DaemonReply Session::attach_once(std::int64_t wait_s) {
   const auto sent = Clock::now();
   DaemonReply r = daemon_request(m_socket, "POST", "/v1/attach", json::dump(daemon_api::to_json(body)),
                                  static_cast<int>(wait_s * 1000 + 30000));
-  if (r.status == 201) {
+  if (r.ok()) {
     auto lease = daemon_api::decode_lease(r.json());
     if (!lease) {
       // Bound to this process: mepd releases it when the session's process ends.
@@ -61,8 +61,8 @@ DaemonReply Session::attach_once(std::int64_t wait_s) {
 
 expected<void, Problem> Session::attach_now(std::int64_t wait_s) {
   DaemonReply r = attach_once(wait_s);
-  if (r.status == 201) return {};
-  if (r.status == 423) {
+  if (r.ok()) return {};
+  if (r.held()) {
     begin_wait(r.problem(m_socket));
     return {};
   }
@@ -71,8 +71,8 @@ expected<void, Problem> Session::attach_now(std::int64_t wait_s) {
 
 int Session::start() {
   DaemonReply r = attach_once(0);
-  if (r.status == 201) return exit_code::ok;
-  if (r.status != 423 || m_options.if_held == "fail") return report_problem(r, m_socket, false);
+  if (r.ok()) return exit_code::ok;
+  if (!r.held() || m_options.if_held == "fail") return report_problem(r, m_socket, false);
   begin_wait(r.problem(m_socket));
   std::fprintf(stderr, "mep: %s; serving read-only and waiting for it\n", explain(r.problem(m_socket)).c_str());
   return exit_code::ok;
@@ -124,7 +124,7 @@ void Session::begin_wait(const Problem& refusal) {
       }
     }
     DaemonReply ident = daemon_request(m_socket, "GET", target);
-    if (ident.status == 200)
+    if (ident.ok())
       if (auto i = daemon_api::decode_identified(ident.json())) id = i->memory_id;
   }
   auto watch = std::make_shared<LeaseWatch>(m_options.ttl);
@@ -159,7 +159,7 @@ void Session::wait_for_lease(std::uint64_t generation, std::shared_ptr<Cancel> c
       const auto sent = Clock::now();
       DaemonReply r =
           daemon_request(m_socket, "POST", "/v1/attach", json::dump(daemon_api::to_json(body)), -1, cancel.get());
-      if (r.status == 201) {
+      if (r.ok()) {
         auto lease = daemon_api::decode_lease(r.json());
         if (!lease) {
           // Bound to this process: mepd releases it when the session's process ends.
@@ -176,7 +176,9 @@ void Session::wait_for_lease(std::uint64_t generation, std::shared_ptr<Cancel> c
         return;
       }
       if (cancel->cancelled()) return;
-      if (r.status == 0 || r.status == 423 || r.status == 503) {
+      // Not reached (a restart), held, or not now: asked again. Refused for good: said why.
+      const auto refused = r.refusal();
+      if (!r.reached() || refused == Kind::held || refused == Kind::retry || refused == Kind::unreachable) {
         for (int i = 0; i < 10 && !cancel->cancelled(); ++i)
           std::this_thread::sleep_for(std::chrono::milliseconds(100));
         continue;
@@ -365,8 +367,10 @@ int mcp_main(const McpOptions& o, const GlobalOptions& g) {
   std::error_code ec;
   if (!std::filesystem::exists(path, ec)) {
     DaemonReply r = daemon_request(socket, "POST", "/v1/init", json::dump(js::object{{"path", path}}));
-    if (r.status != 201 && r.status != 409) return report_problem(r, socket, false);
-    if (r.status == 201) std::fprintf(stderr, "mep: created the memory file %s\n", o.memory.c_str());
+    if (r.ok())
+      std::fprintf(stderr, "mep: created the memory file %s\n", o.memory.c_str());
+    else if (!std::filesystem::exists(path, ec)) // made meanwhile by another (mepd refuses to init it): used
+      return report_problem(r, socket, false);
   }
   // A client that goes away mid-answer is an end of input, not a signal.
   std::signal(SIGPIPE, SIG_IGN);

@@ -115,8 +115,9 @@ mcp::ToolResult Session::write_tool(const js::object& args, mcp::WriteMode mode)
       daemon_request(m_socket, "POST", "/v1/verify",
                      json::dump(daemon_api::to_json(daemon_api::LeaseNamed{lease->canonical_name, lease->lease_id})),
                      k_verify_timeout_ms);
-  const bool verified = v.status == 200;
-  if (v.status >= 400 && v.status < 500) {
+  const bool verified = v.ok();
+  // Refused for good (superseded, expired, revoked, …): lost. Busy or unreachable: unknown.
+  if (const auto k = v.refusal(); k && k != Kind::retry && k != Kind::unreachable && k != Kind::internal) {
     const Problem p = v.problem(m_socket);
     const std::string reason = std::string(p.slug()) + (p.detail.empty() ? "" : ": " + p.detail);
     watch->lose(reason);
@@ -160,7 +161,7 @@ mcp::ToolResult Session::sync_tool(const js::object& args) {
   DaemonReply r =
       daemon_request(m_socket, "POST", "/v1/sync",
                      json::dump(daemon_api::to_json(daemon_api::LeaseNamed{lease->canonical_name, lease->lease_id})));
-  if (r.status != 200) {
+  if (!r.ok()) {
     const Problem p = r.problem(m_socket);
     return mcp::ToolResult::error("nothing was synced: " + explain(p) + " (" + std::string(p.slug()) + ")");
   }
@@ -187,7 +188,7 @@ mcp::ToolResult Session::branch_tool(const js::object& args) {
   }
   DaemonReply r =
       daemon_request(m_socket, "POST", "/v1/branch", json::dump(js::object{{"path", path}, {"new_path", abs}}));
-  if (r.status != 201) return mcp::ToolResult::error("no branch was made: " + explain(r.problem(m_socket)));
+  if (!r.ok()) return mcp::ToolResult::error("no branch was made: " + explain(r.problem(m_socket)));
   js::object o = r.json();
   auto made = daemon_api::decode_branched_file(o);
   if (!made) return mcp::ToolResult::error(unreadable_answer("the branch", made.error()));
@@ -231,7 +232,7 @@ mcp::ToolResult Session::lineage_tool(const js::object& args) {
   }
   if (of.empty()) return mcp::ToolResult::error("this memory has no id yet");
   DaemonReply r = daemon_request(m_socket, "GET", "/v1/lineage?id=" + of);
-  if (r.status != 200) return mcp::ToolResult::error(explain(r.problem(m_socket)));
+  if (!r.ok()) return mcp::ToolResult::error(explain(r.problem(m_socket)));
   return mcp::ToolResult::ok(r.json());
 }
 

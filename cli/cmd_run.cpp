@@ -188,7 +188,7 @@ int run(const RunOptions& o, const GlobalOptions& g) {
   }
   auto sent = Clock::now();
   DaemonReply r = attach(socket, std::move(body), o.wait_s);
-  if (r.status != 201) {
+  if (!r.ok()) {
     events.stop();
     return report_problem(r, socket, g.json);
   }
@@ -359,7 +359,7 @@ int run(const RunOptions& o, const GlobalOptions& g) {
   if (o.sync_on_exit && !was_lost) {
     DaemonReply synced =
         daemon_request(socket, "POST", "/v1/sync", json::dump(boost::json::object{{"name", field("canonical_name")}}));
-    if (synced.status != 200) {
+    if (!synced.ok()) {
       std::fprintf(stderr, "mep: the memory was not synced:\n");
       sync_status = report_problem(synced, socket, g.json);
     }

@@ -51,6 +51,12 @@ boost::json::object DaemonReply::json() const {
   return std::move(v.get_object());
 }
 
+std::optional<Kind> DaemonReply::refusal() const {
+  if (status == 0 || ok()) return std::nullopt;
+  auto o = json();
+  return o.empty() ? Kind::internal : Problem::from_json(o).kind();
+}
+
 Problem DaemonReply::problem(const std::string& socket) const {
   if (status == 0) {
     if (denied) return Problem(Code::forbidden, "cannot use mepd at " + socket + ": " + error);
@@ -176,7 +182,7 @@ DaemonReply attach(const std::string& socket, daemon_api::AttachBody attach, std
   if (::isatty(STDERR_FILENO)) {
     // Ask once without waiting, to say what is waited for; then wait.
     DaemonReply first = daemon_request(socket, "POST", "/v1/attach", json::dump(daemon_api::to_json(attach)));
-    if (first.status != 423) return first;
+    if (!first.held()) return first;
     std::string code, name = attach.name;
     std::int64_t ahead = 0;
     if (auto o = json::parse_object(first.body)) {
@@ -309,7 +315,7 @@ void add_holder_options(CLI::App* cmd, HolderOptions& o) {
 }
 
 std::optional<Problem> unconfirmed_release(const DaemonReply& r) {
-  if (r.status < 200 || r.status >= 300 || r.body.empty()) return std::nullopt;
+  if (!r.ok() || r.body.empty()) return std::nullopt;
   const auto o = r.json();
   const auto* cp = o.if_contains("control_plane");
   if (!cp || !cp->is_object()) return std::nullopt;

@@ -31,6 +31,14 @@ struct DaemonReply {
   std::string error;   ///< why it could not be reached
   bool denied = false; ///< the socket is another user's (EACCES): forbidden, not unavailable
 
+  /// mepd did what was asked (a 2xx answer).
+  bool ok() const { return status >= 200 && status < 300; }
+  /// The kind of mepd's refusal (held, gone, retry, …); nullopt for a 2xx answer and for no
+  /// answer at all (status 0: see problem()). What the commands decide on, not the status.
+  std::optional<Kind> refusal() const;
+  bool held() const { return refusal() == Kind::held; }
+  bool reached() const { return status != 0; }
+
   boost::json::object json() const;
   /// The problem carried by an error reply (or `unavailable` when unreachable).
   Problem problem(const std::string& socket) const;

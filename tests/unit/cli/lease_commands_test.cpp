@@ -207,3 +207,19 @@ TEST_CASE("an answer mep cannot read, a refusal and no daemon: one line each, an
   CHECK(gone.status == exit_code::unavailable);
   CHECK(gone.err.find("cannot reach mepd") != std::string::npos);
 }
+
+TEST_CASE("mep decides on the kind of mepd's refusal, not on its status", "[cli]") {
+  auto reply = [](int status, const Problem& p) { return DaemonReply{status, json::dump(p.to_json()), {}, false}; };
+  // The kind comes from the code the answer carries, whatever its status says.
+  CHECK(reply(423, Problem(Code::memory_attached, "x")).held());
+  CHECK(reply(503, Problem(Code::name_held, "x")).held());
+  CHECK_FALSE(reply(423, Problem(Code::unavailable, "x")).held());
+  CHECK(reply(503, Problem(Code::control_plane_unreachable, "x")).refusal() == Kind::unreachable);
+  CHECK(reply(429, Problem(Code::rate_limited, "x")).refusal() == Kind::retry);
+  CHECK(reply(410, Problem(Code::lease_expired, "x")).refusal() == Kind::gone);
+  // An answer that is not a problem document is mepd's fault; 2xx and no answer are no refusal.
+  CHECK(DaemonReply{500, "<html>", {}, false}.refusal() == Kind::internal);
+  CHECK_FALSE(DaemonReply{201, "{}", {}, false}.refusal());
+  CHECK_FALSE(DaemonReply{0, {}, "Connection refused", false}.refusal());
+  CHECK_FALSE(DaemonReply{0, {}, "Connection refused", false}.reached());
+}
