@@ -9,10 +9,10 @@ import os
 import re
 import urllib.parse
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, List, Mapping, Optional, Union
+from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple, Union
 
-from . import _args
-from .errors import ProtocolError
+from . import _args, _http
+from .errors import MepError, ProtocolError
 from .types import BranchResult, FetchResult, Health, LeaseInfo, Lineage, MemoryIdentity, SyncResult, VerifyResult
 
 PathLike = Union[str, "os.PathLike[str]"]
@@ -134,3 +134,33 @@ def lineage(path_or_id: PathLike) -> Call:
 
 def health() -> Call:
     return Call("GET", "/healthz", None, Health.from_json)
+
+
+# ---- answers about a held lease, judged once for both faces' lease objects -----------------
+
+#: The codes that say a held lease is no longer the caller's: it is lost. Decided on the
+#: problem's code, never on its status (a 404 from a route an older mepd lacks is not a loss).
+LOST_CODES = frozenset({"stale-fence", "lease-expired", "lease-not-found"})
+
+
+def lost_by(resp: _http.Response) -> Optional[str]:
+    """The code of an answer about a held lease that means it is lost; None for a 2xx answer
+    and for a refusal that says nothing of the lease (busy, unreachable, invalid)."""
+    if 200 <= resp.status < 300:
+        return None
+    code = resp.error().code
+    return code if code in LOST_CODES else None
+
+
+def read_recheck(resp: _http.Response) -> Tuple[bool, Optional[LeaseInfo]]:
+    """The answer of GET /v1/leases/{name} asked after the event stream came back:
+    (True, info) mepd holds the lease as ``info``; (True, None) it holds none of that name
+    (``lease-not-found``); (False, None) no answer to go by: ask again later."""
+    if 200 <= resp.status < 300:
+        try:
+            return True, LeaseInfo.from_json(resp.json_object())
+        except MepError:
+            return False, None
+    if resp.error().code == "lease-not-found":
+        return True, None
+    return False, None

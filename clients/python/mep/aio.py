@@ -417,9 +417,9 @@ class AsyncLease(LeaseBase):
     def _judge_answer(self, resp: _http.Response, target: str) -> None:
         if 200 <= resp.status < 300:
             return
-        err = resp.error()
-        if err.code in ("stale-fence", "lease-expired", "lease-not-found"):
-            self._lose(err.code or "lost")
+        code = _calls.lost_by(resp)
+        if code:
+            self._lose(code)
         _http.raise_for(resp, target)
 
     def _lose(self, reason: str) -> None:
@@ -501,17 +501,10 @@ class AsyncLease(LeaseBase):
                                                timeout=timeout)
         except MepError:
             return False
-        if resp.status == 404:
-            self._tracker.recheck(None)
-            return True
-        if resp.status != 200:
-            return False
-        try:
-            info = LeaseInfo.from_json(resp.json_object())
-        except MepError:
-            return False
-        self._tracker.recheck(info)
-        return True
+        answered, info = _calls.read_recheck(resp)
+        if answered:
+            self._tracker.recheck(info)
+        return answered
 
     def _wake_waiter(self) -> "asyncio.Task[Any]":
         if self._wake_task is None:

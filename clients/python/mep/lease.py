@@ -18,7 +18,7 @@ import types
 import urllib.parse
 from typing import TYPE_CHECKING, Any, Callable, Dict, List, Mapping, Optional, Type
 
-from . import _args, _http
+from . import _args, _calls, _http
 from ._tracker import LossTracker
 from .errors import LeaseLost, LeaseNotFound, MepError, NotFound, StaleFence
 from .types import Event, LeaseInfo, SyncResult, VerifyResult
@@ -390,9 +390,9 @@ class Lease(LeaseBase):
     def _judge_answer(self, resp: _http.Response, target: str) -> None:
         if 200 <= resp.status < 300:
             return
-        err = resp.error()
-        if err.code in ("stale-fence", "lease-expired") or err.code == "lease-not-found":
-            self._lose(err.code or "lost")
+        code = _calls.lost_by(resp)
+        if code:
+            self._lose(code)
         _http.raise_for(resp, target)
 
     def _lose(self, reason: str) -> None:
@@ -502,19 +502,11 @@ class Lease(LeaseBase):
                                          timeout=timeout)
         except MepError:
             return False
-        if resp.status == 404:
+        answered, info = _calls.read_recheck(resp)
+        if answered:
             with self._lock:
-                self._tracker.recheck(None)
-            return True
-        if resp.status != 200:
-            return False
-        try:
-            info = LeaseInfo.from_json(resp.json_object())
-        except MepError:
-            return False
-        with self._lock:
-            self._tracker.recheck(info)
-        return True
+                self._tracker.recheck(info)
+        return answered
 
     def _watch(self) -> None:
         """The watcher thread: reads events, enforces the local deadline, reconnects the

@@ -517,3 +517,35 @@ class LossTrackerTest(unittest.TestCase):
 
 if __name__ == "__main__":
     unittest.main()
+
+
+class LeaseAnswerTest(unittest.TestCase):
+    """How both faces' lease objects judge mepd's answers about a held lease (mep._calls):
+    by the problem's code, never by its status."""
+
+    @staticmethod
+    def answer(status, doc):
+        return _http.Response(status, {"content-type": "application/problem+json"}, json.dumps(doc).encode())
+
+    def test_a_gone_code_is_a_loss_and_nothing_else_is(self):
+        from mep import _calls
+        for code in ("stale-fence", "lease-expired", "lease-not-found"):
+            self.assertEqual(_calls.lost_by(self.answer(ALL_CODES[code], {"code": code})), code)
+        # A route an older mepd lacks (404 not-found), a busy or unreachable side: not a loss.
+        for code in ("not-found", "rate-limited", "unavailable", "control-plane-unreachable", "internal"):
+            self.assertIsNone(_calls.lost_by(self.answer(ALL_CODES[code], {"code": code})), code)
+        self.assertIsNone(_calls.lost_by(self.answer(200, {})))
+
+    def test_a_recheck_reads_the_lease_none_or_ask_again(self):
+        from mep import _calls
+        lease = {"lease_id": "0190a1b2-c3d4-7e5f-8a9b-0c1d2e3f4a60", "canonical_name": "a", "display_name": "a",
+                 "memory_instance_id": "0190a1b2-c3d4-7e5f-8a9b-0c1d2e3f4a5b", "fencing_token": 3,
+                 "expires_at": "2026-01-01T00:00:30.000Z", "ttl_seconds": 30, "path": "", "state": "held",
+                 "bind_pid": None}
+        answered, info = _calls.read_recheck(self.answer(200, lease))
+        self.assertTrue(answered)
+        self.assertEqual(info.fencing_token, 3)
+        self.assertEqual(_calls.read_recheck(self.answer(404, {"code": "lease-not-found"})), (True, None))
+        self.assertEqual(_calls.read_recheck(self.answer(404, {"code": "not-found"})), (False, None))
+        self.assertEqual(_calls.read_recheck(self.answer(503, {"code": "unavailable"})), (False, None))
+        self.assertEqual(_calls.read_recheck(self.answer(200, {"lease_id": 7})), (False, None))
