@@ -67,10 +67,6 @@ LeaseService::LeaseService(Store& store)
     : m_store(store),
       m_waits(WaitQueue::Hooks{[&store](std::uint64_t t) { store.leave_queue(t); },
                                [&store](std::uint64_t t, bool abandoned) { store.mark_queue(t, abandoned); }}) {
-  // SQLite: the claim's transaction asks this process's queue who waits.
-  m_store.set_queue_gate([this](std::string_view skeleton, std::string_view memory, std::uint64_t ticket) {
-    return m_waits.ahead(skeleton, memory, ticket);
-  });
   // Releases through other servers on the same database wake the claims waiting here.
   m_store.set_freed_listener(
       [this](const std::string& name, const std::string& memory) { m_waits.freed(freed_keys(name, memory)); });
@@ -96,7 +92,10 @@ void LeaseService::claim(const Ctx& ctx, Idempotency idem, const lease::ClaimReq
       return then(ClaimAnswer{ClaimOutcome(std::move(p)), std::nullopt, 0});
     }
     std::vector<std::string> keys;
-    if (req.name) keys = claim_keys(*req.name, req.memory_id);
+    if (req.name) {
+      keys = claim_keys(*req.name, req.memory_id);
+      req.waiting_ahead = m_waits.ahead(req.name->skeleton, req.memory_id, 0);
+    }
     return m_store.claim(ctx, std::move(idem), std::move(req),
                          [this, keys = std::move(keys), then = std::move(then)](ClaimOutcome r) {
                            if (!keys.empty() && !r.ok()) r = with_waiters(std::move(r), m_waits.waiting(keys));
@@ -134,7 +133,11 @@ void LeaseService::claim(const Ctx& ctx, Idempotency idem, const lease::ClaimReq
       ctx, std::move(place), [this, ctx, idem, req, w = std::move(w), then](Outcome<std::uint64_t> t) mutable {
         if (!t.ok()) return then(ClaimAnswer{ClaimOutcome(std::move(t.value.error())), std::nullopt, 0});
         w.ticket = req.ticket = *t.value;
-        w.attempt = [this, ctx, idem, req](WaitQueue::Callback cb) { m_store.claim(ctx, idem, req, std::move(cb)); };
+        w.attempt = [this, ctx, idem, req](WaitQueue::Callback cb) {
+          Claim attempt = req; // who waits ahead, as the queue is when the attempt starts
+          attempt.waiting_ahead = m_waits.ahead(attempt.name->skeleton, attempt.memory_id, attempt.ticket);
+          m_store.claim(ctx, idem, std::move(attempt), std::move(cb));
+        };
         WaitQueue::Joined j = m_waits.wait(std::move(w));
         if (j != WaitQueue::Joined::queued) m_store.leave_queue(*t.value); // not needed after all
         joined(j, then);

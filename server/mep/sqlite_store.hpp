@@ -72,9 +72,8 @@ public:
   void set_completion_executor(CompletionExecutor executor) override { m_complete = std::move(executor); }
   void refuse_queued(const Problem& why) override;
   /// One process serves the database, so the queue of waiting claims is that process's:
-  /// a ticket is a counter, and the claim's transaction asks the gate.
+  /// a ticket is a counter, and the claim carries how many wait ahead of it.
   void enter_queue(const Ctx&, QueuePlace, Then<std::uint64_t> then) override { then(++m_last_ticket); }
-  void set_queue_gate(QueueGate gate) override { m_gate = std::move(gate); }
   void identity_map(const Ctx&, std::optional<std::string> cursor, std::size_t limit,
                     Then<lease::IdentityMapPage>) override;
   /// The database file (for tools that work on it directly, such as mep migrate).
@@ -224,7 +223,6 @@ private:
   bool m_checkpoint_stopping = false;
   std::thread m_checkpointer;
   CompletionExecutor m_complete; // set before the first operation, read by the writer
-  QueueGate m_gate;              // likewise
   std::atomic<std::uint64_t> m_last_ticket{0};
 
   TokenCache m_tokens; // after m_path

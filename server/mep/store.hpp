@@ -95,6 +95,12 @@ struct Claim {
   /// one for a waiting claim. So a claim that does not wait never takes a lease in the
   /// instant between a release and the attempt of the claim at the head of the queue.
   std::uint64_t ticket = 0;
+  /// The live claims waiting ahead of this one in this server's queue for its skeleton or
+  /// memory (below `ticket`; any, for a claim that does not wait), counted by the service
+  /// when it sends the claim: the claim carries the queue state its decision needs, and the
+  /// store never calls up into the service. SQLite reads it; PostgreSQL and Spanner count
+  /// the waiters of every server in their own tables.
+  std::size_t waiting_ahead = 0;
   /// Who asks (stored with the lease, shown to the tenant's requesters and operators).
   std::optional<lease::Holder> holder = std::nullopt;
   /// Renewals stop this long after the grant: the request's max_hold_seconds, or the
@@ -223,7 +229,7 @@ public:
   // an older ticket waits for its skeleton or memory (Claim::ticket).
   /// A waiting claim takes its ticket (> 0, increasing). PostgreSQL: a row of mep_waiters,
   /// which counts while the server that took it renews it (once a second); SQLite: a
-  /// counter (the queue is this process's own; see set_queue_gate).
+  /// counter (the queue is this process's own; see Claim::waiting_ahead).
   virtual void enter_queue(const Ctx&, QueuePlace, Then<std::uint64_t>) = 0;
   /// The ticket's claim stopped waiting without a grant (a grant removes it itself); the
   /// other servers' waiters for the same things are woken. Best effort, not waited for.
@@ -233,12 +239,6 @@ public:
   virtual void mark_queue(std::uint64_t /*ticket*/, bool /*abandoned*/) {}
   /// This server stops: all its tickets go. Blocks briefly.
   virtual void leave_all_queues() {}
-  /// SQLite: how the claim's transaction learns of waiting claims: the live waiters with a
-  /// ticket below `ticket` (0: any) on the name's skeleton or the memory. PostgreSQL reads
-  /// mep_waiters instead and never calls it. Called on the store's writer thread.
-  using QueueGate =
-      std::function<std::size_t(std::string_view skeleton, std::string_view memory_id, std::uint64_t ticket)>;
-  virtual void set_queue_gate(QueueGate) {}
   /// Transaction retries so far (PostgreSQL serializable mode; 0 elsewhere).
   virtual std::int64_t transaction_retries() { return 0; }
   /// Wall-clock steps found of the clock that decides expiry, when it is not this process's

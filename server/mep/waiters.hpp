@@ -103,8 +103,8 @@ public:
   /// ticket orders it), rejoined or a refusal (the caller then gives the ticket back).
   /// Unless the answer is queued or rejoined, `answer` is never called.
   Joined wait(Waiter w);
-  /// For the store's claim transaction (Store::set_queue_gate): the live waiters with a
-  /// ticket below `ticket` (0: any) for this skeleton or this memory.
+  /// For a claim the service sends (Claim::waiting_ahead): the live waiters with a ticket
+  /// below `ticket` (0: any) for this skeleton or this memory.
   std::size_t ahead(std::string_view skeleton, std::string_view memory_id, std::uint64_t ticket) const;
   /// A lease on these resources ended (release, revoke): their oldest waiters are tried.
   void freed(const std::vector<std::string>& keys);

@@ -77,7 +77,7 @@ expected<lease::Grant, Problem> SqliteStore::op_claim(Db& db, UnixMs now, const 
     }
   }
   rules::WaitingAhead ahead;
-  if (m_gate && req.name) ahead = [&] { return m_gate(req.name->skeleton, req.memory_id, req.ticket); };
+  if (req.name) ahead = [&] { return req.waiting_ahead; };
   rules::ClaimDecision d = rules::decide_claim(ctx, req, view, ahead, uuid_v7().to_string());
   for (const auto& note : d.audit) audit(note);
   if (!d.outcome) return std::move(d.outcome);

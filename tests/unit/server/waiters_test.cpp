@@ -268,7 +268,7 @@ TEST_CASE("a claim without a ticket is told to take one, unless it is a retry of
   q.shutdown();
 }
 
-TEST_CASE("the gate counts the live waiters ahead of a ticket, and all of them for a claim that does not wait",
+TEST_CASE("ahead() counts the live waiters ahead of a ticket, and all of them for a claim that does not wait",
           "[waiters]") {
   World w;
   WaitQueue q;
