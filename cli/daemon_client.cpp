@@ -147,6 +147,7 @@ DaemonReply socket_request(const std::string& socket, const std::string& method,
   req.unix_socket = socket;
   req.body = body;
   if (!body.empty()) req.headers.emplace_back("Content-Type", "application/json");
+  req.headers.emplace_back("Expect", ""); // the body goes at once: no 100-continue round (libcurl's, above 1 KiB)
   req.timeout = std::chrono::milliseconds(0);
   if (timeout_ms >= 0) req.stall = std::chrono::seconds((timeout_ms + 999) / 1000);
   if (cancel)

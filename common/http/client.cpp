@@ -245,7 +245,10 @@ ClientResponse Client::perform(const ClientRequest& req) {
   curl_easy_setopt(c, CURLOPT_HEADERFUNCTION, on_header);
   curl_easy_setopt(c, CURLOPT_HEADERDATA, &x);
   curl_easy_setopt(c, CURLOPT_NOSIGNAL, 1L);
-  if (!req.unix_socket.empty()) curl_easy_setopt(c, CURLOPT_UNIX_SOCKET_PATH, req.unix_socket.c_str());
+  if (!req.unix_socket.empty()) {
+    curl_easy_setopt(c, CURLOPT_UNIX_SOCKET_PATH, req.unix_socket.c_str());
+    curl_easy_setopt(c, CURLOPT_PATH_AS_IS, 1L); // the target as the caller wrote it: no /../ squashed
+  }
   if (!req.unix_socket.empty() || req.on_socket) {
     curl_easy_setopt(c, CURLOPT_FRESH_CONNECT, 1L);
     curl_easy_setopt(c, CURLOPT_FORBID_REUSE, 1L);

@@ -31,7 +31,8 @@ struct ClientRequest {
   /// move); true abandons it (status 0, "cancelled"), closing its connection.
   std::function<bool()> cancelled;
   /// Given, the connection goes to this Unix socket instead of the URL's host (which then
-  /// only names the server, as in http://mepd/v1/status); a new connection, closed after.
+  /// only names the server, as in http://mepd/v1/status; its path is sent as written); a new
+  /// connection, closed after.
   std::string unix_socket;
   /// Given, called with the connection's descriptor once it exists (before it connects) and
   /// with -1 just before it is closed: another thread may shutdown(2) it to end the exchange
