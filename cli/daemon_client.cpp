@@ -184,18 +184,14 @@ DaemonReply attach(const std::string& socket, daemon_api::AttachBody attach, std
     // Ask once without waiting, to say what is waited for; then wait.
     DaemonReply first = daemon_request(socket, "POST", "/v1/attach", json::dump(daemon_api::to_json(attach)));
     if (!first.held()) return first;
-    std::string code, name = attach.name;
+    const Problem held = first.problem(socket); // the refusal, read once
     std::int64_t ahead = 0;
-    if (auto o = json::parse_object(first.body)) {
-      if (auto* c = o->if_contains("code"); c && c->is_string()) code = c->get_string();
-      if (auto* w = o->if_contains("waiters"); w && w->is_int64()) ahead = w->get_int64();
-    }
-    std::string why = code == "memory-attached"   ? "its memory is attached to another lease"
-                      : code == "name-confusable" ? "a confusable name is held by another owner"
-                                                  : "held by another owner";
-    if (auto o = json::parse_object(first.body))
-      if (auto holder = held_by(Problem::from_json(*o)); !holder.empty()) why = holder;
-    std::fprintf(stderr, "waiting for %s, %s, %lld waiting ahead\n", name.c_str(), why.c_str(),
+    if (const auto* w = held.extensions.if_contains("waiters"); w && w->is_int64()) ahead = w->get_int64();
+    std::string why = held.code == Code::memory_attached   ? "its memory is attached to another lease"
+                      : held.code == Code::name_confusable ? "a confusable name is held by another owner"
+                                                           : "held by another owner";
+    if (auto holder = held_by(held); !holder.empty()) why = holder;
+    std::fprintf(stderr, "waiting for %s, %s, %lld waiting ahead\n", attach.name.c_str(), why.c_str(),
                  static_cast<long long>(ahead));
   }
   attach.wait_s = wait_s;
