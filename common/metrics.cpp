@@ -72,6 +72,9 @@ constexpr Family k_families[] = {
     {"mep_pg_batched_releases_total", "counter", "Releases sent in PostgreSQL release batches"},
     {"mep_pg_release_batch_fallbacks_total", "counter",
      "PostgreSQL release batches that failed and were sent one by one"},
+    {"mep_pg_queued_operations", "gauge",
+     "PostgreSQL claims, single renewals and releases waiting for their lane, by kind (claim, renew, release)"},
+    {"mep_pg_running_operations", "gauge", "PostgreSQL operations taken by a database worker and not yet answered"},
     {"mep_pg_extra_lanes_total", "counter",
      "PostgreSQL batch calls started beside a running one of their kind, by reason (full_batch, waited)"},
     {"mep_lease_waiters", "gauge", "Claims waiting for a held name or memory (Prefer: wait)"},
@@ -110,6 +113,12 @@ void Metrics::inc(std::string_view name, std::string_view labels, double v) {
 
 void Metrics::set(std::string_view name, double v) {
   std::string k(name);
+  std::lock_guard lock(m_mutex);
+  m_values[k] = v;
+}
+
+void Metrics::set(std::string_view name, std::string_view labels, double v) {
+  std::string k = key(name, labels);
   std::lock_guard lock(m_mutex);
   m_values[k] = v;
 }

@@ -17,8 +17,9 @@ public:
 
   /// Adds `v` to counter `name` with the label set `labels` (`outcome="granted"`).
   void inc(std::string_view name, std::string_view labels = {}, double v = 1);
-  /// Sets gauge `name`.
+  /// Sets gauge `name` (with the label set `labels`).
   void set(std::string_view name, double v);
+  void set(std::string_view name, std::string_view labels, double v);
   /// Replaces every series of gauge `name` with `series` (label set, value): for a gauge
   /// whose label values come and go (mep_leases_active_by_tenant).
   void replace(std::string_view name, const std::vector<std::pair<std::string, double>>& series);

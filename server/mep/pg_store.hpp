@@ -138,6 +138,8 @@ private:
   int& running(Batch b);
   /// The jobs of a kind waiting in m_queue (under m_mutex).
   int& queued(Batch b);
+  /// queued(b) changed: mep_pg_queued_operations{kind} follows it (under m_mutex).
+  void publish_queued(Batch b);
   /// Hands `job` its outcome (`failure`, or none: its own); a throwing handler is logged.
   static void answer(Job& job, std::optional<Problem> failure);
   /// Whether a worker may start a call of a kind now, and why (under m_mutex).

@@ -178,7 +178,10 @@ void PgStore::refuse_queued(const Problem& why) {
     std::lock_guard lock(m_mutex);
     m_refusing = why;
     refused.swap(m_queue);
-    for (Batch b : {Batch::claim, Batch::renew, Batch::release}) queued(b) = 0;
+    for (Batch b : {Batch::claim, Batch::renew, Batch::release}) {
+      queued(b) = 0;
+      publish_queued(b);
+    }
   }
   if (!refused.empty()) log::info("refused {} queued database operations: {}", refused.size(), why.detail);
   for (Job& job : refused) answer(job, why);
@@ -203,7 +206,10 @@ void PgStore::enqueue(Job job) {
   // no worker could take it.
   const auto now = std::chrono::steady_clock::now();
   job.queued_at = now;
-  if (job.batch != Batch::none) ++queued(job.batch);
+  if (job.batch != Batch::none) {
+    ++queued(job.batch);
+    publish_queued(job.batch);
+  }
   bool runnable = job.batch == Batch::none || lane_open(job.batch, now) != Lane::closed;
   m_queue.push_back(std::move(job));
   // Wake the worker that went idle last (LIFO): under light load the same few threads,
@@ -241,6 +247,7 @@ bool PgStore::take(std::vector<Job>& jobs) {
           ++c;
         }
       }
+      publish_queued(kind);
       return true;
     }
   }
@@ -272,6 +279,8 @@ void PgStore::worker_loop() {
         if (!self.woken) m_idle.erase(std::find(m_idle.begin(), m_idle.end(), &self));
       }
     }
+    const auto taken = static_cast<double>(jobs.size()); // a gauge moved by increments: exact in any order
+    Metrics::global().inc("mep_pg_running_operations", {}, taken);
     std::vector<std::optional<Problem>> failures;
     try {
       if (jobs.size() > 1 && jobs.front().batch == Batch::claim) {
@@ -288,6 +297,7 @@ void PgStore::worker_loop() {
     // The lane goes back before the answers go out: the next batch need not wait for them.
     if (jobs.front().batch != Batch::none) free_lane(jobs.front());
     for (std::size_t i = 0; i < jobs.size(); ++i) answer(jobs[i], std::move(failures[i]));
+    Metrics::global().inc("mep_pg_running_operations", {}, -taken);
   }
 }
 
@@ -321,6 +331,13 @@ std::optional<std::chrono::steady_clock::time_point> PgStore::lane_deadline() {
 
 int& PgStore::queued(Batch b) {
   return b == Batch::claim ? m_claims_queued : b == Batch::renew ? m_renewals_queued : m_releases_queued;
+}
+
+void PgStore::publish_queued(Batch b) {
+  const std::string_view kind = b == Batch::claim   ? "kind=\"claim\""
+                                : b == Batch::renew ? "kind=\"renew\""
+                                                    : "kind=\"release\"";
+  Metrics::global().set("mep_pg_queued_operations", kind, queued(b));
 }
 
 int& PgStore::running(Batch b) {

@@ -1160,7 +1160,7 @@ class ServerApi(ServerTestCase):
         self.assertTrue(any(lab.get("route") == "/v1/leases" and lab.get("code") == "401"
                             for _, lab, _ in families["mep_http_request_duration_seconds"]["samples"]))
         # No names, ids or paths in labels: only known label names, and no value carries one.
-        allowed = {"route", "code", "outcome", "result", "reason", "sync", "by", "le", "cause", "tenant"}
+        allowed = {"route", "code", "outcome", "result", "reason", "sync", "by", "le", "cause", "tenant", "kind"}
         routes = {"/healthz", "/readyz", "/metrics", "/v1/memories", "/v1/memories/branch",
                   "/v1/memories/{id}", "/v1/memories/{id}/lineage", "/v1/leases", "/v1/leases/renew",
                   "/v1/leases/renew-batch", "/v1/leases/claim-batch", "/v1/leases/release",
@@ -1173,6 +1173,8 @@ class ServerApi(ServerTestCase):
                     self.assertIn(labels["route"], routes)
                 if "reason" in labels:  # mep_pg_extra_lanes_total
                     self.assertIn(labels["reason"], {"full_batch", "waited"})
+                if "kind" in labels:  # mep_pg_queued_operations
+                    self.assertIn(labels["kind"], {"claim", "renew", "release"})
                 if "sync" in labels:  # mep_sqlite_commits_total
                     self.assertIn(labels["sync"], {"fsync", "deferred"})
                 if "by" in labels:  # mep_sqlite_checkpoints_total

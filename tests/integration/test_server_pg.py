@@ -162,10 +162,10 @@ class PgTestCase(unittest.TestCase):
             session.stdin.close()
         return release
 
-    def server_under_a_locked_table(self, memories, extra=()):
+    def server_under_a_locked_table(self, memories, extra=(), mode="ACCESS EXCLUSIVE"):
         """One server on a fresh database, 8 leases held there (owner-0 … owner-7) on the first
-        of `memories` new memories, then its leases table locked by another session:
-        (server, token, memories, held grants, unlock)."""
+        of `memories` new memories, then its leases table locked by another session (in
+        EXCLUSIVE mode, reads of it go on): (server, token, memories, held grants, unlock)."""
         self.db = pgfixture.PgDb()
         token = create_token(self.db, "tenant-a")
         self.servers = start_servers(self.dir, self.db, 1, extra)
@@ -177,7 +177,7 @@ class PgTestCase(unittest.TestCase):
                 r = c.claim(unique_name(), mems[i], "owner-%d" % i)
                 self.assertEqual(r.status, 201, r.json)
                 held.append(r.json)
-        unlock = self.hold_in_transaction("LOCK TABLE leases IN ACCESS EXCLUSIVE MODE", "LOCK TABLE%")
+        unlock = self.hold_in_transaction("LOCK TABLE leases IN %s MODE" % mode, "LOCK TABLE%")
         return server, token, mems, held, unlock
 
     def private_server(self, tenant):
@@ -820,8 +820,9 @@ class ShutdownUnderALock(PgTestCase):
         the running batch) got no answer at all. Now the queued ones are answered 503 (they
         never ran) and the running ones get until the statement timeout: every request has
         its answer, and the server still exits."""
-        # One database connection: one batch runs, the rest wait their turn behind it.
-        server, token, mems, held, unlock = self.server_under_a_locked_table(20, ["--db-pool", "1"])
+        # One database connection: one batch runs, the rest wait their turn behind it. The
+        # lock lets reads through, so /metrics can say when every operation is in the server.
+        server, token, mems, held, unlock = self.server_under_a_locked_table(20, ["--db-pool", "1"], "EXCLUSIVE")
         results, errors = {}, []
 
         def call(i, op, barrier):
@@ -838,12 +839,19 @@ class ShutdownUnderALock(PgTestCase):
         threads = [threading.Thread(target=call, args=(i, op, barrier), daemon=True) for i, op in ops.items()]
         for t in threads:
             t.start()
-        # Once they all wait in the server (its database connection blocked on the lock).
-        deadline = time.monotonic() + 20
-        while db_query(self.db, "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock'") == [(0,)]:
-            self.assertLess(time.monotonic(), deadline, "no operation waits for the lock")
+        # Once they all wait in the server: in the call blocked on the lock, or queued behind it.
+        deadline = time.monotonic() + 30
+
+        def in_server():
+            got = pg_counters(server, token)
+            return got.get("mep_pg_running_operations", 0) + sum(
+                got.get('mep_pg_queued_operations{kind="%s"}' % k, 0) for k in ("claim", "renew", "release"))
+
+        while db_query(self.db, "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock'") == [(0,)] \
+                or in_server() != len(ops):
+            self.assertLess(time.monotonic(), deadline, ("not every operation waits in the server",
+                                                         pg_counters(server, token)))
             time.sleep(0.05)
-        time.sleep(1)
         rc = server.stop(timeout=60)
         for t in threads:
             t.join(timeout=60)
@@ -992,13 +1000,21 @@ class ReleaseBatches(PgTestCase):
         self.assertEqual(alone["nul"][0], 400)
 
         def at_once(plan):
-            barrier = threading.Barrier(len(plan))
+            """Sends the releases of `plan` at once while the release lane is held: a live
+            release waits in the database behind a lock on audit_events (which every release
+            that ends a lease writes; the reads of /metrics and of the leases go on), and the
+            releases are sent only then. Once the server's queue holds every one of them the
+            lock goes: they are sent in batches, whatever the machine's speed."""
+            blocker = setup("live")
+            barrier = threading.Barrier(len(plan) + 1)
             results, errors = {}, []
 
             def release(i, args):
                 try:
                     with server.client(token) as c:
-                        barrier.wait()
+                        c.get("/healthz")  # connected before the lane is held
+                        if i >= 0:
+                            barrier.wait()
                         r = c.release(*args)
                         results[i] = (r.status, r.json.get("code") if r.json else None)
                 except Exception as e:  # reported below
@@ -1007,31 +1023,44 @@ class ReleaseBatches(PgTestCase):
             threads = [threading.Thread(target=release, args=(i, args)) for i, (_, args) in enumerate(plan)]
             for t in threads:
                 t.start()
-            for t in threads:
+            unlock = self.hold_in_transaction("LOCK TABLE audit_events IN EXCLUSIVE MODE", "LOCK TABLE%")
+            first = threading.Thread(target=release, args=(-1, blocker))
+            first.start()
+            deadline = time.monotonic() + 30
+            while db_query(self.db, "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock'") == [(0,)]:
+                self.assertLess(time.monotonic(), deadline, "the first release does not wait for the lock")
+                time.sleep(0.02)
+            barrier.wait()
+            queued = 'mep_pg_queued_operations{kind="release"}'
+            while pg_counters(server, token).get(queued) != len(plan):
+                self.assertLess(time.monotonic(), deadline, ("the releases are not queued", pg_counters(server, token)))
+                time.sleep(0.02)
+            unlock()
+            for t in threads + [first]:
                 t.join(timeout=60)
             self.assertEqual(errors, [])
+            self.assertEqual(results[-1] + (outcome(blocker),), alone["live"])
             for i, (kind, args) in enumerate(plan):
                 self.assertEqual(results[i] + (outcome(args),), alone[kind], (kind, i))
+            return got_counters()
 
-        # Every kind but the NUL, 8 of each at once: batches of more than one release. Every
-        # round's answers are checked; on a loaded machine the 40 clients may come too far
-        # apart to be batched, so up to five rounds are sent until some were.
-        for rounds in range(1, 6):
-            at_once([(kind, setup(kind)) for kind in self.CASES if kind != "nul" for _ in range(8)])
+        def got_counters():
             got = pg_counters(server, token)
-            if got["mep_pg_batched_releases_total"] > got["mep_pg_release_batches_total"] > 0:
-                break
-        self.assertGreater(got["mep_pg_release_batches_total"], 0, got)
-        self.assertGreater(got["mep_pg_batched_releases_total"], got["mep_pg_release_batches_total"], got)
+            self.assertEqual(got['mep_pg_queued_operations{kind="release"}'], 0, got)
+            return got
+
+        # Every kind but the NUL, 8 of each at once: batches of more than one release (32 at most).
+        got = at_once([(kind, setup(kind)) for kind in self.CASES if kind != "nul" for _ in range(8)])
+        self.assertEqual(got["mep_pg_release_batches_total"], 2, got)
+        self.assertEqual(got["mep_pg_batched_releases_total"], 40, got)
+        self.assertEqual(got["mep_pg_release_batch_fallbacks_total"], 0, got)
         released = db_query(self.db, "SELECT count(*) FROM audit_events WHERE event_type = 'LEASE_RELEASED'")
-        # "gone" set-ups and "live" releases, alone and at once
-        self.assertEqual(released, [(2 * (1 + 8 * rounds),)])
+        # "gone" set-ups and "live" releases, alone and at once, and the lane's first release
+        self.assertEqual(released, [(2 * (1 + 8) + 1,)])
         # A NUL among live releases fails its batch, sent again one by one: the same answers.
-        for _ in range(5):
-            at_once([(kind, setup(kind)) for kind in ("nul", "live") for _ in range(4)])
-            if pg_counters(server, token)["mep_pg_release_batch_fallbacks_total"] > 0:
-                break
-        self.assertGreater(pg_counters(server, token)["mep_pg_release_batch_fallbacks_total"], 0)
+        got = at_once([(kind, setup(kind)) for kind in ("nul", "live") for _ in range(4)])
+        self.assertEqual(got["mep_pg_release_batches_total"], 2, got)
+        self.assertEqual(got["mep_pg_release_batch_fallbacks_total"], 1, got)
 
 
 class ReadOnlyRole(PgTestCase):
