@@ -63,12 +63,12 @@ std::string lookup_name(const std::string& raw) {
   return n ? n->canonical_name : raw;
 }
 
-LeaseService::LeaseService(Store& store)
-    : m_store(store),
-      m_waits(WaitQueue::Hooks{[&store](std::uint64_t t) { store.leave_queue(t); },
-                               [&store](std::uint64_t t, bool abandoned) { store.mark_queue(t, abandoned); }}) {
+LeaseService::LeaseService(LeaseStore& leases, ClaimQueue& queue)
+    : m_store(leases), m_queue(queue),
+      m_waits(WaitQueue::Hooks{[&queue](std::uint64_t t) { queue.leave_queue(t); },
+                               [&queue](std::uint64_t t, bool abandoned) { queue.mark_queue(t, abandoned); }}) {
   // Releases through other servers on the same database wake the claims waiting here.
-  m_store.set_freed_listener(
+  m_queue.set_freed_listener(
       [this](const std::string& name, const std::string& memory) { m_waits.freed(freed_keys(name, memory)); });
 }
 
@@ -129,7 +129,7 @@ void LeaseService::claim(const Ctx& ctx, Idempotency idem, const lease::ClaimReq
     return joined(j, then);
   }
   QueuePlace place{ctx.auth.tenant_id, req.name->canonical_name, req.name->skeleton, req.memory_id};
-  m_store.enter_queue(
+  m_queue.enter_queue(
       ctx, std::move(place), [this, ctx, idem, req, w = std::move(w), then](Outcome<std::uint64_t> t) mutable {
         if (!t.ok()) return then(ClaimAnswer{ClaimOutcome(std::move(t.value.error())), std::nullopt, 0});
         w.ticket = req.ticket = *t.value;
@@ -139,7 +139,7 @@ void LeaseService::claim(const Ctx& ctx, Idempotency idem, const lease::ClaimReq
           m_store.claim(ctx, idem, std::move(attempt), std::move(cb));
         };
         WaitQueue::Joined j = m_waits.wait(std::move(w));
-        if (j != WaitQueue::Joined::queued) m_store.leave_queue(*t.value); // not needed after all
+        if (j != WaitQueue::Joined::queued) m_queue.leave_queue(*t.value); // not needed after all
         joined(j, then);
       });
 }

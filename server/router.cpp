@@ -296,25 +296,25 @@ constexpr bhttp::verb POST = bhttp::verb::post;
 // clang-format off
 constexpr Route k_routes[] = {
     // method, pattern,                        auth,          idempotency,    gate,            priority,               body,    metric,          handler
-    {GET,  "/healthz",                         Auth::none,    Idem::none,     Gate::open,      Priority::normal,       k_small, Metric::none,    on_healthz},
-    {GET,  "/readyz",                          Auth::none,    Idem::none,     Gate::open,      Priority::normal,       k_small, Metric::none,    on_readyz},
-    {GET,  "/metrics",                         Auth::metrics, Idem::none,     Gate::open,      Priority::normal,       k_small, Metric::none,    on_metrics},
-    {POST, "/v1/memories",                     Auth::lease,   Idem::required, Gate::open,      Priority::normal,       k_small, Metric::none,    on_register},
-    {POST, "/v1/memories/branch",              Auth::lease,   Idem::required, Gate::migration, Priority::normal,       k_small, Metric::none,    on_branch},
-    {GET,  "/v1/memories/{id}",                Auth::lease,   Idem::none,     Gate::open,      Priority::normal,       k_small, Metric::none,    on_get_memory},
-    {GET,  "/v1/memories/{id}/lineage",        Auth::lease,   Idem::none,     Gate::open,      Priority::normal,       k_small, Metric::none,    on_lineage},
-    {POST, "/v1/leases",                       Auth::lease,   Idem::required, Gate::migration, Priority::normal,       k_small, Metric::claims,  on_claim},
-    {GET,  "/v1/leases",                       Auth::lease,   Idem::none,     Gate::open,      Priority::normal,       k_small, Metric::none,    on_list_leases},
-    {POST, "/v1/leases/claim-batch",           Auth::lease,   Idem::none,     Gate::migration, Priority::normal,       k_batch, Metric::none,    on_claim_batch},
-    {POST, "/v1/leases/renew",                 Auth::lease,   Idem::none,     Gate::migration, Priority::keeps_leases, k_small, Metric::renewals, on_renew},
-    {POST, "/v1/leases/renew-batch",           Auth::lease,   Idem::none,     Gate::migration, Priority::keeps_leases, k_batch, Metric::renewals, on_renew_batch},
-    {POST, "/v1/leases/release",               Auth::lease,   Idem::none,     Gate::migration, Priority::keeps_leases, k_small, Metric::none,    on_release},
-    {GET,  "/v1/leases/{canonical_name}",      Auth::lease,   Idem::none,     Gate::open,      Priority::normal,       k_small, Metric::none,    on_get_lease},
-    {POST, "/v1/fence/verify",                 Auth::lease,   Idem::none,     Gate::open,      Priority::normal,       k_small, Metric::none,    on_verify},
-    {POST, "/v1/admin/leases/revoke",          Auth::admin,   Idem::none,     Gate::open,      Priority::normal,       k_small, Metric::none,    on_revoke},
-    {GET,  "/v1/admin/leases/{canonical_name}/history", Auth::admin, Idem::none, Gate::open,    Priority::normal,       k_small, Metric::none,    on_history},
-    {GET,  "/v1/admin/check",                  Auth::admin,   Idem::none,     Gate::open,      Priority::normal,       k_small, Metric::none,    on_admin_check},
-    {GET,  "/v1/migration/identity-map",       Auth::lease,   Idem::none,     Gate::open,      Priority::normal,       k_small, Metric::none,    on_identity_map},
+    {GET,  "/healthz",                         Auth::none,    Idem::none,     Gate::open,      Priority::normal,       k_small, Metric::none,    by_health<on_healthz>},
+    {GET,  "/readyz",                          Auth::none,    Idem::none,     Gate::open,      Priority::normal,       k_small, Metric::none,    by_health<on_readyz>},
+    {GET,  "/metrics",                         Auth::metrics, Idem::none,     Gate::open,      Priority::normal,       k_small, Metric::none,    by_health<on_metrics>},
+    {POST, "/v1/memories",                     Auth::lease,   Idem::required, Gate::open,      Priority::normal,       k_small, Metric::none,    by_service<on_register>},
+    {POST, "/v1/memories/branch",              Auth::lease,   Idem::required, Gate::migration, Priority::normal,       k_small, Metric::none,    by_service<on_branch>},
+    {GET,  "/v1/memories/{id}",                Auth::lease,   Idem::none,     Gate::open,      Priority::normal,       k_small, Metric::none,    by_service<on_get_memory>},
+    {GET,  "/v1/memories/{id}/lineage",        Auth::lease,   Idem::none,     Gate::open,      Priority::normal,       k_small, Metric::none,    by_service<on_lineage>},
+    {POST, "/v1/leases",                       Auth::lease,   Idem::required, Gate::migration, Priority::normal,       k_small, Metric::claims,  by_service<on_claim>},
+    {GET,  "/v1/leases",                       Auth::lease,   Idem::none,     Gate::open,      Priority::normal,       k_small, Metric::none,    by_service<on_list_leases>},
+    {POST, "/v1/leases/claim-batch",           Auth::lease,   Idem::none,     Gate::migration, Priority::normal,       k_batch, Metric::none,    by_service<on_claim_batch>},
+    {POST, "/v1/leases/renew",                 Auth::lease,   Idem::none,     Gate::migration, Priority::keeps_leases, k_small, Metric::renewals, by_service<on_renew>},
+    {POST, "/v1/leases/renew-batch",           Auth::lease,   Idem::none,     Gate::migration, Priority::keeps_leases, k_batch, Metric::renewals, by_service<on_renew_batch>},
+    {POST, "/v1/leases/release",               Auth::lease,   Idem::none,     Gate::migration, Priority::keeps_leases, k_small, Metric::none,    by_service<on_release>},
+    {GET,  "/v1/leases/{canonical_name}",      Auth::lease,   Idem::none,     Gate::open,      Priority::normal,       k_small, Metric::none,    by_service<on_get_lease>},
+    {POST, "/v1/fence/verify",                 Auth::lease,   Idem::none,     Gate::open,      Priority::normal,       k_small, Metric::none,    by_service<on_verify>},
+    {POST, "/v1/admin/leases/revoke",          Auth::admin,   Idem::none,     Gate::open,      Priority::normal,       k_small, Metric::none,    by_service<on_revoke>},
+    {GET,  "/v1/admin/leases/{canonical_name}/history", Auth::admin, Idem::none, Gate::open,    Priority::normal,       k_small, Metric::none,    by_service<on_history>},
+    {GET,  "/v1/admin/check",                  Auth::admin,   Idem::none,     Gate::open,      Priority::normal,       k_small, Metric::none,    by_service<on_admin_check>},
+    {GET,  "/v1/migration/identity-map",       Auth::lease,   Idem::none,     Gate::open,      Priority::normal,       k_small, Metric::none,    by_service<on_identity_map>},
 };
 // clang-format on
 
@@ -410,7 +410,8 @@ std::optional<std::string> parse_idempotency_key(std::string_view v) {
   return out;
 }
 
-Router::Router(Store& store, double rate_limit) : m_service(store), m_limiter(rate_limit), m_auth_failures(5) {}
+Router::Router(Store& store, double rate_limit)
+    : m_service(store), m_tokens(store), m_health(store), m_limiter(rate_limit), m_auth_failures(5) {}
 
 Router::~Router() = default;
 
@@ -425,8 +426,7 @@ http::BodyPlan Router::plan(const http::RequestHeader& header, const Peer& peer)
       length > plan.limit) {
     Found found = find_route(header.target(), header.method());
     if (!open_to(found, peer))
-      if (auto auth = check_bearer(header, m_service.store(), m_auth_failures); !auth)
-        plan.refuse = std::move(auth.error());
+      if (auto auth = check_bearer(header, m_tokens, m_auth_failures); !auth) plan.refuse = std::move(auth.error());
   }
   return plan;
 }
@@ -462,7 +462,7 @@ void Router::dispatch(HttpRequest&& req, const Peer& peer, Send send, int fd) {
   // counts under the endpoint it was for, not as "unmatched".
   if (found.route) c->route_label = std::string(found.route->pattern);
   const bool open = open_to(found, peer);
-  if (!open && !authenticate(c, m_service.store(), m_auth_failures)) return;
+  if (!open && !authenticate(c, m_tokens, m_auth_failures)) return;
   if (!found.parsed) return fail(c, Problem(Code::invalid_request, "malformed request target"));
   if (!found.route) {
     //  404 for unknown paths, 405 (with Allow) for known paths and other methods.
@@ -480,7 +480,8 @@ void Router::dispatch(HttpRequest&& req, const Peer& peer, Send send, int fd) {
                            route.body_limit == k_body_limit ? "the body exceeds 16 KiB" : "the body is too large"));
 
   // 2. Scope.
-  if (open) return route.handler(c, m_service);
+  Backend backend{m_service, m_health};
+  if (open) return route.handler(c, backend);
   bool need_admin = route.auth == Auth::admin || route.auth == Auth::metrics;
   if ((need_admin && !c->ctx.auth.scope_admin) || (!need_admin && !c->ctx.auth.scope_lease))
     return fail(c, Problem(Code::forbidden,
@@ -498,13 +499,13 @@ void Router::dispatch(HttpRequest&& req, const Peer& peer, Send send, int fd) {
   }
 
   // 4. The migration gate, then the handler.
-  if (route.gate == Gate::migration && m_service.store().migration_in_progress()) {
+  if (route.gate == Gate::migration && m_health.migration_in_progress()) {
     Problem gate(Code::migration_in_progress,
                  "a legacy migration is in progress; leases resume after 'mep migrate activate'");
     gate.retry_after_s = 5;
     return fail(c, std::move(gate));
   }
-  route.handler(c, m_service);
+  route.handler(c, backend);
 }
 
 } // namespace mep::server

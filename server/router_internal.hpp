@@ -103,7 +103,22 @@ enum class Gate { open, migration };          // closed while a legacy migration
 enum class Priority { normal, keeps_leases }; // renewals and releases get the rate limit's reserve
 enum class Metric { none, claims, renewals }; // mep_claims_total, mep_lease_renewal_latency_seconds
 
-using HandlerFn = void (*)(const CallPtr&, LeaseService&);
+// What the handlers call: the lease service, or (health, readiness, metrics) the store's
+// health. A handler names the one it needs by its parameter; the route table adapts it
+// (by_service, by_health), so a handler is written and tested against that role alone.
+struct Backend {
+  LeaseService& svc;
+  StoreHealth& health;
+};
+using HandlerFn = void (*)(const CallPtr&, Backend&);
+template <void (*F)(const CallPtr&, LeaseService&)>
+void by_service(const CallPtr& c, Backend& b) {
+  F(c, b.svc);
+}
+template <void (*F)(const CallPtr&, StoreHealth&)>
+void by_health(const CallPtr& c, Backend& b) {
+  F(c, b.health);
+}
 
 struct Route {
   bhttp::verb method;
@@ -216,7 +231,8 @@ std::optional<std::string> header_once(const bhttp::fields& req, Key key, bool& 
 
 // The bearer token of a request (SPEC §6: checked before anything else): its tenant and
 // scopes, or the problem to answer (401; 503 when the lookup itself failed).
-inline expected<AuthInfo, Problem> check_bearer(const bhttp::fields& fields, Store& store, RateLimiter& audit_budget) {
+inline expected<AuthInfo, Problem> check_bearer(const bhttp::fields& fields, TokenStore& store,
+                                                RateLimiter& audit_budget) {
   bool doubled = false;
   auto h = header_once(fields, bhttp::field::authorization, doubled);
   auto unauth = [](std::string detail) {
@@ -243,7 +259,7 @@ inline expected<AuthInfo, Problem> check_bearer(const bhttp::fields& fields, Sto
   return *auth;
 }
 
-inline bool authenticate(const CallPtr& c, Store& store, RateLimiter& audit_budget) {
+inline bool authenticate(const CallPtr& c, TokenStore& store, RateLimiter& audit_budget) {
   auto auth = check_bearer(c->req, store, audit_budget);
   if (!auth) {
     fail(c, std::move(auth.error()));
@@ -316,9 +332,9 @@ void on_list_leases(const CallPtr& c, LeaseService& svc);
 void on_get_memory(const CallPtr& c, LeaseService& svc);
 void on_lineage(const CallPtr& c, LeaseService& svc);
 void on_identity_map(const CallPtr& c, LeaseService& svc);
-void on_metrics(const CallPtr& c, LeaseService& svc);
+void on_metrics(const CallPtr& c, StoreHealth& health);
 void on_admin_check(const CallPtr& c, LeaseService& svc);
-void on_healthz(const CallPtr& c, LeaseService& svc);
-void on_readyz(const CallPtr& c, LeaseService& svc);
+void on_healthz(const CallPtr& c, StoreHealth& health);
+void on_readyz(const CallPtr& c, StoreHealth& health);
 
 } // namespace mep::server::router_detail

@@ -131,13 +131,13 @@ std::string prometheus_label_value(std::string_view v) {
   return out;
 }
 
-void on_metrics(const CallPtr& c, LeaseService& svc) {
+void on_metrics(const CallPtr& c, StoreHealth& health) {
   auto& m = Metrics::global();
   try {
-    m.set("mep_db_ready", svc.store().ready() ? 1.0 : 0.0);
-    m.set("mep_leases_active", static_cast<double>(svc.store().active_leases()));
+    m.set("mep_db_ready", health.ready() ? 1.0 : 0.0);
+    m.set("mep_leases_active", static_cast<double>(health.active_leases()));
     // At most 20 tenants by name, the busiest; the rest together as _other.
-    auto by_tenant = svc.store().active_leases_by_tenant();
+    auto by_tenant = health.active_leases_by_tenant();
     std::sort(by_tenant.begin(), by_tenant.end(), [](const auto& a, const auto& b) { return a.second > b.second; });
     std::vector<std::pair<std::string, double>> series;
     double other = 0;
@@ -150,8 +150,8 @@ void on_metrics(const CallPtr& c, LeaseService& svc) {
     }
     if (by_tenant.size() > k_max_tenant_series) series.emplace_back("tenant=\"_other\"", other);
     m.replace("mep_leases_active_by_tenant", series);
-    m.set("mep_db_transaction_retries_total", static_cast<double>(svc.store().transaction_retries()));
-    m.set("mep_clock_steps_total", static_cast<double>(svc.store().clock_steps()));
+    m.set("mep_db_transaction_retries_total", static_cast<double>(health.transaction_retries()));
+    m.set("mep_clock_steps_total", static_cast<double>(health.clock_steps()));
   } catch (const std::exception& e) {
     log::warn("metrics: {}", e.what());
   }
@@ -163,8 +163,8 @@ void on_metrics(const CallPtr& c, LeaseService& svc) {
   c->send(std::move(res));
 }
 
-void on_health(const CallPtr& c, bool readiness, LeaseService& svc) {
-  bool ok = !readiness || svc.store().ready();
+void on_health(const CallPtr& c, bool readiness, StoreHealth& health) {
+  bool ok = !readiness || health.ready();
   if (ok) {
     Reply r;
     r.body = json::dump(boost::json::object{{"status", "ok"}});
@@ -183,7 +183,7 @@ void on_admin_check(const CallPtr& c, LeaseService&) {
   finish(c, std::move(r));
 }
 
-void on_healthz(const CallPtr& c, LeaseService& svc) { on_health(c, false, svc); }
-void on_readyz(const CallPtr& c, LeaseService& svc) { on_health(c, true, svc); }
+void on_healthz(const CallPtr& c, StoreHealth& health) { on_health(c, false, health); }
+void on_readyz(const CallPtr& c, StoreHealth& health) { on_health(c, true, health); }
 
 } // namespace mep::server::router_detail

@@ -41,12 +41,11 @@ class LeaseService {
 public:
   /// Listens to the store's releases through other servers (Store::set_freed_listener); the
   /// store must be closed (or its listener cleared) before the service is destroyed.
-  explicit LeaseService(Store& store);
+  LeaseService(LeaseStore& leases, ClaimQueue& queue);
+  explicit LeaseService(Store& store) : LeaseService(store, store) {}
   ~LeaseService();
   LeaseService(const LeaseService&) = delete;
   LeaseService& operator=(const LeaseService&) = delete;
-
-  Store& store() { return m_store; }
 
   void register_memory(const Ctx& ctx, Idempotency idem, lease::RegisterRequest req, Then<lease::Registered> then) {
     m_store.register_memory(ctx, std::move(idem), std::move(req), std::move(then));
@@ -98,13 +97,14 @@ public:
   /// Ends the claims that wait with 503 and Retry-After; new ones get 503.
   void end_waits() {
     m_waits.shutdown();
-    m_store.leave_all_queues();
+    m_queue.leave_all_queues();
   }
 
 private:
   void joined(WaitQueue::Joined j, const ClaimThen& then);
 
-  Store& m_store;
+  LeaseStore& m_store;
+  ClaimQueue& m_queue;
   WaitQueue m_waits;
   std::optional<std::int64_t> m_max_hold_s;
 };

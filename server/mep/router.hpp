@@ -57,6 +57,8 @@ public:
 
 private:
   LeaseService m_service;
+  TokenStore& m_tokens;
+  StoreHealth& m_health;
   RateLimiter m_limiter;
   // AUTH_FAILED audit rows are written at most 5 a second: an unauthenticated flood must
   // not turn into unbounded database writes (every failure still counts in the metric).

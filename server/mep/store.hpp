@@ -166,13 +166,18 @@ struct AuditRow {
 
 enum class Scope { lease, admin };
 
-/// The storage interface. Asynchronous operations call `then` exactly once, from a store
-/// thread (reads: from the caller's), after the outcome is durable, with a typed Outcome:
-/// the store decides outcomes; statuses, headers and metric labels are the edge's.
-/// Synchronous ones may block briefly.
-class Store {
+// The storage interface, by role: each consumer takes the role it needs (the lease
+// service the lease operations and the claim queue, authentication the tokens, /metrics and
+// /readyz the health, the `mep token` and `mep server audit` commands the administration),
+// and a test fakes only that. A backend implements them all: `Store`.
+// Asynchronous operations call `then` exactly once, from a store thread (reads: from the
+// caller's), after the outcome is durable, with a typed Outcome: the store decides outcomes;
+// statuses, headers and metric labels are the edge's. Synchronous ones may block briefly.
+
+/// The lease operations and the reads of leases, memories and names (SPEC §6).
+class LeaseStore {
 public:
-  virtual ~Store() = default;
+  virtual ~LeaseStore() = default;
 
   // Creating operations (Idempotency-Key required).
   virtual void register_memory(const Ctx&, Idempotency, RegisterMemory, Then<lease::Registered>) = 0;
@@ -193,17 +198,82 @@ public:
   virtual void lineage(const Ctx&, std::string memory_id, Then<lease::Lineage>) = 0;
   /// The audit rows of one name of the caller's tenant (found by the name's keyed hash).
   virtual void history(const Ctx&, HistoryQuery, Then<lease::HistoryPage>) = 0;
+  /// GET /v1/migration/identity-map: the tenant's legacy_memory_ref → memory id entries.
+  virtual void identity_map(const Ctx&, std::optional<std::string> cursor, std::size_t limit,
+                            Then<lease::IdentityMapPage>) = 0;
+};
 
+/// The queue of waiting claims (Prefer: wait), shared by every server on the database:
+/// tickets are handed out in order of arrival, and a claim's transaction refuses it while
+/// an older ticket waits for its skeleton or memory (Claim::ticket).
+class ClaimQueue {
+public:
+  virtual ~ClaimQueue() = default;
+  /// A waiting claim takes its ticket (> 0, increasing). PostgreSQL: a row of mep_waiters,
+  /// which counts while the server that took it renews it (once a second); SQLite: a
+  /// counter (the queue is this process's own; see Claim::waiting_ahead).
+  virtual void enter_queue(const Ctx&, QueuePlace, Then<std::uint64_t>) = 0;
+  /// The ticket's claim stopped waiting without a grant (a grant removes it itself); the
+  /// other servers' waiters for the same things are woken. Best effort, not waited for.
+  virtual void leave_queue(std::uint64_t /*ticket*/) {}
+  /// Its clients went away (true: it keeps its place for a retry but holds no one up) or a
+  /// retry took its place back (false). Best effort, not waited for.
+  virtual void mark_queue(std::uint64_t /*ticket*/, bool /*abandoned*/) {}
+  /// This server stops: all its tickets go. Blocks briefly.
+  virtual void leave_all_queues() {}
+  /// Told of every lease ended by a release or a revocation through any server on the same
+  /// database (PostgreSQL: LISTEN/NOTIFY), so that claims waiting here (Prefer: wait) are
+  /// woken at once. Called from a store thread; empty stops the calls. A store that only
+  /// one process serves (SQLite) never calls it: that process saw the release itself.
+  using FreedListener = std::function<void(const std::string& canonical_name, const std::string& memory_id)>;
+  virtual void set_freed_listener(FreedListener) {}
+};
+
+/// Bearer tokens as every request checks them.
+class TokenStore {
+public:
+  virtual ~TokenStore() = default;
   /// The token whose SHA-256 is `token_sha256`, if it exists and is not revoked.
   virtual std::optional<AuthInfo> authenticate(const std::string& token_sha256) = 0;
   /// Records an AUTH_FAILED audit row (best effort, not waited for).
   virtual void audit_auth_failure(const std::string& tenant_id) = 0;
+};
+
+/// What /readyz and /metrics ask of the database, and the migration gate.
+class StoreHealth {
+public:
+  virtual ~StoreHealth() = default;
   /// True when the database answers.
   virtual bool ready() = 0;
   /// Unexpired leases right now (for the mep_leases_active gauge).
   virtual std::int64_t active_leases() = 0;
   /// Unexpired leases right now per tenant, by tenant name (mep_leases_active_by_tenant).
   virtual std::vector<std::pair<std::string, std::int64_t>> active_leases_by_tenant() { return {}; }
+  /// Transaction retries so far (PostgreSQL serializable mode; 0 elsewhere).
+  virtual std::int64_t transaction_retries() { return 0; }
+  /// Wall-clock steps found of the clock that decides expiry, when it is not this process's
+  /// (PostgreSQL's: mep_clock_steps_total).
+  virtual std::int64_t clock_steps() { return 0; }
+  /// True between `mep migrate run` and `mep migrate activate` (SPEC §10): lease
+  /// endpoints answer 503 migration-in-progress. Refreshed at least once a second.
+  virtual bool migration_in_progress() = 0;
+};
+
+/// Administration: the `mep token` and `mep server audit` commands.
+class StoreAdmin {
+public:
+  virtual ~StoreAdmin() = default;
+  /// Creates the tenant if new and a token for it; returns {tenant_id, token}.
+  virtual std::pair<std::string, std::string> create_token(const std::string& tenant_name, Scope) = 0;
+  virtual std::vector<TokenInfo> list_tokens(const std::optional<std::string>& tenant_name) = 0;
+  /// Revokes by token id; false when there is no such token.
+  virtual bool revoke_token(const std::string& token_id) = 0;
+  virtual std::vector<AuditRow> list_audit(const std::optional<std::string>& tenant_name, std::size_t limit) = 0;
+};
+
+/// A backend: every role, and its life (the sweeper, the completion executor, shutdown).
+class Store : public LeaseStore, public ClaimQueue, public TokenStore, public StoreHealth, public StoreAdmin {
+public:
   /// Deletes expired (and, SQLite, released) leases and idempotency records, at most
   /// k_sweep_batch leases per call; returns how many rows were removed.
   virtual std::int64_t sweep() = 0;
@@ -217,47 +287,6 @@ public:
   /// are answered with `why` (they never ran); the ones running finish. Their answers go
   /// through the completion executor, which must still run them.
   virtual void refuse_queued(const Problem& /*why*/) {}
-  /// Told of every lease ended by a release or a revocation through any server on the same
-  /// database (PostgreSQL: LISTEN/NOTIFY), so that claims waiting here (Prefer: wait) are
-  /// woken at once. Called from a store thread; empty stops the calls. A store that only
-  /// one process serves (SQLite) never calls it: that process saw the release itself.
-  using FreedListener = std::function<void(const std::string& canonical_name, const std::string& memory_id)>;
-  virtual void set_freed_listener(FreedListener) {}
-
-  // The queue of waiting claims (Prefer: wait), shared by every server on the database:
-  // tickets are handed out in order of arrival, and a claim's transaction refuses it while
-  // an older ticket waits for its skeleton or memory (Claim::ticket).
-  /// A waiting claim takes its ticket (> 0, increasing). PostgreSQL: a row of mep_waiters,
-  /// which counts while the server that took it renews it (once a second); SQLite: a
-  /// counter (the queue is this process's own; see Claim::waiting_ahead).
-  virtual void enter_queue(const Ctx&, QueuePlace, Then<std::uint64_t>) = 0;
-  /// The ticket's claim stopped waiting without a grant (a grant removes it itself); the
-  /// other servers' waiters for the same things are woken. Best effort, not waited for.
-  virtual void leave_queue(std::uint64_t /*ticket*/) {}
-  /// Its clients went away (true: it keeps its place for a retry but holds no one up) or a
-  /// retry took its place back (false). Best effort, not waited for.
-  virtual void mark_queue(std::uint64_t /*ticket*/, bool /*abandoned*/) {}
-  /// This server stops: all its tickets go. Blocks briefly.
-  virtual void leave_all_queues() {}
-  /// Transaction retries so far (PostgreSQL serializable mode; 0 elsewhere).
-  virtual std::int64_t transaction_retries() { return 0; }
-  /// Wall-clock steps found of the clock that decides expiry, when it is not this process's
-  /// (PostgreSQL's: mep_clock_steps_total).
-  virtual std::int64_t clock_steps() { return 0; }
-  /// True between `mep migrate run` and `mep migrate activate` (SPEC §10): lease
-  /// endpoints answer 503 migration-in-progress. Refreshed at least once a second.
-  virtual bool migration_in_progress() = 0;
-  /// GET /v1/migration/identity-map: the tenant's legacy_memory_ref → memory id entries.
-  virtual void identity_map(const Ctx&, std::optional<std::string> cursor, std::size_t limit,
-                            Then<lease::IdentityMapPage>) = 0;
-
-  // Administration (the `mep token` and `mep server audit` commands).
-  /// Creates the tenant if new and a token for it; returns {tenant_id, token}.
-  virtual std::pair<std::string, std::string> create_token(const std::string& tenant_name, Scope) = 0;
-  virtual std::vector<TokenInfo> list_tokens(const std::optional<std::string>& tenant_name) = 0;
-  /// Revokes by token id; false when there is no such token.
-  virtual bool revoke_token(const std::string& token_id) = 0;
-  virtual std::vector<AuditRow> list_audit(const std::optional<std::string>& tenant_name, std::size_t limit) = 0;
 };
 
 /// Transaction isolation on PostgreSQL (SQLite transactions are always serializable).
