@@ -26,21 +26,6 @@ namespace fs = std::filesystem;
 
 namespace {
 
-std::string url_encode(const std::string& s) {
-  static constexpr char hex[] = "0123456789ABCDEF";
-  std::string out;
-  for (unsigned char c : s) {
-    if (std::isalnum(c) || c == '-' || c == '_' || c == '.' || c == '~' || c == '/')
-      out.push_back(static_cast<char>(c));
-    else {
-      out.push_back('%');
-      out.push_back(hex[c >> 4]);
-      out.push_back(hex[c & 0xF]);
-    }
-  }
-  return out;
-}
-
 // How many terminal columns `s` (UTF-8) takes: 2 for East Asian wide and fullwidth
 // characters, 0 for combining marks and format characters, else 1.
 int display_width(std::string_view s) {
@@ -85,17 +70,16 @@ int report_unreadable(const std::string& method, const std::string& target, cons
 // Sends one request; on success prints the answer, decoded by `decode` (mep::daemon_api),
 // with `human` (or the JSON document as mepd sent it, with --json).
 template <class Decode, class Human>
-int call(const GlobalOptions& g, const std::string& method, const std::string& target, const std::string& body,
-         Decode decode, Human human) {
+int call(const GlobalOptions& g, const daemon_api::Target& to, const std::string& body, Decode decode, Human human) {
   std::string socket = resolve_socket(g.socket, g.config_file);
-  DaemonReply r = daemon_request(socket, method, target, body);
+  DaemonReply r = daemon_request(socket, to, body);
   if (!r.ok()) return report_problem(r, socket, g.json);
   if (g.json) {
     std::printf("%s\n", r.body.empty() ? "{}" : r.body.c_str());
     return exit_code::ok;
   }
   auto answer = decode(r.json());
-  if (!answer) return report_unreadable(method, target, answer.error());
+  if (!answer) return report_unreadable(std::string(to.method), to.target, answer.error());
   human(*answer);
   return exit_code::ok;
 }
@@ -183,7 +167,9 @@ void register_lease_commands(CLI::App& app, GlobalOptions& g, Action& action) {
         return exit_code::ok;
       }
       auto l = daemon_api::decode_lease(o);
-      if (!l) return report_unreadable("POST", "/v1/attach", l.error());
+      if (!l)
+        return report_unreadable("POST", std::string(daemon_api::route_of(daemon_api::Endpoint::attach).pattern),
+                                 l.error());
       std::printf("claimed %s  memory=%s  token=%s  expires in %s\n", l->canonical_name.c_str(), l->memory_id.c_str(),
                   or_dash(l->fencing_token).c_str(), expires_in(l->expires_at).c_str());
       return exit_code::ok;
@@ -197,8 +183,8 @@ void register_lease_commands(CLI::App& app, GlobalOptions& g, Action& action) {
   release->callback([rel_name, &g, &action] {
     action = [rel_name, &g] {
       std::string socket = resolve_socket(g.socket, g.config_file);
-      DaemonReply r =
-          daemon_request(socket, "POST", "/v1/detach", json::dump(boost::json::object{{"name", *rel_name}}));
+      DaemonReply r = daemon_request(socket, daemon_api::target(daemon_api::Endpoint::detach),
+                                     json::dump(boost::json::object{{"name", *rel_name}}));
       if (!r.ok()) return report_problem(r, socket, g.json);
       // Ended on this host; when the control plane did not confirm it, its problem decides
       // the exit status.
@@ -219,8 +205,9 @@ void register_lease_commands(CLI::App& app, GlobalOptions& g, Action& action) {
   init->add_option("path", *init_path, "The new .uai file")->required();
   init->callback([init_path, &g, &action] {
     action = [init_path, &g] {
-      return call(g, "POST", "/v1/init", json::dump(boost::json::object{{"path", path_argument(*init_path)}}),
-                  daemon_api::decode_initialized, [](const daemon_api::Initialized& i) {
+      return call(g, daemon_api::target(daemon_api::Endpoint::init),
+                  json::dump(boost::json::object{{"path", path_argument(*init_path)}}), daemon_api::decode_initialized,
+                  [](const daemon_api::Initialized& i) {
                     std::printf("created %s  memory=%s\n", i.path.c_str(), i.memory_id.c_str());
                   });
     };
@@ -235,7 +222,7 @@ void register_lease_commands(CLI::App& app, GlobalOptions& g, Action& action) {
     action = [br, &g] {
       std::string body =
           json::dump(boost::json::object{{"path", path_argument(br->first)}, {"new_path", path_argument(br->second)}});
-      return call(g, "POST", "/v1/branch", body, daemon_api::decode_branched_file,
+      return call(g, daemon_api::target(daemon_api::Endpoint::branch), body, daemon_api::decode_branched_file,
                   [](const daemon_api::BranchedFile& b) {
                     std::printf("branched %s  memory=%s  parent=%s  at token %lld\n", b.path.c_str(),
                                 b.branched.memory_id.c_str(), b.branched.parent_memory_id.c_str(),
@@ -251,8 +238,9 @@ void register_lease_commands(CLI::App& app, GlobalOptions& g, Action& action) {
   sync->add_option("name", *sync_name, "Agent name (a lease mepd holds)")->required();
   sync->callback([sync_name, &g, &action] {
     action = [sync_name, &g] {
-      return call(g, "POST", "/v1/sync", json::dump(boost::json::object{{"name", *sync_name}}),
-                  daemon_api::decode_synced, [](const daemon_api::ObjectResult& o) {
+      return call(g, daemon_api::target(daemon_api::Endpoint::sync),
+                  json::dump(boost::json::object{{"name", *sync_name}}), daemon_api::decode_synced,
+                  [](const daemon_api::ObjectResult& o) {
                     std::printf("synced %s  memory=%s  token=%lld  size=%llu  etag=%s\n", o.canonical_name.c_str(),
                                 o.memory_id.c_str(), static_cast<long long>(o.fencing_token),
                                 static_cast<unsigned long long>(o.size), o.etag.c_str());
@@ -271,10 +259,11 @@ void register_lease_commands(CLI::App& app, GlobalOptions& g, Action& action) {
     action = [fe, &g] {
       std::string body =
           json::dump(boost::json::object{{"memory_instance_id", fe->first}, {"path", path_argument(fe->second)}});
-      return call(g, "POST", "/v1/fetch", body, daemon_api::decode_fetched, [](const daemon_api::ObjectResult& o) {
-        std::printf("fetched %s  memory=%s  token=%lld  size=%llu\n", o.path.c_str(), o.memory_id.c_str(),
-                    static_cast<long long>(o.fencing_token), static_cast<unsigned long long>(o.size));
-      });
+      return call(g, daemon_api::target(daemon_api::Endpoint::fetch), body, daemon_api::decode_fetched,
+                  [](const daemon_api::ObjectResult& o) {
+                    std::printf("fetched %s  memory=%s  token=%lld  size=%llu\n", o.path.c_str(), o.memory_id.c_str(),
+                                static_cast<long long>(o.fencing_token), static_cast<unsigned long long>(o.size));
+                  });
     };
   });
 
@@ -282,7 +271,7 @@ void register_lease_commands(CLI::App& app, GlobalOptions& g, Action& action) {
   auto* status = app.add_subcommand("status", "List the leases mepd keeps");
   status->callback([&g, &action] {
     action = [&g] {
-      return call(g, "GET", "/v1/leases", "", daemon_api::decode_lease_list,
+      return call(g, daemon_api::target(daemon_api::Endpoint::list), "", daemon_api::decode_lease_list,
                   [](const std::vector<daemon_api::Lease>& leases) {
                     if (leases.empty()) {
                       std::printf("no leases\n");
@@ -304,8 +293,10 @@ void register_lease_commands(CLI::App& app, GlobalOptions& g, Action& action) {
   identify->add_option("path", *id_path, "A .uai file")->required();
   identify->callback([id_path, &g, &action] {
     action = [id_path, &g] {
-      return call(g, "GET", "/v1/identify?path=" + url_encode(path_argument(*id_path)), "",
-                  daemon_api::decode_identified, [](const daemon_api::Identified& i) {
+      return call(g,
+                  daemon_api::target(daemon_api::Endpoint::identify,
+                                     "path=" + daemon_api::query_value(path_argument(*id_path))),
+                  "", daemon_api::decode_identified, [](const daemon_api::Identified& i) {
                     std::printf("%s  memory=%s  parent=%s\n", i.path.c_str(), i.memory_id.c_str(),
                                 i.parent_memory_id ? i.parent_memory_id->c_str() : "-");
                   });
@@ -325,11 +316,12 @@ void register_lease_commands(CLI::App& app, GlobalOptions& g, Action& action) {
   lineage->callback([ln, &g, &action] {
     action = [ln, &g] {
       bool is_id = ln->what.size() == 36 && ln->what[8] == '-' && !fs::exists(ln->what);
-      std::string target =
-          is_id ? "/v1/lineage?id=" + ln->what : "/v1/lineage?path=" + url_encode(path_argument(ln->what));
+      const auto to = daemon_api::target(daemon_api::Endpoint::lineage,
+                                         is_id ? "id=" + daemon_api::query_value(ln->what)
+                                               : "path=" + daemon_api::query_value(path_argument(ln->what)));
       GlobalOptions local = g;
       if (ln->format == "json") local.json = true;
-      return call(local, "GET", target, "", lease::wire::decode_lineage, [ln](const lease::Lineage& l) {
+      return call(local, to, "", lease::wire::decode_lineage, [ln](const lease::Lineage& l) {
         if (ln->format == "dot")
           print_dot(l);
         else

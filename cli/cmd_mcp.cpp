@@ -42,8 +42,8 @@ DaemonReply Session::attach_once(std::int64_t wait_s) {
   }
   body.wait_s = std::max<std::int64_t>(wait_s, 0);
   const auto sent = Clock::now();
-  DaemonReply r = daemon_request(m_socket, "POST", "/v1/attach", json::dump(daemon_api::to_json(body)),
-                                 static_cast<int>(wait_s * 1000 + 30000));
+  DaemonReply r = daemon_request(m_socket, daemon_api::target(daemon_api::Endpoint::attach),
+                                 json::dump(daemon_api::to_json(body)), static_cast<int>(wait_s * 1000 + 30000));
   if (r.ok()) {
     auto lease = daemon_api::decode_lease(r.json());
     if (!lease) {
@@ -96,7 +96,7 @@ bool Session::granted(const daemon_api::Lease& lease, Clock::time_point sent, co
 }
 
 void Session::give_back(const daemon_api::Lease& lease) {
-  daemon_request(m_socket, "POST", "/v1/detach",
+  daemon_request(m_socket, daemon_api::target(daemon_api::Endpoint::detach),
                  json::dump(daemon_api::to_json(daemon_api::LeaseNamed{lease.canonical_name, lease.lease_id})),
                  k_release_timeout_ms);
 }
@@ -113,17 +113,8 @@ void Session::begin_wait(const Problem& refusal) {
       std::lock_guard lock(m_mutex);
       path = m_path;
     }
-    std::string target = "/v1/identify?path=";
-    for (unsigned char c : path) { // percent-encode what is not unreserved
-      if (std::isalnum(c) || c == '-' || c == '_' || c == '.' || c == '~' || c == '/') {
-        target += static_cast<char>(c);
-      } else {
-        char hex[4];
-        std::snprintf(hex, sizeof hex, "%%%02X", c);
-        target += hex;
-      }
-    }
-    DaemonReply ident = daemon_request(m_socket, "GET", target);
+    DaemonReply ident = daemon_request(
+        m_socket, daemon_api::target(daemon_api::Endpoint::identify, "path=" + daemon_api::query_value(path)));
     if (ident.ok())
       if (auto i = daemon_api::decode_identified(ident.json())) id = i->memory_id;
   }
@@ -157,8 +148,8 @@ void Session::wait_for_lease(std::uint64_t generation, std::shared_ptr<Cancel> c
       }
       body.wait_s = k_wait_forever;
       const auto sent = Clock::now();
-      DaemonReply r =
-          daemon_request(m_socket, "POST", "/v1/attach", json::dump(daemon_api::to_json(body)), -1, cancel.get());
+      DaemonReply r = daemon_request(m_socket, daemon_api::target(daemon_api::Endpoint::attach),
+                                     json::dump(daemon_api::to_json(body)), -1, cancel.get());
       if (r.ok()) {
         auto lease = daemon_api::decode_lease(r.json());
         if (!lease) {
@@ -366,7 +357,8 @@ int mcp_main(const McpOptions& o, const GlobalOptions& g) {
   const std::string path = path_argument(o.memory);
   std::error_code ec;
   if (!std::filesystem::exists(path, ec)) {
-    DaemonReply r = daemon_request(socket, "POST", "/v1/init", json::dump(js::object{{"path", path}}));
+    DaemonReply r =
+        daemon_request(socket, daemon_api::target(daemon_api::Endpoint::init), json::dump(js::object{{"path", path}}));
     if (r.ok())
       std::fprintf(stderr, "mep: created the memory file %s\n", o.memory.c_str());
     else if (!std::filesystem::exists(path, ec)) // made meanwhile by another (mepd refuses to init it): used

@@ -112,7 +112,7 @@ mcp::ToolResult Session::write_tool(const js::object& args, mcp::WriteMode mode)
   //    refused here at once). When it cannot be asked, the local deadline stands alone.
   if (!lease) return mcp::ToolResult::error(std::string("nothing was ") + verb + ": no lease is held");
   DaemonReply v =
-      daemon_request(m_socket, "POST", "/v1/verify",
+      daemon_request(m_socket, daemon_api::target(daemon_api::Endpoint::verify),
                      json::dump(daemon_api::to_json(daemon_api::LeaseNamed{lease->canonical_name, lease->lease_id})),
                      k_verify_timeout_ms);
   const bool verified = v.ok();
@@ -159,7 +159,7 @@ mcp::ToolResult Session::sync_tool(const js::object& args) {
   // The daemon uploads the file under the lease's token; the data plane refuses a token
   // older than its mark (a takeover elsewhere), and the daemon then takes the lease as lost.
   DaemonReply r =
-      daemon_request(m_socket, "POST", "/v1/sync",
+      daemon_request(m_socket, daemon_api::target(daemon_api::Endpoint::sync),
                      json::dump(daemon_api::to_json(daemon_api::LeaseNamed{lease->canonical_name, lease->lease_id})));
   if (!r.ok()) {
     const Problem p = r.problem(m_socket);
@@ -186,8 +186,8 @@ mcp::ToolResult Session::branch_tool(const js::object& args) {
     std::lock_guard lock(m_mutex);
     path = m_path;
   }
-  DaemonReply r =
-      daemon_request(m_socket, "POST", "/v1/branch", json::dump(js::object{{"path", path}, {"new_path", abs}}));
+  DaemonReply r = daemon_request(m_socket, daemon_api::target(daemon_api::Endpoint::branch),
+                                 json::dump(js::object{{"path", path}, {"new_path", abs}}));
   if (!r.ok()) return mcp::ToolResult::error("no branch was made: " + explain(r.problem(m_socket)));
   js::object o = r.json();
   auto made = daemon_api::decode_branched_file(o);
@@ -231,7 +231,8 @@ mcp::ToolResult Session::lineage_tool(const js::object& args) {
     of = m_memory_id;
   }
   if (of.empty()) return mcp::ToolResult::error("this memory has no id yet");
-  DaemonReply r = daemon_request(m_socket, "GET", "/v1/lineage?id=" + of);
+  DaemonReply r =
+      daemon_request(m_socket, daemon_api::target(daemon_api::Endpoint::lineage, "id=" + daemon_api::query_value(of)));
   if (!r.ok()) return mcp::ToolResult::error(explain(r.problem(m_socket)));
   return mcp::ToolResult::ok(r.json());
 }

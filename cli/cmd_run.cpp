@@ -272,8 +272,8 @@ int run(const RunOptions& o, const GlobalOptions& g) {
     ::sigprocmask(SIG_SETMASK, &unblocked, nullptr);
     std::fprintf(stderr, "mep: cannot start %s: %s\n", argv[0], std::strerror(err));
     end_guard(guard, stand_down, true);
-    daemon_request(socket, "POST", "/v1/detach", json::dump(boost::json::object{{"name", field("canonical_name")}}),
-                   k_release_timeout_ms);
+    daemon_request(socket, daemon_api::target(daemon_api::Endpoint::detach),
+                   json::dump(boost::json::object{{"name", field("canonical_name")}}), k_release_timeout_ms);
     events.stop();
     return exit_code::other;
   }
@@ -357,8 +357,8 @@ int run(const RunOptions& o, const GlobalOptions& g) {
   const bool was_lost = lost || watch.state().lost; // before our own release emits `released`
   int sync_status = exit_code::ok;
   if (o.sync_on_exit && !was_lost) {
-    DaemonReply synced =
-        daemon_request(socket, "POST", "/v1/sync", json::dump(boost::json::object{{"name", field("canonical_name")}}));
+    DaemonReply synced = daemon_request(socket, daemon_api::target(daemon_api::Endpoint::sync),
+                                        json::dump(boost::json::object{{"name", field("canonical_name")}}));
     if (!synced.ok()) {
       std::fprintf(stderr, "mep: the memory was not synced:\n");
       sync_status = report_problem(synced, socket, g.json);
@@ -370,8 +370,8 @@ int run(const RunOptions& o, const GlobalOptions& g) {
   //    the command's status is not held back for a minute.
   if (!was_lost) {
     auto released =
-        daemon_request(socket, "POST", "/v1/detach", json::dump(boost::json::object{{"name", field("canonical_name")}}),
-                       k_release_timeout_ms);
+        daemon_request(socket, daemon_api::target(daemon_api::Endpoint::detach),
+                       json::dump(boost::json::object{{"name", field("canonical_name")}}), k_release_timeout_ms);
     // The command's status stands; the release that the control plane did not confirm is said.
     if (auto refused = unconfirmed_release(released)) warn_unconfirmed_release(field("canonical_name"), *refused);
   }

@@ -179,10 +179,13 @@ std::optional<std::int64_t> parse_wait(const std::string& text) {
 
 DaemonReply attach(const std::string& socket, daemon_api::AttachBody attach, std::int64_t wait_s) {
   attach.wait_s = 0;
-  if (wait_s <= 0) return daemon_request(socket, "POST", "/v1/attach", json::dump(daemon_api::to_json(attach)));
+  if (wait_s <= 0)
+    return daemon_request(socket, daemon_api::target(daemon_api::Endpoint::attach),
+                          json::dump(daemon_api::to_json(attach)));
   if (::isatty(STDERR_FILENO)) {
     // Ask once without waiting, to say what is waited for; then wait.
-    DaemonReply first = daemon_request(socket, "POST", "/v1/attach", json::dump(daemon_api::to_json(attach)));
+    DaemonReply first = daemon_request(socket, daemon_api::target(daemon_api::Endpoint::attach),
+                                       json::dump(daemon_api::to_json(attach)));
     if (!first.held()) return first;
     const Problem held = first.problem(socket); // the refusal, read once
     std::int64_t ahead = 0;
@@ -197,13 +200,14 @@ DaemonReply attach(const std::string& socket, daemon_api::AttachBody attach, std
   attach.wait_s = wait_s;
   // The daemon answers within the wait; the socket may stay silent that long.
   const int timeout_ms = wait_s > 2'000'000 ? -1 : static_cast<int>(wait_s * 1000 + 30000);
-  return daemon_request(socket, "POST", "/v1/attach", json::dump(daemon_api::to_json(attach)), timeout_ms);
+  return daemon_request(socket, daemon_api::target(daemon_api::Endpoint::attach),
+                        json::dump(daemon_api::to_json(attach)), timeout_ms);
 }
 
 bool follow_events(const std::string& socket, const std::function<bool(const std::string&)>& on_line,
                    const std::function<void(int fd)>& on_connected) {
   http::ClientRequest req;
-  req.url = "http://mepd/v1/events";
+  req.url = "http://mepd" + daemon_api::target(daemon_api::Endpoint::events).target;
   req.unix_socket = socket;
   req.timeout = std::chrono::milliseconds(0); // a stream: as long as mepd keeps it open
   int fd = -1;

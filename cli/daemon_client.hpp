@@ -66,6 +66,11 @@ private:
 /// socket, or a test's fake (ScopedDaemonClient).
 DaemonReply daemon_request(const std::string& socket, const std::string& method, const std::string& target,
                            const std::string& body = {}, int timeout_ms = 60000, Cancel* cancel = nullptr);
+/// The same, to an endpoint of the API's table (daemon_api::target: its method and path).
+inline DaemonReply daemon_request(const std::string& socket, const daemon_api::Target& to, const std::string& body = {},
+                                  int timeout_ms = 60000, Cancel* cancel = nullptr) {
+  return daemon_request(socket, std::string(to.method), to.target, body, timeout_ms, cancel);
+}
 
 /// How the commands reach mepd, one request at a time. The default is libcurl over the Unix
 /// socket (mep::http::Client); the commands' unit tests put a fake in its place.

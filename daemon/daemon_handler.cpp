@@ -130,7 +130,9 @@ bool DaemonHandler::attach_waits(const std::string& body) {
 
 void DaemonHandler::handle(http::Request&& req, const http::Peer& peer, std::shared_ptr<http::BodySink>,
                            http::Responder responder) {
-  if (req.method() == bhttp::verb::get && req.target() == "/v1/events") return start_events(responder, peer.uid);
+  using daemon_api::Endpoint;
+  if (req.method() == bhttp::verb::get && req.target() == daemon_api::route_of(Endpoint::events).pattern)
+    return start_events(responder, peer.uid);
   // Service calls may block on the control plane or the data plane: they run on the
   // worker pool, so the I/O threads keep serving event streams and other clients. An
   // attach that may wait for a held name gets a thread of its own: a queue of waiting
@@ -138,7 +140,8 @@ void DaemonHandler::handle(http::Request&& req, const http::Peer& peer, std::sha
   const int fd = responder.native_handle();
   // Decided before the request moves into `work` (it was read after the move, always
   // false, so waiting attaches took the pool's threads).
-  const bool may_wait = req.method() == bhttp::verb::post && req.target() == "/v1/attach" && attach_waits(req.body());
+  const bool may_wait = req.method() == bhttp::verb::post &&
+                        req.target() == daemon_api::route_of(Endpoint::attach).pattern && attach_waits(req.body());
   const unsigned version = req.version();
   const bool keep_alive = req.keep_alive();
   auto work = [this, req = std::move(req), peer, responder, fd]() mutable { responder.send(respond(req, peer, fd)); };
@@ -473,22 +476,49 @@ DaemonHandler::Out DaemonHandler::on_fetch(const Call& c) {
                 [](const ObjectResult& r) { return api::to_json_fetch(r); });
 }
 
-const std::vector<DaemonHandler::Row> DaemonHandler::k_routes = {
-    {bhttp::verb::get, "/healthz", &DaemonHandler::on_health},
-    {bhttp::verb::get, "/metrics", &DaemonHandler::on_metrics},
-    {bhttp::verb::get, "/v1/events", &DaemonHandler::on_events},
-    {bhttp::verb::post, "/v1/attach", &DaemonHandler::on_attach},
-    {bhttp::verb::post, "/v1/detach", &DaemonHandler::on_detach},
-    {bhttp::verb::get, "/v1/leases", &DaemonHandler::on_list},
-    {bhttp::verb::get, "/v1/leases/{name}", &DaemonHandler::on_get},
-    {bhttp::verb::post, "/v1/branch", &DaemonHandler::on_branch},
-    {bhttp::verb::post, "/v1/init", &DaemonHandler::on_init},
-    {bhttp::verb::get, "/v1/lineage", &DaemonHandler::on_lineage},
-    {bhttp::verb::get, "/v1/identify", &DaemonHandler::on_identify},
-    {bhttp::verb::post, "/v1/verify", &DaemonHandler::on_verify},
-    {bhttp::verb::post, "/v1/sync", &DaemonHandler::on_sync},
-    {bhttp::verb::post, "/v1/fetch", &DaemonHandler::on_fetch},
-};
+// The member that serves each endpoint of the API's table: a switch without a default, so
+// an endpoint added to the table without its handler does not build (-Wswitch, -Werror).
+DaemonHandler::Handle DaemonHandler::handler_of(daemon_api::Endpoint e) {
+  using E = daemon_api::Endpoint;
+  switch (e) {
+  case E::health:
+    return &DaemonHandler::on_health;
+  case E::metrics:
+    return &DaemonHandler::on_metrics;
+  case E::events:
+    return &DaemonHandler::on_events;
+  case E::attach:
+    return &DaemonHandler::on_attach;
+  case E::detach:
+    return &DaemonHandler::on_detach;
+  case E::list:
+    return &DaemonHandler::on_list;
+  case E::get:
+    return &DaemonHandler::on_get;
+  case E::branch:
+    return &DaemonHandler::on_branch;
+  case E::init:
+    return &DaemonHandler::on_init;
+  case E::lineage:
+    return &DaemonHandler::on_lineage;
+  case E::identify:
+    return &DaemonHandler::on_identify;
+  case E::verify:
+    return &DaemonHandler::on_verify;
+  case E::sync:
+    return &DaemonHandler::on_sync;
+  case E::fetch:
+    return &DaemonHandler::on_fetch;
+  }
+  return nullptr;
+}
+
+const std::vector<DaemonHandler::Row> DaemonHandler::k_routes = [] {
+  std::vector<Row> rows;
+  for (const auto& r : daemon_api::k_routes)
+    rows.push_back(Row{bhttp::string_to_verb(r.method), r.pattern, handler_of(r.endpoint)});
+  return rows;
+}();
 
 std::vector<std::string> DaemonHandler::route_names() {
   std::vector<std::string> out;

@@ -8,6 +8,7 @@
 #include <boost/json/array.hpp>
 
 #include <algorithm>
+#include <cctype>
 #include <limits>
 
 namespace mep::daemon_api {
@@ -56,6 +57,21 @@ ObjectResult read_object(Fields& f, bool sync) {
 } // namespace
 
 // ---- requests ---------------------------------------------------------------------------------
+
+std::string query_value(std::string_view v) {
+  static constexpr char hex[] = "0123456789ABCDEF";
+  std::string out;
+  for (unsigned char c : v) {
+    if (std::isalnum(c) || c == '-' || c == '_' || c == '.' || c == '~' || c == '/') {
+      out.push_back(static_cast<char>(c));
+    } else {
+      out.push_back('%');
+      out.push_back(hex[c >> 4]);
+      out.push_back(hex[c & 0xF]);
+    }
+  }
+  return out;
+}
 
 json::object to_json(const AttachBody& a) {
   json::object o{{"name", a.name}, {"path", a.path}};

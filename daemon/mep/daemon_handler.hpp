@@ -3,6 +3,7 @@
 // result as JSON or an RFC 9457 problem. Bound to a DaemonService only, so the whole path
 // from a parsed request to its answer runs on a fake in tests and the fuzz target.
 #pragma once
+#include "mep/daemon_api/types.hpp"
 #include "mep/daemon_service.hpp"
 #include "mep/http/edge.hpp"
 #include "mep/problem.hpp"
@@ -81,7 +82,9 @@ private:
     std::string_view pattern;
     Handle handle;
   };
+  /// Built from daemon_api::k_routes, each endpoint with its member (handler_of).
   static const std::vector<Row> k_routes;
+  static Handle handler_of(daemon_api::Endpoint e);
 
   static Answer json(int status, boost::json::object body) { return Answer{status, std::move(body), {}}; }
   template <class T, class F>

@@ -169,10 +169,20 @@ TEST_CASE("daemon API contract: every route has a recorded exchange", "[contract
   }
 }
 
-TEST_CASE("daemon API contract: the handler serves the API's route table, in its order", "[contract]") {
+TEST_CASE("daemon API contract: the handler serves the API's route table, each endpoint once", "[contract]") {
+  // mepd's routing is built from the table; what could still go wrong is the table itself:
+  // a method Beast does not know (its row would never match), or an endpoint twice.
+  namespace api = mep::daemon_api;
   std::vector<std::string> table;
-  for (const auto& r : mep::daemon_api::k_routes) table.push_back(std::string(r.method) + " " + std::string(r.pattern));
+  std::set<api::Endpoint> endpoints;
+  for (const auto& r : api::k_routes) {
+    table.push_back(std::string(r.method) + " " + std::string(r.pattern));
+    CHECK(endpoints.insert(r.endpoint).second);
+    CHECK(&api::route_of(r.endpoint) == &r);
+  }
   CHECK(DaemonHandler::route_names() == table);
+  CHECK(api::target(api::Endpoint::identify, "path=%2Fa").target == "/v1/identify?path=%2Fa");
+  CHECK(api::target(api::Endpoint::detach).method == "POST");
 }
 
 TEST_CASE("daemon API contract: the API's decoders read every recorded answer back to the same JSON", "[contract]") {

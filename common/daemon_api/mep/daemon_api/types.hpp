@@ -20,30 +20,78 @@
 
 namespace mep::daemon_api {
 
-/// One route of the socket API: its method and path pattern ({name}: one path segment).
+/// The socket API's endpoints: mepd's handler has one member for each (a switch the
+/// compiler holds complete), and the CLI names them instead of spelling paths.
+enum class Endpoint {
+  health,
+  metrics,
+  events,
+  attach,
+  detach,
+  list,
+  get,
+  branch,
+  init,
+  lineage,
+  identify,
+  verify,
+  sync,
+  fetch,
+};
+
+/// One route of the socket API: its endpoint, method and path pattern ({name}: one path
+/// segment).
 struct Route {
+  Endpoint endpoint;
   std::string_view method;
   std::string_view pattern;
 };
 
-/// Every route mepd serves, in the order its handler's table lists them (the handler's
-/// contract test holds the two equal).
+/// Every route mepd serves, the one table of them (mepd's routing is built from it).
 inline constexpr std::array<Route, 14> k_routes = {{
-    {"GET", "/healthz"},
-    {"GET", "/metrics"},
-    {"GET", "/v1/events"},
-    {"POST", "/v1/attach"},
-    {"POST", "/v1/detach"},
-    {"GET", "/v1/leases"},
-    {"GET", "/v1/leases/{name}"},
-    {"POST", "/v1/branch"},
-    {"POST", "/v1/init"},
-    {"GET", "/v1/lineage"},
-    {"GET", "/v1/identify"},
-    {"POST", "/v1/verify"},
-    {"POST", "/v1/sync"},
-    {"POST", "/v1/fetch"},
+    {Endpoint::health, "GET", "/healthz"},
+    {Endpoint::metrics, "GET", "/metrics"},
+    {Endpoint::events, "GET", "/v1/events"},
+    {Endpoint::attach, "POST", "/v1/attach"},
+    {Endpoint::detach, "POST", "/v1/detach"},
+    {Endpoint::list, "GET", "/v1/leases"},
+    {Endpoint::get, "GET", "/v1/leases/{name}"},
+    {Endpoint::branch, "POST", "/v1/branch"},
+    {Endpoint::init, "POST", "/v1/init"},
+    {Endpoint::lineage, "GET", "/v1/lineage"},
+    {Endpoint::identify, "GET", "/v1/identify"},
+    {Endpoint::verify, "POST", "/v1/verify"},
+    {Endpoint::sync, "POST", "/v1/sync"},
+    {Endpoint::fetch, "POST", "/v1/fetch"},
 }};
+
+/// The route of an endpoint.
+constexpr const Route& route_of(Endpoint e) {
+  for (const Route& r : k_routes)
+    if (r.endpoint == e) return r;
+  return k_routes[0]; // not reached: every endpoint has its row (daemon_api_contract_test)
+}
+
+/// A request's method and target (path and query), as the CLI sends it.
+struct Target {
+  std::string_view method;
+  std::string target;
+};
+
+/// A query parameter's value percent-encoded: everything but unreserved characters and '/'.
+std::string query_value(std::string_view v);
+
+/// The request of an endpoint whose path has no parameter, with an encoded query
+/// ("path=" + query_value(p)) or none.
+inline Target target(Endpoint e, std::string_view query = {}) {
+  const Route& r = route_of(e);
+  Target t{r.method, std::string(r.pattern)};
+  if (!query.empty()) {
+    t.target += '?';
+    t.target += query;
+  }
+  return t;
+}
 
 /// A lease as mepd shows it (POST /v1/attach, GET /v1/leases[/{name}]): no fencing token
 /// once lost (a lost token is not handed out), the reason instead.
