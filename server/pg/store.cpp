@@ -601,7 +601,10 @@ void PgStore::watch_clock(pg::Conn& c) {
       log::warn("the database clock stepped back by {:.3f} s; leases outlive their TTL by as much",
                 static_cast<double>(-step->size_ms) / 1000);
   }
+  const bool anchored = m_clock.bound(got).has_value();
   m_clock.anchor(clock, sent, got);
+  // Once: from here on claims, renewals and sweeps carry the clock's bound (tests wait for it).
+  if (!anchored && m_clock.bound(got)) log::info("watching the database clock (first reading anchored)");
 }
 
 pg::Param PgStore::clock_bound() const {

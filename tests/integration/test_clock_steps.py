@@ -145,7 +145,11 @@ class ClockStepsPostgres(unittest.TestCase):
     def start(self):
         server = MepServer(self.workdir, self.db, ("--rate-limit", "0")).start()
         self.addCleanup(server.stop)
-        time.sleep(1.5)  # the server's first readings of the database clock
+        # The server's first reading of the database clock, which later ones are compared with.
+        deadline = time.monotonic() + 30
+        while "watching the database clock" not in server.stderr_text():
+            self.assertLess(time.monotonic(), deadline, server.stderr_text()[-2000:])
+            time.sleep(0.05)
         client = ApiClient(server.port, self.token)
         self.addCleanup(client.close)
         return server, client

@@ -875,8 +875,9 @@ class BasicCases:
         os.makedirs(cwd)
         script = ("import os,socket,sys,time\n"
                   "s=socket.socket(socket.AF_UNIX); s.connect(sys.argv[1])\n"
+                  "parent=os.getpid()\n"
                   "if os.fork(): os._exit(0)\n"
-                  "time.sleep(0.5)\n"
+                  "while os.getppid() == parent: time.sleep(0.01)\n"  # until the parent has exited
                   "b=b'{\"path\":\"gone-client.uai\"}'\n"
                   "s.sendall(b'POST /v1/init HTTP/1.1\\r\\nHost: x\\r\\nContent-Type: application/json\\r\\n'"
                   "+b'Content-Length: %d\\r\\n\\r\\n' % len(b) + b)\n"
@@ -1174,11 +1175,28 @@ class RemoteDaemonTests(DaemonTestCase):
         self.assertEqual(r.json["state"], "held")
 
     def test_renewals_are_batched(self):
+        # Attached at once (one after another, on a loaded machine, they spread over seconds
+        # and come due apart), then two renewals of each (every ttl/3 = 2 s) are waited for.
         paths = [self.new_file("batch-%02d.uai" % i) for i in range(20)]
-        for i, p in enumerate(paths):
-            self.attach_ok("batch-%02d" % i, p, ttl_seconds=6)
+        barrier = threading.Barrier(len(paths))
+        results = [None] * len(paths)
+
+        def agent(i):
+            c = DaemonClient(self.mepd.socket_path)
+            barrier.wait(timeout=30)
+            results[i] = c.attach("batch-%02d" % i, paths[i], ttl_seconds=6)
+
+        threads = [threading.Thread(target=agent, args=(i,)) for i in range(len(paths))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=120)
+        self.assertEqual([r.status for r in results], [201] * len(paths), [r for r in results if r.status != 201][:3])
         t_attached = time.monotonic()
-        time.sleep(5)
+        deadline = t_attached + 60
+        while self.client.metrics()["mepd_renewed_leases_total"] < 40:
+            self.assertLess(time.monotonic(), deadline, self.client.metrics())
+            time.sleep(0.1)
         m = self.client.metrics()
         batches = m["mepd_renew_batches_total"]
         renewed = m["mepd_renewed_leases_total"]

@@ -442,7 +442,7 @@ class MigrateTest(unittest.TestCase):
             self.assertIn("Retry-After", headers)
             self.assertEqual(server.request("GET", "/healthz", token)[0], 200)
             mep("migrate", "activate", "--db", self.url)
-            status, lease = claim_once_open(server, token, body, 5)
+            status, lease = claim_once_open(server, token, body, 30)
             self.assertEqual(status, 201)
             self.assertEqual(lease["canonical_name"], "gated")
             st = json.loads(mep("--json", "migrate", "status", "--db", self.url).stdout)

@@ -334,7 +334,13 @@ class FailoverCase(unittest.TestCase):
         pid = self.pg.walsender()
         self.assertIsNotNone(pid, "no WAL sender on the primary")
         os.kill(pid, signal.SIGSTOP)
+        paused = time.monotonic()
         time.sleep(1.5)
+        # An asynchronous primary: until it has acknowledged grants the standby lacks (a
+        # loaded machine's storm may have sent few in 1.5 s), 60 s at most.
+        while (not self.SYNCHRONOUS and time.monotonic() - paused < 60
+               and len([g for g in self.acked_grants(storm) if g["start"] > paused]) < 10):
+            time.sleep(0.1)
 
     def acked_grants(self, storm):
         return [o for o in list(storm.history.ops) if o["kind"] == "claim" and o["status"] == 201]

@@ -124,11 +124,11 @@ class TwoServers(SpannerCase):
         with ApiClient(self.servers[0].port, self.token) as c:
             mem = c.new_memory()
         grants, lock = [], threading.Lock()
-        stop = time.monotonic() + 6
+        stop = threading.Event()
 
         def worker(i):
             with ApiClient(self.servers[i % 2].port, self.token, timeout=REQUEST_BOUND_S) as c:
-                while time.monotonic() < stop:
+                while not stop.is_set():
                     owner, name = "owner-%d" % i, "cycle-%d" % i
                     r = c.claim(name, mem, owner, ttl=30)
                     if r.status != 201:
@@ -142,6 +142,12 @@ class TwoServers(SpannerCase):
         threads = [threading.Thread(target=worker, args=(i,)) for i in range(8)]
         for t in threads:
             t.start()
+        # 6 s of cycles, and on until more than 10 (a loaded machine's emulator is slow).
+        time.sleep(6)
+        deadline = time.monotonic() + 60
+        while len(grants) <= 10 and time.monotonic() < deadline:
+            time.sleep(0.2)
+        stop.set()
         for t in threads:
             t.join(timeout=120)
         tokens = [t for _, t in sorted(grants)]
@@ -155,7 +161,7 @@ class TwoServers(SpannerCase):
             mems = [c.new_memory() for _ in range(5)]
         names = ["alpha", "bravo", "charlie", "delta"]
         names = [n + "-" + uuid7()[-6:] for n in names]
-        history, stop = History(), time.monotonic() + 8
+        history, stop = History(), threading.Event()
         killed = threading.Event()
         counts = {"granted": 0, "failed": 0}
         lock = threading.Lock()
@@ -165,7 +171,7 @@ class TwoServers(SpannerCase):
             owner = "owner-%d" % i
             server = self.servers[i % 2]
             with ApiClient(server.port, self.token, timeout=REQUEST_BOUND_S) as c:
-                while time.monotonic() < stop:
+                while not stop.is_set():
                     if i % 2 == 0 and killed.is_set():
                         return  # its server is gone
                     name, memory = rnd.choice(names), rnd.choice(mems)
@@ -201,6 +207,12 @@ class TwoServers(SpannerCase):
         time.sleep(3)
         self.servers[0].kill()  # SIGKILL mid-claims
         killed.set()
+        # 5 s more, and on until more than 10 grants (a loaded machine's emulator is slow).
+        time.sleep(5)
+        deadline = time.monotonic() + 60
+        while counts["granted"] <= 10 and time.monotonic() < deadline:
+            time.sleep(0.2)
+        stop.set()
         for t in threads:
             t.join(timeout=60)
             self.assertFalse(t.is_alive(), "a client hung")
