@@ -14,19 +14,11 @@ namespace {
 void on_register(const CallPtr& c, LeaseService& svc) {
   auto body = body_object(c, true);
   if (!body) return;
-  json::ObjectReader r(*body);
-  lease::RegisterRequest req;
-  auto id = r.string("memory_instance_id", Need::optional);
-  if (id) {
-    if (!is_uuid_v7(*id))
-      r.fail("field \"memory_instance_id\" must be a UUIDv7");
-    else
-      req.memory_id = Uuid::parse(*id)->to_string();
-  }
-  if (!finish_reader(c, r)) return;
+  auto req = wire::read_register_request(*body);
+  if (!req) return fail(c, std::move(req.error()));
   auto idem = idempotency(c, *body);
   if (!idem) return;
-  svc.register_memory(c->ctx, std::move(*idem), std::move(req), answer_created<lease::Registered>(c));
+  svc.register_memory(c->ctx, std::move(*idem), std::move(*req), answer_created<lease::Registered>(c));
 }
 
 void on_claim(const CallPtr& c, LeaseService& svc) {
@@ -140,24 +132,6 @@ void on_claim_batch(const CallPtr& c, LeaseService& svc) {
   }
 }
 
-std::optional<lease::LeaseRef> lease_ref(json::ObjectReader& r, bool with_owner, bool with_ttl) {
-  lease::LeaseRef ref;
-  auto name = r.string("canonical_name", Need::required);
-  auto memory = r.uuid("memory_instance_id", Need::required);
-  auto token = r.integer("fencing_token", Need::required, 0, k_max_token);
-  std::optional<std::string> owner;
-  if (with_owner) owner = owner_field(r);
-  std::optional<std::int64_t> ttl;
-  if (with_ttl) ttl = r.integer("ttl_seconds", Need::optional, -k_any_ttl, k_any_ttl);
-  if (!name || !memory || !token || (with_owner && !owner)) return std::nullopt;
-  ref.canonical_name = *name;
-  ref.memory_id = *memory;
-  ref.fencing_token = *token;
-  if (owner) ref.owner_client_id = *owner;
-  ref.ttl_s = ttl.value_or(k_default_ttl_s);
-  return ref;
-}
-
 // mep_renewals_total's label for one renewal's outcome: renewed, or the problem's code, with
 // the leases an operator or the hold limit ended told apart.
 std::string renewal_outcome(int status, std::string_view code, std::string_view reason) {
@@ -175,9 +149,8 @@ void count_renewal(int status, std::string_view code, std::string_view reason) {
 void on_renew(const CallPtr& c, LeaseService& svc) {
   auto body = body_object(c, false);
   if (!body) return;
-  json::ObjectReader r(*body);
-  auto ref = lease_ref(r, true, true);
-  if (!finish_reader(c, r)) return;
+  auto ref = wire::read_lease_ref(*body, wire::RefForm::renew, k_any_ttl);
+  if (!ref) return fail(c, std::move(ref.error()));
   svc.renew(c->ctx, std::move(*ref), [c](Outcome<lease::Renewed> o) {
     if (o.ok()) {
       count_renewal(200, {}, {});
@@ -193,34 +166,9 @@ void on_renew(const CallPtr& c, LeaseService& svc) {
 void on_renew_batch(const CallPtr& c, LeaseService& svc) {
   auto body = body_object(c, false);
   if (!body) return;
-  json::ObjectReader r(*body);
-  lease::RenewBatchRequest req;
-  auto owner = owner_field(r);
-  const auto* items = r.array("leases", Need::required);
-  if (items && items->size() > k_max_batch)
-    r.fail("field \"leases\" holds at most " + std::to_string(k_max_batch) + " leases");
-  else if (items) {
-    for (std::size_t i = 0; i < items->size(); ++i) {
-      const auto& v = (*items)[i];
-      if (!v.is_object()) {
-        r.fail("leases[" + std::to_string(i) + "] must be an object");
-        continue;
-      }
-      json::ObjectReader ir(v.get_object());
-      auto ref = lease_ref(ir, false, true);
-      // A daemon renews the leases of several local owners in one call: an item may
-      // name its own owner; otherwise the batch's owner applies.
-      auto item_owner = owner_field(ir, Need::optional);
-      if (ref && item_owner) ref->owner_client_id = *item_owner;
-      if (auto ok = ir.finish(); !ok)
-        r.fail("leases[" + std::to_string(i) + "]: " + ok.error().detail);
-      else if (ref)
-        req.leases.push_back(std::move(*ref));
-    }
-  }
-  if (!finish_reader(c, r)) return;
-  req.owner_client_id = *owner;
-  svc.renew_batch(c->ctx, std::move(req), [c](Outcome<lease::RenewBatchResult> o) {
+  auto req = wire::read_renew_batch_request(*body, k_any_ttl);
+  if (!req) return fail(c, std::move(req.error()));
+  svc.renew_batch(c->ctx, std::move(*req), [c](Outcome<lease::RenewBatchResult> o) {
     if (o.ok())
       for (const auto& item : o.value->results) count_renewal(item.status, item.code, item.reason);
     finish(c, encode(c, o, 200));
@@ -230,59 +178,35 @@ void on_renew_batch(const CallPtr& c, LeaseService& svc) {
 void on_release(const CallPtr& c, LeaseService& svc) {
   auto body = body_object(c, false);
   if (!body) return;
-  json::ObjectReader r(*body);
-  auto ref = lease_ref(r, true, false);
-  if (!finish_reader(c, r)) return;
+  auto ref = wire::read_lease_ref(*body, wire::RefForm::release, k_any_ttl);
+  if (!ref) return fail(c, std::move(ref.error()));
   svc.release(c->ctx, std::move(*ref), answer<Released, 204>(c));
 }
 
 void on_branch(const CallPtr& c, LeaseService& svc) {
   auto body = body_object(c, false);
   if (!body) return;
-  json::ObjectReader r(*body);
-  lease::BranchRequest req;
-  auto parent = r.uuid("parent_memory_instance_id", Need::required);
-  auto token = r.integer("parent_fencing_token", Need::required, 0, k_max_token);
-  auto id = r.string("memory_instance_id", Need::optional);
-  if (id) {
-    if (!is_uuid_v7(*id))
-      r.fail("field \"memory_instance_id\" must be a UUIDv7");
-    else
-      req.memory_id = Uuid::parse(*id)->to_string();
-  }
-  if (!finish_reader(c, r)) return;
+  auto req = wire::read_branch_request(*body);
+  if (!req) return fail(c, std::move(req.error()));
   auto idem = idempotency(c, *body);
   if (!idem) return;
-  req.parent_memory_id = *parent;
-  req.parent_fencing_token = *token;
-  svc.branch(c->ctx, std::move(*idem), std::move(req), answer_created<lease::Branched>(c));
+  svc.branch(c->ctx, std::move(*idem), std::move(*req), answer_created<lease::Branched>(c));
 }
 
 void on_verify(const CallPtr& c, LeaseService& svc) {
   auto body = body_object(c, false);
   if (!body) return;
-  json::ObjectReader r(*body);
-  auto memory = r.uuid("memory_instance_id", Need::required);
-  auto token = r.integer("fencing_token", Need::required, 0, k_max_token);
-  if (!finish_reader(c, r)) return;
-  svc.verify(c->ctx, lease::VerifyRequest{*memory, *token}, answer<lease::Verified, 200>(c));
+  auto req = wire::read_verify_request(*body);
+  if (!req) return fail(c, std::move(req.error()));
+  svc.verify(c->ctx, std::move(*req), answer<lease::Verified, 200>(c));
 }
-
-// The longest reason an operator may give for a revocation (it is told to the holder).
-constexpr std::size_t k_max_revoke_reason = 200;
 
 void on_revoke(const CallPtr& c, LeaseService& svc) {
   auto body = body_object(c, false);
   if (!body) return;
-  json::ObjectReader r(*body);
-  auto name = r.string("canonical_name", Need::required);
-  auto reason = r.string("reason", Need::optional);
-  if (reason && (reason->size() > k_max_revoke_reason || !utf8::decode(*reason) ||
-                 std::any_of(reason->begin(), reason->end(),
-                             [](char ch) { return static_cast<unsigned char>(ch) < 0x20 || ch == 0x7F; })))
-    r.fail("field \"reason\" must be at most 200 bytes of printable UTF-8");
-  if (!finish_reader(c, r)) return;
-  svc.revoke(c->ctx, *name, reason.value_or(""), answer<Revoked, 204>(c));
+  auto req = wire::read_revoke_request(*body);
+  if (!req) return fail(c, std::move(req.error()));
+  svc.revoke(c->ctx, req->canonical_name, std::move(req->reason), answer<Revoked, 204>(c));
 }
 
 // ---- the route table (SPEC §6) --------------------------------------------------------------

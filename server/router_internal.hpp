@@ -30,7 +30,6 @@ namespace bhttp = boost::beast::http;
 namespace wire = lease::wire;
 using json::Need;
 
-inline constexpr std::int64_t k_max_token = (std::int64_t{1} << 62);
 inline constexpr std::int64_t k_any_ttl = std::int64_t{1} << 40; // range checked by the store (422)
 
 // An HTTP answer before it becomes a response.
@@ -313,15 +312,6 @@ inline bool finish_reader(const CallPtr& c, json::ObjectReader& r) {
     return false;
   }
   return true;
-}
-
-inline std::optional<std::string> owner_field(json::ObjectReader& r, Need need = Need::required) {
-  auto owner = r.string("owner_client_id", need);
-  if (owner && (owner->empty() || owner->size() > 255)) {
-    r.fail("field \"owner_client_id\" must be 1-255 bytes");
-    return std::nullopt;
-  }
-  return owner;
 }
 
 // ---- router_reads.cpp: reads, metrics, health ----------------------------------------------

@@ -7,6 +7,7 @@
 
 #include "mep/json.hpp"
 #include "mep/utf8.hpp"
+#include "mep/uuid.hpp"
 
 #include <boost/json/array.hpp>
 
@@ -353,6 +354,129 @@ expected<ClaimRequest, Problem> read_claim_request(const json::object& o, std::i
   req.owner_client_id = *owner;
   req.ttl_s = ttl.value_or(k_default_ttl_s);
   return req;
+}
+
+namespace {
+
+// A client-minted memory id, when given: a UUIDv7, kept in its canonical form.
+void read_minted_id(ObjectReader& r, std::optional<std::string>& into) {
+  auto id = r.string("memory_instance_id", Need::optional);
+  if (!id) return;
+  if (!is_uuid_v7(*id))
+    r.fail("field \"memory_instance_id\" must be a UUIDv7");
+  else
+    into = Uuid::parse(*id)->to_string();
+}
+
+std::optional<std::string> read_owner(ObjectReader& r, Need need) {
+  auto owner = r.string("owner_client_id", need);
+  if (owner && (owner->empty() || owner->size() > 255)) {
+    r.fail("field \"owner_client_id\" must be 1-255 bytes");
+    return std::nullopt;
+  }
+  return owner;
+}
+
+std::optional<LeaseRef> read_ref(ObjectReader& r, RefForm form, std::int64_t any_ttl) {
+  auto name = r.string("canonical_name", Need::required);
+  auto memory = r.uuid("memory_instance_id", Need::required);
+  auto token = r.integer("fencing_token", Need::required, 0, k_max_token);
+  auto owner = read_owner(r, form == RefForm::batch_item ? Need::optional : Need::required);
+  std::optional<std::int64_t> ttl;
+  if (form != RefForm::release) ttl = r.integer("ttl_seconds", Need::optional, -any_ttl, any_ttl);
+  if (!name || !memory || !token || (form != RefForm::batch_item && !owner)) return std::nullopt;
+  LeaseRef ref;
+  ref.canonical_name = *name;
+  ref.memory_id = *memory;
+  ref.fencing_token = *token;
+  if (owner) ref.owner_client_id = *owner;
+  ref.ttl_s = ttl.value_or(k_default_ttl_s);
+  return ref;
+}
+
+template <class T>
+expected<T, Problem> finished(ObjectReader& r, T value) {
+  if (auto ok = r.finish(); !ok) return make_unexpected(std::move(ok.error()));
+  return value;
+}
+
+} // namespace
+
+expected<RegisterRequest, Problem> read_register_request(const json::object& o) {
+  ObjectReader r(o);
+  RegisterRequest req;
+  read_minted_id(r, req.memory_id);
+  return finished(r, std::move(req));
+}
+
+expected<LeaseRef, Problem> read_lease_ref(const json::object& o, RefForm form, std::int64_t any_ttl) {
+  ObjectReader r(o);
+  auto ref = read_ref(r, form, any_ttl);
+  if (auto ok = r.finish(); !ok) return make_unexpected(std::move(ok.error()));
+  if (!ref) return make_unexpected(Problem(Code::invalid_request, "malformed lease")); // not reached
+  return std::move(*ref);
+}
+
+expected<RenewBatchRequest, Problem> read_renew_batch_request(const json::object& o, std::int64_t any_ttl) {
+  ObjectReader r(o);
+  RenewBatchRequest req;
+  auto owner = read_owner(r, Need::required);
+  const auto* items = r.array("leases", Need::required);
+  if (items && items->size() > k_max_batch) {
+    r.fail("field \"leases\" holds at most " + std::to_string(k_max_batch) + " leases");
+  } else if (items) {
+    for (std::size_t i = 0; i < items->size(); ++i) {
+      const auto& v = (*items)[i];
+      if (!v.is_object()) {
+        r.fail("leases[" + std::to_string(i) + "] must be an object");
+        continue;
+      }
+      // A daemon renews the leases of several local owners in one call: an item may name
+      // its own owner; otherwise the batch's owner applies.
+      auto item = read_lease_ref(v.get_object(), RefForm::batch_item, any_ttl);
+      if (!item)
+        r.fail("leases[" + std::to_string(i) + "]: " + item.error().detail);
+      else
+        req.leases.push_back(std::move(*item));
+    }
+  }
+  if (owner) req.owner_client_id = *owner;
+  return finished(r, std::move(req));
+}
+
+expected<BranchRequest, Problem> read_branch_request(const json::object& o) {
+  ObjectReader r(o);
+  BranchRequest req;
+  auto parent = r.uuid("parent_memory_instance_id", Need::required);
+  auto token = r.integer("parent_fencing_token", Need::required, 0, k_max_token);
+  read_minted_id(r, req.memory_id);
+  if (parent) req.parent_memory_id = *parent;
+  if (token) req.parent_fencing_token = *token;
+  return finished(r, std::move(req));
+}
+
+expected<VerifyRequest, Problem> read_verify_request(const json::object& o) {
+  ObjectReader r(o);
+  auto memory = r.uuid("memory_instance_id", Need::required);
+  auto token = r.integer("fencing_token", Need::required, 0, k_max_token);
+  VerifyRequest req;
+  if (memory) req.memory_id = *memory;
+  if (token) req.fencing_token = *token;
+  return finished(r, std::move(req));
+}
+
+expected<RevokeRequest, Problem> read_revoke_request(const json::object& o) {
+  ObjectReader r(o);
+  auto name = r.string("canonical_name", Need::required);
+  auto reason = r.string("reason", Need::optional);
+  if (reason && (reason->size() > k_max_revoke_reason || !utf8::decode(*reason) ||
+                 std::any_of(reason->begin(), reason->end(),
+                             [](char ch) { return static_cast<unsigned char>(ch) < 0x20 || ch == 0x7F; })))
+    r.fail("field \"reason\" must be at most 200 bytes of printable UTF-8");
+  RevokeRequest req;
+  if (name) req.canonical_name = *name;
+  req.reason = reason.value_or("");
+  return finished(r, std::move(req));
 }
 
 expected<Grant, Problem> decode_grant(const json::object& o) {

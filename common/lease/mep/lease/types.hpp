@@ -165,6 +165,17 @@ struct Branched {
   bool created = false;
 };
 
+/// POST /v1/admin/leases/revoke: the live lease under a name (as given, or its canonical
+/// form) ends now; `reason` is told to its holder.
+struct RevokeRequest {
+  std::string canonical_name;
+  std::string reason;
+};
+/// The largest fencing token a request may name.
+inline constexpr std::int64_t k_max_token = std::int64_t{1} << 62;
+/// The longest reason an operator may give for a revocation (it is told to the holder).
+inline constexpr std::size_t k_max_revoke_reason = 200;
+
 /// GET /v1/memories/{id}.
 struct Memory {
   std::string memory_id;

@@ -50,6 +50,23 @@ expected<ClaimRequest, Problem> decode_claim_request(const boost::json::object& 
 /// refused by name (invalid-request). A TTL outside ±`any_ttl` is refused here; one
 /// inside it but outside the bounds is the store's to refuse (422 invalid-ttl).
 expected<ClaimRequest, Problem> read_claim_request(const boost::json::object& o, std::int64_t any_ttl);
+// The other requests as a server takes them, as strictly (each member checked, unknown
+// ones refused by name; a TTL as for a claim).
+/// POST /v1/memories.
+expected<RegisterRequest, Problem> read_register_request(const boost::json::object& o);
+/// POST /v1/leases/renew (RefForm::renew: owner, optional TTL), /v1/leases/release
+/// (RefForm::release: owner, no TTL), or one item of renew-batch (RefForm::batch_item: its
+/// own owner optional, empty for the batch's).
+expected<LeaseRef, Problem> read_lease_ref(const boost::json::object& o, RefForm form, std::int64_t any_ttl);
+/// POST /v1/leases/renew-batch: the owner and at most k_max_batch items (an item's problem
+/// is named by its index).
+expected<RenewBatchRequest, Problem> read_renew_batch_request(const boost::json::object& o, std::int64_t any_ttl);
+/// POST /v1/memories/branch.
+expected<BranchRequest, Problem> read_branch_request(const boost::json::object& o);
+/// POST /v1/fence/verify.
+expected<VerifyRequest, Problem> read_verify_request(const boost::json::object& o);
+/// POST /v1/admin/leases/revoke.
+expected<RevokeRequest, Problem> read_revoke_request(const boost::json::object& o);
 expected<Grant, Problem> decode_grant(const boost::json::object& o);
 expected<LeaseInfo, Problem> decode_lease_info(const boost::json::object& o);
 expected<LeasePage, Problem> decode_lease_page(const boost::json::object& o);
