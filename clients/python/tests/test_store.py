@@ -14,6 +14,19 @@ import mep
 import mep.aio
 
 
+def all_stopped(pid):
+    """Whether every thread of process `pid` is stopped (state T in /proc/PID/task/*/stat)."""
+    try:
+        tasks = os.listdir("/proc/%d/task" % pid)
+        states = []
+        for t in tasks:
+            with open("/proc/%d/task/%s/stat" % (pid, t)) as f:
+                states.append(f.read().rsplit(")", 1)[1].split()[0])
+    except OSError:
+        return False
+    return bool(states) and all(st in ("T", "t") for st in states)
+
+
 class StoreTest(DaemonTestCase):
     def setUp(self):
         super().setUp()
@@ -72,8 +85,18 @@ class StoreTest(DaemonTestCase):
         with open(path, "wb") as f:
             f.write(b"a large memory " * 10000)
 
-        def paused(fn, seconds=3.0):
+        def stop_store():
+            # Stopped for certain before the call is made: every thread of the store in
+            # state T (a call it still answered would make the pause meaningless; run 13 of
+            # the CI series saw a fetch answered in 23 ms right after the SIGSTOP).
             store.proc.signal(signal.SIGSTOP)
+            deadline = time.monotonic() + 10
+            while not all_stopped(store.proc.pid):
+                self.assertLess(time.monotonic(), deadline, "the store did not stop")
+                time.sleep(0.01)
+
+        def paused(fn, seconds=3.0):
+            stop_store()
             timer = threading.Timer(seconds, store.proc.signal, (signal.SIGCONT,))
             timer.start()
             try:
@@ -110,7 +133,7 @@ class StoreTest(DaemonTestCase):
             async with ac.lease("slow store", path, ttl=30) as alease:
                 ac.timeout = 1.0
                 loop = asyncio.get_running_loop()
-                store.proc.signal(signal.SIGSTOP)
+                stop_store()
                 loop.call_later(3.0, store.proc.signal, signal.SIGCONT)
                 try:
                     t0 = time.monotonic()
