@@ -6,6 +6,8 @@
 #include "mep/lease/wire.hpp"
 
 #include <boost/json/array.hpp>
+#include <boost/url/encode.hpp>
+#include <boost/url/rfc/unreserved_chars.hpp>
 
 #include <algorithm>
 #include <cctype>
@@ -58,20 +60,7 @@ ObjectResult read_object(Fields& f, bool sync) {
 
 // ---- requests ---------------------------------------------------------------------------------
 
-std::string query_value(std::string_view v) {
-  static constexpr char hex[] = "0123456789ABCDEF";
-  std::string out;
-  for (unsigned char c : v) {
-    if (std::isalnum(c) || c == '-' || c == '_' || c == '.' || c == '~' || c == '/') {
-      out.push_back(static_cast<char>(c));
-    } else {
-      out.push_back('%');
-      out.push_back(hex[c >> 4]);
-      out.push_back(hex[c & 0xF]);
-    }
-  }
-  return out;
-}
+std::string query_value(std::string_view v) { return boost::urls::encode(v, boost::urls::unreserved_chars + '/'); }
 
 json::object to_json(const AttachBody& a) {
   json::object o{{"name", a.name}, {"path", a.path}};

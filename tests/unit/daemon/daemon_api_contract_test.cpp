@@ -183,6 +183,7 @@ TEST_CASE("daemon API contract: the handler serves the API's route table, each e
   CHECK(DaemonHandler::route_names() == table);
   CHECK(api::target(api::Endpoint::identify, "path=%2Fa").target == "/v1/identify?path=%2Fa");
   CHECK(api::target(api::Endpoint::detach).method == "POST");
+  CHECK(api::query_value("/a b/\xC3\xA9~&=") == "/a%20b/%C3%A9~%26%3D");
 }
 
 TEST_CASE("daemon API contract: the API's decoders read every recorded answer back to the same JSON", "[contract]") {
